@@ -1,0 +1,70 @@
+"""The fused operator torch.ops.fastaxial.axial_attention: loads the compiled
+library and registers, from Python, its fake kernel (shapes for torch.compile)
+and its autograd formula."""
+
+import os
+from pathlib import Path
+
+import torch
+
+from . import reference
+
+__all__ = ["axial_attention", "has_kernel", "library_path"]
+
+
+def library_path():
+    """Path of the compiled operator library: $FASTAXIAL_LIBRARY, else _C.so beside this file."""
+    env = os.environ.get("FASTAXIAL_LIBRARY")
+    path = Path(env) if env else Path(__file__).with_name("_C.so")
+    if not path.exists():
+        raise ImportError(
+            f"fastaxial: the operator library {path} is missing; build it with scripts/setup "
+            "(or point FASTAXIAL_LIBRARY at a built _C.so)")
+    return path
+
+
+torch.ops.load_library(str(library_path()))
+
+_OP = "fastaxial::axial_attention"
+_NUM_TENSORS = 11  # x and the ten weights
+
+
+def has_kernel(device_type):
+    """True when the operator has a kernel for this device type ('cpu', 'cuda')."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, device_type.upper())
+
+
+def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
+                    col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias,
+                    num_heads, eps=1e-5):
+    """Fused axial attention on x (B, H, W, D), float32; same arguments as reference.axial_attention."""
+    return torch.ops.fastaxial.axial_attention(
+        x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
+        col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps)
+
+
+@torch.library.register_fake(_OP)
+def _(x, *args):
+    torch._check(x.dim() == 4, lambda: f"fastaxial.axial_attention: x must have 4 dimensions, got {x.dim()}")
+    torch._check(x.dtype == torch.float32, lambda: f"fastaxial.axial_attention: x must be float32, got {x.dtype}")
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:_NUM_TENSORS])
+    ctx.num_heads, ctx.eps = inputs[_NUM_TENSORS:]
+
+
+def _backward(ctx, grad_out):
+    # The gradient of the same function, through the reference math: the
+    # forward stays fused, the backward recomputes and differentiates.
+    needs = ctx.needs_input_grad[:_NUM_TENSORS]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
+        out = reference.axial_attention(*leaves, ctx.num_heads, ctx.eps)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+    return (*(next(grads) if need else None for need in needs), None, None)
+
+
+torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)

@@ -1,0 +1,51 @@
+// Argument checks shared by the CPU and CUDA entry points.
+#include "fastaxial/fastaxial.h"
+
+#include <limits>
+#include <sstream>
+
+namespace fastaxial {
+namespace {
+
+Status invalid(const std::string& what) { return {StatusCode::kInvalidArgument, what}; }
+
+Status check_axis(const AxisWeights& w, const char* axis) {
+  const std::pair<const void*, const char*> ptrs[] = {
+      {w.norm_weight, "norm_weight"}, {w.norm_bias, "norm_bias"}, {w.qkv_weight, "qkv_weight"},
+      {w.out_weight, "out_weight"},   {w.out_bias, "out_bias"}};
+  for (const auto& [ptr, name] : ptrs)
+    if (ptr == nullptr) return invalid(std::string(axis) + "." + name + " is null");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate(const AxialParams& p) {
+  const std::pair<int64_t, const char*> sizes[] = {
+      {p.batch, "batch"}, {p.height, "height"}, {p.width, "width"}};
+  for (const auto& [v, name] : sizes)
+    if (v < 0) return invalid(std::string(name) + " must be >= 0, got " + std::to_string(v));
+  if (p.dim < 1) return invalid("dim must be >= 1, got " + std::to_string(p.dim));
+  if (p.heads < 1) return invalid("heads must be >= 1, got " + std::to_string(p.heads));
+  if (p.dim % p.heads != 0) {
+    std::ostringstream s;
+    s << "dim (" << p.dim << ") must be divisible by heads (" << p.heads << ")";
+    return invalid(s.str());
+  }
+  if (!(p.eps >= 0.0f)) return invalid("eps must be >= 0");
+  // B*H*W*D must fit in int64 (every index below is 64-bit).
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  int64_t n = p.dim;
+  for (int64_t v : {p.width, p.height, p.batch}) {
+    if (v != 0 && n > max / v) return invalid("B*H*W*D overflows int64");
+    n *= v;
+  }
+  if (n == 0) return Status::Ok();  // nothing to read or write
+  if (p.x == nullptr) return invalid("x is null");
+  if (p.out == nullptr) return invalid("out is null");
+  if (p.out == p.x) return invalid("out must not alias x");
+  if (Status s = check_axis(p.row, "row"); !s.ok()) return s;
+  return check_axis(p.col, "col");
+}
+
+}  // namespace fastaxial

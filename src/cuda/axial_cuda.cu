@@ -1,0 +1,300 @@
+// CUDA forward of axial attention: one fused kernel launch per axis.
+//
+// What a launch computes, for every sequence of the axis (rows: x is viewed
+// as B*H sequences of W positions; columns: B*W sequences of H positions,
+// read and written in place in the (B, H, W, D) layout through strides):
+//   dst = src + Attention(LayerNorm(src)) @ Wout^T + bout
+// with LayerNorm, the QKV projection, softmax attention over all heads and
+// the output projection fused: q, k, v, scores and probabilities live only in
+// shared memory and registers.
+//
+// Shape of the work. A thread block owns one tile of T query positions of
+// one sequence. It normalises and projects its queries once (q is (T, D)),
+// then streams the sequence's keys in tiles of T positions: normalise,
+// project to k and v for all heads ((T, D) each), and per head update an
+// online softmax (running max m, running sum l, rescaled accumulator o).
+// Keys are projected again by every query tile of a sequence; for sequences
+// that fit one tile (most axial-attention grids) that costs nothing extra,
+// and for long ones it keeps the launch independent of L. T is picked at
+// launch as the largest power of two that fits shared memory (64 at most).
+//
+// Matrix products with the weights go through gemm_smem_w(): the activation
+// tile is in shared memory, weight tiles of 64 outputs x 32 inputs are staged
+// through shared memory with coalesced loads, and each thread accumulates a
+// 16-row column strip in registers. fp32 throughout, expf for the softmax.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "../common/axis.h"
+#include "fastaxial/fastaxial.h"
+
+namespace fastaxial {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTile = 64;   // query / key positions per tile
+constexpr int kNTile = 64;     // weight rows (outputs) per staged tile
+constexpr int kKChunk = 32;    // weight columns (inputs) per staged tile
+constexpr int kRowGroups = kThreads / kNTile;      // 4
+constexpr int kRowsPerThread = kMaxTile / kRowGroups;  // 16
+constexpr int kStageFloats = kKChunk * (kNTile + 1);   // +1: no bank conflicts
+
+struct AxisArgs {
+  AxisView view;
+  int D, heads, hd, T;
+  int64_t tiles_per_seq, num_blocks;
+  float eps, scale;
+  AxisWeights w;
+  const float* src;
+  float* dst;
+};
+
+// Shared-memory floats for tile size T.
+size_t smem_floats(int64_t T, int64_t D, int64_t heads) {
+  return 5 * T * D + T * T + 2 * T * heads + 3 * T + kStageFloats;
+}
+
+__device__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// xn (T, D) = LayerNorm of positions l0 .. l0+rows-1 of sequence n; rows past
+// `rows` are zero so they project to zero. A warp per position, two passes.
+__device__ void layer_norm_tile(float* xn, const AxisArgs& a, int64_t n, int64_t l0, int rows) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.D;
+  for (int r = warp; r < a.T; r += kWarps) {
+    float* y = xn + (size_t)r * D;
+    if (r >= rows) {
+      for (int c = lane; c < D; c += 32) y[c] = 0.0f;
+      continue;
+    }
+    const float* x = a.src + a.view.offset(n, l0 + r);
+    float sum = 0.0f;
+    for (int c = lane; c < D; c += 32) sum += x[c];
+    const float mean = warp_sum(sum) / D;
+    float sq = 0.0f;
+    for (int c = lane; c < D; c += 32) {
+      const float d = x[c] - mean;
+      sq += d * d;
+    }
+    const float rstd = rsqrtf(warp_sum(sq) / D + a.eps);
+    for (int c = lane; c < D; c += 32) y[c] = (x[c] - mean) * rstd * a.w.norm_weight[c] + a.w.norm_bias[c];
+  }
+  __syncthreads();
+}
+
+// For r < M, c < N: epi(r, c, sum_k A[r, k] * W[c, k]).
+// A is (M, K) in shared memory with row stride lda, M <= kMaxTile;
+// W is (N, K) in global memory, row-major with row stride K.
+template <class Epilogue>
+__device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int N, int K,
+                            float* stage, Epilogue epi) {
+  const int col = threadIdx.x % kNTile, group = threadIdx.x / kNTile;
+  for (int n0 = 0; n0 < N; n0 += kNTile) {
+    float acc[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) acc[i] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += kKChunk) {
+      __syncthreads();  // the previous chunk is consumed
+      // stage[kk][cc] = W[n0 + cc, k0 + kk]; consecutive threads read consecutive kk
+      for (int e = threadIdx.x; e < kNTile * kKChunk; e += kThreads) {
+        const int kk = e % kKChunk, cc = e / kKChunk;
+        const bool in = n0 + cc < N && k0 + kk < K;
+        stage[kk * (kNTile + 1) + cc] = in ? W[(int64_t)(n0 + cc) * K + k0 + kk] : 0.0f;
+      }
+      __syncthreads();
+      const int kn = min(kKChunk, K - k0);
+      for (int kk = 0; kk < kn; ++kk) {
+        const float b = stage[kk * (kNTile + 1) + col];
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+          const int r = group + kRowGroups * i;
+          if (r < M) acc[i] = fmaf(A[r * lda + k0 + kk], b, acc[i]);
+        }
+      }
+    }
+    if (n0 + col < N) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const int r = group + kRowGroups * i;
+        if (r < M) epi(r, n0 + col, acc[i]);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisArgs a) {
+  extern __shared__ float smem[];
+  const int T = a.T, D = a.D, hd = a.hd, heads = a.heads;
+  float* q = smem;                      // (T, D) queries, all heads
+  float* o = q + (size_t)T * D;         // (T, D) attention output accumulator
+  float* xn = o + (size_t)T * D;        // (T, D) normalised positions
+  float* k = xn + (size_t)T * D;        // (T, D) keys, all heads
+  float* v = k + (size_t)T * D;         // (T, D) values, all heads
+  float* s = v + (size_t)T * D;         // (T, T) scores, then probabilities
+  float* m = s + (size_t)T * T;         // (T, heads) running max
+  float* l = m + (size_t)T * heads;     // (T, heads) running sum
+  float* corr = l + (size_t)T * heads;  // (T) rescale of the accumulator
+  float* stage = corr + 3 * T;          // weight staging for gemm_smem_w
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t L = a.view.len;
+
+  for (int64_t blk = blockIdx.x; blk < a.num_blocks; blk += gridDim.x) {
+    const int64_t n = blk / a.tiles_per_seq;
+    const int64_t q0 = (blk % a.tiles_per_seq) * T;
+    const int qrows = (int)(L - q0 < T ? L - q0 : T);
+
+    // q = LayerNorm(x_q) Wq^T
+    layer_norm_tile(xn, a, n, q0, qrows);
+    gemm_smem_w(xn, D, qrows, a.w.qkv_weight, D, D, stage,
+                [&](int r, int c, float val) { q[r * D + c] = val; });
+    for (int e = threadIdx.x; e < T * D; e += kThreads) o[e] = 0.0f;
+    for (int e = threadIdx.x; e < T * heads; e += kThreads) {
+      m[e] = -INFINITY;
+      l[e] = 0.0f;
+    }
+
+    for (int64_t k0 = 0; k0 < L; k0 += T) {
+      const int krows = (int)(L - k0 < T ? L - k0 : T);
+      // [k | v] = LayerNorm(x_k) [Wk | Wv]^T: rows D..3D of Wqkv, contiguous.
+      layer_norm_tile(xn, a, n, k0, krows);
+      gemm_smem_w(xn, D, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, stage,
+                  [&](int r, int c, float val) {
+                    if (c < D) k[r * D + c] = val;
+                    else v[r * D + c - D] = val;
+                  });
+      for (int h = 0; h < heads; ++h) {
+        const int hc = h * hd;
+        // s = q_h k_h^T / sqrt(hd)
+        for (int e = threadIdx.x; e < qrows * krows; e += kThreads) {
+          const int i = e / krows, j = e % krows;
+          const float* qi = q + i * D + hc;
+          const float* kj = k + j * D + hc;
+          float acc = 0.0f;
+          for (int c = 0; c < hd; ++c) acc = fmaf(qi[c], kj[c], acc);
+          s[i * T + j] = acc * a.scale;
+        }
+        __syncthreads();
+        // online softmax, a warp per query
+        for (int i = warp; i < qrows; i += kWarps) {
+          float mx = -INFINITY;
+          for (int j = lane; j < krows; j += 32) mx = fmaxf(mx, s[i * T + j]);
+          mx = warp_max(mx);
+          const float m_old = m[i * heads + h], m_new = fmaxf(m_old, mx);
+          float sum = 0.0f;
+          for (int j = lane; j < krows; j += 32) {
+            const float p = expf(s[i * T + j] - m_new);
+            s[i * T + j] = p;
+            sum += p;
+          }
+          sum = warp_sum(sum);
+          if (lane == 0) {
+            const float c = expf(m_old - m_new);  // 0 on the first tile
+            corr[i] = c;
+            l[i * heads + h] = l[i * heads + h] * c + sum;
+            m[i * heads + h] = m_new;
+          }
+        }
+        __syncthreads();
+        // o_h = o_h * corr + p v_h
+        for (int e = threadIdx.x; e < qrows * hd; e += kThreads) {
+          const int i = e / hd, c = e % hd;
+          float acc = 0.0f;
+          for (int j = 0; j < krows; ++j) acc = fmaf(s[i * T + j], v[j * D + hc + c], acc);
+          o[i * D + hc + c] = fmaf(o[i * D + hc + c], corr[i], acc);
+        }
+        __syncthreads();
+      }
+    }
+    for (int e = threadIdx.x; e < qrows * D; e += kThreads) {
+      const int i = e / D, c = e % D;
+      o[e] /= l[i * heads + c / hd];
+    }
+    __syncthreads();
+
+    // dst = src + o Wout^T + bout
+    gemm_smem_w(o, D, qrows, a.w.out_weight, D, D, stage, [&](int r, int c, float val) {
+      const int64_t off = a.view.offset(n, q0 + r) + c;
+      a.dst[off] = a.src[off] + val + a.w.out_bias[c];
+    });
+  }
+}
+
+Status cuda_error(cudaError_t e, const char* what) {
+  return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(e)};
+}
+
+Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights& w,
+                   const float* src, float* dst, cudaStream_t stream) {
+  if (view.num_seq == 0 || view.len == 0) return Status::Ok();
+  int device = 0, smem_optin = 0, sms = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda_error(e, "cudaGetDevice");
+  if (cudaError_t e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+      e != cudaSuccess)
+    return cuda_error(e, "cudaDeviceGetAttribute");
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
+    return cuda_error(e, "cudaDeviceGetAttribute");
+
+  // Largest power-of-two tile, at most kMaxTile and at most L rounded up, that fits.
+  int64_t T = 1;
+  while (T < kMaxTile && T < view.len) T *= 2;
+  while (T > 1 && smem_floats(T, p.dim, p.heads) * sizeof(float) > (size_t)smem_optin) T /= 2;
+  const size_t smem = smem_floats(T, p.dim, p.heads) * sizeof(float);
+  if (smem > (size_t)smem_optin)
+    return {StatusCode::kUnsupported, "dim " + std::to_string(p.dim) + " needs " + std::to_string(smem) +
+                                          " bytes of shared memory per block; this device has " +
+                                          std::to_string(smem_optin)};
+
+  AxisArgs a;
+  a.view = view;
+  a.D = (int)p.dim;
+  a.heads = (int)p.heads;
+  a.hd = (int)(p.dim / p.heads);
+  a.T = (int)T;
+  a.tiles_per_seq = (view.len + T - 1) / T;
+  a.num_blocks = view.num_seq * a.tiles_per_seq;
+  a.eps = p.eps;
+  a.scale = 1.0f / sqrtf((float)a.hd);
+  a.w = w;
+  a.src = src;
+  a.dst = dst;
+
+  if (cudaError_t e = cudaFuncSetAttribute(axis_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)smem);
+      e != cudaSuccess)
+    return cuda_error(e, "cudaFuncSetAttribute");
+  const int64_t grid = std::min<int64_t>(a.num_blocks, (int64_t)sms * 1024);
+  axis_attention_kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "axis_attention_kernel launch");
+  return Status::Ok();
+}
+
+}  // namespace
+
+bool cuda_compiled() { return true; }
+
+size_t cuda_workspace_bytes(const AxialParams& p) {
+  return (size_t)(p.batch * p.height * p.width * p.dim) * sizeof(float);
+}
+
+Status forward_cuda(const AxialParams& p, void* workspace, CUstream_st* stream) {
+  if (Status s = validate(p); !s.ok()) return s;
+  if (p.batch * p.height * p.width == 0) return Status::Ok();
+  if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
+  if (p.dim > INT_MAX / kMaxTile) return {StatusCode::kUnsupported, "dim too large for the CUDA kernels"};
+  float* x1 = static_cast<float*>(workspace);  // (B, H, W, D) after the row pass
+  if (Status s = launch_axis(row_view(p), p, p.row, p.x, x1, stream); !s.ok()) return s;
+  return launch_axis(col_view(p), p, p.col, x1, p.out, stream);
+}
+
+}  // namespace fastaxial

@@ -1,0 +1,132 @@
+// Test helpers: random problems and a naive double-precision axial attention,
+// written straight from the definition (no shared code with src/).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <random>
+#include <vector>
+
+#include "fastaxial/fastaxial.h"
+
+namespace fastaxial::test {
+
+struct Shape {
+  int64_t B, H, W, D, heads;
+};
+
+inline void PrintTo(const Shape& s, std::ostream* os) {
+  *os << "(B=" << s.B << ", H=" << s.H << ", W=" << s.W << ", D=" << s.D << ", heads=" << s.heads << ")";
+}
+
+struct AxisData {
+  std::vector<float> norm_w, norm_b, qkv_w, out_w, out_b;
+  AxisWeights view() const { return {norm_w.data(), norm_b.data(), qkv_w.data(), out_w.data(), out_b.data()}; }
+};
+
+struct Problem {
+  Shape shape;
+  std::vector<float> x;
+  AxisData row, col;
+};
+
+inline Problem random_problem(const Shape& s, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const float bound = 1.0f / std::sqrt(static_cast<float>(s.D));
+  std::uniform_real_distribution<float> u(-bound, bound);
+  auto fill = [&](int64_t n, auto& dist, float shift) {
+    std::vector<float> v(n);
+    for (float& e : v) e = shift + dist(rng);
+    return v;
+  };
+  Problem p{s, fill(s.B * s.H * s.W * s.D, normal, 0.0f), {}, {}};
+  for (AxisData* a : {&p.row, &p.col}) {
+    std::uniform_real_distribution<float> small(-0.2f, 0.2f);
+    a->norm_w = fill(s.D, small, 1.0f);  // near one, not one: the gain matters
+    a->norm_b = fill(s.D, small, 0.0f);
+    a->qkv_w = fill(3 * s.D * s.D, u, 0.0f);
+    a->out_w = fill(s.D * s.D, u, 0.0f);
+    a->out_b = fill(s.D, u, 0.0f);
+  }
+  return p;
+}
+
+inline AxialParams params(const Problem& p, float* out) {
+  AxialParams a;
+  a.batch = p.shape.B, a.height = p.shape.H, a.width = p.shape.W, a.dim = p.shape.D, a.heads = p.shape.heads;
+  a.x = p.x.data();
+  a.out = out;
+  a.row = p.row.view();
+  a.col = p.col.view();
+  return a;
+}
+
+// One axis on y (B, H, W, D) in double, in place. along_w: rows, else columns.
+inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisData& w, bool along_w, double eps) {
+  const int64_t D = s.D, hd = D / s.heads, L = along_w ? s.W : s.H, other = along_w ? s.H : s.W;
+  auto at = [&](int64_t b, int64_t o, int64_t l) {
+    const int64_t h = along_w ? o : l, ww = along_w ? l : o;
+    return ((b * s.H + h) * s.W + ww) * D;
+  };
+  std::vector<double> xn(L * D), qkv(L * 3 * D), att(L * D), p(L);
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t o = 0; o < other; ++o) {
+      for (int64_t l = 0; l < L; ++l) {
+        const double* x = &y[at(b, o, l)];
+        double mean = 0, var = 0;
+        for (int64_t c = 0; c < D; ++c) mean += x[c];
+        mean /= D;
+        for (int64_t c = 0; c < D; ++c) var += (x[c] - mean) * (x[c] - mean);
+        var /= D;
+        for (int64_t c = 0; c < D; ++c) xn[l * D + c] = (x[c] - mean) / std::sqrt(var + eps) * w.norm_w[c] + w.norm_b[c];
+        for (int64_t j = 0; j < 3 * D; ++j) {
+          double acc = 0;
+          for (int64_t c = 0; c < D; ++c) acc += xn[l * D + c] * w.qkv_w[j * D + c];
+          qkv[l * 3 * D + j] = acc;
+        }
+      }
+      for (int64_t h = 0; h < s.heads; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          double mx = -INFINITY, sum = 0;
+          for (int64_t j = 0; j < L; ++j) {
+            double dot = 0;
+            for (int64_t c = 0; c < hd; ++c) dot += qkv[i * 3 * D + h * hd + c] * qkv[j * 3 * D + D + h * hd + c];
+            p[j] = dot / std::sqrt(static_cast<double>(hd));
+            mx = std::max(mx, p[j]);
+          }
+          for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
+          for (int64_t c = 0; c < hd; ++c) {
+            double acc = 0;
+            for (int64_t j = 0; j < L; ++j) acc += p[j] * qkv[j * 3 * D + 2 * D + h * hd + c];
+            att[i * D + h * hd + c] = acc / sum;
+          }
+        }
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t j = 0; j < D; ++j) {
+          double acc = w.out_b[j];
+          for (int64_t c = 0; c < D; ++c) acc += att[l * D + c] * w.out_w[j * D + c];
+          y[at(b, o, l) + j] += acc;
+        }
+    }
+}
+
+inline std::vector<double> reference_forward(const Problem& p, double eps = 1e-5) {
+  std::vector<double> y(p.x.begin(), p.x.end());
+  reference_axis(y, p.shape, p.row, true, eps);
+  reference_axis(y, p.shape, p.col, false, eps);
+  return y;
+}
+
+// max |out - ref| / (atol + rtol |ref|): at most 1 passes torch.allclose-style.
+inline double worst_ratio(const std::vector<float>& out, const std::vector<double>& ref, double atol, double rtol) {
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double r = std::fabs(out[i] - ref[i]) / (atol + rtol * std::fabs(ref[i]));
+    worst = std::isnan(r) ? INFINITY : std::max(worst, r);
+  }
+  return worst;
+}
+
+}  // namespace fastaxial::test

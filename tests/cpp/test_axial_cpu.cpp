@@ -1,0 +1,120 @@
+// CPU forward vs the double-precision reference, and argument checking.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "reference.h"
+
+namespace fastaxial::test {
+namespace {
+
+constexpr double kAtol = 1e-4, kRtol = 1e-4;
+
+std::string name(const Shape& s) {
+  return "B" + std::to_string(s.B) + "_H" + std::to_string(s.H) + "_W" + std::to_string(s.W) + "_D" +
+         std::to_string(s.D) + "_heads" + std::to_string(s.heads);
+}
+
+class CpuForward : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CpuForward, MatchesDoubleReference) {
+  const Shape s = GetParam();
+  const Problem p = random_problem(s, 1234u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));
+  std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());  // poisoned
+  const Status st = forward_cpu(params(p, out.data()));
+  ASSERT_TRUE(st.ok()) << st.message;
+  const double worst = worst_ratio(out, reference_forward(p), kAtol, kRtol);
+  EXPECT_LE(worst, 1.0) << "worst |out - ref| / (atol + rtol |ref|) for " << name(s);
+}
+
+// L = 1 and 7, H != W, head_dim 8, 16, 32, 64, dim up to 256.
+INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
+                         ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 1, 7, 16, 2}, Shape{1, 7, 1, 32, 4},
+                                           Shape{2, 5, 9, 64, 8}, Shape{1, 6, 11, 64, 4}, Shape{1, 8, 3, 128, 4},
+                                           Shape{1, 4, 6, 256, 4}, Shape{3, 16, 16, 64, 4},
+                                           Shape{1, 33, 17, 96, 3}, Shape{1, 7, 7, 64, 1}),
+                         [](const auto& info) { return name(info.param); });
+
+TEST(CpuForward, DifferentSeedsDifferentOutputs) {
+  // Guards against a kernel that ignores its input.
+  const Shape s{1, 3, 4, 16, 2};
+  const Problem a = random_problem(s, 1), b = random_problem(s, 2);
+  std::vector<float> oa(a.x.size()), ob(b.x.size());
+  ASSERT_TRUE(forward_cpu(params(a, oa.data())).ok());
+  ASSERT_TRUE(forward_cpu(params(b, ob.data())).ok());
+  EXPECT_NE(oa, ob);
+}
+
+TEST(CpuForward, EmptyBatchIsOk) {
+  const Problem p = random_problem({1, 2, 2, 8, 2}, 3);
+  AxialParams a = params(p, nullptr);
+  a.batch = 0;
+  a.x = nullptr;
+  EXPECT_TRUE(forward_cpu(a).ok());
+}
+
+class BadArguments : public ::testing::Test {
+ protected:
+  Problem p = random_problem({1, 2, 3, 8, 2}, 5);
+  std::vector<float> out = std::vector<float>(p.x.size());
+  AxialParams a = params(p, out.data());
+
+  void expect_invalid(const std::string& needle) {
+    const Status s = forward_cpu(a);
+    EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message.find(needle), std::string::npos) << "message: " << s.message;
+  }
+};
+
+TEST_F(BadArguments, HeadsNotDividingDim) {
+  a.heads = 3;
+  expect_invalid("divisible by heads");
+}
+TEST_F(BadArguments, ZeroHeads) {
+  a.heads = 0;
+  expect_invalid("heads must be >= 1");
+}
+TEST_F(BadArguments, ZeroDim) {
+  a.dim = 0;
+  expect_invalid("dim must be >= 1");
+}
+TEST_F(BadArguments, NegativeSize) {
+  a.height = -1;
+  expect_invalid("height must be >= 0");
+}
+TEST_F(BadArguments, NullInput) {
+  a.x = nullptr;
+  expect_invalid("x is null");
+}
+TEST_F(BadArguments, NullOutput) {
+  a.out = nullptr;
+  expect_invalid("out is null");
+}
+TEST_F(BadArguments, OutputAliasesInput) {
+  a.out = const_cast<float*>(a.x);
+  expect_invalid("alias");
+}
+TEST_F(BadArguments, NullWeight) {
+  a.col.qkv_weight = nullptr;
+  expect_invalid("col.qkv_weight is null");
+}
+TEST_F(BadArguments, NegativeEps) {
+  a.eps = -1.0f;
+  expect_invalid("eps");
+}
+TEST_F(BadArguments, SizeOverflow) {
+  a.batch = a.height = a.width = int64_t{1} << 30;
+  expect_invalid("overflows");
+}
+
+TEST(CudaEntryPoint, ValidatesBeforeAnythingElse) {
+  const Problem p = random_problem({1, 2, 3, 8, 2}, 6);
+  std::vector<float> out(p.x.size());
+  AxialParams a = params(p, out.data());
+  a.heads = 3;
+  EXPECT_EQ(forward_cuda(a, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace fastaxial::test

@@ -1,0 +1,79 @@
+// Defines the operator once; its CPU and CUDA kernels live in ops_cpu.cpp and
+// ops_cuda.cpp, its fake kernel and autograd in python/fastaxial/ops.py.
+#include "ops.h"
+
+#include <torch/library.h>
+
+namespace fastaxial::torch_binding {
+namespace {
+
+const char* const kWeightNames[5] = {"norm_weight", "norm_bias", "qkv_weight", "out_weight", "out_bias"};
+
+void check_weight(const at::Tensor& w, const std::string& name, at::IntArrayRef shape, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "fastaxial.axial_attention: ", name,
+                   " must be float32 like x, got ", w.scalar_type());
+  TORCH_CHECK(w.device() == x.device(), "fastaxial.axial_attention: ", name, " is on ", w.device(),
+              " but x is on ", x.device());
+  TORCH_CHECK_VALUE(w.sizes() == shape, "fastaxial.axial_attention: ", name, " must have shape ", shape,
+                    ", got ", w.sizes());
+}
+
+}  // namespace
+
+Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at::Tensor& row_norm_bias,
+                const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight, const at::Tensor& row_out_bias,
+                const at::Tensor& col_norm_weight, const at::Tensor& col_norm_bias,
+                const at::Tensor& col_qkv_weight, const at::Tensor& col_out_weight, const at::Tensor& col_out_bias,
+                int64_t num_heads, double eps) {
+  TORCH_CHECK_VALUE(x.dim() == 4, "fastaxial.axial_attention: x must have 4 dimensions (B, H, W, D), got ",
+                    x.dim(), " with shape ", x.sizes());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "fastaxial.axial_attention: x must be float32, got ",
+                   x.scalar_type(), " (other dtypes are not supported yet)");
+  const int64_t D = x.size(3);
+  TORCH_CHECK_VALUE(num_heads >= 1, "fastaxial.axial_attention: num_heads must be >= 1, got ", num_heads);
+  TORCH_CHECK_VALUE(D % num_heads == 0, "fastaxial.axial_attention: dim (x.size(3) = ", D,
+                    ") must be divisible by num_heads (", num_heads, ")");
+  TORCH_CHECK_VALUE(eps >= 0, "fastaxial.axial_attention: eps must be >= 0, got ", eps);
+
+  Call c{x.contiguous(), {}, {}, num_heads, eps};
+  const at::Tensor* given[2][5] = {
+      {&row_norm_weight, &row_norm_bias, &row_qkv_weight, &row_out_weight, &row_out_bias},
+      {&col_norm_weight, &col_norm_bias, &col_qkv_weight, &col_out_weight, &col_out_bias}};
+  const std::vector<int64_t> shapes[5] = {{D}, {D}, {3 * D, D}, {D, D}, {D}};
+  for (int axis = 0; axis < 2; ++axis)
+    for (int i = 0; i < 5; ++i) {
+      const std::string name = std::string(axis == 0 ? "row_" : "col_") + kWeightNames[i];
+      check_weight(*given[axis][i], name, shapes[i], x);
+      (axis == 0 ? c.row : c.col)[i] = given[axis][i]->contiguous();
+    }
+  return c;
+}
+
+AxialParams Call::params(at::Tensor& out) const {
+  AxialParams p;
+  p.batch = x.size(0);
+  p.height = x.size(1);
+  p.width = x.size(2);
+  p.dim = x.size(3);
+  p.heads = heads;
+  p.eps = static_cast<float>(eps);
+  p.x = x.data_ptr<float>();
+  p.out = out.data_ptr<float>();
+  auto weights = [](const std::array<at::Tensor, 5>& w) {
+    return AxisWeights{w[0].data_ptr<float>(), w[1].data_ptr<float>(), w[2].data_ptr<float>(),
+                       w[3].data_ptr<float>(), w[4].data_ptr<float>()};
+  };
+  p.row = weights(row);
+  p.col = weights(col);
+  return p;
+}
+
+}  // namespace fastaxial::torch_binding
+
+TORCH_LIBRARY(fastaxial, m) {
+  m.def(
+      "axial_attention(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
+      "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
+      "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05) "
+      "-> Tensor");
+}

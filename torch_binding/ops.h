@@ -1,0 +1,31 @@
+// The torch binding's shared piece: checks one call's tensors and turns them
+// into fastaxial::AxialParams. The CPU and CUDA files only allocate and call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+
+#include "fastaxial/fastaxial.h"
+
+namespace fastaxial::torch_binding {
+
+// The op's arguments after checking: contiguous float32 tensors on one device.
+struct Call {
+  at::Tensor x;                     // (B, H, W, D)
+  std::array<at::Tensor, 5> row;    // norm_weight, norm_bias, qkv_weight, out_weight, out_bias
+  std::array<at::Tensor, 5> col;
+  int64_t heads;
+  double eps;
+
+  // Params for writing into `out`, a contiguous tensor shaped like x.
+  AxialParams params(at::Tensor& out) const;
+};
+
+Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at::Tensor& row_norm_bias,
+                const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight, const at::Tensor& row_out_bias,
+                const at::Tensor& col_norm_weight, const at::Tensor& col_norm_bias,
+                const at::Tensor& col_qkv_weight, const at::Tensor& col_out_weight, const at::Tensor& col_out_bias,
+                int64_t num_heads, double eps);
+
+}  // namespace fastaxial::torch_binding
