@@ -29,9 +29,13 @@ _OP = "fastaxial::axial_attention"
 _NUM_TENSORS = 11  # x and the ten weights
 
 
+# Read once at import: torch.compile traces has_kernel() as a plain lookup.
+_KERNELS = {t: torch._C._dispatch_has_kernel_for_dispatch_key(_OP, t.upper()) for t in ("cpu", "cuda")}
+
+
 def has_kernel(device_type):
     """True when the operator has a kernel for this device type ('cpu', 'cuda')."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key(_OP, device_type.upper())
+    return _KERNELS.get(device_type, False)
 
 
 def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,

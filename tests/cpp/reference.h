@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <ostream>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -15,6 +16,11 @@ namespace fastaxial::test {
 struct Shape {
   int64_t B, H, W, D, heads;
 };
+
+inline std::string shape_name(const Shape& s) {
+  return "B" + std::to_string(s.B) + "_H" + std::to_string(s.H) + "_W" + std::to_string(s.W) + "_D" +
+         std::to_string(s.D) + "_heads" + std::to_string(s.heads);
+}
 
 inline void PrintTo(const Shape& s, std::ostream* os) {
   *os << "(B=" << s.B << ", H=" << s.H << ", W=" << s.W << ", D=" << s.D << ", heads=" << s.heads << ")";

@@ -11,11 +11,6 @@ namespace {
 
 constexpr double kAtol = 1e-4, kRtol = 1e-4;
 
-std::string name(const Shape& s) {
-  return "B" + std::to_string(s.B) + "_H" + std::to_string(s.H) + "_W" + std::to_string(s.W) + "_D" +
-         std::to_string(s.D) + "_heads" + std::to_string(s.heads);
-}
-
 class CpuForward : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CpuForward, MatchesDoubleReference) {
@@ -25,7 +20,7 @@ TEST_P(CpuForward, MatchesDoubleReference) {
   const Status st = forward_cpu(params(p, out.data()));
   ASSERT_TRUE(st.ok()) << st.message;
   const double worst = worst_ratio(out, reference_forward(p), kAtol, kRtol);
-  EXPECT_LE(worst, 1.0) << "worst |out - ref| / (atol + rtol |ref|) for " << name(s);
+  EXPECT_LE(worst, 1.0) << "worst |out - ref| / (atol + rtol |ref|) for " << shape_name(s);
 }
 
 // L = 1 and 7, H != W, head_dim 8, 16, 32, 64, dim up to 256.
@@ -34,7 +29,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
                                            Shape{2, 5, 9, 64, 8}, Shape{1, 6, 11, 64, 4}, Shape{1, 8, 3, 128, 4},
                                            Shape{1, 4, 6, 256, 4}, Shape{3, 16, 16, 64, 4},
                                            Shape{1, 33, 17, 96, 3}, Shape{1, 7, 7, 64, 1}),
-                         [](const auto& info) { return name(info.param); });
+                         [](const auto& info) { return shape_name(info.param); });
 
 TEST(CpuForward, DifferentSeedsDifferentOutputs) {
   // Guards against a kernel that ignores its input.

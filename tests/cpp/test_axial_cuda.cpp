@@ -65,7 +65,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
                                            Shape{2, 5, 9, 64, 8}, Shape{1, 8, 3, 128, 4}, Shape{1, 4, 6, 256, 4},
                                            Shape{4, 32, 32, 64, 4}, Shape{1, 33, 17, 96, 3},
                                            Shape{1, 130, 3, 32, 2}, Shape{1, 3, 200, 12, 4},
-                                           Shape{1, 2, 5, 3, 3}, Shape{1, 3, 4, 128, 1}));
+                                           Shape{1, 2, 5, 3, 3}, Shape{1, 3, 4, 128, 1},
+                                           Shape{1, 257, 2, 32, 2}, Shape{1, 2, 1024, 64, 4}),
+                         [](const auto& info) { return shape_name(info.param); });
 
 TEST(CudaForward, RejectsMissingWorkspace) {
   const Problem p = random_problem({1, 2, 3, 8, 2}, 7);

@@ -1,0 +1,43 @@
+"""Shared fixtures: the devices present, and seeded module pairs."""
+
+import pytest
+import torch
+
+import fastaxial
+
+# Contenders compare in true fp32: no TF32 in PyTorch's matrix products.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+def available_devices():
+    devices = ["cpu"]
+    if torch.cuda.is_available() and fastaxial.ops.has_kernel("cuda"):
+        devices.append("cuda")
+    return devices
+
+
+DEVICES = available_devices()
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)
+
+
+def make_pair(dim, heads, height, width, device, seed=0, dropout=0.0):
+    """(reference, fastaxial) modules with identical weights, as benchmark harnesses build them."""
+    torch.manual_seed(seed)
+    ref = fastaxial.AxialAttentionReference(dim, heads, height, width, dropout).to(device)
+    torch.manual_seed(seed)
+    new = fastaxial.AxialAttention(dim, heads, height, width, dropout).to(device)
+    return ref, new
+
+
+def randomize_(module, seed):
+    """Random LayerNorm gains and biases too (PyTorch initialises them to 1 and 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.device))
+    return module

@@ -1,0 +1,85 @@
+"""Bad input to the operator gets an error naming the argument."""
+
+import pytest
+import torch
+
+import fastaxial
+from conftest import DEVICES, make_pair
+
+OP = torch.ops.fastaxial.axial_attention
+
+
+def args_for(device, D=32, heads=4):
+    _, m = make_pair(D, heads, 3, 4, device)
+    x = torch.randn(2, 3, 4, D, device=device)
+    return [x, *[w.detach() for w in m.weights()], heads, 1e-5]
+
+
+def test_wrong_rank(device):
+    a = args_for(device)
+    a[0] = a[0][0]
+    with pytest.raises(ValueError, match="x must have 4 dimensions"):
+        OP(*a)
+
+
+def test_last_dim_not_dim(device):
+    a = args_for(device)
+    a[0] = torch.randn(2, 3, 4, 16, device=device)
+    with pytest.raises(ValueError, match="row_norm_weight must have shape"):
+        OP(*a)
+
+
+def test_dim_not_divisible_by_heads(device):
+    a = args_for(device)
+    a[11] = 5
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        OP(*a)
+
+
+def test_zero_heads(device):
+    a = args_for(device)
+    a[11] = 0
+    with pytest.raises(ValueError, match="num_heads must be >= 1"):
+        OP(*a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_unsupported_dtype(device, dtype):
+    a = args_for(device)
+    a[0] = a[0].to(dtype)
+    with pytest.raises(TypeError, match="x must be float32"):
+        OP(*a)
+
+
+def test_weight_dtype(device):
+    a = args_for(device)
+    a[3] = a[3].double()
+    with pytest.raises(TypeError, match="row_qkv_weight must be float32"):
+        OP(*a)
+
+
+@pytest.mark.parametrize("index,name", [(3, "row_qkv_weight"), (9, "col_out_weight"), (10, "col_out_bias")])
+def test_wrong_weight_shape(device, index, name):
+    a = args_for(device)
+    a[index] = a[index][..., :-1]
+    with pytest.raises(ValueError, match=f"{name} must have shape"):
+        OP(*a)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA and CPU")
+def test_mixed_devices():
+    a = args_for("cuda")
+    a[8] = a[8].cpu()
+    with pytest.raises(RuntimeError, match="col_qkv_weight is on cpu but x is on cuda"):
+        OP(*a)
+
+
+def test_module_rejects_bad_heads():
+    with pytest.raises(ValueError, match="divisible"):
+        fastaxial.AxialAttention(30, 4, 8, 8)
+
+
+def test_module_wrong_last_dim(device):
+    _, new = make_pair(32, 4, 3, 4, device)
+    with pytest.raises(ValueError, match="must have shape"):
+        new(torch.randn(1, 3, 4, 16, device=device))

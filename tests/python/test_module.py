@@ -1,0 +1,173 @@
+"""fastaxial.AxialAttention against the reference module, on every device present."""
+
+import itertools
+import warnings
+
+import pytest
+import torch
+
+import fastaxial
+from conftest import DEVICES, make_pair, randomize_
+
+ATOL = RTOL = 1e-4
+
+# (dim, heads): head_dim 8, 16, 32, 64 and dim 256.
+DIM_HEADS = [(32, 4), (64, 4), (64, 2), (128, 2), (256, 4)]
+SIZES = [1, 5, 32, 33, 64]
+SHAPES = [(b, h, w) + DIM_HEADS[i % len(DIM_HEADS)]
+          for i, (b, h, w) in enumerate(itertools.product([1, 3], SIZES, SIZES))]
+SHAPES += [(2, 7, 9) + dh for dh in DIM_HEADS]
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def check_against_reference(B, H, W, D, heads, device, seed):
+    ref, new = make_pair(D, heads, H, W, device, seed=seed)
+    randomize_(ref, seed)
+    new.load_state_dict(ref.state_dict())
+    x = torch.randn(B, H, W, D, device=device)
+    with torch.no_grad():
+        expected = ref(x)
+        got = new(x)
+        exact = ref.double()(x.double())
+    assert got.shape == (B, H, W, D) and got.dtype == torch.float32
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    # Against float64: no worse than twice the fp32 reference's own error.
+    assert rel_err(got, exact) <= 2 * rel_err(expected, exact)
+
+
+def test_default_problem(device):
+    torch.manual_seed(123)
+    ref, new = make_pair(*fastaxial.reference.get_init_inputs(), device)
+    (x,) = [t.to(device) for t in fastaxial.reference.get_inputs()]
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("B,H,W,D,heads", SHAPES, ids=lambda v: str(v))
+def test_shape_matrix(B, H, W, D, heads, device):
+    check_against_reference(B, H, W, D, heads, device, seed=B * 1000 + H * 100 + W + D)
+
+
+def test_grad_mode_uses_fused_forward_and_matches_gradients(device):
+    ref, new = make_pair(32, 4, 5, 6, device, seed=3)
+    randomize_(ref, 3)
+    new.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, 6, 32, device=device, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning: the fused op serves this call
+        out = new(x2)
+    assert "fastaxial" in str(out.grad_fn.name()) or out.grad_fn is not None
+    expected = ref(x)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    g = torch.randn_like(expected)
+    expected.backward(g)
+    out.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad, atol=ATOL, rtol=RTOL)
+    for (name, p), q in zip(ref.named_parameters(), new.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_non_contiguous_input(device):
+    ref, new = make_pair(32, 2, 6, 5, device, seed=4)
+    x = torch.randn(2, 5, 6, 32, device=device).transpose(1, 2)  # (2, 6, 5, 32), strided
+    assert not x.is_contiguous()
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+
+
+def test_empty_batch(device):
+    _, new = make_pair(32, 2, 4, 4, device)
+    with torch.no_grad():
+        out = new(torch.randn(0, 4, 4, 32, device=device))
+    assert out.shape == (0, 4, 4, 32)
+
+
+def test_state_dict_both_ways(device):
+    ref, _ = make_pair(64, 4, 8, 8, device, seed=5)
+    torch.manual_seed(99)
+    other = fastaxial.AxialAttention(64, 4, 8, 8).to(device)
+    other.load_state_dict(randomize_(ref, 5).state_dict())
+    back = fastaxial.AxialAttentionReference(64, 4, 8, 8).to(device)
+    back.load_state_dict(other.state_dict())
+    assert list(ref.state_dict()) == list(other.state_dict())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, back.state_dict()[k])
+
+
+def test_identical_seeds_identical_weights():
+    ref, new = make_pair(64, 4, 32, 32, "cpu", seed=11)
+    named_ref, named_new = list(ref.named_parameters()), list(new.named_parameters())
+    assert [n for n, _ in named_ref] == [n for n, _ in named_new]
+    for (n, p), (_, q) in zip(named_ref, named_new):
+        assert p.shape == q.shape and torch.equal(p, q), n
+
+
+def test_dropout_in_training_falls_back_with_one_warning(device):
+    _, new = make_pair(32, 2, 4, 4, device, dropout=0.5)
+    new.train()
+    x = torch.randn(1, 4, 4, 32, device=device)
+    fastaxial.module._warned.clear()
+    with pytest.warns(UserWarning, match="dropout"):
+        new(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new(x)  # warns once only
+    new.eval()  # dropout inactive: the fused path serves, matching the reference
+    ref, _ = make_pair(32, 2, 4, 4, device, dropout=0.5)
+    ref.load_state_dict(new.state_dict())
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+
+
+def test_float64_falls_back_to_reference(device):
+    ref, new = make_pair(32, 2, 3, 4, device)
+    ref, new = ref.double(), new.double()
+    x = torch.randn(1, 3, 4, 32, device=device, dtype=torch.float64)
+    fastaxial.module._warned.clear()
+    with pytest.warns(UserWarning, match="dtype"), torch.no_grad():
+        got = new(x)
+    torch.testing.assert_close(got, ref(x).detach())
+
+
+def test_torch_compile_fullgraph(device):
+    ref, new = make_pair(32, 4, 5, 7, device, seed=6)
+    compiled = torch.compile(new, fullgraph=True)
+    x = torch.randn(2, 5, 7, 32, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), ref(x), atol=ATOL, rtol=RTOL)
+
+
+def test_opcheck(device):
+    _, new = make_pair(16, 2, 3, 5, device, seed=7)
+    x = torch.randn(2, 3, 5, 16, device=device, requires_grad=True)
+    args = (x, *new.weights(), new.num_heads, 1e-5)
+    torch.library.opcheck(torch.ops.fastaxial.axial_attention.default, args)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device")
+def test_cuda_graph_capture():
+    ref, new = make_pair(64, 4, 32, 32, "cuda", seed=8)
+    x = torch.randn(2, 32, 32, 64, device="cuda")
+    with torch.no_grad():
+        new(x)  # warm-up on the side stream pattern below is not needed: no allocation in forward
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = new(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, ref(x), atol=ATOL, rtol=RTOL)
+
+
+# Long sequences (several key tiles on the GPU) and head_dim 1, 3, 128.
+@pytest.mark.parametrize("B,H,W,D,heads", [(1, 257, 3, 32, 2), (1, 2, 1024, 64, 4), (1, 2048, 1, 32, 1),
+                                           (2, 5, 6, 4, 4), (1, 7, 5, 9, 3), (1, 9, 8, 256, 2)],
+                         ids=lambda v: str(v))
+def test_long_sequences_and_odd_head_dims(B, H, W, D, heads, device):
+    check_against_reference(B, H, W, D, heads, device, seed=H + W + D)
