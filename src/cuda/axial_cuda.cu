@@ -198,6 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
             sum += p;
           }
           sum = warp_sum(sum);
+          __syncwarp();  // every lane has read m_old before lane 0 replaces it
           if (lane == 0) {
             const float c = expf(m_old - m_new);  // 0 on the first tile
             corr[i] = c;
