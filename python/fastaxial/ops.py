@@ -23,7 +23,24 @@ def library_path():
     return path
 
 
-torch.ops.load_library(str(library_path()))
+def _load():
+    # Make the C++ runtime's symbols global before loading the library. On a
+    # machine whose compiler put copies of C++ runtime functions into the
+    # extension (seen on the GPU machine: g++ 13 there), the library's lookup
+    # scope otherwise binds those copies, and they crash on the process's
+    # locale state the moment an error message formats a number. PyTorch's
+    # own load_inline extensions crash the same way there.
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass
+    torch.ops.load_library(str(library_path()))
+
+
+_load()
 
 _OP = "fastaxial::axial_attention"
 _NUM_TENSORS = 11  # x and the ten weights

@@ -55,7 +55,7 @@ struct AxisArgs {
 
 // Shared-memory floats for tile size T.
 size_t smem_floats(int64_t T, int64_t D, int64_t heads) {
-  return 5 * T * D + T * T + 2 * T * heads + 3 * T + kStageFloats;
+  return 4 * T * D + T * (D + 1) + T * T + 2 * T * heads + 3 * T + kStageFloats;
 }
 
 __device__ float warp_sum(float v) {
@@ -103,15 +103,29 @@ __device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int 
     float acc[kRowsPerThread];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) acc[i] = 0.0f;
+    // Each thread moves kPerThread weights of a chunk: loaded into registers one
+    // chunk ahead, so the global-memory latency overlaps the previous chunk's FMAs.
+    constexpr int kPerThread = kNTile * kKChunk / kThreads;
+    float next[kPerThread];
+    auto load_chunk = [&](int k0) {
+#pragma unroll
+      for (int u = 0; u < kPerThread; ++u) {
+        const int e = threadIdx.x + u * kThreads, kk = e % kKChunk, cc = e / kKChunk;
+        const bool in = n0 + cc < N && k0 + kk < K;
+        next[u] = in ? W[(int64_t)(n0 + cc) * K + k0 + kk] : 0.0f;
+      }
+    };
+    load_chunk(0);
     for (int k0 = 0; k0 < K; k0 += kKChunk) {
       __syncthreads();  // the previous chunk is consumed
       // stage[kk][cc] = W[n0 + cc, k0 + kk]; consecutive threads read consecutive kk
-      for (int e = threadIdx.x; e < kNTile * kKChunk; e += kThreads) {
-        const int kk = e % kKChunk, cc = e / kKChunk;
-        const bool in = n0 + cc < N && k0 + kk < K;
-        stage[kk * (kNTile + 1) + cc] = in ? W[(int64_t)(n0 + cc) * K + k0 + kk] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < kPerThread; ++u) {
+        const int e = threadIdx.x + u * kThreads;
+        stage[(e % kKChunk) * (kNTile + 1) + e / kKChunk] = next[u];
       }
       __syncthreads();
+      if (k0 + kKChunk < K) load_chunk(k0 + kKChunk);
       const int kn = min(kKChunk, K - k0);
       for (int kk = 0; kk < kn; ++kk) {
         const float b = stage[kk * (kNTile + 1) + col];
@@ -139,8 +153,11 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
   float* q = smem;                      // (T, D) queries, all heads
   float* o = q + (size_t)T * D;         // (T, D) attention output accumulator
   float* xn = o + (size_t)T * D;        // (T, D) normalised positions
-  float* k = xn + (size_t)T * D;        // (T, D) keys, all heads
-  float* v = k + (size_t)T * D;         // (T, D) values, all heads
+  // Key rows are padded to D + 1 floats: the score loop reads one key row per
+  // lane, and an unpadded stride (a multiple of 32 banks) would serialise the warp.
+  const int ldk = D + 1;
+  float* k = xn + (size_t)T * D;        // (T, ldk) keys, all heads
+  float* v = k + (size_t)T * ldk;       // (T, D) values, all heads
   float* s = v + (size_t)T * D;         // (T, T) scores, then probabilities
   float* m = s + (size_t)T * T;         // (T, heads) running max
   float* l = m + (size_t)T * heads;     // (T, heads) running sum
@@ -170,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
       layer_norm_tile(xn, a, n, k0, krows);
       gemm_smem_w(xn, D, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, stage,
                   [&](int r, int c, float val) {
-                    if (c < D) k[r * D + c] = val;
+                    if (c < D) k[r * ldk + c] = val;
                     else v[r * D + c - D] = val;
                   });
       for (int h = 0; h < heads; ++h) {
@@ -179,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
         for (int e = threadIdx.x; e < qrows * krows; e += kThreads) {
           const int i = e / krows, j = e % krows;
           const float* qi = q + i * D + hc;
-          const float* kj = k + j * D + hc;
+          const float* kj = k + j * ldk + hc;
           float acc = 0.0f;
           for (int c = 0; c < hd; ++c) acc = fmaf(qi[c], kj[c], acc);
           s[i * T + j] = acc * a.scale;
