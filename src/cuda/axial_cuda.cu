@@ -39,13 +39,14 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTile = 64;   // query / key positions per tile
 constexpr int kNTile = 64;     // weight rows (outputs) per staged tile
 constexpr int kKChunk = 32;    // weight columns (inputs) per staged tile
-constexpr int kRowGroups = kThreads / kNTile;      // 4
-constexpr int kRowsPerThread = kMaxTile / kRowGroups;  // 16
-constexpr int kStageFloats = kKChunk * (kNTile + 1);   // +1: no bank conflicts
+constexpr int kStageLd = kNTile + 4;                    // keeps float4 rows 16-byte aligned
+constexpr int kStageFloats = kKChunk * kStageLd;
+constexpr int kColGroups = kNTile / 4;                  // 16 threads x 4 columns
+constexpr int kRowGroups = kThreads / kColGroups;       // 16
 
 struct AxisArgs {
   AxisView view;
-  int D, heads, hd, T;
+  int D, heads, hd;
   int64_t tiles_per_seq, num_blocks;
   float eps, scale;
   AxisWeights w;
@@ -53,9 +54,13 @@ struct AxisArgs {
   float* dst;
 };
 
-// Shared-memory floats for tile size T.
+__host__ __device__ constexpr int round4(int n) { return (n + 3) & ~3; }
+
+// Shared-memory floats for tile size T: o and xn (rows padded to a multiple of
+// 4 floats for float4 reads), the weight stage, q, k (rows padded by one), v,
+// scores, and per-row softmax state.
 size_t smem_floats(int64_t T, int64_t D, int64_t heads) {
-  return 4 * T * D + T * (D + 1) + T * T + 2 * T * heads + 3 * T + kStageFloats;
+  return 2 * T * round4((int)D) + kStageFloats + T * D + T * (D + 1) + T * D + T * T + 2 * T * heads + 3 * T;
 }
 
 __device__ float warp_sum(float v) {
@@ -67,14 +72,16 @@ __device__ float warp_max(float v) {
   return v;
 }
 
-// xn (T, D) = LayerNorm of positions l0 .. l0+rows-1 of sequence n; rows past
-// `rows` are zero so they project to zero. A warp per position, two passes.
-__device__ void layer_norm_tile(float* xn, const AxisArgs& a, int64_t n, int64_t l0, int rows) {
+// xn (T, ld) = LayerNorm of positions l0 .. l0+rows-1 of sequence n. Rows past
+// `rows` and the pad columns D..ld are zero: they project to zero and keep the
+// float4 reads of gemm_smem_w finite. A warp per position, two passes.
+template <int T>
+__device__ void layer_norm_tile(float* xn, int ld, const AxisArgs& a, int64_t n, int64_t l0, int rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.D;
-  for (int r = warp; r < a.T; r += kWarps) {
-    float* y = xn + (size_t)r * D;
+  for (int r = warp; r < T; r += kWarps) {
+    float* y = xn + r * ld;
     if (r >= rows) {
-      for (int c = lane; c < D; c += 32) y[c] = 0.0f;
+      for (int c = lane; c < ld; c += 32) y[c] = 0.0f;
       continue;
     }
     const float* x = a.src + a.view.offset(n, l0 + r);
@@ -88,24 +95,30 @@ __device__ void layer_norm_tile(float* xn, const AxisArgs& a, int64_t n, int64_t
     }
     const float rstd = rsqrtf(warp_sum(sq) / D + a.eps);
     for (int c = lane; c < D; c += 32) y[c] = (x[c] - mean) * rstd * a.w.norm_weight[c] + a.w.norm_bias[c];
+    for (int c = D + lane; c < ld; c += 32) y[c] = 0.0f;
   }
   __syncthreads();
 }
 
 // For r < M, c < N: epi(r, c, sum_k A[r, k] * W[c, k]).
-// A is (M, K) in shared memory with row stride lda, M <= kMaxTile;
-// W is (N, K) in global memory, row-major with row stride K.
-template <class Epilogue>
-__device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int N, int K,
-                            float* stage, Epilogue epi) {
-  const int col = threadIdx.x % kNTile, group = threadIdx.x / kNTile;
+// A is (M, K) in shared memory, 16-byte aligned, row stride lda (a multiple of
+// 4) with columns K..round4(K) zero; M <= 16 * R. W is (N, K) in global
+// memory, row-major. Each thread owns an R x 4 block of C in registers: rows
+// R*(tid/16) .., columns 4*(tid%16) .. of each 64-column tile, so a step over
+// 4 inputs costs R + 4 float4 shared loads for 16 R fused multiply-adds.
+// Weight tiles (64 outputs x 32 inputs) are staged through shared memory with
+// coalesced loads, the next one held in registers while this one is used.
+template <int R, class Epilogue>
+__device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int N, int K, float* stage,
+                            Epilogue epi) {
+  const int cg = threadIdx.x % kColGroups, rg = threadIdx.x / kColGroups;
+  constexpr int kPerThread = kNTile * kKChunk / kThreads;
   for (int n0 = 0; n0 < N; n0 += kNTile) {
-    float acc[kRowsPerThread];
+    float acc[R][4];
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) acc[i] = 0.0f;
-    // Each thread moves kPerThread weights of a chunk: loaded into registers one
-    // chunk ahead, so the global-memory latency overlaps the previous chunk's FMAs.
-    constexpr int kPerThread = kNTile * kKChunk / kThreads;
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
     float next[kPerThread];
     auto load_chunk = [&](int k0) {
 #pragma unroll
@@ -122,47 +135,66 @@ __device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int 
 #pragma unroll
       for (int u = 0; u < kPerThread; ++u) {
         const int e = threadIdx.x + u * kThreads;
-        stage[(e % kKChunk) * (kNTile + 1) + e / kKChunk] = next[u];
+        stage[(e % kKChunk) * kStageLd + e / kKChunk] = next[u];
       }
       __syncthreads();
       if (k0 + kKChunk < K) load_chunk(k0 + kKChunk);
-      const int kn = min(kKChunk, K - k0);
-      for (int kk = 0; kk < kn; ++kk) {
-        const float b = stage[kk * (kNTile + 1) + col];
+      const int steps = (min(kKChunk, K - k0) + 3) / 4;
+      for (int q = 0; q < steps; ++q) {
+        float4 av[R], bv[4];
 #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) {
-          const int r = group + kRowGroups * i;
-          if (r < M) acc[i] = fmaf(A[r * lda + k0 + kk], b, acc[i]);
+        for (int i = 0; i < R; ++i) {
+          const int r = rg * R + i;
+          av[i] = r < M ? *reinterpret_cast<const float4*>(A + r * lda + k0 + 4 * q) : make_float4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) bv[t] = *reinterpret_cast<const float4*>(stage + (4 * q + t) * kStageLd + 4 * cg);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          const float a4[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            acc[i][0] = fmaf(a4[t], bv[t].x, acc[i][0]);
+            acc[i][1] = fmaf(a4[t], bv[t].y, acc[i][1]);
+            acc[i][2] = fmaf(a4[t], bv[t].z, acc[i][2]);
+            acc[i][3] = fmaf(a4[t], bv[t].w, acc[i][3]);
+          }
         }
       }
     }
-    if (n0 + col < N) {
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        const int r = group + kRowGroups * i;
-        if (r < M) epi(r, n0 + col, acc[i]);
+    for (int i = 0; i < R; ++i) {
+      const int r = rg * R + i;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int c = n0 + 4 * cg + j;
+        if (r < M && c < N) epi(r, c, acc[i][j]);
       }
     }
   }
   __syncthreads();
 }
 
+template <int T>
 __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisArgs a) {
-  extern __shared__ float smem[];
-  const int T = a.T, D = a.D, hd = a.hd, heads = a.heads;
-  float* q = smem;                      // (T, D) queries, all heads
-  float* o = q + (size_t)T * D;         // (T, D) attention output accumulator
-  float* xn = o + (size_t)T * D;        // (T, D) normalised positions
+  constexpr int R = T >= kRowGroups ? T / kRowGroups : 1;  // gemm rows per thread
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  const int D = a.D, hd = a.hd, heads = a.heads;
+  const int ldx = round4(D);            // rows of o and xn
   // Key rows are padded to D + 1 floats: the score loop reads one key row per
   // lane, and an unpadded stride (a multiple of 32 banks) would serialise the warp.
   const int ldk = D + 1;
-  float* k = xn + (size_t)T * D;        // (T, ldk) keys, all heads
-  float* v = k + (size_t)T * ldk;       // (T, D) values, all heads
-  float* s = v + (size_t)T * D;         // (T, T) scores, then probabilities
-  float* m = s + (size_t)T * T;         // (T, heads) running max
-  float* l = m + (size_t)T * heads;     // (T, heads) running sum
-  float* corr = l + (size_t)T * heads;  // (T) rescale of the accumulator
-  float* stage = corr + 3 * T;          // weight staging for gemm_smem_w
+  float* o = smem;                      // (T, ldx) attention output accumulator
+  float* xn = o + T * ldx;              // (T, ldx) normalised positions
+  float* stage = xn + T * ldx;          // weight staging for gemm_smem_w
+  float* q = stage + kStageFloats;      // (T, D) queries, all heads
+  float* k = q + T * D;                 // (T, ldk) keys, all heads
+  float* v = k + T * ldk;               // (T, D) values, all heads
+  float* s = v + T * D;                 // (T, T) scores, then probabilities
+  float* m = s + T * T;                 // (T, heads) running max
+  float* l = m + T * heads;             // (T, heads) running sum
+  float* corr = l + T * heads;          // (T) rescale of the accumulator
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t L = a.view.len;
 
@@ -172,10 +204,10 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
     const int qrows = (int)(L - q0 < T ? L - q0 : T);
 
     // q = LayerNorm(x_q) Wq^T
-    layer_norm_tile(xn, a, n, q0, qrows);
-    gemm_smem_w(xn, D, qrows, a.w.qkv_weight, D, D, stage,
-                [&](int r, int c, float val) { q[r * D + c] = val; });
-    for (int e = threadIdx.x; e < T * D; e += kThreads) o[e] = 0.0f;
+    layer_norm_tile<T>(xn, ldx, a, n, q0, qrows);
+    gemm_smem_w<R>(xn, ldx, qrows, a.w.qkv_weight, D, D, stage,
+                   [&](int r, int c, float val) { q[r * D + c] = val; });
+    for (int e = threadIdx.x; e < T * ldx; e += kThreads) o[e] = 0.0f;
     for (int e = threadIdx.x; e < T * heads; e += kThreads) {
       m[e] = -INFINITY;
       l[e] = 0.0f;
@@ -184,12 +216,12 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
     for (int64_t k0 = 0; k0 < L; k0 += T) {
       const int krows = (int)(L - k0 < T ? L - k0 : T);
       // [k | v] = LayerNorm(x_k) [Wk | Wv]^T: rows D..3D of Wqkv, contiguous.
-      layer_norm_tile(xn, a, n, k0, krows);
-      gemm_smem_w(xn, D, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, stage,
-                  [&](int r, int c, float val) {
-                    if (c < D) k[r * ldk + c] = val;
-                    else v[r * D + c - D] = val;
-                  });
+      layer_norm_tile<T>(xn, ldx, a, n, k0, krows);
+      gemm_smem_w<R>(xn, ldx, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, stage,
+                     [&](int r, int c, float val) {
+                       if (c < D) k[r * ldk + c] = val;
+                       else v[r * D + c - D] = val;
+                     });
       for (int h = 0; h < heads; ++h) {
         const int hc = h * hd;
         // s = q_h k_h^T / sqrt(hd)
@@ -229,23 +261,34 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
           const int i = e / hd, c = e % hd;
           float acc = 0.0f;
           for (int j = 0; j < krows; ++j) acc = fmaf(s[i * T + j], v[j * D + hc + c], acc);
-          o[i * D + hc + c] = fmaf(o[i * D + hc + c], corr[i], acc);
+          o[i * ldx + hc + c] = fmaf(o[i * ldx + hc + c], corr[i], acc);
         }
         __syncthreads();
       }
     }
     for (int e = threadIdx.x; e < qrows * D; e += kThreads) {
       const int i = e / D, c = e % D;
-      o[e] /= l[i * heads + c / hd];
+      o[i * ldx + c] /= l[i * heads + c / hd];
     }
     __syncthreads();
 
     // dst = src + o Wout^T + bout
-    gemm_smem_w(o, D, qrows, a.w.out_weight, D, D, stage, [&](int r, int c, float val) {
+    gemm_smem_w<R>(o, ldx, qrows, a.w.out_weight, D, D, stage, [&](int r, int c, float val) {
       const int64_t off = a.view.offset(n, q0 + r) + c;
       a.dst[off] = a.src[off] + val + a.w.out_bias[c];
     });
   }
+}
+
+// Sets the kernel's shared-memory limit and launches it.
+template <int T>
+cudaError_t launch_tile(const AxisArgs& a, int64_t grid, size_t smem, cudaStream_t stream) {
+  if (cudaError_t e = cudaFuncSetAttribute(axis_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)smem);
+      e != cudaSuccess)
+    return e;
+  axis_attention_kernel<T><<<(unsigned)grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
 }
 
 Status cuda_error(cudaError_t e, const char* what) {
@@ -278,7 +321,6 @@ Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights
   a.D = (int)p.dim;
   a.heads = (int)p.heads;
   a.hd = (int)(p.dim / p.heads);
-  a.T = (int)T;
   a.tiles_per_seq = (view.len + T - 1) / T;
   a.num_blocks = view.num_seq * a.tiles_per_seq;
   a.eps = p.eps;
@@ -287,13 +329,18 @@ Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights
   a.src = src;
   a.dst = dst;
 
-  if (cudaError_t e = cudaFuncSetAttribute(axis_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)smem);
-      e != cudaSuccess)
-    return cuda_error(e, "cudaFuncSetAttribute");
   const int64_t grid = std::min<int64_t>(a.num_blocks, (int64_t)sms * 1024);
-  axis_attention_kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "axis_attention_kernel launch");
+  cudaError_t e = cudaErrorInvalidValue;
+  switch (T) {
+    case 64: e = launch_tile<64>(a, grid, smem, stream); break;
+    case 32: e = launch_tile<32>(a, grid, smem, stream); break;
+    case 16: e = launch_tile<16>(a, grid, smem, stream); break;
+    case 8: e = launch_tile<8>(a, grid, smem, stream); break;
+    case 4: e = launch_tile<4>(a, grid, smem, stream); break;
+    case 2: e = launch_tile<2>(a, grid, smem, stream); break;
+    case 1: e = launch_tile<1>(a, grid, smem, stream); break;
+  }
+  if (e != cudaSuccess) return cuda_error(e, "axis_attention_kernel launch");
   return Status::Ok();
 }
 
