@@ -9,19 +9,21 @@
 // shared memory and registers.
 //
 // Shape of the work. A thread block owns one tile of T query positions of
-// one sequence. It normalises and projects its queries once (q is (T, D)),
-// then streams the sequence's keys in tiles of T positions: normalise,
-// project to k and v for all heads ((T, D) each), and per head update an
-// online softmax (running max m, running sum l, rescaled accumulator o).
-// Keys are projected again by every query tile of a sequence; for sequences
-// that fit one tile (most axial-attention grids) that costs nothing extra,
-// and for long ones it keeps the launch independent of L. T is picked at
-// launch as the largest power of two that fits shared memory (64 at most).
+// one sequence. It normalises its positions and projects them to q, k and v
+// for all heads in one product ((T, D) each), then visits the sequence's key
+// tiles starting with its own: for every other tile it normalises and
+// projects k and v again, and per head it updates an online softmax (running
+// max m, running sum l, rescaled accumulator o). Keys are projected again by
+// every query tile of a sequence; for sequences that fit one tile (most
+// axial-attention grids) that costs nothing extra, and for long ones it keeps
+// the launch independent of L. T is a template parameter, picked at launch as
+// the largest power of two up to 64 that covers L and fits shared memory.
 //
 // Matrix products with the weights go through gemm_smem_w(): the activation
 // tile is in shared memory, weight tiles of 64 outputs x 32 inputs are staged
-// through shared memory with coalesced loads, and each thread accumulates a
-// 16-row column strip in registers. fp32 throughout, expf for the softmax.
+// through shared memory with coalesced loads, and each thread accumulates an
+// R x 4 block of outputs in registers from float4 shared loads. fp32
+// throughout (no TF32), expf for the softmax.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -203,25 +205,33 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
     const int64_t q0 = (blk % a.tiles_per_seq) * T;
     const int qrows = (int)(L - q0 < T ? L - q0 : T);
 
-    // q = LayerNorm(x_q) Wq^T
+    // [q | k | v] of the block's own positions in one product: its query tile
+    // is also the first key tile it visits.
     layer_norm_tile<T>(xn, ldx, a, n, q0, qrows);
-    gemm_smem_w<R>(xn, ldx, qrows, a.w.qkv_weight, D, D, stage,
-                   [&](int r, int c, float val) { q[r * D + c] = val; });
+    gemm_smem_w<R>(xn, ldx, qrows, a.w.qkv_weight, 3 * D, D, stage, [&](int r, int c, float val) {
+      if (c < D) q[r * D + c] = val;
+      else if (c < 2 * D) k[r * ldk + c - D] = val;
+      else v[r * D + c - 2 * D] = val;
+    });
     for (int e = threadIdx.x; e < T * ldx; e += kThreads) o[e] = 0.0f;
     for (int e = threadIdx.x; e < T * heads; e += kThreads) {
       m[e] = -INFINITY;
       l[e] = 0.0f;
     }
 
-    for (int64_t k0 = 0; k0 < L; k0 += T) {
+    // Key tiles in the order q0, q0 + T, ... wrapping around; the softmax is online.
+    for (int64_t t = 0; t < a.tiles_per_seq; ++t) {
+      const int64_t k0 = ((q0 / T + t) % a.tiles_per_seq) * T;
       const int krows = (int)(L - k0 < T ? L - k0 : T);
-      // [k | v] = LayerNorm(x_k) [Wk | Wv]^T: rows D..3D of Wqkv, contiguous.
-      layer_norm_tile<T>(xn, ldx, a, n, k0, krows);
-      gemm_smem_w<R>(xn, ldx, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, stage,
-                     [&](int r, int c, float val) {
-                       if (c < D) k[r * ldk + c] = val;
-                       else v[r * D + c - D] = val;
-                     });
+      if (t > 0) {
+        // [k | v] = LayerNorm(x_k) [Wk | Wv]^T: rows D..3D of Wqkv, contiguous.
+        layer_norm_tile<T>(xn, ldx, a, n, k0, krows);
+        gemm_smem_w<R>(xn, ldx, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, stage,
+                       [&](int r, int c, float val) {
+                         if (c < D) k[r * ldk + c] = val;
+                         else v[r * D + c - D] = val;
+                       });
+      }
       for (int h = 0; h < heads; ++h) {
         const int hc = h * hd;
         // s = q_h k_h^T / sqrt(hd)
