@@ -36,7 +36,7 @@
 namespace fastaxial {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTile = 64;   // query / key positions per tile
 constexpr int kNTile = 64;     // weight rows (outputs) per staged tile
@@ -44,7 +44,7 @@ constexpr int kKChunk = 32;    // weight columns (inputs) per staged tile
 constexpr int kStageLd = kNTile + 4;                    // keeps float4 rows 16-byte aligned
 constexpr int kStageFloats = kKChunk * kStageLd;
 constexpr int kColGroups = kNTile / 4;                  // 16 threads x 4 columns
-constexpr int kRowGroups = kThreads / kColGroups;       // 16
+constexpr int kRowGroups = kThreads / kColGroups;       // 32
 
 struct AxisArgs {
   AxisView view;
