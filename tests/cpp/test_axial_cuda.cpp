@@ -66,7 +66,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
                                            Shape{4, 32, 32, 64, 4}, Shape{1, 33, 17, 96, 3},
                                            Shape{1, 130, 3, 32, 2}, Shape{1, 3, 200, 12, 4},
                                            Shape{1, 2, 5, 3, 3}, Shape{1, 3, 4, 128, 1},
-                                           Shape{1, 257, 2, 32, 2}, Shape{1, 2, 1024, 64, 4}),
+                                           Shape{1, 257, 2, 32, 2}, Shape{1, 2, 1024, 64, 4},
+                                           Shape{1, 3, 5, 1024, 8}),
                          [](const auto& info) { return shape_name(info.param); });
 
 TEST(CudaForward, RejectsMissingWorkspace) {

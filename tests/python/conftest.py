@@ -1,5 +1,7 @@
 """Shared fixtures: the devices present, and seeded module pairs."""
 
+import math
+
 import pytest
 import torch
 
@@ -35,9 +37,15 @@ def make_pair(dim, heads, height, width, device, seed=0, dropout=0.0):
 
 
 def randomize_(module, seed):
-    """Random LayerNorm gains and biases too (PyTorch initialises them to 1 and 0)."""
+    """Perturb every parameter, LayerNorm gains and biases too (PyTorch initialises
+    them to 1 and 0), keeping each at the scale of its initialisation: LayerNorm
+    parameters by 0.1, Linear ones by half their init bound 1/sqrt(in_features).
+    A fixed absolute perturbation would swamp Linear weights at large dim (their
+    init bound is 0.03 at dim 1024) and make the softmax so peaked that fp32
+    itself is off by ~1e-3 against float64."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.device))
+        for name, p in module.named_parameters():
+            scale = 0.1 if "norm" in name else 0.5 / math.sqrt(p.shape[-1])
+            p.add_(scale * torch.randn(p.shape, generator=g).to(p.device))
     return module

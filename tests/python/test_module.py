@@ -171,3 +171,37 @@ def test_cuda_graph_capture():
                          ids=lambda v: str(v))
 def test_long_sequences_and_odd_head_dims(B, H, W, D, heads, device):
     check_against_reference(B, H, W, D, heads, device, seed=H + W + D)
+
+
+@pytest.mark.parametrize("B,H,W,D,heads", [(1, 3, 9, 1024, 8), (1, 5, 4, 1024, 1)], ids=lambda v: str(v))
+def test_dim_1024(B, H, W, D, heads, device):
+    check_against_reference(B, H, W, D, heads, device, seed=D + heads)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device")
+def test_more_than_2_pow_31_elements():
+    # 64-bit indexing: the first and last batch elements of a tensor past 2^31
+    # elements come out bit-identical to running them alone.
+    H, W, D, heads = 4, 4, 16, 2
+    B = 2**31 // (H * W * D) + 1
+    _, new = make_pair(D, heads, H, W, "cuda", seed=9)
+    x = torch.randn(B, H, W, D, device="cuda")
+    assert x.numel() > 2**31
+    with torch.no_grad():
+        out = new(x)
+        ends = out[[0, -1]].clone()
+        del out
+        alone = torch.cat([new(x[:1]), new(x[-1:])])
+    assert torch.equal(ends, alone)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device")
+def test_torch_compile_reduce_overhead():
+    ref, new = make_pair(64, 4, 16, 24, "cuda", seed=10)
+    compiled = torch.compile(new, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):  # recorded, then replayed as a CUDA graph
+            x = torch.randn(2, 16, 24, 64, device="cuda")
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(x).clone()
+            torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
