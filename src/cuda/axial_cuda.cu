@@ -141,6 +141,13 @@ __device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int 
       }
       __syncthreads();
       if (k0 + kKChunk < K) load_chunk(k0 + kKChunk);
+      // Blocked summation: each 32-input chunk is summed on its own and then
+      // added, so the rounding error grows with K / 32 + 32 rather than with K.
+      float part[R][4];
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) part[i][j] = 0.0f;
       const int steps = (min(kKChunk, K - k0) + 3) / 4;
       for (int q = 0; q < steps; ++q) {
         float4 av[R], bv[4];
@@ -156,13 +163,17 @@ __device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int 
           const float a4[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            acc[i][0] = fmaf(a4[t], bv[t].x, acc[i][0]);
-            acc[i][1] = fmaf(a4[t], bv[t].y, acc[i][1]);
-            acc[i][2] = fmaf(a4[t], bv[t].z, acc[i][2]);
-            acc[i][3] = fmaf(a4[t], bv[t].w, acc[i][3]);
+            part[i][0] = fmaf(a4[t], bv[t].x, part[i][0]);
+            part[i][1] = fmaf(a4[t], bv[t].y, part[i][1]);
+            part[i][2] = fmaf(a4[t], bv[t].z, part[i][2]);
+            part[i][3] = fmaf(a4[t], bv[t].w, part[i][3]);
           }
         }
       }
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += part[i][j];
     }
 #pragma unroll
     for (int i = 0; i < R; ++i) {
