@@ -137,7 +137,8 @@ def bench_shape(shape, device, timer, iters, warmup, compile_=True, seed=0):
             t = timer(lambda: fn(x), iters, warmup)
             rows[name] = {**t, "max_abs_err": err,
                           "allclose_1e-4": bool(torch.allclose(got, expected, atol=1e-4, rtol=1e-4))}
-            torch._dynamo.reset() if name.startswith("compile") else None
+            if name.startswith("compile"):
+                torch._dynamo.reset()  # drop compiled graphs before the next contender
     return {"shape": dict(zip("B H W D heads".split(), shape)), "flops": flops(*shape),
             "min_bytes": min_bytes(*shape), "results": rows}
 

@@ -61,7 +61,7 @@ def test_grad_mode_uses_fused_forward_and_matches_gradients(device):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning: the fused op serves this call
         out = new(x2)
-    assert "fastaxial" in str(out.grad_fn.name()) or out.grad_fn is not None
+    assert "fastaxial_axial_attention" in out.grad_fn.name()  # the fused op's autograd node
     expected = ref(x)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
     g = torch.randn_like(expected)
@@ -155,7 +155,7 @@ def test_cuda_graph_capture():
     ref, new = make_pair(64, 4, 32, 32, "cuda", seed=8)
     x = torch.randn(2, 32, 32, 64, device="cuda")
     with torch.no_grad():
-        new(x)  # warm-up on the side stream pattern below is not needed: no allocation in forward
+        new(x)  # warm-up outside the capture: first-call set-up stays out of the graph
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = new(x)
