@@ -104,7 +104,7 @@ __device__ void layer_norm_tile(float* xn, int ld, const AxisArgs& a, int64_t n,
 
 // For r < M, c < N: epi(r, c, sum_k A[r, k] * W[c, k]).
 // A is (M, K) in shared memory, 16-byte aligned, row stride lda (a multiple of
-// 4) with columns K..round4(K) zero; M <= 16 * R. W is (N, K) in global
+// 4) with columns K..round4(K) zero; M <= kRowGroups * R. W is (N, K) in global
 // memory, row-major. Each thread owns an R x 4 block of C in registers: rows
 // R*(tid/16) .., columns 4*(tid%16) .. of each 64-column tile, so a step over
 // 4 inputs costs R + 4 float4 shared loads for 16 R fused multiply-adds.
