@@ -78,5 +78,15 @@ TEST(CudaForward, RejectsMissingWorkspace) {
   EXPECT_NE(s.message.find("workspace"), std::string::npos);
 }
 
+TEST(CudaForward, NoDeviceIsAReadableError) {
+  // Where no GPU is usable the entry point says so instead of launching blind.
+  if (have_gpu()) GTEST_SKIP() << "a CUDA device is present";
+  const Problem p = random_problem({1, 2, 3, 8, 2}, 8);
+  std::vector<float> out(p.x.size()), ws(p.x.size());
+  const Status s = forward_cuda(params(p, out.data()), ws.data(), nullptr);
+  EXPECT_EQ(s.code, StatusCode::kCudaError);
+  EXPECT_NE(s.message.find("cudaGetDevice"), std::string::npos) << s.message;
+}
+
 }  // namespace
 }  // namespace fastaxial::test
