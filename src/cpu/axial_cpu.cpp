@@ -33,6 +33,7 @@ using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
 
 struct Scratch {
   Mat x, y, qkv, o, s;
+  Eigen::VectorXf sum;  // softmax denominators, one per query
 };
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie.
@@ -78,26 +79,30 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
       t.qkv.noalias() = t.y * wqkv.transpose();
       t.o.resize(rows, D);
       t.s.resize(L, L);
+      t.sum.resize(L);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t h = 0; h < heads; ++h) {
           const auto q = t.qkv.block(s * L, h * hd, L, hd);
           const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
           const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
-          t.s.noalias() = (q * k.transpose()) * scale;  // (L, L) scores
+          // p = exp((q k^T - rowmax) / sqrt(hd)); o_h = (p v) / rowsum(p): the
+          // scale rides in the exponent and the division on the (L, hd) result.
+          t.s.noalias() = q * k.transpose();  // (L, L) unscaled scores
           for (int64_t i = 0; i < L; ++i) {
             auto row = t.s.row(i).array();
-            row = (row - row.maxCoeff()).exp();
-            row /= row.sum();
+            row = ((row - row.maxCoeff()) * scale).exp();
+            t.sum(i) = row.sum();
           }
-          t.o.block(s * L, h * hd, L, hd).noalias() = t.s * val;
+          auto o = t.o.block(s * L, h * hd, L, hd);
+          o.noalias() = t.s * val;
+          o.array().colwise() /= t.sum.array();
         }
-      // y := x + o Wout^T + bout, then scatter.
-      t.y = t.x;
-      t.y.noalias() += t.o * wout.transpose();
-      t.y.rowwise() += bout;
+      // x += o Wout^T + bout, then scatter.
+      t.x.noalias() += t.o * wout.transpose();
+      t.x.rowwise() += bout;
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l)
-          Eigen::Map<Eigen::RowVectorXf>(dst + v.offset(n0 + s, l), D) = t.y.row(s * L + l);
+          Eigen::Map<Eigen::RowVectorXf>(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
     }
   }
 }
