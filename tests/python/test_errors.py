@@ -83,3 +83,16 @@ def test_module_wrong_last_dim(device):
     _, new = make_pair(32, 4, 3, 4, device)
     with pytest.raises(ValueError, match="must have shape"):
         new(torch.randn(1, 3, 4, 16, device=device))
+
+
+def test_missing_operator_library_is_a_clear_import_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
+    env = dict(os.environ, FASTAXIAL_LIBRARY=str(tmp_path / "absent.so"),
+               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", "import fastaxial"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr and "absent.so is missing" in r.stderr

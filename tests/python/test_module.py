@@ -205,3 +205,14 @@ def test_torch_compile_reduce_overhead():
             torch.compiler.cudagraph_mark_step_begin()
             got = compiled(x).clone()
             torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
+
+
+def test_unequal_layernorm_eps_falls_back(device):
+    ref, new = make_pair(32, 2, 3, 4, device, seed=12)
+    for m in (ref, new):
+        m.col_norm.eps = 1e-3
+    x = torch.randn(1, 3, 4, 32, device=device)
+    fastaxial.module._warned.clear()
+    with pytest.warns(UserWarning, match="different eps"), torch.no_grad():
+        got = new(x)
+    torch.testing.assert_close(got, ref(x).detach(), atol=ATOL, rtol=RTOL)
