@@ -10,29 +10,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["AxialAttentionReference", "axis_attention", "axial_attention", "get_init_inputs", "get_inputs"]
+__all__ = ["AxialAttentionReference", "softmax_attention", "axis_attention", "axial_attention", "get_init_inputs", "get_inputs"]
+
+
+def softmax_attention(q, k, v, dropout_p=0.0, training=False):
+    """q, k, v (N, heads, L, head_dim) -> softmax(q k^T / sqrt(head_dim)), dropout, times v."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return F.dropout(scores.softmax(dim=-1), dropout_p, training) @ v
 
 
 def axis_attention(x, norm_weight, norm_bias, qkv_weight, out_weight, out_bias, num_heads, eps=1e-5,
-                   dropout_p=0.0, training=False):
-    """Attention along dim 1 of x (N, L, D): LayerNorm, QKV, softmax attention, output projection.
+                   dropout_p=0.0, training=False, attend=softmax_attention):
+    """Attention along dim 1 of x (N, L, D): LayerNorm, QKV, attention per head, output projection.
 
-    Returns the attention branch only (no residual).
+    Returns the attention branch only (no residual). attend(q, k, v, dropout_p,
+    training) is the attention core; the benchmark swaps in PyTorch's SDPA.
     """
     N, L, D = x.shape
     head_dim = D // num_heads
     y = F.layer_norm(x, (D,), norm_weight, norm_bias, eps)
     qkv = F.linear(y, qkv_weight).view(N, L, 3, num_heads, head_dim)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, heads, L, head_dim)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(head_dim)
-    probs = F.dropout(scores.softmax(dim=-1), dropout_p, training)
-    o = (probs @ v).transpose(1, 2).reshape(N, L, D)
+    o = attend(q, k, v, dropout_p, training).transpose(1, 2).reshape(N, L, D)
     return F.linear(o, out_weight, out_bias)
 
 
 def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
                     col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias,
-                    num_heads, eps=1e-5, dropout_p=0.0, training=False, col_eps=None):
+                    num_heads, eps=1e-5, dropout_p=0.0, training=False, col_eps=None,
+                    attend=softmax_attention):
     """Rows then columns on x (B, H, W, D), each with a residual; same arguments as the fused op.
 
     eps is the LayerNorm epsilon of both axes unless col_eps is given.
@@ -40,9 +46,10 @@ def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_w
     B, H, W, D = x.shape
     row = (row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias)
     col = (col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias)
-    x1 = x + axis_attention(x.reshape(B * H, W, D), *row, num_heads, eps, dropout_p, training).reshape(B, H, W, D)
+    a = axis_attention(x.reshape(B * H, W, D), *row, num_heads, eps, dropout_p, training, attend)
+    x1 = x + a.reshape(B, H, W, D)
     xc = x1.permute(0, 2, 1, 3).reshape(B * W, H, D)
-    a = axis_attention(xc, *col, num_heads, eps if col_eps is None else col_eps, dropout_p, training)
+    a = axis_attention(xc, *col, num_heads, eps if col_eps is None else col_eps, dropout_p, training, attend)
     return x1 + a.reshape(B, W, H, D).permute(0, 2, 1, 3)
 
 
