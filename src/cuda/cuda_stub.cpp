@@ -5,10 +5,6 @@ namespace fastaxial {
 
 bool cuda_compiled() { return false; }
 
-size_t cuda_workspace_bytes(const AxialParams& p) {
-  return static_cast<size_t>(p.batch * p.height * p.width * p.dim) * sizeof(float);
-}
-
 Status forward_cuda(const AxialParams& p, void*, CUstream_st*) {
   if (Status s = validate(p); !s.ok()) return s;
   return {StatusCode::kUnsupported, "fastaxial was built without CUDA"};

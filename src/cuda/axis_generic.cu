@@ -1,4 +1,6 @@
-// CUDA forward of axial attention: one fused kernel launch per axis.
+// One attention pass for any shape: the generic kernel, FFMA products.
+// forward_cuda.cu uses it where axis_tensor_core.cu does not apply (sequences
+// longer than 128, head_dim other than 8/16/32/64, dim not a multiple of 8).
 //
 // What a launch computes, for every sequence of the axis (rows: x is viewed
 // as B*H sequences of W positions; columns: B*W sequences of H positions,
@@ -30,10 +32,9 @@
 #include <climits>
 #include <string>
 
-#include "../common/axis.h"
-#include "fastaxial/fastaxial.h"
+#include "axis_kernels.h"
 
-namespace fastaxial {
+namespace fastaxial::cuda {
 namespace {
 
 constexpr int kThreads = 512;
@@ -301,41 +302,27 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
   }
 }
 
-// Sets the kernel's shared-memory limit and launches it.
 template <int T>
-cudaError_t launch_tile(const AxisArgs& a, int64_t grid, size_t smem, cudaStream_t stream) {
-  if (cudaError_t e = cudaFuncSetAttribute(axis_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)smem);
-      e != cudaSuccess)
-    return e;
+cudaError_t launch_tile(const AxisArgs& a, int64_t grid, size_t smem, const DeviceInfo& dev, cudaStream_t stream) {
+  if (cudaError_t e = allow_max_smem<axis_attention_kernel<T>>(dev); e != cudaSuccess) return e;
   axis_attention_kernel<T><<<(unsigned)grid, kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
-Status cuda_error(cudaError_t e, const char* what) {
-  return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(e)};
-}
+}  // namespace
 
-Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights& w,
-                   const float* src, float* dst, cudaStream_t stream) {
-  if (view.num_seq == 0 || view.len == 0) return Status::Ok();
-  int device = 0, smem_optin = 0, sms = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda_error(e, "cudaGetDevice");
-  if (cudaError_t e = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      e != cudaSuccess)
-    return cuda_error(e, "cudaDeviceGetAttribute");
-  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
-    return cuda_error(e, "cudaDeviceGetAttribute");
-
+Status launch_axis_generic(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                           float* dst, const DeviceInfo& dev, cudaStream_t stream) {
+  if (p.dim > INT_MAX / kMaxTile) return {StatusCode::kUnsupported, "dim too large for the CUDA kernels"};
   // Largest power-of-two tile, at most kMaxTile and at most L rounded up, that fits.
   int64_t T = 1;
   while (T < kMaxTile && T < view.len) T *= 2;
-  while (T > 1 && smem_floats(T, p.dim, p.heads) * sizeof(float) > (size_t)smem_optin) T /= 2;
+  while (T > 1 && smem_floats(T, p.dim, p.heads) * sizeof(float) > (size_t)dev.smem_optin) T /= 2;
   const size_t smem = smem_floats(T, p.dim, p.heads) * sizeof(float);
-  if (smem > (size_t)smem_optin)
+  if (smem > (size_t)dev.smem_optin)
     return {StatusCode::kUnsupported, "dim " + std::to_string(p.dim) + " needs " + std::to_string(smem) +
                                           " bytes of shared memory per block; this device has " +
-                                          std::to_string(smem_optin)};
+                                          std::to_string(dev.smem_optin)};
 
   AxisArgs a;
   a.view = view;
@@ -350,37 +337,19 @@ Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights
   a.src = src;
   a.dst = dst;
 
-  const int64_t grid = std::min<int64_t>(a.num_blocks, (int64_t)sms * 1024);
+  const int64_t grid = std::min<int64_t>(a.num_blocks, (int64_t)dev.sms * 1024);
   cudaError_t e = cudaErrorInvalidValue;
   switch (T) {
-    case 64: e = launch_tile<64>(a, grid, smem, stream); break;
-    case 32: e = launch_tile<32>(a, grid, smem, stream); break;
-    case 16: e = launch_tile<16>(a, grid, smem, stream); break;
-    case 8: e = launch_tile<8>(a, grid, smem, stream); break;
-    case 4: e = launch_tile<4>(a, grid, smem, stream); break;
-    case 2: e = launch_tile<2>(a, grid, smem, stream); break;
-    case 1: e = launch_tile<1>(a, grid, smem, stream); break;
+    case 64: e = launch_tile<64>(a, grid, smem, dev, stream); break;
+    case 32: e = launch_tile<32>(a, grid, smem, dev, stream); break;
+    case 16: e = launch_tile<16>(a, grid, smem, dev, stream); break;
+    case 8: e = launch_tile<8>(a, grid, smem, dev, stream); break;
+    case 4: e = launch_tile<4>(a, grid, smem, dev, stream); break;
+    case 2: e = launch_tile<2>(a, grid, smem, dev, stream); break;
+    case 1: e = launch_tile<1>(a, grid, smem, dev, stream); break;
   }
   if (e != cudaSuccess) return cuda_error(e, "axis_attention_kernel launch");
   return Status::Ok();
 }
 
-}  // namespace
-
-bool cuda_compiled() { return true; }
-
-size_t cuda_workspace_bytes(const AxialParams& p) {
-  return (size_t)(p.batch * p.height * p.width * p.dim) * sizeof(float);
-}
-
-Status forward_cuda(const AxialParams& p, void* workspace, CUstream_st* stream) {
-  if (Status s = validate(p); !s.ok()) return s;
-  if (p.batch * p.height * p.width == 0) return Status::Ok();
-  if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
-  if (p.dim > INT_MAX / kMaxTile) return {StatusCode::kUnsupported, "dim too large for the CUDA kernels"};
-  float* x1 = static_cast<float*>(workspace);  // (B, H, W, D) after the row pass
-  if (Status s = launch_axis(row_view(p), p, p.row, p.x, x1, stream); !s.ok()) return s;
-  return launch_axis(col_view(p), p, p.col, x1, p.out, stream);
-}
-
-}  // namespace fastaxial
+}  // namespace fastaxial::cuda

@@ -1,0 +1,56 @@
+// The CUDA kernels of one attention pass, as forward_cuda.cu dispatches them.
+//
+// Each launch computes, for every sequence of the axis (see common/axis.h):
+//   dst = src + Attention(LayerNorm(src)) @ Wout^T + bout
+// - axis_tensor_core.cu: one thread block per whole sequence, every product on
+//   the tensor cores with the 3xTF32 split; sequences up to 128 positions,
+//   dim a multiple of 8, head_dim 8, 16, 32 or 64, within shared memory.
+// - axis_generic.cu: any shape; tiles of queries, online softmax over key
+//   tiles, FFMA products.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+
+#include "../common/axis.h"
+#include "fastaxial/fastaxial.h"
+
+namespace fastaxial::cuda {
+
+struct DeviceInfo {
+  int device = 0;      // ordinal
+  int sms = 0;         // multiprocessors
+  int smem_optin = 0;  // bytes of shared memory a block may opt in to
+};
+
+inline Status cuda_error(cudaError_t e, const char* what) {
+  return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(e)};
+}
+
+// True when the tensor-core kernel serves this pass on this device.
+bool tensor_core_supported(const AxisView& view, const AxialParams& p, const float* src, const float* dst,
+                           const DeviceInfo& dev);
+
+Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                               float* dst, const DeviceInfo& dev, cudaStream_t stream);
+
+Status launch_axis_generic(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                           float* dst, const DeviceInfo& dev, cudaStream_t stream);
+
+// Lets `kernel` use all the shared memory a block may opt in to on the
+// device, once per kernel and device (the call costs microseconds of host
+// time). Always the same value, so concurrent first calls cannot undo each other.
+template <auto kernel>
+cudaError_t allow_max_smem(const DeviceInfo& dev) {
+  const int device = dev.device;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> done[kMaxDevices];  // one array per kernel
+  if (device >= 0 && device < kMaxDevices && done[device].load(std::memory_order_acquire)) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dev.smem_optin);
+  if (e == cudaSuccess && device >= 0 && device < kMaxDevices) done[device].store(true, std::memory_order_release);
+  return e;
+}
+
+}  // namespace fastaxial::cuda
