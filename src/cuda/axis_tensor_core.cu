@@ -3,6 +3,7 @@
 //
 // For sequence n of the axis, x is its (L, D) positions (strided in the grid):
 //   xs  = LayerNorm(x)                  (LP, D) in shared memory, LP = 16*MT >= L
+//                                       (x arrives by cp.async, all of it in flight at once)
 //   q, k, v = xs @ Wqkv^T               (LP, D) each, in shared memory
 //   o_h = softmax(q_h k_h^T * scale) v_h  per head, into xs's space
 //   dst = x + o @ Wout^T + bout
@@ -10,7 +11,7 @@
 // a whole sequence's q, k and v fit one block's shared memory. Keys are then
 // projected once per sequence, and each attention row is complete in one
 // warp's registers: an exact softmax, no online rescaling, no block barrier
-// inside the attention. Three barriers per sequence in all.
+// inside the attention. Five barriers per sequence in all.
 //
 // Work split (8 warps): the projections go by (16-row, 8-column) tiles of the
 // output, register-blocked MI x NI per warp; the attention goes by (head,
@@ -58,9 +59,9 @@ __device__ float warp_sum(float v) {
 }
 
 // c (16 MI x 8 NI) = A[0:16 MI, 0:K] @ W[0:8 NI, 0:K]^T for one warp. A is in
-// shared memory (row stride lda), W in global memory (row stride K). Each
-// 32-input chunk is summed on its own and then added (blocked summation: the
-// rounding error grows with K / 32 + 32, not with K). K is a multiple of 8.
+// shared memory (row stride lda), W in global memory (row stride K). K is a
+// multiple of 8; steps go in groups of 4 so that a group's weight loads are
+// all in flight before the first product waits for them.
 template <int MI, int NI>
 __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const float* __restrict__ W, int K) {
 #pragma unroll
@@ -69,70 +70,58 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
     for (int j = 0; j < NI; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) c[i][j][e] = 0.0f;
-  for (int k0 = 0; k0 < K; k0 += 32) {
-    float part[MI][NI][4] = {};
-    auto step = [&](int kk) {
-      FragA a[MI];
-      FragB b[NI];
+  auto step = [&](int kk) {
+    FragA a[MI];
+    FragB b[NI];
 #pragma unroll
-      for (int j = 0; j < NI; ++j) b[j] = load_bt(W + (int64_t)(8 * j) * K + kk, K);
+    for (int j = 0; j < NI; ++j) b[j] = load_bt(W + (int64_t)(8 * j) * K + kk, K);
 #pragma unroll
-      for (int i = 0; i < MI; ++i) a[i] = load_a(A + 16 * i * lda + kk, lda);
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int j = 0; j < NI; ++j) mma_3xtf32(part[i][j], a[i], b[j]);
-    };
-    if (k0 + 32 <= K) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) step(k0 + 8 * s);
-    } else {
-      for (int kk = k0; kk < K; kk += 8) step(kk);
-    }
+    for (int i = 0; i < MI; ++i) a[i] = load_a(A + 16 * i * lda + kk, lda);
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
-      for (int j = 0; j < NI; ++j)
+      for (int j = 0; j < NI; ++j) mma_3xtf32(c[i][j], a[i], b[j]);
+  };
+  int k0 = 0;
+  for (; k0 + 32 <= K; k0 += 32) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) c[i][j][e] += part[i][j][e];
+    for (int s = 0; s < 4; ++s) step(k0 + 8 * s);
   }
+  for (; k0 < K; k0 += 8) step(k0);
 }
 
-// xs (LP, ld) = LayerNorm of sequence n's positions; rows L..LP zero. A warp
-// per position, float4 loads, two passes over the row (the second from L1).
+// xs (LP, ld) = sequence n's positions, rows L..LP zero. Every 16-byte piece
+// is its own asynchronous copy, so the whole tile is in flight at once.
 template <int MT>
-__device__ void layer_norm(float* xs, int ld, const TcArgs& a, int64_t n, int L) {
+__device__ void load_tile(float* xs, int ld, const TcArgs& a, int64_t n, int L) {
   constexpr int LP = 16 * MT;
+  const int D = a.D, per_row = D / 4;
+  for (int e = threadIdx.x; e < LP * per_row; e += kThreads) {
+    const int r = e / per_row, c = 4 * (e % per_row);
+    float* dst = xs + r * ld + c;
+    if (r < L) {
+      const float* src = a.src + a.view.offset(n, r) + c;
+      const unsigned dst_s = (unsigned)__cvta_generic_to_shared(dst);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_s), "l"(src));
+    } else {
+      *reinterpret_cast<float4*>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// LayerNorm of rows 0..L of xs, in place; a warp per row, two passes.
+__device__ void layer_norm(float* xs, int ld, const TcArgs& a, int L) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.D;
-  for (int r = warp; r < LP; r += kWarps) {
+  for (int r = warp; r < L; r += kWarps) {
     float* y = xs + r * ld;
-    if (r >= L) {
-      for (int c = lane; c < D; c += 32) y[c] = 0.0f;
-      continue;
-    }
-    const float* x = a.src + a.view.offset(n, r);
     float sum = 0.0f;
-    for (int c = 4 * lane; c < D; c += 128) {
-      const float4 v = *reinterpret_cast<const float4*>(x + c);
-      sum += (v.x + v.y) + (v.z + v.w);
-    }
+    for (int c = lane; c < D; c += 32) sum += y[c];
     const float mean = warp_sum(sum) / D;
     float sq = 0.0f;
-    for (int c = 4 * lane; c < D; c += 128) {
-      const float4 v = *reinterpret_cast<const float4*>(x + c);
-      sq += (v.x - mean) * (v.x - mean) + (v.y - mean) * (v.y - mean) + (v.z - mean) * (v.z - mean) +
-            (v.w - mean) * (v.w - mean);
-    }
+    for (int c = lane; c < D; c += 32) sq += (y[c] - mean) * (y[c] - mean);
     const float rstd = rsqrtf(warp_sum(sq) / D + a.eps);
-    for (int c = 4 * lane; c < D; c += 128) {
-      const float4 v = *reinterpret_cast<const float4*>(x + c);
-      const float4 gw = *reinterpret_cast<const float4*>(a.w.norm_weight + c);
-      const float4 gb = *reinterpret_cast<const float4*>(a.w.norm_bias + c);
-      y[c + 0] = (v.x - mean) * rstd * gw.x + gb.x;
-      y[c + 1] = (v.y - mean) * rstd * gw.y + gb.y;
-      y[c + 2] = (v.z - mean) * rstd * gw.z + gb.z;
-      y[c + 3] = (v.w - mean) * rstd * gw.w + gb.w;
-    }
+    for (int c = lane; c < D; c += 32) y[c] = (y[c] - mean) * rstd * a.w.norm_weight[c] + a.w.norm_bias[c];
   }
 }
 
@@ -232,7 +221,9 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
   for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
-    layer_norm<MT>(xs, ld, a, n, L);
+    load_tile<MT>(xs, ld, a, n, L);
+    __syncthreads();
+    layer_norm(xs, ld, a, L);
     __syncthreads();
 
     // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns (3D / 8 is a
@@ -269,9 +260,19 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
       const int col_tiles = D / (8 * NI);
       for (int item = warp; item < (MT / MI) * col_tiles; item += kWarps) {
         const int m0 = 16 * MI * (item % (MT / MI)), c0 = 8 * NI * (item / (MT / MI));
+        const int col = c0 + 2 * t;
+        // The residual rows, loaded before the product so the loads overlap it.
+        float2 x[MI][2];
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = m0 + 16 * i + g + 8 * half;
+            x[i][half] = r < L ? *reinterpret_cast<const float2*>(a.src + a.view.offset(n, r) + col)
+                               : make_float2(0.0f, 0.0f);
+          }
         float c[MI][NI][4];
         warp_gemm<MI, NI>(c, xs + m0 * ld, ld, a.w.out_weight + (int64_t)c0 * D, D);
-        const int col = c0 + 2 * t;
         const float2 bias = *reinterpret_cast<const float2*>(a.w.out_bias + col);
 #pragma unroll
         for (int i = 0; i < MI; ++i)
@@ -279,10 +280,8 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
           for (int half = 0; half < 2; ++half) {
             const int r = m0 + 16 * i + g + 8 * half;
             if (r >= L) continue;
-            const int64_t off = a.view.offset(n, r) + col;
-            const float2 x = *reinterpret_cast<const float2*>(a.src + off);
-            *reinterpret_cast<float2*>(a.dst + off) =
-                make_float2(x.x + c[i][0][2 * half] + bias.x, x.y + c[i][0][2 * half + 1] + bias.y);
+            *reinterpret_cast<float2*>(a.dst + a.view.offset(n, r) + col) =
+                make_float2(x[i][half].x + c[i][0][2 * half] + bias.x, x[i][half].y + c[i][0][2 * half + 1] + bias.y);
           }
       }
     }

@@ -59,11 +59,15 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// c += a * b, fp32-accurate: the small terms first, then the large one.
+// c += a * b, fp32-accurate: the small terms first, then the large one, in a
+// fresh accumulator; then one rounded fp32 add per element.
 __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const FragA& a, const FragB& b) {
-  mma_tf32(c, a.lo, b.hi);
-  mma_tf32(c, a.hi, b.lo);
-  mma_tf32(c, a.hi, b.hi);
+  float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_tf32(t, a.lo, b.hi);
+  mma_tf32(t, a.hi, b.lo);
+  mma_tf32(t, a.hi, b.hi);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) c[e] += t[e];
 }
 
 // A = rows 0..15, columns 0..7 of a row-major matrix at p with row stride ld.
