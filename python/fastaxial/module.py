@@ -21,11 +21,11 @@ class AxialAttention(reference.AxialAttentionReference):
     axis) run the reference math instead, with a warning the first time.
     """
 
-    def _fused_unsupported(self, x):
+    def _fused_unsupported(self, x, weights):
         """Why the fused path cannot serve this call, or None when it can."""
         if self.training and self.dropout.p > 0:
             return "dropout is active in training mode"
-        if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in self.weights()):
+        if x.dtype != torch.float32 or any(w.dtype != torch.float32 for w in weights):
             return f"dtype {x.dtype} is not supported yet (float32 is)"
         if not ops.has_kernel(x.device.type):
             return f"no fastaxial kernel for device type '{x.device.type}' in this build"
@@ -34,12 +34,12 @@ class AxialAttention(reference.AxialAttentionReference):
         return None
 
     def forward(self, x):
-        reason = self._fused_unsupported(x) if isinstance(x, torch.Tensor) else None
+        weights = self.weights()
+        reason = self._fused_unsupported(x, weights) if isinstance(x, torch.Tensor) else None
         if reason is not None:
             _warn_once(reason)
             return super().forward(x)
-        return ops.axial_attention(x, *self.weights(), self.num_heads, self.row_norm.eps)
-
+        return ops.axial_attention(x, *weights, self.num_heads, self.row_norm.eps)
 
 _warned = set()
 
