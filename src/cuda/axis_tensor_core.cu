@@ -13,7 +13,7 @@
 // warp's registers: an exact softmax, no online rescaling, no block barrier
 // inside the attention. Five barriers per sequence in all.
 //
-// Work split (8 or 16 warps, Config): the projections go by (16-row, 8-column) tiles of the
+// Work split (8 warps): the projections go by (16-row, 8-column) tiles of the
 // output, register-blocked MI x NI per warp; the attention goes by (head,
 // 16-query tile): scores (16, LP) live in registers, P is fed to the P @ V
 // product straight from the score registers (the key order inside each group
@@ -34,17 +34,8 @@
 namespace fastaxial::cuda {
 namespace {
 
-// Warps per block: 16 where a warp's registers fit the 128 that 512 threads
-// allow (short sequences, small heads), else 8. With one block per sequence,
-// more warps per block is how latency gets hidden. MI is the 16-row tiles a
-// warp takes per projection item: 1 with 16 warps (more, smaller items), 2
-// with 8 where the rows pair up.
-template <int MT, int HD>
-struct Config {
-  static constexpr int warps = MT * HD <= 64 && HD <= 32 ? 16 : 8;
-  static constexpr int threads = 32 * warps;
-  static constexpr int MI = warps == 16 || MT % 2 != 0 ? 1 : 2;
-};
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
 
 struct TcArgs {
   AxisView view;
@@ -101,7 +92,7 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
 
 // xs (LP, ld) = sequence n's positions, rows L..LP zero. Every 16-byte piece
 // is its own asynchronous copy, so the whole tile is in flight at once.
-template <int MT, int kThreads>
+template <int MT>
 __device__ void load_tile(float* xs, int ld, const TcArgs& a, int64_t n, int L) {
   constexpr int LP = 16 * MT;
   const int D = a.D, per_row = D / 4;
@@ -120,7 +111,6 @@ __device__ void load_tile(float* xs, int ld, const TcArgs& a, int64_t n, int L) 
 }
 
 // LayerNorm of rows 0..L of xs, in place; a warp per row, two passes.
-template <int kWarps>
 __device__ void layer_norm(float* xs, int ld, const TcArgs& a, int L) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.D;
   for (int r = warp; r < L; r += kWarps) {
@@ -219,10 +209,9 @@ __device__ void attend_tile(float* o, const float* q, const float* k, const floa
 }
 
 template <int MT, int HD>
-__global__ void __launch_bounds__(Config<MT, HD>::threads, 1) axis_tensor_core_kernel(const TcArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcArgs a) {
   constexpr int LP = 16 * MT;
-  constexpr int kWarps = Config<MT, HD>::warps;
-  constexpr int MI = Config<MT, HD>::MI;
+  constexpr int MI = MT % 2 == 0 ? 2 : 1;  // 16-row tiles per warp in the projections
   const int D = a.D, ld = row_stride(D), L = (int)a.view.len;
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);  // (LP, ld) LayerNorm(x), then o
@@ -232,9 +221,9 @@ __global__ void __launch_bounds__(Config<MT, HD>::threads, 1) axis_tensor_core_k
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
   for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
-    load_tile<MT, Config<MT, HD>::threads>(xs, ld, a, n, L);
+    load_tile<MT>(xs, ld, a, n, L);
     __syncthreads();
-    layer_norm<kWarps>(xs, ld, a, L);
+    layer_norm(xs, ld, a, L);
     __syncthreads();
 
     // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns (3D / 8 is a
@@ -317,7 +306,7 @@ cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
   const size_t smem = smem_bytes(MT, a.D);
   // A block per sequence; past a few waves, blocks loop over sequences.
   const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * 64);
-  kernel<<<(unsigned)grid, Config<MT, HD>::threads, smem, stream>>>(a);
+  kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
