@@ -81,27 +81,10 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
     for (int j = 0; j < NI; ++j) b[j] = load_bt(W + (int64_t)(8 * j) * ldw + kk, ldw);
 #pragma unroll
     for (int i = 0; i < MI; ++i) a[i] = load_a(A + 16 * i * lda + kk, lda);
-    // The three products of every (i, j) as three rounds over (i, j), so that
-    // consecutive products are independent; then the fp32 adds.
-    float t[MI][NI][4] = {};
 #pragma unroll
     for (int i = 0; i < MI; ++i)
 #pragma unroll
-      for (int j = 0; j < NI; ++j) mma_tf32(t[i][j], a[i].lo, b[j].hi);
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NI; ++j) mma_tf32(t[i][j], a[i].hi, b[j].lo);
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NI; ++j) mma_tf32(t[i][j], a[i].hi, b[j].hi);
-#pragma unroll
-    for (int i = 0; i < MI; ++i)
-#pragma unroll
-      for (int j = 0; j < NI; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[i][j][e] += t[i][j][e];
+      for (int j = 0; j < NI; ++j) mma_3xtf32(c[i][j], a[i], b[j]);
   };
   int k0 = 0;
   for (; k0 + 32 <= K; k0 += 32) {

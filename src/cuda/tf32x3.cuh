@@ -51,11 +51,8 @@ __device__ __forceinline__ FragB make_b(float b0, float b1) {
   return f;
 }
 
-// Not volatile: the instruction has no effect beyond its outputs, and the
-// compiler must be free to interleave independent products (issue is in
-// order, so a product waiting on the one before it stalls the warp).
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm(
+  asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
