@@ -22,8 +22,7 @@
 //
 // Padded rows (L <= i < LP) are zero in xs, so their q, k, v are zero;
 // padded keys are masked out of the softmax; padded queries are never stored.
-// Weights are B fragments, read from shared memory where Wqkv and Wout fit
-// next to the tiles (dim <= 64 or so), else from global memory (L2).
+// Weights are read from global memory (L2) as B fragments.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,7 +41,6 @@ struct TcArgs {
   AxisView view;
   int D, heads;
   float eps, scale;
-  bool stage_weights;  // Wqkv and Wout copied to shared memory once per block
   AxisWeights w;
   const float* src;
   float* dst;
@@ -53,9 +51,7 @@ struct TcArgs {
 // 32 different banks.
 __host__ __device__ constexpr int row_stride(int D) { return D + 4; }
 
-// xs, q, k, v; then the staged weights, 4D rows, where they fit.
-size_t tile_bytes(int MT, int D) { return 4 * (size_t)(16 * MT) * row_stride(D) * sizeof(float); }
-size_t weight_bytes(int D) { return 4 * (size_t)D * row_stride(D) * sizeof(float); }
+size_t smem_bytes(int MT, int D) { return 4 * (size_t)(16 * MT) * row_stride(D) * sizeof(float); }
 
 __device__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -63,11 +59,11 @@ __device__ float warp_sum(float v) {
 }
 
 // c (16 MI x 8 NI) = A[0:16 MI, 0:K] @ W[0:8 NI, 0:K]^T for one warp. A is in
-// shared memory (row stride lda), W in shared or global memory (row stride
-// ldw). K is a multiple of 8; steps go in groups of 4 so that a group's weight loads are
+// shared memory (row stride lda), W in global memory (row stride K). K is a
+// multiple of 8; steps go in groups of 4 so that a group's weight loads are
 // all in flight before the first product waits for them.
 template <int MI, int NI>
-__device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const float* W, int ldw, int K) {
+__device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const float* __restrict__ W, int K) {
 #pragma unroll
   for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -78,7 +74,7 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
     FragA a[MI];
     FragB b[NI];
 #pragma unroll
-    for (int j = 0; j < NI; ++j) b[j] = load_bt(W + (int64_t)(8 * j) * ldw + kk, ldw);
+    for (int j = 0; j < NI; ++j) b[j] = load_bt(W + (int64_t)(8 * j) * K + kk, K);
 #pragma unroll
     for (int i = 0; i < MI; ++i) a[i] = load_a(A + 16 * i * lda + kk, lda);
 #pragma unroll
@@ -222,27 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
   float* q = xs + LP * ld;                      // (LP, ld) queries, all heads
   float* k = q + LP * ld;                       // (LP, ld) keys
   float* v = k + LP * ld;                       // (LP, ld) values
-  float* ws = v + LP * ld;                      // (4D, ld) [Wqkv; Wout] when staged
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-
-  // The weights every projection reads: from shared memory when they fit next
-  // to the tiles (one copy per block, in flight with the first x tile, waited
-  // for with it), else straight from global memory / L2.
-  const float* wqkv = a.w.qkv_weight;
-  const float* wout = a.w.out_weight;
-  int ldw = D;
-  if (a.stage_weights) {
-    const int per_row = D / 4;
-    for (int e = threadIdx.x; e < 4 * D * per_row; e += kThreads) {
-      const int r = e / per_row, c = 4 * (e % per_row);
-      const float* src = r < 3 * D ? a.w.qkv_weight + (int64_t)r * D + c : a.w.out_weight + (int64_t)(r - 3 * D) * D + c;
-      const unsigned dst = (unsigned)__cvta_generic_to_shared(ws + r * ld + c);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
-    }
-    wqkv = ws;
-    wout = ws + 3 * D * ld;
-    ldw = ld;
-  }
 
   for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
     load_tile<MT>(xs, ld, a, n, L);
@@ -258,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
       for (int item = warp; item < (MT / MI) * col_tiles; item += kWarps) {
         const int m0 = 16 * MI * (item % (MT / MI)), c0 = 8 * NI * (item / (MT / MI));
         float c[MI][NI][4];
-        warp_gemm<MI, NI>(c, xs + m0 * ld, ld, wqkv + (int64_t)c0 * ldw, ldw, D);
+        warp_gemm<MI, NI>(c, xs + m0 * ld, ld, a.w.qkv_weight + (int64_t)c0 * D, D);
 #pragma unroll
         for (int j = 0; j < NI; ++j) {
           const int col = c0 + 8 * j;  // 8 columns in one of q, k, v
@@ -296,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
                                : make_float2(0.0f, 0.0f);
           }
         float c[MI][NI][4];
-        warp_gemm<MI, NI>(c, xs + m0 * ld, ld, wout + (int64_t)c0 * ldw, ldw, D);
+        warp_gemm<MI, NI>(c, xs + m0 * ld, ld, a.w.out_weight + (int64_t)c0 * D, D);
         const float2 bias = *reinterpret_cast<const float2*>(a.w.out_bias + col);
 #pragma unroll
         for (int i = 0; i < MI; ++i)
@@ -327,7 +303,7 @@ template <int MT, int HD>
 cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   constexpr auto kernel = axis_tensor_core_kernel<MT, HD>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  const size_t smem = tile_bytes(MT, a.D) + (a.stage_weights ? weight_bytes(a.D) : 0);
+  const size_t smem = smem_bytes(MT, a.D);
   // A block per sequence; past a few waves, blocks loop over sequences.
   const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * 64);
   kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
@@ -355,7 +331,7 @@ bool tensor_core_supported(const AxisView& view, const AxialParams& p, const flo
   const int64_t hd = p.dim / p.heads;
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   return view.len <= kMaxLen && p.dim % 8 == 0 && (hd == 8 || hd == 16 || hd == 32 || hd == 64) &&
-         tile_bytes(tile_count(view.len), (int)p.dim) <= (size_t)dev.smem_optin && aligned(src) && aligned(dst) &&
+         smem_bytes(tile_count(view.len), (int)p.dim) <= (size_t)dev.smem_optin && aligned(src) && aligned(dst) &&
          aligned(p.row.norm_weight) && aligned(p.row.norm_bias) && aligned(p.col.norm_weight) &&
          aligned(p.col.norm_bias) && aligned(p.row.out_bias) && aligned(p.col.out_bias);
 }
@@ -373,9 +349,6 @@ Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const
   a.src = src;
   a.dst = dst;
   const int mt = tile_count(view.len);
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  a.stage_weights = tile_bytes(mt, a.D) + weight_bytes(a.D) <= (size_t)dev.smem_optin && aligned(w.qkv_weight) &&
-                    aligned(w.out_weight);
   cudaError_t e = cudaErrorInvalidValue;
   switch (hd) {
     case 8: e = launch_tiles<8>(a, mt, dev, stream); break;
