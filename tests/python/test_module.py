@@ -87,6 +87,19 @@ def test_empty_batch(device):
     assert out.shape == (0, 4, 4, 32)
 
 
+def test_inference_mode(device):
+    # The recommended mode for inference: autograd's layer is skipped entirely.
+    ref, new = make_pair(32, 4, 5, 6, device, seed=6)
+    randomize_(ref, 6)
+    new.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, 6, 32, device=device)
+    with torch.inference_mode():
+        got = new(x)
+    assert got.is_inference() and got.grad_fn is None
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
+
+
 def test_state_dict_both_ways(device):
     ref, _ = make_pair(64, 4, 8, 8, device, seed=5)
     torch.manual_seed(99)
