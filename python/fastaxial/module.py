@@ -41,6 +41,7 @@ class AxialAttention(reference.AxialAttentionReference):
             return super().forward(x)
         return ops.axial_attention(x, *weights, self.num_heads, self.row_norm.eps)
 
+
 _warned = set()
 
 

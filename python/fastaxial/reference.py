@@ -53,6 +53,12 @@ def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_w
     return x1 + a.reshape(B, W, H, D).permute(0, 2, 1, 3)
 
 
+# (submodule, parameter) of each fused-op weight argument, in argument order.
+_WEIGHT_NAMES = (("row_norm", "weight"), ("row_norm", "bias"), ("row_qkv", "weight"), ("row_out", "weight"),
+                 ("row_out", "bias"), ("col_norm", "weight"), ("col_norm", "bias"), ("col_qkv", "weight"),
+                 ("col_out", "weight"), ("col_out", "bias"))
+
+
 class AxialAttentionReference(nn.Module):
     """Row attention then column attention on x (B, H, W, D), each LayerNorm'd, with residuals."""
 
@@ -80,15 +86,9 @@ class AxialAttentionReference(nn.Module):
         # time per forward, more than the GPU kernels take. Parametrized
         # weights (properties, not in _parameters) take the plain path.
         try:
-            m = self._modules
-            rn, rq, ro = m["row_norm"]._parameters, m["row_qkv"]._parameters, m["row_out"]._parameters
-            cn, cq, co = m["col_norm"]._parameters, m["col_qkv"]._parameters, m["col_out"]._parameters
-            return (rn["weight"], rn["bias"], rq["weight"], ro["weight"], ro["bias"],
-                    cn["weight"], cn["bias"], cq["weight"], co["weight"], co["bias"])
+            return tuple(self._modules[m]._parameters[p] for m, p in _WEIGHT_NAMES)
         except KeyError:
-            return (self.row_norm.weight, self.row_norm.bias, self.row_qkv.weight, self.row_out.weight,
-                    self.row_out.bias, self.col_norm.weight, self.col_norm.bias, self.col_qkv.weight,
-                    self.col_out.weight, self.col_out.bias)
+            return tuple(getattr(getattr(self, m), p) for m, p in _WEIGHT_NAMES)
 
     def forward(self, x):
         return axial_attention(x, *self.weights(), self.num_heads, self.row_norm.eps, self.dropout.p,
