@@ -33,6 +33,7 @@
 #include <string>
 
 #include "axis_kernels.h"
+#include "warp_ops.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -66,14 +67,6 @@ size_t smem_floats(int64_t T, int64_t D, int64_t heads) {
   return 2 * T * round4((int)D) + kStageFloats + T * D + T * (D + 1) + T * D + T * T + 2 * T * heads + 3 * T;
 }
 
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 
 // xn (T, ld) = LayerNorm of positions l0 .. l0+rows-1 of sequence n. Rows past
 // `rows` and the pad columns D..ld are zero: they project to zero and keep the
@@ -87,17 +80,8 @@ __device__ void layer_norm_tile(float* xn, int ld, const AxisArgs& a, int64_t n,
       for (int c = lane; c < ld; c += 32) y[c] = 0.0f;
       continue;
     }
-    const float* x = a.src + a.view.offset(n, l0 + r);
-    float sum = 0.0f;
-    for (int c = lane; c < D; c += 32) sum += x[c];
-    const float mean = warp_sum(sum) / D;
-    float sq = 0.0f;
-    for (int c = lane; c < D; c += 32) {
-      const float d = x[c] - mean;
-      sq += d * d;
-    }
-    const float rstd = rsqrtf(warp_sum(sq) / D + a.eps);
-    for (int c = lane; c < D; c += 32) y[c] = (x[c] - mean) * rstd * a.w.norm_weight[c] + a.w.norm_bias[c];
+    layer_norm_row(a.src + a.view.offset(n, l0 + r), D, a.w.norm_weight, a.w.norm_bias, a.eps,
+                   [&](int c, float v) { y[c] = v; });
     for (int c = D + lane; c < ld; c += 32) y[c] = 0.0f;
   }
   __syncthreads();

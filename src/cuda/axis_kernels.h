@@ -1,10 +1,14 @@
-// The CUDA kernels of one attention pass, as forward_cuda.cu dispatches them.
+// The CUDA kernels of one attention pass, as forward_cuda.cu dispatches them
+// (common/dispatch.h picks the family from the shape; the *_fits checks below
+// add what the device and the pointers allow).
 //
 // Each launch computes, for every sequence of the axis (see common/axis.h):
 //   dst = src + Attention(LayerNorm(src)) @ Wout^T + bout
-// - axis_tensor_core.cu: one thread block per whole sequence, every product on
-//   the tensor cores with the 3xTF32 split; sequences up to 128 positions,
-//   dim a multiple of 8, head_dim 8, 16, 32 or 64, within shared memory.
+// - axis_tensor_core.cu (fused): one thread block per whole sequence, every
+//   product on the tensor cores with the 3xTF32 split; L <= 128.
+// - axis_staged.cu: LayerNorm, the QKV product, attention and the output
+//   product as tensor-core kernels over all positions, intermediates in the
+//   workspace; long sequences and wide dims.
 // - axis_generic.cu: any shape; tiles of queries, online softmax over key
 //   tiles, FFMA products.
 #pragma once
@@ -12,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "../common/axis.h"
@@ -29,12 +34,25 @@ inline Status cuda_error(cudaError_t e, const char* what) {
   return {StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorString(e)};
 }
 
-// True when the tensor-core kernel serves this pass on this device.
-bool tensor_core_supported(const AxisView& view, const AxialParams& p, const float* src, const float* dst,
-                           const DeviceInfo& dev);
+// 16-byte alignment of what the tensor-core kernels read and write in vectors.
+inline bool pass_aligned(const AxisWeights& w, const float* src, const float* dst) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return aligned(src) && aligned(dst) && aligned(w.norm_weight) && aligned(w.norm_bias) && aligned(w.out_bias);
+}
+
+// True when the fused kernel's shared memory fits the device and the pointers are aligned.
+bool tensor_core_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                      const float* dst, const DeviceInfo& dev);
 
 Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                                float* dst, const DeviceInfo& dev, cudaStream_t stream);
+
+// The same for the staged path; `workspace` holds staged_workspace_floats floats.
+bool staged_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                 const float* dst, const DeviceInfo& dev);
+
+Status launch_axis_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                          float* dst, float* workspace, const DeviceInfo& dev, cudaStream_t stream);
 
 Status launch_axis_generic(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                            float* dst, const DeviceInfo& dev, cudaStream_t stream);

@@ -28,8 +28,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../common/dispatch.h"
 #include "axis_kernels.h"
 #include "tf32x3.cuh"
+#include "warp_ops.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -50,13 +52,6 @@ struct TcArgs {
 // t), of keys (rows g, columns t) and of values (rows 2t, columns g) then hit
 // 32 different banks.
 __host__ __device__ constexpr int row_stride(int D) { return D + 4; }
-
-size_t smem_bytes(int MT, int D) { return 4 * (size_t)(16 * MT) * row_stride(D) * sizeof(float); }
-
-__device__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // c (16 MI x 8 NI) = A[0:16 MI, 0:K] @ W[0:8 NI, 0:K]^T for one warp. A is in
 // shared memory (row stride lda), W in global memory (row stride K). K is a
@@ -110,18 +105,11 @@ __device__ void load_tile(float* xs, int ld, const TcArgs& a, int64_t n, int L) 
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// LayerNorm of rows 0..L of xs, in place; a warp per row, two passes.
+// LayerNorm of rows 0..L of xs, in place; a warp per row.
 __device__ void layer_norm(float* xs, int ld, const TcArgs& a, int L) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.D;
-  for (int r = warp; r < L; r += kWarps) {
+  for (int r = threadIdx.x / 32; r < L; r += kWarps) {
     float* y = xs + r * ld;
-    float sum = 0.0f;
-    for (int c = lane; c < D; c += 32) sum += y[c];
-    const float mean = warp_sum(sum) / D;
-    float sq = 0.0f;
-    for (int c = lane; c < D; c += 32) sq += (y[c] - mean) * (y[c] - mean);
-    const float rstd = rsqrtf(warp_sum(sq) / D + a.eps);
-    for (int c = lane; c < D; c += 32) y[c] = (y[c] - mean) * rstd * a.w.norm_weight[c] + a.w.norm_bias[c];
+    layer_norm_row(y, a.D, a.w.norm_weight, a.w.norm_bias, a.eps, [&](int c, float v) { y[c] = v; });
   }
 }
 
@@ -289,21 +277,11 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
   }
 }
 
-// Sequence tiles the kernel is built for; L rounds up to the next one.
-constexpr int kTileCounts[] = {1, 2, 3, 4, 5, 6, 8};
-constexpr int kMaxLen = 16 * 8;
-
-int tile_count(int64_t L) {
-  for (int mt : kTileCounts)
-    if (16 * mt >= L) return mt;
-  return 0;
-}
-
 template <int MT, int HD>
 cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   constexpr auto kernel = axis_tensor_core_kernel<MT, HD>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  const size_t smem = smem_bytes(MT, a.D);
+  const size_t smem = fused_smem_bytes(a.view.len, a.D);  // 16 MT rows
   // A block per sequence; past a few waves, blocks loop over sequences.
   const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * 64);
   kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
@@ -326,14 +304,10 @@ cudaError_t launch_tiles(const TcArgs& a, int mt, const DeviceInfo& dev, cudaStr
 
 }  // namespace
 
-bool tensor_core_supported(const AxisView& view, const AxialParams& p, const float* src, const float* dst,
-                           const DeviceInfo& dev) {
-  const int64_t hd = p.dim / p.heads;
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return view.len <= kMaxLen && p.dim % 8 == 0 && (hd == 8 || hd == 16 || hd == 32 || hd == 64) &&
-         smem_bytes(tile_count(view.len), (int)p.dim) <= (size_t)dev.smem_optin && aligned(src) && aligned(dst) &&
-         aligned(p.row.norm_weight) && aligned(p.row.norm_bias) && aligned(p.col.norm_weight) &&
-         aligned(p.col.norm_bias) && aligned(p.row.out_bias) && aligned(p.col.out_bias);
+bool tensor_core_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                      const float* dst, const DeviceInfo& dev) {
+  return fused_tile_count(view.len) > 0 && fused_smem_bytes(view.len, p.dim) <= (size_t)dev.smem_optin &&
+         pass_aligned(w, src, dst);
 }
 
 Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
@@ -348,7 +322,7 @@ Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const
   a.w = w;
   a.src = src;
   a.dst = dst;
-  const int mt = tile_count(view.len);
+  const int mt = fused_tile_count(view.len);
   cudaError_t e = cudaErrorInvalidValue;
   switch (hd) {
     case 8: e = launch_tiles<8>(a, mt, dev, stream); break;

@@ -1,11 +1,12 @@
 // CUDA entry points of the core API: forward_cuda runs the row pass into the
-// workspace and the column pass into the output, each as one kernel launch,
-// picking per pass the tensor-core kernel where it applies and the generic
-// one elsewhere (axis_kernels.h).
+// workspace and the column pass into the output, each pass on the kernel
+// family common/dispatch.h picks for its shape, or on the generic kernel
+// where the device or the pointers rule that one out (axis_kernels.h).
 #include <cuda_runtime.h>
 
 #include <atomic>
 
+#include "../common/dispatch.h"
 #include "axis_kernels.h"
 
 namespace fastaxial {
@@ -38,11 +39,22 @@ Status current_device(DeviceInfo* info) {
   return Status::Ok();
 }
 
+// dst = src + attention pass of `view`; `staged` is the staged path's scratch.
 Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
-                   const DeviceInfo& dev, cudaStream_t stream) {
+                   float* staged, const DeviceInfo& dev, cudaStream_t stream) {
   if (view.num_seq == 0 || view.len == 0) return Status::Ok();
-  if (cuda::tensor_core_supported(view, p, src, dst, dev))
-    return cuda::launch_axis_tensor_core(view, p, w, src, dst, dev, stream);
+  switch (axis_path(view.len, p.dim, p.heads)) {
+    case AxisPath::kFused:
+      if (cuda::tensor_core_fits(view, p, w, src, dst, dev))
+        return cuda::launch_axis_tensor_core(view, p, w, src, dst, dev, stream);
+      break;
+    case AxisPath::kStaged:
+      if (cuda::staged_fits(view, p, w, src, dst, dev))
+        return cuda::launch_axis_staged(view, p, w, src, dst, staged, dev, stream);
+      break;
+    case AxisPath::kGeneric:
+      break;
+  }
   return cuda::launch_axis_generic(view, p, w, src, dst, dev, stream);
 }
 
@@ -56,9 +68,11 @@ Status forward_cuda(const AxialParams& p, void* workspace, CUstream_st* stream) 
   if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
   DeviceInfo dev;
   if (Status s = current_device(&dev); !s.ok()) return s;
-  float* x1 = static_cast<float*>(workspace);  // (B, H, W, D) after the row pass
-  if (Status s = launch_axis(row_view(p), p, p.row, p.x, x1, dev, stream); !s.ok()) return s;
-  return launch_axis(col_view(p), p, p.col, x1, p.out, dev, stream);
+  // (B, H, W, D) after the row pass, then the staged path's scratch (if either pass takes it)
+  float* x1 = static_cast<float*>(workspace);
+  float* staged = x1 + p.batch * p.height * p.width * p.dim;
+  if (Status s = launch_axis(row_view(p), p, p.row, p.x, x1, staged, dev, stream); !s.ok()) return s;
+  return launch_axis(col_view(p), p, p.col, x1, p.out, staged, dev, stream);
 }
 
 }  // namespace fastaxial

@@ -40,7 +40,7 @@ TEST_P(CudaForward, MatchesDoubleReference) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   const Shape s = GetParam();
   const Problem p = random_problem(s, 99u + static_cast<uint32_t>(s.D + s.H * 5 + s.W * 11));
-  DeviceBuffer x(p.x), out(p.x.size()), ws(p.x.size());
+  DeviceBuffer x(p.x), out(p.x.size());
   DeviceBuffer rw[5] = {DeviceBuffer(p.row.norm_w), DeviceBuffer(p.row.norm_b), DeviceBuffer(p.row.qkv_w),
                         DeviceBuffer(p.row.out_w), DeviceBuffer(p.row.out_b)};
   DeviceBuffer cw[5] = {DeviceBuffer(p.col.norm_w), DeviceBuffer(p.col.norm_b), DeviceBuffer(p.col.qkv_w),
@@ -51,6 +51,8 @@ TEST_P(CudaForward, MatchesDoubleReference) {
   a.row = {rw[0].ptr, rw[1].ptr, rw[2].ptr, rw[3].ptr, rw[4].ptr};
   a.col = {cw[0].ptr, cw[1].ptr, cw[2].ptr, cw[3].ptr, cw[4].ptr};
   ASSERT_GE(cuda_workspace_bytes(a), p.x.size() * sizeof(float));
+  DeviceBuffer ws(cuda_workspace_bytes(a) / sizeof(float));
+  ASSERT_NE(ws.ptr, nullptr);
   const Status st = forward_cuda(a, ws.ptr, nullptr);
   ASSERT_TRUE(st.ok()) << st.message;
   CUDA_OK(cudaDeviceSynchronize());
@@ -59,7 +61,10 @@ TEST_P(CudaForward, MatchesDoubleReference) {
   EXPECT_LE(worst_ratio(host, reference_forward(p), 1e-4, 1e-4), 1.0);
 }
 
-// Odd sizes, several key tiles (L > 64), head_dim 1 to 128.
+// Odd sizes, several key tiles (L > 64), head_dim 1 to 128; each kernel
+// family by its own choice (common/dispatch.h): fused (L <= 128), staged
+// (L = 130, 140, 200, 257; dim 256 with L = 100), generic (head_dim 12, 1,
+// 128; L = 1024 with head_dim 16).
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
                          ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 1, 7, 16, 2}, Shape{1, 7, 1, 32, 4},
                                            Shape{2, 5, 9, 64, 8}, Shape{1, 8, 3, 128, 4}, Shape{1, 4, 6, 256, 4},
@@ -67,7 +72,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
                                            Shape{1, 130, 3, 32, 2}, Shape{1, 3, 200, 12, 4},
                                            Shape{1, 2, 5, 3, 3}, Shape{1, 3, 4, 128, 1},
                                            Shape{1, 257, 2, 32, 2}, Shape{1, 2, 1024, 64, 4},
-                                           Shape{1, 3, 5, 1024, 8}),
+                                           Shape{1, 3, 5, 1024, 8}, Shape{1, 100, 3, 256, 8},
+                                           Shape{2, 9, 200, 64, 2}, Shape{1, 140, 2, 72, 9}),
                          [](const auto& info) { return shape_name(info.param); });
 
 TEST(CudaForward, RejectsMissingWorkspace) {

@@ -186,12 +186,14 @@ def test_long_sequences_and_odd_head_dims(B, H, W, D, heads, device):
     check_against_reference(B, H, W, D, heads, device, seed=H + W + D)
 
 
-# The CUDA tensor-core kernel rounds L up to 16, 32, 48, 64, 80, 96 or 128 and
-# is built for head_dim 8, 16, 32, 64: each bucket, its edges, dim 512, and
-# what goes to the generic kernel (L = 129, head_dim 24).
+# The fused CUDA kernel rounds L up to 16, 32, 48, 64, 80, 96 or 128 and is
+# built for head_dim 8, 16, 32, 64: each bucket, its edges, dim 512; past it
+# the staged path (L = 129, 160; dim 256 at L = 100) and the generic kernel
+# (head_dim 24).
 @pytest.mark.parametrize("B,H,W,D,heads", [(1, 16, 17, 64, 8), (2, 48, 80, 96, 3), (1, 81, 96, 128, 2),
                                            (1, 97, 112, 64, 1), (1, 128, 3, 32, 4), (1, 129, 128, 64, 4),
-                                           (1, 6, 16, 512, 8), (1, 40, 20, 96, 4)],
+                                           (1, 6, 16, 512, 8), (1, 40, 20, 96, 4), (1, 160, 24, 128, 4),
+                                           (2, 100, 36, 256, 8)],
                          ids=lambda v: str(v))
 def test_sequence_length_buckets(B, H, W, D, heads, device):
     check_against_reference(B, H, W, D, heads, device, seed=H * W + D)

@@ -1,0 +1,271 @@
+// One attention pass as a pipeline of tensor-core kernels with the
+// intermediates in the workspace: for sequences longer than the fused kernel
+// holds (L > 128) and for dims whose q, k, v do not fit one block's shared
+// memory.
+//
+// For the pass's T = B*H*W positions (the same flat rows for both axes:
+// LayerNorm and the projections act on each position alone, only the
+// attention sees the axis):
+//   1. split_weights:   Wqkv, Wout -> split pairs              (4 D^2 elements)
+//   2. layer_norm_split: xs = LayerNorm(src) as split pairs    (T, D)
+//   3. gemm_tf32x3:     qkv = xs @ Wqkv^T                      (T, 3D)
+//   4. attention:       o_h = softmax(q_h k_h^T * scale) v_h   (T, D) split, into xs's space
+//   5. gemm_tf32x3:     dst = src + o @ Wout^T + bout          (T, D)
+// Why this shape: at these sizes the projections are 80-90% of the
+// arithmetic, and as plain GEMMs over all T positions they run at tensor-core
+// rate with 128 x 128 tiles; storing the operands split once (2, 4) takes the
+// TF32 conversions out of their inner loops.
+//
+// The attention kernel takes a block per (sequence, head): the head's keys
+// and values of the whole sequence are split into shared memory once (keys
+// (Lp, hd), values transposed (hd, Lp), Lp = L rounded up to 16), and each
+// warp owns 16 queries at a time, going over the keys 64 at a time with an
+// online softmax (running max and sum per row), scores in registers and P fed
+// to P @ V from the score registers as in the fused kernel.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common/dispatch.h"
+#include "axis_kernels.h"
+#include "gemm_tf32x3.h"
+#include "tf32x3.cuh"
+#include "warp_ops.cuh"
+
+namespace fastaxial::cuda {
+namespace {
+
+// out (2 (na + nb) words) = split pairs of a (na floats) then b (nb floats).
+__global__ void split_weights_kernel(const float* __restrict__ a, int64_t na, const float* __restrict__ b,
+                                     int64_t nb, float2* __restrict__ out) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < na + nb; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = split_pair(i < na ? a[i] : b[i - na]);
+}
+
+// xs (T, D) split pairs = LayerNorm(x (T, D)); a warp per position.
+__global__ void layer_norm_split_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
+                                        const float* __restrict__ beta, float eps, int64_t T, int D,
+                                        float2* __restrict__ xs) {
+  const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+  if (pos >= T) return;
+  float2* y = xs + pos * D;
+  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { y[c] = split_pair(v); });
+}
+
+struct AttnArgs {
+  AxisView pos;  // sequence n, position l -> row of qkv and o
+  int D, heads;
+  float scale;
+  const float* qkv;  // (T, 3D): [q | k | v], heads side by side in each
+  float* o;          // (T, D) split pairs
+};
+
+// Words per shared row: keys (2 hd words) and transposed values (2 Lp words)
+// padded to 16 mod 32, so that the 16-byte fragment loads of a quarter warp
+// (rows g = 0, 1; offsets 4t) hit distinct banks.
+__host__ __device__ constexpr int padded_row(int words) { return words + (words % 32 == 16 ? 0 : 16); }
+
+template <int HD>
+constexpr int max_warps() {
+  return HD >= 64 ? 8 : 16;  // 64: q fragments alone take 64 registers
+}
+
+template <int HD>
+__global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const AttnArgs a) {
+  constexpr int KS = HD / 8;            // 8-feature steps of a head
+  constexpr int kLdk = padded_row(2 * HD);
+  constexpr int kChunk = HD == 32 ? 4 : 8;  // 8-key groups per online-softmax step (fewer: 128 registers at 16 warps)
+  const int L = (int)a.pos.len, Lp = (L + 15) / 16 * 16, ldv = padded_row(2 * Lp);
+  const int64_t n = blockIdx.x / a.heads;
+  const int hc = (int)(blockIdx.x % a.heads) * HD;
+  const int64_t row_words = 3 * (int64_t)a.D;
+  extern __shared__ float4 smem4[];
+  float* ks = reinterpret_cast<float*>(smem4);  // (Lp, kLdk) keys of this head, split pairs
+  float* vt = ks + Lp * kLdk;                   // (HD, ldv) values, transposed, split pairs
+
+  // Keys and values of positions >= L are zero (and masked below).
+  for (int e = threadIdx.x; e < Lp * (HD / 4); e += blockDim.x) {
+    const int l = e / (HD / 4), f = 4 * (e % (HD / 4));
+    float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
+    if (l < L) {
+      const float* row = a.qkv + a.pos.offset(n, l) * row_words + hc + f;
+      kv = *reinterpret_cast<const float4*>(row + a.D);
+      vv = *reinterpret_cast<const float4*>(row + 2 * a.D);
+    }
+    *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f) = split_pairs(kv.x, kv.y);
+    *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f + 4) = split_pairs(kv.z, kv.w);
+    *reinterpret_cast<float2*>(vt + (f + 0) * ldv + 2 * l) = split_pair(vv.x);
+    *reinterpret_cast<float2*>(vt + (f + 1) * ldv + 2 * l) = split_pair(vv.y);
+    *reinterpret_cast<float2*>(vt + (f + 2) * ldv + 2 * l) = split_pair(vv.z);
+    *reinterpret_cast<float2*>(vt + (f + 3) * ldv + 2 * l) = split_pair(vv.w);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  for (int r0 = 16 * warp; r0 < Lp; r0 += 16 * warps) {
+    // Query fragments, k permuted as the split keys (tf32x3.cuh): this thread
+    // holds features 2t, 2t + 1 of each 8 for rows r0 + g and r0 + g + 8.
+    const bool in0 = r0 + g < L, in1 = r0 + g + 8 < L;
+    const float* q0 = a.qkv + (in0 ? a.pos.offset(n, r0 + g) * row_words : 0) + hc + 2 * t;
+    const float* q1 = a.qkv + (in1 ? a.pos.offset(n, r0 + g + 8) * row_words : 0) + hc + 2 * t;
+    FragA qa[KS];
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      const float2 x0 = in0 ? *reinterpret_cast<const float2*>(q0 + 8 * s) : make_float2(0.0f, 0.0f);
+      const float2 x1 = in1 ? *reinterpret_cast<const float2*>(q1 + 8 * s) : make_float2(0.0f, 0.0f);
+      split(x0.x, qa[s].hi[0], qa[s].lo[0]);
+      split(x1.x, qa[s].hi[1], qa[s].lo[1]);
+      split(x0.y, qa[s].hi[2], qa[s].lo[2]);
+      split(x1.y, qa[s].hi[3], qa[s].lo[3]);
+    }
+
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
+    float acc[KS][4];
+#pragma unroll
+    for (int j = 0; j < KS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+    // Every chunk starts below L (c0 <= Lp - 16 < L), so its row max is finite.
+    for (int c0 = 0; c0 < Lp; c0 += 8 * kChunk) {
+      // s (16, 64) = q k^T for keys c0 ..; this thread: keys c0 + 8j + 2t (+1).
+      float s[kChunk][4];
+      float cm0 = -INFINITY, cm1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+        const int key0 = c0 + 8 * j;
+        if (key0 < Lp) {
+#pragma unroll
+          for (int kk = 0; kk < KS; ++kk) mma_3xtf32(s[j], qa[kk], load_bt_split(ks + key0 * kLdk + 16 * kk, kLdk));
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const bool valid = key0 + 2 * t + e < L;
+          s[j][e] = valid ? s[j][e] * a.scale : -INFINITY;
+          s[j][2 + e] = valid ? s[j][2 + e] * a.scale : -INFINITY;
+          cm0 = fmaxf(cm0, s[j][e]);
+          cm1 = fmaxf(cm1, s[j][2 + e]);
+        }
+      }
+#pragma unroll
+      for (int m = 1; m <= 2; m <<= 1) {  // a row's scores are spread over a quad
+        cm0 = fmaxf(cm0, __shfl_xor_sync(0xffffffffu, cm0, m));
+        cm1 = fmaxf(cm1, __shfl_xor_sync(0xffffffffu, cm1, m));
+      }
+      const float mn0 = fmaxf(m0, cm0), mn1 = fmaxf(m1, cm1);
+      const float corr0 = expf(m0 - mn0), corr1 = expf(m1 - mn1);  // 0 on the first chunk
+      m0 = mn0, m1 = mn1;
+      l0 *= corr0, l1 *= corr1;
+#pragma unroll
+      for (int j = 0; j < KS; ++j) acc[j][0] *= corr0, acc[j][1] *= corr0, acc[j][2] *= corr1, acc[j][3] *= corr1;
+
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const int key0 = c0 + 8 * j;
+        if (key0 >= Lp) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[j][e] = expf(s[j][e] - m0);  // exp(-inf) = 0 for masked keys
+          s[j][2 + e] = expf(s[j][2 + e] - m1);
+          l0 += s[j][e];
+          l1 += s[j][2 + e];
+        }
+        // A column t of group j stands for key 2t, column t + 4 for key 2t + 1:
+        // the score registers are the A fragment, and the transposed values'
+        // pairs at 2t, 2t + 1 are the B fragment.
+        const FragA pa = make_a(s[j][0], s[j][2], s[j][1], s[j][3]);
+#pragma unroll
+        for (int f = 0; f < KS; ++f) mma_3xtf32(acc[f], pa, load_bt_split(vt + 8 * f * ldv + 2 * key0, ldv));
+      }
+    }
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, m);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, m);
+    }
+    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+#pragma unroll
+    for (int f = 0; f < KS; ++f) {
+      const int col = hc + 8 * f + 2 * t;
+      if (in0)
+        *reinterpret_cast<float4*>(a.o + (a.pos.offset(n, r0 + g) * a.D + col) * 2) =
+            split_pairs(acc[f][0] * inv0, acc[f][1] * inv0);
+      if (in1)
+        *reinterpret_cast<float4*>(a.o + (a.pos.offset(n, r0 + g + 8) * a.D + col) * 2) =
+            split_pairs(acc[f][2] * inv1, acc[f][3] * inv1);
+    }
+  }
+}
+
+template <int HD>
+cudaError_t launch_attention(const AttnArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+  constexpr auto kernel = attention_kernel<HD>;
+  if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  const int64_t lp = (a.pos.len + 15) / 16;
+  const int warps = (int)std::min<int64_t>(lp, max_warps<HD>());
+  const int64_t blocks = a.pos.num_seq * a.heads;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<(unsigned)blocks, 32 * warps, staged_attention_smem_bytes(a.pos.len, HD), stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Positions as rows of the (T, D) matrices: the view's strides in units of D.
+AxisView row_indices(const AxisView& v, int64_t D) {
+  return {v.num_seq, v.len, v.inner, v.seq_stride / D, v.pos_stride / D, v.batch_stride / D};
+}
+
+}  // namespace
+
+bool staged_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                 const float* dst, const DeviceInfo& dev) {
+  constexpr size_t kGemmSmem = 4 * (128 + 128) * 48 * sizeof(float);
+  return staged_attention_smem_bytes(view.len, p.dim / p.heads) <= (size_t)dev.smem_optin &&
+         kGemmSmem <= (size_t)dev.smem_optin && pass_aligned(w, src, dst);
+}
+
+Status launch_axis_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                          float* dst, float* workspace, const DeviceInfo& dev, cudaStream_t stream) {
+  const int D = (int)p.dim;
+  const int64_t T = view.num_seq * view.len;
+  float* xs = workspace;                 // (T, D) split pairs: LayerNorm output, then attention output
+  float* qkv = xs + 2 * T * D;           // (T, 3D)
+  float* wqkv = qkv + 3 * T * D;         // (3D, D) split pairs
+  float* wout = wqkv + 6 * (int64_t)D * D;  // (D, D) split pairs
+
+  split_weights_kernel<<<std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms), 256, 0, stream>>>(
+      w.qkv_weight, 3 * (int64_t)D * D, w.out_weight, (int64_t)D * D, reinterpret_cast<float2*>(wqkv));
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "split_weights_kernel launch");
+
+  layer_norm_split_kernel<<<(unsigned)((T + 7) / 8), 256, 0, stream>>>(src, w.norm_weight, w.norm_bias, p.eps, T, D,
+                                                                     reinterpret_cast<float2*>(xs));
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "layer_norm_split_kernel launch");
+
+  GemmArgs g;
+  g.a = xs, g.w = wqkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
+  if (cudaError_t e = gemm_tf32x3(g, dev, stream); e != cudaSuccess) return cuda_error(e, "QKV gemm_tf32x3 launch");
+
+  AttnArgs a;
+  a.pos = row_indices(view, D);
+  a.D = D, a.heads = (int)p.heads;
+  const int hd = (int)(p.dim / p.heads);
+  a.scale = 1.0f / sqrtf((float)hd);
+  a.qkv = qkv, a.o = xs;
+  cudaError_t e = cudaErrorInvalidValue;
+  switch (hd) {
+    case 8: e = launch_attention<8>(a, dev, stream); break;
+    case 16: e = launch_attention<16>(a, dev, stream); break;
+    case 32: e = launch_attention<32>(a, dev, stream); break;
+    case 64: e = launch_attention<64>(a, dev, stream); break;
+  }
+  if (e != cudaSuccess) return cuda_error(e, "staged attention_kernel launch");
+
+  g.a = xs, g.w = wout, g.bias = w.out_bias, g.residual = src, g.c = dst, g.N = D;
+  if (cudaError_t e2 = gemm_tf32x3(g, dev, stream); e2 != cudaSuccess)
+    return cuda_error(e2, "output gemm_tf32x3 launch");
+  return Status::Ok();
+}
+
+}  // namespace fastaxial::cuda
