@@ -50,13 +50,20 @@ size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim) {
   return (size_t)(lp * ldk + head_dim * ldv) * sizeof(float);
 }
 
-AxisPath axis_path(int64_t len, int64_t dim, int64_t heads) {
+AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t tokens) {
   static const Override forced = read_override();
   if (forced == Override::kGeneric || !tensor_core_shape(dim, heads)) return AxisPath::kGeneric;
   const bool fused = fused_tile_count(len) > 0 && fused_smem_bytes(len, dim) <= kSmemBudget;
   const bool staged = staged_attention_smem_bytes(len, dim / heads) <= kSmemBudget;
   if (forced == Override::kStaged && staged) return AxisPath::kStaged;
-  if (fused) return AxisPath::kFused;
+  if (forced == Override::kFused && fused) return AxisPath::kFused;
+  // Measured on the H200 (docs/perf-notes.md, v13): from dim 96 up and with
+  // thousands of positions the staged path wins over the fused kernel (dim
+  // 96: 109 vs 149 us, dim 128: 446 vs 491 us); at dim 64 the fused kernel
+  // wins (29 vs 58 us, 103 vs 113 us); small problems pay for the staged
+  // path's ten launches.
+  const bool staged_wins = dim >= 96 && tokens >= 4096;
+  if (fused && !(staged && staged_wins)) return AxisPath::kFused;
   if (staged && forced != Override::kFused) return AxisPath::kStaged;
   return AxisPath::kGeneric;
 }

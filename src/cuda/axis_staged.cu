@@ -56,7 +56,7 @@ __global__ void layer_norm_split_kernel(const float* __restrict__ x, const float
 struct AttnArgs {
   AxisView pos;  // sequence n, position l -> row of qkv and o
   int D, heads;
-  float scale;
+  float scale_log2;  // log2(e) / sqrt(hd)
   const float* qkv;  // (T, 3D): [q | k | v], heads side by side in each
   float* o;          // (T, D) split pairs
 };
@@ -106,6 +106,8 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
   for (int r0 = 16 * warp; r0 < Lp; r0 += 16 * warps) {
     // Query fragments, k permuted as the split keys (tf32x3.cuh): this thread
     // holds features 2t, 2t + 1 of each 8 for rows r0 + g and r0 + g + 8.
+    // The softmax scale, times log2(e), is applied to q here, once, rather
+    // than to each score: scores come out in base 2 for exp2f.
     const bool in0 = r0 + g < L, in1 = r0 + g + 8 < L;
     const float* q0 = a.qkv + (in0 ? a.pos.offset(n, r0 + g) * row_words : 0) + hc + 2 * t;
     const float* q1 = a.qkv + (in1 ? a.pos.offset(n, r0 + g + 8) * row_words : 0) + hc + 2 * t;
@@ -114,10 +116,10 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
     for (int s = 0; s < KS; ++s) {
       const float2 x0 = in0 ? *reinterpret_cast<const float2*>(q0 + 8 * s) : make_float2(0.0f, 0.0f);
       const float2 x1 = in1 ? *reinterpret_cast<const float2*>(q1 + 8 * s) : make_float2(0.0f, 0.0f);
-      split(x0.x, qa[s].hi[0], qa[s].lo[0]);
-      split(x1.x, qa[s].hi[1], qa[s].lo[1]);
-      split(x0.y, qa[s].hi[2], qa[s].lo[2]);
-      split(x1.y, qa[s].hi[3], qa[s].lo[3]);
+      split(x0.x * a.scale_log2, qa[s].hi[0], qa[s].lo[0]);
+      split(x1.x * a.scale_log2, qa[s].hi[1], qa[s].lo[1]);
+      split(x0.y * a.scale_log2, qa[s].hi[2], qa[s].lo[2]);
+      split(x1.y * a.scale_log2, qa[s].hi[3], qa[s].lo[3]);
     }
 
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
@@ -141,11 +143,16 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
 #pragma unroll
           for (int kk = 0; kk < KS; ++kk) mma_3xtf32(s[j], qa[kk], load_bt_split(ks + key0 * kLdk + 16 * kk, kLdk));
         }
+        if (c0 + 8 * kChunk > L) {  // the chunk holding key L - 1: mask keys >= L
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const bool valid = key0 + 2 * t + e < L;
+            s[j][e] = valid ? s[j][e] : -INFINITY;
+            s[j][2 + e] = valid ? s[j][2 + e] : -INFINITY;
+          }
+        }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const bool valid = key0 + 2 * t + e < L;
-          s[j][e] = valid ? s[j][e] * a.scale : -INFINITY;
-          s[j][2 + e] = valid ? s[j][2 + e] * a.scale : -INFINITY;
           cm0 = fmaxf(cm0, s[j][e]);
           cm1 = fmaxf(cm1, s[j][2 + e]);
         }
@@ -156,7 +163,7 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
         cm1 = fmaxf(cm1, __shfl_xor_sync(0xffffffffu, cm1, m));
       }
       const float mn0 = fmaxf(m0, cm0), mn1 = fmaxf(m1, cm1);
-      const float corr0 = expf(m0 - mn0), corr1 = expf(m1 - mn1);  // 0 on the first chunk
+      const float corr0 = exp2f(m0 - mn0), corr1 = exp2f(m1 - mn1);  // 0 on the first chunk
       m0 = mn0, m1 = mn1;
       l0 *= corr0, l1 *= corr1;
 #pragma unroll
@@ -168,8 +175,8 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
         if (key0 >= Lp) continue;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          s[j][e] = expf(s[j][e] - m0);  // exp(-inf) = 0 for masked keys
-          s[j][2 + e] = expf(s[j][2 + e] - m1);
+          s[j][e] = exp2f(s[j][e] - m0);  // 2^-inf = 0 for masked keys
+          s[j][2 + e] = exp2f(s[j][2 + e] - m1);
           l0 += s[j][e];
           l1 += s[j][2 + e];
         }
@@ -221,7 +228,7 @@ AxisView row_indices(const AxisView& v, int64_t D) {
 
 bool staged_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                  const float* dst, const DeviceInfo& dev) {
-  constexpr size_t kGemmSmem = 4 * (128 + 128) * 48 * sizeof(float);
+  constexpr size_t kGemmSmem = 3 * (128 + 64) * 48 * sizeof(float);
   return staged_attention_smem_bytes(view.len, p.dim / p.heads) <= (size_t)dev.smem_optin &&
          kGemmSmem <= (size_t)dev.smem_optin && pass_aligned(w, src, dst);
 }
@@ -251,7 +258,7 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   a.pos = row_indices(view, D);
   a.D = D, a.heads = (int)p.heads;
   const int hd = (int)(p.dim / p.heads);
-  a.scale = 1.0f / sqrtf((float)hd);
+  a.scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
   a.qkv = qkv, a.o = xs;
   cudaError_t e = cudaErrorInvalidValue;
   switch (hd) {

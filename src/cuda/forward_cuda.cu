@@ -43,7 +43,7 @@ Status current_device(DeviceInfo* info) {
 Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
                    float* staged, const DeviceInfo& dev, cudaStream_t stream) {
   if (view.num_seq == 0 || view.len == 0) return Status::Ok();
-  switch (axis_path(view.len, p.dim, p.heads)) {
+  switch (axis_path(view.len, p.dim, p.heads, view.num_seq * view.len)) {
     case AxisPath::kFused:
       if (cuda::tensor_core_fits(view, p, w, src, dst, dev))
         return cuda::launch_axis_tensor_core(view, p, w, src, dst, dev, stream);

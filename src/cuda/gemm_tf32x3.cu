@@ -3,10 +3,12 @@
 // global memory (pairs of TF32 words, tf32x3.cuh) so the inner loop is loads
 // and mma.sync only.
 //
-// Shape: a block computes a 128 x 128 tile of C with 8 warps (2 x 4), each a
+// Shape: a block computes a 128 x 64 tile of C with 4 warps (2 x 2), each a
 // 64 x 32 piece (4 x 4 fragments of 16 x 8, 64 accumulators a thread). K
-// advances 16 at a time through a 4-stage cp.async ring in shared memory, so
-// three tiles of A and W are in flight while one is multiplied. Shared rows
+// advances 16 at a time through a 3-stage cp.async ring in shared memory, so
+// two tiles of A and W are in flight while one is multiplied. Two blocks fit
+// an SM (registers and 111 KB of shared memory each): one block's pipeline
+// fill and epilogue overlap the other's products. Shared rows
 // are 48 words (32 of pairs, 16 of pad): a fragment's 16-byte loads then hit
 // distinct banks. Rows of A or W past M or N, and k past K, arrive as zeros.
 //
@@ -22,9 +24,9 @@
 namespace fastaxial::cuda {
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 16, kStages = 4;
+constexpr int BM = 128, BN = 64, BK = 16, kStages = 3;
 constexpr int kLd = 2 * BK + 16;  // words per shared row
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
 constexpr int kStageWords = (BM + BN) * kLd;
 constexpr size_t kSmemBytes = (size_t)kStages * kStageWords * sizeof(float);
 
@@ -33,20 +35,24 @@ __device__ __forceinline__ void cp_async16(float* dst, const float* src, bool va
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 }
 
-// rows (BM of them) x BK elements of a split (rows, K) matrix into shared
-// memory; a row's 2 BK words are 8 pieces of 16 bytes.
+// R rows x BK elements of a split (rows, K) matrix into shared memory; a
+// row's 2 BK words are 8 pieces of 16 bytes. A thread always copies the same
+// piece, of rows r, r + 16, ...
+template <int R>
 __device__ __forceinline__ void load_tile(float* s, const float* g, int64_t row0, int64_t rows, int k0, int K) {
+  constexpr int kRowStep = kThreads / 8;
+  const int r = threadIdx.x / 8, piece = threadIdx.x % 8, k = k0 + 2 * piece;
+  const float* src = g + ((row0 + r) * K + k) * 2;
+  const int64_t step = (int64_t)kRowStep * K * 2;
+  float* dst = s + r * kLd + 4 * piece;
 #pragma unroll
-  for (int u = 0; u < BM * 8 / kThreads; ++u) {
-    const int e = threadIdx.x + u * kThreads, r = e / 8, piece = e % 8;
-    const int k = k0 + 2 * piece;
-    const bool valid = row0 + r < rows && k < K;
-    const float* src = valid ? g + ((row0 + r) * K + k) * 2 : g;
-    cp_async16(s + r * kLd + 4 * piece, src, valid);
+  for (int u = 0; u < R / kRowStep; ++u) {
+    const bool valid = k < K && row0 + r + u * kRowStep < rows;
+    cp_async16(dst + u * kRowStep * kLd, valid ? src + u * step : g, valid);
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs p) {
+__global__ void __launch_bounds__(kThreads, 2) gemm_tf32x3_kernel(const GemmArgs p) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);  // kStages x [A (BM, kLd) | W (BN, kLd)]
   // Blocks that share a row tile of A are neighbours in launch order, so A
@@ -54,14 +60,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
   const int ntiles = (p.N + BN - 1) / BN;
   const int64_t m0 = (int64_t)(blockIdx.x / ntiles) * BM;
   const int n0 = (int)(blockIdx.x % ntiles) * BN;
-  const int warp = threadIdx.x / 32, wm = warp / 4, wn = warp % 4;
+  const int warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const int ktiles = (p.K + BK - 1) / BK;
 
   auto load_stage = [&](int kt) {
     float* s = smem + (kt % kStages) * kStageWords;
-    load_tile(s, p.a, m0, p.M, kt * BK, p.K);
-    load_tile(s + BM * kLd, p.w, n0, p.N, kt * BK, p.K);
+    load_tile<BM>(s, p.a, m0, p.M, kt * BK, p.K);
+    load_tile<BN>(s + BM * kLd, p.w, n0, p.N, kt * BK, p.K);
   };
 
   float c[4][4][4];
@@ -87,16 +93,15 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
     const float* sw = smem + (kt % kStages) * kStageWords + (BM + wn * 32) * kLd;
 #pragma unroll
     for (int ks = 0; ks < BK / 8; ++ks) {
-      FragA a[4];
       FragB b[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = load_a_split(sa + 16 * i * kLd + 16 * ks, kLd);
 #pragma unroll
       for (int j = 0; j < 4; ++j) b[j] = load_bt_split(sw + 8 * j * kLd + 16 * ks, kLd);
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 4; ++i) {  // one A fragment live at a time: registers for two blocks an SM
+        const FragA a = load_a_split(sa + 16 * i * kLd + 16 * ks, kLd);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_3xtf32(c[i][j], a[i], b[j]);
+        for (int j = 0; j < 4; ++j) mma_3xtf32(c[i][j], a, b[j]);
+      }
     }
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");

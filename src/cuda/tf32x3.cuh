@@ -59,11 +59,21 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// d = a * b into a fresh accumulator: C is the constant zero, so no
+// registers are cleared first.
+__device__ __forceinline__ void mma_tf32_first(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+
 // c += a * b, fp32-accurate: the small terms first, then the large one, in a
 // fresh accumulator; then one rounded fp32 add per element.
 __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const FragA& a, const FragB& b) {
-  float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_tf32(t, a.lo, b.hi);
+  float t[4];
+  mma_tf32_first(t, a.lo, b.hi);
   mma_tf32(t, a.hi, b.lo);
   mma_tf32(t, a.hi, b.hi);
 #pragma unroll
