@@ -28,6 +28,7 @@ struct DeviceInfo {
   int device = 0;      // ordinal
   int sms = 0;         // multiprocessors
   int smem_optin = 0;  // bytes of shared memory a block may opt in to
+  int cc_major = 0;    // compute capability
 };
 
 inline Status cuda_error(cudaError_t e, const char* what) {

@@ -11,10 +11,12 @@
 //   3. gemm_tf32x3:     qkv = xs @ Wqkv^T                      (T, 3D)
 //   4. attention:       o_h = softmax(q_h k_h^T * scale) v_h   (T, D) split, into xs's space
 //   5. gemm_tf32x3:     dst = src + o @ Wout^T + bout          (T, D)
-// Why this shape: at these sizes the projections are 80-90% of the
-// arithmetic, and as plain GEMMs over all T positions they run at tensor-core
-// rate with 128 x 128 tiles; storing the operands split once (2, 4) takes the
-// TF32 conversions out of their inner loops.
+// Why this shape: at these sizes the projections are most of the arithmetic,
+// and as plain GEMMs over all T positions they run on Hopper's warpgroup
+// tensor-core instructions (gemm_tf32x3.cu); storing their operands split
+// once (1, 2, 4) takes the TF32 conversions out of the products. The path
+// needs an sm_90a build on a compute-capability 9.0 device; elsewhere the
+// generic kernel serves these shapes.
 //
 // The attention kernel takes a block per (sequence, head): the head's keys
 // and values of the whole sequence are split into shared memory once (keys
@@ -36,21 +38,34 @@
 namespace fastaxial::cuda {
 namespace {
 
-// out (2 (na + nb) words) = split pairs of a (na floats) then b (nb floats).
-__global__ void split_weights_kernel(const float* __restrict__ a, int64_t na, const float* __restrict__ b,
-                                     int64_t nb, float2* __restrict__ out) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < na + nb; i += (int64_t)gridDim.x * blockDim.x)
-    out[i] = split_pair(i < na ? a[i] : b[i - na]);
+// Split planes of two matrices: a (na floats) into out_a = [hi (na) | lo (na)],
+// b (nb floats) into out_b likewise.
+__global__ void split_weights_kernel(const float* __restrict__ a, int64_t na, float* __restrict__ out_a,
+                                     const float* __restrict__ b, int64_t nb, float* __restrict__ out_b) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < na + nb;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const bool in_a = i < na;
+    const int64_t j = in_a ? i : i - na, n = in_a ? na : nb;
+    float* out = in_a ? out_a : out_b;
+    const float2 v = split_pair(in_a ? a[i] : b[j]);
+    out[j] = v.x;
+    out[n + j] = v.y;
+  }
 }
 
-// xs (T, D) split pairs = LayerNorm(x (T, D)); a warp per position.
+// xs = LayerNorm(x (T, D)) as split planes [hi (T, D) | lo (T, D)]; a warp per position.
 __global__ void layer_norm_split_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
                                         const float* __restrict__ beta, float eps, int64_t T, int D,
-                                        float2* __restrict__ xs) {
+                                        float* __restrict__ xs) {
   const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (pos >= T) return;
-  float2* y = xs + pos * D;
-  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { y[c] = split_pair(v); });
+  float* hi = xs + pos * D;
+  float* lo = hi + T * D;
+  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) {
+    const float2 h = split_pair(v);
+    hi[c] = h.x;
+    lo[c] = h.y;
+  });
 }
 
 struct AttnArgs {
@@ -58,7 +73,8 @@ struct AttnArgs {
   int D, heads;
   float scale_log2;  // log2(e) / sqrt(hd)
   const float* qkv;  // (T, 3D): [q | k | v], heads side by side in each
-  float* o;          // (T, D) split pairs
+  float* o;          // [hi (T, D) | lo (T, D)] split planes
+  int64_t plane;     // T * D
 };
 
 // Words per shared row: keys (2 hd words) and transposed values (2 Lp words)
@@ -197,12 +213,15 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
 #pragma unroll
     for (int f = 0; f < KS; ++f) {
       const int col = hc + 8 * f + 2 * t;
-      if (in0)
-        *reinterpret_cast<float4*>(a.o + (a.pos.offset(n, r0 + g) * a.D + col) * 2) =
-            split_pairs(acc[f][0] * inv0, acc[f][1] * inv0);
-      if (in1)
-        *reinterpret_cast<float4*>(a.o + (a.pos.offset(n, r0 + g + 8) * a.D + col) * 2) =
-            split_pairs(acc[f][2] * inv1, acc[f][3] * inv1);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (!(half ? in1 : in0)) continue;
+        const float inv = half ? inv1 : inv0;
+        const float2 x = split_pair(acc[f][2 * half] * inv), y = split_pair(acc[f][2 * half + 1] * inv);
+        float* hi = a.o + a.pos.offset(n, r0 + g + 8 * half) * a.D + col;
+        *reinterpret_cast<float2*>(hi) = make_float2(x.x, y.x);
+        *reinterpret_cast<float2*>(hi + a.plane) = make_float2(x.y, y.y);
+      }
     }
   }
 }
@@ -228,26 +247,26 @@ AxisView row_indices(const AxisView& v, int64_t D) {
 
 bool staged_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                  const float* dst, const DeviceInfo& dev) {
-  constexpr size_t kGemmSmem = 3 * (128 + 64) * 48 * sizeof(float);
-  return staged_attention_smem_bytes(view.len, p.dim / p.heads) <= (size_t)dev.smem_optin &&
-         kGemmSmem <= (size_t)dev.smem_optin && pass_aligned(w, src, dst);
+  return gemm_tf32x3_available(dev) &&
+         staged_attention_smem_bytes(view.len, p.dim / p.heads) <= (size_t)dev.smem_optin &&
+         pass_aligned(w, src, dst);
 }
 
 Status launch_axis_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                           float* dst, float* workspace, const DeviceInfo& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len;
-  float* xs = workspace;                 // (T, D) split pairs: LayerNorm output, then attention output
-  float* qkv = xs + 2 * T * D;           // (T, 3D)
-  float* wqkv = qkv + 3 * T * D;         // (3D, D) split pairs
-  float* wout = wqkv + 6 * (int64_t)D * D;  // (D, D) split pairs
+  float* xs = workspace;                    // (T, D) x 2 split planes: LayerNorm output, then attention output
+  float* qkv = xs + 2 * T * D;              // (T, 3D)
+  float* wqkv = qkv + 3 * T * D;            // (3D, D) x 2 split planes
+  float* wout = wqkv + 6 * (int64_t)D * D;  // (D, D) x 2 split planes
 
   split_weights_kernel<<<std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms), 256, 0, stream>>>(
-      w.qkv_weight, 3 * (int64_t)D * D, w.out_weight, (int64_t)D * D, reinterpret_cast<float2*>(wqkv));
+      w.qkv_weight, 3 * (int64_t)D * D, wqkv, w.out_weight, (int64_t)D * D, wout);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "split_weights_kernel launch");
 
   layer_norm_split_kernel<<<(unsigned)((T + 7) / 8), 256, 0, stream>>>(src, w.norm_weight, w.norm_bias, p.eps, T, D,
-                                                                     reinterpret_cast<float2*>(xs));
+                                                                     xs);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "layer_norm_split_kernel launch");
 
   GemmArgs g;
@@ -259,7 +278,7 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   a.D = D, a.heads = (int)p.heads;
   const int hd = (int)(p.dim / p.heads);
   a.scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
-  a.qkv = qkv, a.o = xs;
+  a.qkv = qkv, a.o = xs, a.plane = T * D;
   cudaError_t e = cudaErrorInvalidValue;
   switch (hd) {
     case 8: e = launch_attention<8>(a, dev, stream); break;

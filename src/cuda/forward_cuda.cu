@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <utility>
 
 #include "../common/dispatch.h"
 #include "axis_kernels.h"
@@ -14,27 +15,31 @@ namespace {
 
 using cuda::DeviceInfo;
 
-// Multiprocessor count and shared-memory limit of the current device, read
-// once per device: the attribute queries cost microseconds per forward.
+// Multiprocessor count, shared-memory limit and compute capability of the
+// current device, read once per device: the attribute queries cost
+// microseconds per forward.
 Status current_device(DeviceInfo* info) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> sms[kMaxDevices], smem[kMaxDevices];  // 0 until read
+  static std::atomic<int> sms[kMaxDevices], smem[kMaxDevices], major[kMaxDevices];  // 0 until read
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda::cuda_error(e, "cudaGetDevice");
   info->device = device;
   if (device < kMaxDevices && sms[device].load() > 0) {
     info->sms = sms[device].load();
     info->smem_optin = smem[device].load();
+    info->cc_major = major[device].load();
     return Status::Ok();
   }
-  if (cudaError_t e = cudaDeviceGetAttribute(&info->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-      e != cudaSuccess)
-    return cuda::cuda_error(e, "cudaDeviceGetAttribute");
-  if (cudaError_t e = cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
-    return cuda::cuda_error(e, "cudaDeviceGetAttribute");
+  const std::pair<int*, cudaDeviceAttr> attrs[] = {{&info->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
+                                                   {&info->cc_major, cudaDevAttrComputeCapabilityMajor},
+                                                   {&info->sms, cudaDevAttrMultiProcessorCount}};
+  for (const auto& [value, attr] : attrs)
+    if (cudaError_t e = cudaDeviceGetAttribute(value, attr, device); e != cudaSuccess)
+      return cuda::cuda_error(e, "cudaDeviceGetAttribute");
   if (device < kMaxDevices) {
     smem[device].store(info->smem_optin);
-    sms[device].store(info->sms);  // last: a reader that sees sms > 0 sees smem too
+    major[device].store(info->cc_major);
+    sms[device].store(info->sms);  // last: a reader that sees sms > 0 sees the others too
   }
   return Status::Ok();
 }

@@ -1,5 +1,6 @@
-// C = A @ W^T (+ bias) (+ residual) in fp32 accuracy on the tensor cores, for
-// operands stored split (tf32x3.cuh): the projections of the staged path.
+// C = A @ W^T (+ bias) (+ residual) in fp32 accuracy on Hopper's tensor cores,
+// for operands stored split: each as two planes, hi then lo, of TF32 values
+// (tf32x3.cuh). The projections of the staged path.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,14 +12,18 @@
 namespace fastaxial::cuda {
 
 struct GemmArgs {
-  const float* a = nullptr;         // (M, K) split pairs
-  const float* w = nullptr;         // (N, K) split pairs
+  const float* a = nullptr;         // (M, K) hi, then (M, K) lo
+  const float* w = nullptr;         // (N, K) hi, then (N, K) lo
   const float* bias = nullptr;      // (N), or null
   const float* residual = nullptr;  // (M, N), or null
   float* c = nullptr;               // (M, N)
   int64_t M = 0;
-  int N = 0, K = 0;  // multiples of 8
+  int N = 0, K = 0;  // N a multiple of 8, K of 4
 };
+
+// True when this build has the kernel for the device (sm_90a code, built with
+// CUDA_ARCHITECTURES holding 90a) and the device gives it enough shared memory.
+bool gemm_tf32x3_available(const DeviceInfo& dev);
 
 cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceInfo& dev, cudaStream_t stream);
 

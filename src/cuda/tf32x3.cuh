@@ -94,10 +94,11 @@ __device__ __forceinline__ FragB load_bt(const float* p, int ld) {
 }
 
 // ---- Split operands in memory ------------------------------------------------
-// An operand that many warps read is split once, where it is produced, and
-// stored as pairs: element i of a row is the words (hi_i, lo_i) at 2i, 2i + 1.
-// Its fragments then need no conversion, and a thread's two k values of a
-// fragment come in one 16-byte load: inside each group of 8, the product's k
+// An operand that many warps read is split once, where it is produced: in
+// global memory as two planes (hi, then lo), or in shared memory as pairs,
+// element i of a row the words (hi_i, lo_i) at 2i, 2i + 1. Fragments then
+// need no conversion, and from pairs a thread's two k values of a fragment
+// come in one 16-byte load: inside each group of 8, the product's k
 // index t stands for element 2t and t + 4 for element 2t + 1 (a product sums
 // over k, so one permutation applied to both operands changes nothing).
 
@@ -111,18 +112,6 @@ __device__ __forceinline__ float2 split_pair(float x) {
 __device__ __forceinline__ float4 split_pairs(float x, float y) {
   const float2 a = split_pair(x), b = split_pair(y);
   return make_float4(a.x, a.y, b.x, b.y);
-}
-
-// A = rows 0..15, elements 0..7 of split rows at p (row stride ld words, p and
-// ld 16-byte aligned), k permuted as above.
-__device__ __forceinline__ FragA load_a_split(const float* p, int ld) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const uint4 r0 = *reinterpret_cast<const uint4*>(p + g * ld + 4 * t);
-  const uint4 r1 = *reinterpret_cast<const uint4*>(p + (g + 8) * ld + 4 * t);
-  FragA f;
-  f.hi[0] = r0.x, f.lo[0] = r0.y, f.hi[2] = r0.z, f.lo[2] = r0.w;
-  f.hi[1] = r1.x, f.lo[1] = r1.y, f.hi[3] = r1.z, f.lo[3] = r1.w;
-  return f;
 }
 
 // B[k][n] = M[n][k] for split rows of M at p: rows (n) 0..7, elements (k) 0..7,

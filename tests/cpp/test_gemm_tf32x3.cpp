@@ -1,0 +1,107 @@
+// The staged path's product kernel (src/cuda/gemm_tf32x3.cu) on its own:
+// C = A @ W^T + bias + residual from split operands, against a float64 product
+// on the host, over tile edges in M, N and K. Skipped without a device that
+// runs it (compute capability 9.0 and an sm_90a build).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "../../src/cuda/gemm_tf32x3.h"
+
+namespace fastaxial::test {
+namespace {
+
+// fp32 -> TF32 rounded to nearest, ties away from zero (cvt.rna.tf32.f32).
+float to_tf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x1000u) & 0xFFFFE000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+// [hi (n) | lo (n)] planes of v.
+std::vector<float> split_planes(const std::vector<float>& v) {
+  std::vector<float> out(2 * v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    out[i] = to_tf32(v[i]);
+    out[v.size() + i] = to_tf32(v[i] - out[i]);
+  }
+  return out;
+}
+
+struct Dims {
+  int M, N, K;
+};
+
+class GemmTf32x3 : public ::testing::TestWithParam<Dims> {};
+
+TEST_P(GemmTf32x3, MatchesDoubleProduct) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
+  cuda::DeviceInfo dev;
+  ASSERT_EQ(cudaGetDevice(&dev.device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&dev.sms, cudaDevAttrMultiProcessorCount, dev.device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&dev.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.device),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&dev.cc_major, cudaDevAttrComputeCapabilityMajor, dev.device), cudaSuccess);
+  if (!cuda::gemm_tf32x3_available(dev)) GTEST_SKIP() << "needs compute capability 9.0 and an sm_90a build";
+
+  const auto [M, N, K] = GetParam();
+  std::mt19937 rng(7 + M + N + K);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> a((size_t)M * K), w((size_t)N * K), bias(N), res((size_t)M * N);
+  for (auto* v : {&a, &w, &bias, &res})
+    for (float& x : *v) x = normal(rng);
+  const std::vector<float> as = split_planes(a), ws = split_planes(w);
+
+  float *da, *dw, *db, *dr, *dc;
+  for (auto [ptr, n] : {std::pair{&da, as.size()}, {&dw, ws.size()}, {&db, bias.size()}, {&dr, res.size()},
+                        {&dc, res.size()}})
+    ASSERT_EQ(cudaMalloc(ptr, n * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(da, as.data(), as.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw, ws.data(), ws.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(db, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dr, res.data(), res.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dc, 0xff, res.size() * 4), cudaSuccess);  // NaN
+
+  cuda::GemmArgs g;
+  g.a = da, g.w = dw, g.bias = db, g.residual = dr, g.c = dc, g.M = M, g.N = N, g.K = K;
+  ASSERT_EQ(cuda::gemm_tf32x3(g, dev, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> c(res.size());
+  ASSERT_EQ(cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (float* p : {da, dw, db, dr, dc}) cudaFree(p);
+
+  // Bound: fp32-level error of the sum of |terms| (plain TF32 is ~1e-3 off).
+  double worst = 0.0;
+  int bad_m = -1, bad_n = -1;
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      double ref = (double)bias[n] + res[(size_t)m * N + n], mag = std::fabs(ref);
+      for (int k = 0; k < K; ++k) {
+        const double t = (double)a[(size_t)m * K + k] * w[(size_t)n * K + k];
+        ref += t;
+        mag += std::fabs(t);
+      }
+      const double ratio = std::fabs(c[(size_t)m * N + n] - ref) / (4e-7 * mag + 1e-30);
+      if (!(ratio <= worst)) worst = ratio, bad_m = m, bad_n = n;  // NaN counts as worst
+    }
+  EXPECT_LE(worst, 1.0) << "worst element (" << bad_m << ", " << bad_n << ")";
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, GemmTf32x3,
+                         ::testing::Values(Dims{128, 128, 32}, Dims{300, 200, 72}, Dims{256, 384, 256},
+                                           Dims{1, 8, 4}, Dims{1000, 96, 96}),
+                         [](const auto& info) {
+                           return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) +
+                                  "_K" + std::to_string(info.param.K);
+                         });
+
+}  // namespace
+}  // namespace fastaxial::test
