@@ -20,13 +20,7 @@
 
 #include <cstdint>
 
-// wgmma exists in sm_90a device code only; the other device passes (the
-// compute_80 PTX) compile a stub that nothing launches.
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FASTAXIAL_SM90A_DEVICE 1
-#else
-#define FASTAXIAL_SM90A_DEVICE 0
-#endif
+#include "wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -54,49 +48,8 @@ __device__ __forceinline__ void load_tile(uint32_t s, const float* g, int64_t ro
   }
 }
 
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups
-// 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-         ((uint64_t)1 << 62);
-}
-
-// d (64 x 128, f32) = or += A (64 x 8) @ B (8 x 128), both from shared memory.
-template <int kAccumulate>
-__device__ __forceinline__ void wgmma_m64n128k8(float (&d)[64], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(kAccumulate));
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accesses of r across the asynchronous products.
-__device__ __forceinline__ void fence_regs(float (&r)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
 __device__ __forceinline__ void add_to(float (&c)[64], float (&t)[64]) {
-  fence_regs(t);
+  fence_regs(t);  // after the wait that completed t
 #pragma unroll
   for (int i = 0; i < 64; ++i) c[i] += t[i];
 }
@@ -107,9 +60,9 @@ __device__ __forceinline__ void step_products(float (&t)[64], uint32_t s, int wg
   const uint32_t w_hi = s + 2 * kTileBytes + ks * 32, w_lo = w_hi + kTileBytes;
   fence_regs(t);
   wgmma_fence();
-  wgmma_m64n128k8<0>(t, smem_desc(a_lo), smem_desc(w_hi));
-  wgmma_m64n128k8<1>(t, smem_desc(a_hi), smem_desc(w_lo));
-  wgmma_m64n128k8<1>(t, smem_desc(a_hi), smem_desc(w_hi));
+  wgmma_m64n128k8_ss(t, desc_sw128(a_lo), desc_sw128(w_hi), 0);
+  wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_lo), 1);
+  wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_hi), 1);
   wgmma_commit();
 }
 
@@ -150,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
   for (int kt = 0; kt < ktiles; ++kt) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
     // cp.async wrote the tile through the generic proxy; wgmma reads it through the async one.
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fence_async_smem();
     __syncthreads();  // tile kt is in for all; every product of tile kt - 1 has completed
     if (kt + kStages - 1 < ktiles) load_stage(kt + kStages - 1);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
