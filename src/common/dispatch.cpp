@@ -60,9 +60,10 @@ AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t tokens) {
   // Measured on the H200 (docs/perf-notes.md, v13): from dim 96 up and with
   // thousands of positions the staged path wins over the fused kernel (dim
   // 96: 109 vs 149 us, dim 128: 446 vs 491 us); at dim 64 the fused kernel
-  // wins (29 vs 58 us, 103 vs 113 us); small problems pay for the staged
-  // path's ten launches.
-  const bool staged_wins = dim >= 96 && tokens >= 4096;
+  // wins on the default problem (29 vs 50 us) and the staged path from
+  // 16384 positions up (16 x 32 x 32: 93 vs 103 us, wgmma products); small
+  // problems pay for the staged path's ten launches.
+  const bool staged_wins = (dim >= 96 && tokens >= 4096) || (dim >= 64 && tokens >= 16384);
   if (fused && !(staged && staged_wins)) return AxisPath::kFused;
   if (staged && forced != Override::kFused) return AxisPath::kStaged;
   return AxisPath::kGeneric;
