@@ -68,18 +68,21 @@ Status forward_cpu(const AxialParams& p);
 // True when this build contains the CUDA kernels.
 bool cuda_compiled();
 
-// Bytes of device scratch forward_cuda needs (the row pass's output).
+// Bytes of device scratch forward_cuda needs: the row pass's output, plus the
+// intermediates of the staged kernels (about 5x the input) for shapes that take
+// them (long sequences, wide dims; see the README). Depends on the shape alone.
 size_t cuda_workspace_bytes(const AxialParams& p);
 
 // CUDA forward on `stream` (nullptr: the default stream). All pointers are
 // device pointers; `workspace` holds cuda_workspace_bytes(p) bytes. Launches
 // only: no allocation, no synchronisation, so it can be captured in a graph.
-// Precision: fp32 inputs, outputs and accumulation. Sequences of up to 128
-// positions with dim a multiple of 8 and head_dim 8, 16, 32 or 64 use the
-// tensor cores, each fp32 operand split into two TF32 parts (3xTF32): error
-// against float64 within twice that of plain fp32 arithmetic in the tests,
-// though not bit-identical to it. Other shapes use fp32 FMA. PyTorch's TF32
-// switches do not apply.
+// Precision: fp32 inputs, outputs and accumulation. With dim a multiple of 8
+// and head_dim 8, 16, 32 or 64, sequences of up to 128 positions (and on
+// compute capability 9.0 with an sm_90a build, longer ones) use the tensor
+// cores, each fp32 operand split into two TF32 parts (3xTF32): error against
+// float64 within twice that of plain fp32 arithmetic in the tests, though not
+// bit-identical to it. Other shapes use fp32 FMA. PyTorch's TF32 switches do
+// not apply.
 Status forward_cuda(const AxialParams& p, void* workspace, CUstream_st* stream);
 
 }  // namespace fastaxial
