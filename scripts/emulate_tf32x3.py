@@ -6,7 +6,9 @@ against float64 for
   - the split with every tensor-core add truncated toward zero, chained over
     all 24 products into one accumulator (the first CUDA kernel);
   - the same, each 8-input step into a zero accumulator, steps added in fp32
-    (the kernel now).
+    (the kernels now);
+  - between the two: runs of n steps chained in a zero accumulator, the runs
+    added in fp32 (fewer waits and adds for wgmma kernels), for K = 64 and 256.
 docs/perf-notes.md quotes its output.
 
     python scripts/emulate_tf32x3.py
@@ -37,6 +39,19 @@ def truncate_to_fp32(x):
 def mma(c, a, b):
     """One tensor-core step: exact products and sum, plus c, truncated to fp32."""
     return truncate_to_fp32(c.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64))
+
+
+def chained_runs(al, ah, bl, bh, K, run):
+    """3xTF32 with truncated adds, `run` 8-input steps per zeroed accumulator, runs added in fp32."""
+    M, N = al.shape[0], bh.shape[1]
+    out = np.zeros((M, N), np.float32)
+    for k0 in range(0, K, 8 * run):
+        t = np.zeros((M, N), np.float32)
+        for k in range(k0, min(K, k0 + 8 * run), 8):
+            s = slice(k, k + 8)
+            t = mma(mma(mma(t, al[:, s], bh[s]), ah[:, s], bl[s]), ah[:, s], bh[s])
+        out = (out.astype(np.float64) + t).astype(np.float32)
+    return out
 
 
 def main():
@@ -72,6 +87,18 @@ def main():
     print(f"3xTF32, exact step sums, round to nearest:   {rel(rn):.2e}")
     print(f"3xTF32, truncated adds, one chain:           {rel(chain):.2e}")
     print(f"3xTF32, truncated steps, added in fp32:      {rel(per_step):.2e}")
+
+    for K in (64, 256):
+        A = rng.standard_normal((M, K)).astype(np.float32)
+        B = (rng.standard_normal((K, N)) * 0.1).astype(np.float32)
+        exact = A.astype(np.float64) @ B.astype(np.float64)
+        fma = np.zeros((M, N), np.float32)
+        for k in range(K):
+            fma = (fma.astype(np.float64) + np.outer(A[:, k], B[k]).astype(np.float64)).astype(np.float32)
+        ah, al = split(A)
+        bh, bl = split(B)
+        runs = ", ".join(f"{n}: {rel(chained_runs(al, ah, bl, bh, K, n)):.2e}" for n in (1, 2, 4, 8) if 8 * n <= K)
+        print(f"K = {K}: fp32 FMA {rel(fma):.2e}; steps chained per run -> {runs}")
 
 
 if __name__ == "__main__":
