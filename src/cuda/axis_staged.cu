@@ -6,10 +6,10 @@
 // For the pass's T = B*H*W positions (the same flat rows for both axes:
 // LayerNorm and the projections act on each position alone, only the
 // attention sees the axis):
-//   1. split_weights:   Wqkv, Wout -> split pairs              (4 D^2 elements)
-//   2. layer_norm_split: xs = LayerNorm(src) as split pairs    (T, D)
+//   1. split_weights:   Wqkv, Wout -> split hi/lo planes       (4 D^2 elements)
+//   2. layer_norm_split: xs = LayerNorm(src), split planes     (T, D)
 //   3. gemm_tf32x3:     qkv = xs @ Wqkv^T                      (T, 3D)
-//   4. attention:       o_h = softmax(q_h k_h^T * scale) v_h   (T, D) split, into xs's space
+//   4. attention:       o_h = softmax(q_h k_h^T * scale) v_h   (T, D) split planes, into xs's space
 //   5. gemm_tf32x3:     dst = src + o @ Wout^T + bout          (T, D)
 // Why this shape: at these sizes the projections are most of the arithmetic,
 // and as plain GEMMs over all T positions they run on Hopper's warpgroup
@@ -21,8 +21,8 @@
 // The attention kernel takes a block per (sequence, head): the head's keys
 // and values of the whole sequence are split into shared memory once (keys
 // (Lp, hd), values transposed (hd, Lp), Lp = L rounded up to 16), and each
-// warp owns 16 queries at a time, going over the keys 64 at a time with an
-// online softmax (running max and sum per row), scores in registers and P fed
+// warp owns 16 queries at a time, going over the keys 32 or 64 at a time with
+// an online softmax (running max and sum per row), scores in registers and P fed
 // to P @ V from the score registers as in the fused kernel.
 #include <cuda_runtime.h>
 
