@@ -1,0 +1,66 @@
+// The shape rule that picks a pass's CUDA kernel family and sizes the
+// workspace (src/common/dispatch.cpp): no GPU needed, so CI runs it.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "../../src/common/dispatch.h"
+#include "fastaxial/fastaxial.h"
+
+namespace fastaxial::test {
+namespace {
+
+// The rule is read with FASTAXIAL_CUDA_PATH unset; a forced path changes it.
+bool overridden() { return std::getenv("FASTAXIAL_CUDA_PATH") != nullptr; }
+
+struct Case {
+  int64_t len, dim, heads, tokens;
+  AxisPath path;
+  const char* why;
+};
+
+TEST(Dispatch, PicksTheFamilyByShape) {
+  if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
+  const Case cases[] = {
+      {32, 64, 4, 4096, AxisPath::kFused, "default problem"},
+      {32, 64, 4, 16384, AxisPath::kStaged, "dim 64 from 16384 positions"},
+      {33, 96, 3, 561, AxisPath::kFused, "dim 96 on a small grid"},
+      {48, 96, 3, 7680, AxisPath::kStaged, "dim 96 with thousands of positions"},
+      {64, 128, 8, 32768, AxisPath::kStaged, "dim 128"},
+      {128, 256, 8, 32768, AxisPath::kStaged, "q, k, v of L = 128 at dim 256 exceed shared memory"},
+      {100, 256, 8, 300, AxisPath::kStaged, "the same at L = 100, even on a small grid"},
+      {256, 128, 4, 65536, AxisPath::kStaged, "L = 256 is past the fused kernel"},
+      {129, 64, 4, 1032, AxisPath::kStaged, "L = 129"},
+      {1024, 64, 4, 2048, AxisPath::kGeneric, "keys and values of L = 1024 exceed shared memory"},
+      {20, 12, 4, 60, AxisPath::kGeneric, "head_dim 3"},
+      {5, 1024, 8, 15, AxisPath::kGeneric, "head_dim 128"},
+      {9, 72, 9, 27, AxisPath::kFused, "head_dim 8"},
+      {7, 60, 3, 21, AxisPath::kGeneric, "dim not a multiple of 8"},
+  };
+  for (const Case& c : cases)
+    EXPECT_EQ(axis_path(c.len, c.dim, c.heads, c.tokens), c.path)
+        << c.why << ": L " << c.len << ", dim " << c.dim << ", heads " << c.heads << ", positions " << c.tokens;
+}
+
+TEST(Dispatch, FusedTileCounts) {
+  const int64_t lens[] = {1, 16, 17, 48, 49, 96, 97, 112, 128, 129};
+  const int tiles[] = {1, 1, 2, 3, 4, 6, 8, 8, 8, 0};
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(fused_tile_count(lens[i]), tiles[i]) << "L " << lens[i];
+}
+
+TEST(Dispatch, WorkspaceCoversTheStagedPath) {
+  if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
+  AxialParams p;
+  p.batch = 4, p.height = 32, p.width = 32, p.dim = 64, p.heads = 4;  // fused both ways
+  const int64_t n = 4 * 32 * 32 * 64;
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)n * sizeof(float));
+  p.batch = 2, p.height = 128, p.width = 128, p.dim = 256, p.heads = 8;  // staged both ways
+  const int64_t tokens = 2 * 128 * 128, m = tokens * 256;
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(m + staged_workspace_floats(tokens, 256)) * sizeof(float));
+  EXPECT_EQ(staged_workspace_floats(tokens, 256), 5 * m + 8 * 256 * 256);
+  p.batch = 0;  // nothing to compute, nothing to hold
+  EXPECT_EQ(cuda_workspace_bytes(p), 0u);
+}
+
+}  // namespace
+}  // namespace fastaxial::test
