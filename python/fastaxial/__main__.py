@@ -17,12 +17,12 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=bench.parse_shape, default=bench.DEFAULT_SHAPE, help="B H W D heads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--iters", type=int, default=None, help="timed forwards per contender (default 200 CUDA, 20 CPU)")
+    p.add_argument("--iters", type=int, default=None, help=bench.ITERS_HELP)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
     p.add_argument("--out", default=None, help="also write bench.json / .md / .png here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    iters = a.iters or (200 if device.type == "cuda" else 20)
+    iters = a.iters or bench.default_iters(device)
     report = bench.run([a.shape], device, iters, warmup=5, compile_=not a.no_compile, out=a.out,
                        log=lambda m: print(m, file=sys.stderr))
     s = report["shapes"][0]

@@ -27,15 +27,15 @@ int fused_tile_count(int64_t len);
 size_t fused_smem_bytes(int64_t len, int64_t dim);
 
 // Shared memory of the staged attention kernel: one head's keys and values
-// of a whole sequence, split into TF32 pairs.
+// of a whole sequence, split into (hi, lo) TF32 pairs.
 size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
 
 // `tokens`: positions in the grid (B*H*W), the rows of the staged path's products.
 AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t tokens);
 
 // Floats of workspace the staged path needs on top of the row pass's output:
-// LayerNorm output / attention output (split pairs, 2ND), q|k|v (3ND) and the
-// pass's weights as split pairs (8D^2).
+// LayerNorm output / attention output (hi and lo planes, 2ND), q|k|v (3ND) and
+// the pass's weights as hi and lo planes (8D^2).
 int64_t staged_workspace_floats(int64_t tokens, int64_t dim);
 
 }  // namespace fastaxial
