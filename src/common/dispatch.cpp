@@ -1,9 +1,12 @@
 // The shape rule of dispatch.h, shared by cuda_workspace_bytes and forward_cuda.
 #include "dispatch.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+
+#include "smem_layout.h"
 
 namespace fastaxial {
 namespace {
@@ -36,35 +39,32 @@ int fused_tile_count(int64_t len) {
   return 0;
 }
 
-// x tile, q, k, v: four (16 MT, D + 4) float arrays.
 size_t fused_smem_bytes(int64_t len, int64_t dim) {
-  return 4 * (size_t)(16 * fused_tile_count(len)) * (size_t)(dim + 4) * sizeof(float);
+  const FusedLayout lay(16 * fused_tile_count(len), (int)dim);
+  return (size_t)lay.floats() * sizeof(float);
 }
 
-// Keys (Lp, 2 hd + pad) and transposed values (hd, 2 Lp + pad), Lp = L rounded
-// up to 16; the pads keep 16-byte fragment loads free of bank conflicts.
+// Lp = L rounded up to 16 (int: a longer sequence fits no block anyway).
 size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim) {
-  const int64_t lp = (len + 15) / 16 * 16;
-  const int64_t ldk = 2 * head_dim + (2 * head_dim % 32 == 16 ? 0 : 16);
-  const int64_t ldv = 2 * lp + (2 * lp % 32 == 16 ? 0 : 16);
-  return (size_t)(lp * ldk + head_dim * ldv) * sizeof(float);
+  const int64_t lp = std::min<int64_t>((len + 15) / 16 * 16, 1 << 24);
+  const StagedAttentionLayout lay((int)lp, (int)head_dim);
+  return (size_t)(lp * lay.ldk + head_dim * lay.ldv) * sizeof(float);
 }
 
-AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t tokens) {
+AxisPath axis_path(int64_t len, int64_t dim, int64_t heads) {
   static const Override forced = read_override();
   if (forced == Override::kGeneric || !tensor_core_shape(dim, heads)) return AxisPath::kGeneric;
   const bool fused = fused_tile_count(len) > 0 && fused_smem_bytes(len, dim) <= kSmemBudget;
   const bool staged = staged_attention_smem_bytes(len, dim / heads) <= kSmemBudget;
   if (forced == Override::kStaged && staged) return AxisPath::kStaged;
   if (forced == Override::kFused && fused) return AxisPath::kFused;
-  // Measured on the H200 (docs/perf-notes.md, v13): from dim 96 up and with
-  // thousands of positions the staged path wins over the fused kernel (dim
-  // 96: 109 vs 149 us, dim 128: 446 vs 491 us); at dim 64 the fused kernel
-  // wins on the default problem (29 vs 50 us) and the staged path from
-  // 16384 positions up (16 x 32 x 32: 93 vs 103 us, wgmma products); small
-  // problems pay for the staged path's ten launches.
-  const bool staged_wins = (dim >= 96 && tokens >= 4096) || (dim >= 64 && tokens >= 16384);
-  if (fused && !(staged && staged_wins)) return AxisPath::kFused;
+  // Measured on the H200 (docs/perf-notes.md, v17): the fused kernel, where
+  // it holds the sequence, takes less GPU time than the staged path on every
+  // shape measured but one (us per forward, fused vs staged: 4x32x32 dim 64
+  // 17.6 vs 49.3; 16x32x32 dim 64 64.2 vs 90.4; 8x64x64 dim 128 327 vs 363;
+  // 4x32x32 dim 256 129 vs 149; 2x48x80 dim 96 98 vs 91), and it makes two
+  // launches where the staged path makes ten.
+  if (fused) return AxisPath::kFused;
   if (staged && forced != Override::kFused) return AxisPath::kStaged;
   return AxisPath::kGeneric;
 }

@@ -2,12 +2,13 @@
 // cuda_workspace_bytes can size the scratch without a device; the CUDA side
 // then checks what the device and the pointers allow (shared memory,
 // alignment) and falls back to the generic kernel where they do not.
-//   kFused:   axis_tensor_core.cu, a block per whole sequence (L <= 128, and
-//             q, k, v of the sequence fit shared memory); dims below 96 and
-//             small grids, where it is the faster one.
+//   kFused:   axis_tensor_core.cu, a block per whole sequence, wherever it
+//             holds one (L <= 128, and q, k, v of the sequence fit shared
+//             memory): there it is the faster one.
 //   kStaged:  axis_staged.cu, LayerNorm, the QKV product, attention and the
 //             output product as separate tensor-core kernels with their
-//             intermediates in the workspace: long sequences and wide dims.
+//             intermediates in the workspace: long sequences and wide dims
+//             at longer L.
 //   kGeneric: axis_generic.cu, FFMA, any shape.
 // FASTAXIAL_CUDA_PATH=fused|staged|generic in the environment (read once per
 // process) overrides the choice where the forced kernel supports the shape:
@@ -30,8 +31,7 @@ size_t fused_smem_bytes(int64_t len, int64_t dim);
 // of a whole sequence, split into (hi, lo) TF32 pairs.
 size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
 
-// `tokens`: positions in the grid (B*H*W), the rows of the staged path's products.
-AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t tokens);
+AxisPath axis_path(int64_t len, int64_t dim, int64_t heads);
 
 // Floats of workspace the staged path needs on top of the row pass's output:
 // LayerNorm output / attention output (hi and lo planes, 2ND), q|k|v (3ND) and

@@ -11,8 +11,8 @@ size_t cuda_workspace_bytes(const AxialParams& p) {
   const int64_t tokens = p.batch * p.height * p.width;
   int64_t floats = tokens * p.dim;
   if (p.dim >= 1 && p.heads >= 1 && p.dim % p.heads == 0 && tokens > 0 &&
-      (axis_path(p.width, p.dim, p.heads, tokens) == AxisPath::kStaged ||
-       axis_path(p.height, p.dim, p.heads, tokens) == AxisPath::kStaged))
+      (axis_path(p.width, p.dim, p.heads) == AxisPath::kStaged ||
+       axis_path(p.height, p.dim, p.heads) == AxisPath::kStaged))
     floats += staged_workspace_floats(tokens, p.dim);
   return static_cast<size_t>(floats) * sizeof(float);
 }

@@ -38,7 +38,8 @@ inline Status cuda_error(cudaError_t e, const char* what) {
 // 16-byte alignment of what the tensor-core kernels read and write in vectors.
 inline bool pass_aligned(const AxisWeights& w, const float* src, const float* dst) {
   const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return aligned(src) && aligned(dst) && aligned(w.norm_weight) && aligned(w.norm_bias) && aligned(w.out_bias);
+  return aligned(src) && aligned(dst) && aligned(w.norm_weight) && aligned(w.norm_bias) && aligned(w.qkv_weight) &&
+         aligned(w.out_weight) && aligned(w.out_bias);
 }
 
 // True when the fused kernel's shared memory fits the device and the pointers are aligned.

@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "../common/dispatch.h"
+#include "../common/smem_layout.h"
 #include "axis_kernels.h"
 #include "gemm_tf32x3.h"
 #include "tf32x3.cuh"
@@ -77,11 +78,6 @@ struct AttnArgs {
   int64_t plane;     // T * D
 };
 
-// Words per shared row: keys (2 hd words) and transposed values (2 Lp words)
-// padded to 16 mod 32, so that the 16-byte fragment loads of a quarter warp
-// (rows g = 0, 1; offsets 4t) hit distinct banks.
-__host__ __device__ constexpr int padded_row(int words) { return words + (words % 32 == 16 ? 0 : 16); }
-
 template <int HD>
 constexpr int max_warps() {
   return HD >= 64 ? 8 : 16;  // 64: q fragments alone take 64 registers
@@ -90,9 +86,9 @@ constexpr int max_warps() {
 template <int HD>
 __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const AttnArgs a) {
   constexpr int KS = HD / 8;            // 8-feature steps of a head
-  constexpr int kLdk = padded_row(2 * HD);
+  constexpr int kLdk = StagedAttentionLayout(16, HD).ldk;  // rows of split pairs (common/smem_layout.h)
   constexpr int kChunk = HD == 32 ? 4 : 8;  // 8-key groups per online-softmax step (fewer: 128 registers at 16 warps)
-  const int L = (int)a.pos.len, Lp = (L + 15) / 16 * 16, ldv = padded_row(2 * Lp);
+  const int L = (int)a.pos.len, Lp = (L + 15) / 16 * 16, ldv = StagedAttentionLayout(Lp, HD).ldv;
   const int64_t n = blockIdx.x / a.heads;
   const int hc = (int)(blockIdx.x % a.heads) * HD;
   const int64_t row_words = 3 * (int64_t)a.D;

@@ -2,16 +2,27 @@
 // the tensor cores (mma.sync, 3xTF32 split for fp32 accuracy: tf32x3.cuh).
 //
 // For sequence n of the axis, x is its (L, D) positions (strided in the grid):
-//   xs  = LayerNorm(x)                  (LP, D) in shared memory, LP = 16*MT >= L
-//                                       (x arrives by cp.async, all of it in flight at once)
-//   q, k, v = xs @ Wqkv^T               (LP, D) each, in shared memory
-//   o_h = softmax(q_h k_h^T * scale) v_h  per head, into xs's space
+//   xs  = LayerNorm(x)                  (LP, D) split pairs, LP = 16*MT >= L
+//   q, k, v = xs @ Wqkv^T               (LP, D) each; v stored transposed
+//   o_h = softmax(q_h k_h^T * scale) v_h  per head, into xs's space (split pairs)
 //   dst = x + o @ Wout^T + bout
 // Why this shape: axial sequences are short (tens to a hundred positions), so
 // a whole sequence's q, k and v fit one block's shared memory. Keys are then
 // projected once per sequence, and each attention row is complete in one
 // warp's registers: an exact softmax, no online rescaling, no block barrier
 // inside the attention. Five barriers per sequence in all.
+//
+// A block runs one sequence per SM at a time with 8 warps, so its time is the
+// latency of that chain: the instructions per warp and the waits between them
+// are what count (docs/perf-notes.md). Hence:
+// - xs and o, which every warp reads whole, are split once into (hi, lo)
+//   pairs where they are written; fragments come in 16-byte loads;
+// - q, k and v, read by few warps, stay fp32, in layouts whose fragments are
+//   8-byte loads (k permuted inside each 8, tf32x3.cuh); q carries the softmax
+//   scale times log2(e), so scores come out in base 2;
+// - weights are read from global memory (L2) as B fragments, a group of four
+//   8-deep steps ahead of the products; a warp's first group is issued before
+//   the barrier in front of its product.
 //
 // Work split (8 warps): the projections go by (16-row, 8-column) tiles of the
 // output, register-blocked MI x NI per warp; the attention goes by (head,
@@ -22,134 +33,195 @@
 //
 // Padded rows (L <= i < LP) are zero in xs, so their q, k, v are zero;
 // padded keys are masked out of the softmax; padded queries are never stored.
-// Weights are read from global memory (L2) as B fragments.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "../common/dispatch.h"
+#include "../common/smem_layout.h"
 #include "axis_kernels.h"
 #include "tf32x3.cuh"
-#include "warp_ops.cuh"
 
 namespace fastaxial::cuda {
 namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
+constexpr float kLog2e = 1.4426950408889634f;
 
 struct TcArgs {
   AxisView view;
   int D, heads;
-  float eps, scale;
+  float eps, q_scale;  // q_scale = log2(e) / sqrt(head_dim)
   AxisWeights w;
   const float* src;
   float* dst;
 };
 
-// Shared-memory rows are D + 4 floats: the fragment loads of A (rows g, columns
-// t), of keys (rows g, columns t) and of values (rows 2t, columns g) then hit
-// 32 different banks.
-__host__ __device__ constexpr int row_stride(int D) { return D + 4; }
+// B fragments of one warp for four 8-deep steps k0 .. k0 + 32 of its NI
+// 8-column tiles: elements (8j + g, k + 2t) and (8j + g, k + 2t + 1) of W
+// (row stride K), raw fp32, split at use. Steps past K are not loaded.
+template <int NI>
+struct WeightGroup {
+  float2 w[4][NI];
+};
 
-// c (16 MI x 8 NI) = A[0:16 MI, 0:K] @ W[0:8 NI, 0:K]^T for one warp. A is in
-// shared memory (row stride lda), W in global memory (row stride K). K is a
-// multiple of 8; steps go in groups of 4 so that a group's weight loads are
-// all in flight before the first product waits for them.
+template <int NI>
+__device__ __forceinline__ void load_weights(WeightGroup<NI>& G, const float* __restrict__ W, int K, int k0) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int j = 0; j < NI; ++j)
+      if (k0 + 8 * s < K) G.w[s][j] = __ldg(reinterpret_cast<const float2*>(W + (int64_t)(8 * j + g) * K + k0 + 8 * s + 2 * t));
+}
+
+// c (16 MI x 8 NI) = A[0:16 MI, 0:K] @ W[0:8 NI, 0:K]^T for one warp. A is
+// split pairs in shared memory (row stride lda words), W in global memory
+// (row stride K); K is a multiple of 8. G holds W's first group on entry; the
+// next group is loaded while one is multiplied, and the last step loads the
+// first group of `next_W` (the warp's next item; nullptr: none) into G.
 template <int MI, int NI>
-__device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const float* __restrict__ W, int K) {
+__device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const float* __restrict__ W, int K,
+                          WeightGroup<NI>& G, const float* __restrict__ next_W) {
 #pragma unroll
   for (int i = 0; i < MI; ++i)
 #pragma unroll
     for (int j = 0; j < NI; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) c[i][j][e] = 0.0f;
-  auto step = [&](int kk) {
-    FragA a[MI];
-    FragB b[NI];
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    const WeightGroup<NI> cur = G;
+    if (k0 + 32 < K) load_weights(G, W, K, k0 + 32);
+    else if (next_W != nullptr) load_weights(G, next_W, K, 0);
 #pragma unroll
-    for (int j = 0; j < NI; ++j) b[j] = load_bt(W + (int64_t)(8 * j) * K + kk, K);
+    for (int s = 0; s < 4; ++s) {
+      if (k0 + 8 * s >= K) break;
+      FragA a[MI];
 #pragma unroll
-    for (int i = 0; i < MI; ++i) a[i] = load_a(A + 16 * i * lda + kk, lda);
+      for (int i = 0; i < MI; ++i) a[i] = load_a_split(A + 16 * i * lda + 2 * (k0 + 8 * s), lda);
 #pragma unroll
-    for (int i = 0; i < MI; ++i)
+      for (int j = 0; j < NI; ++j) {
+        const FragB b = make_b(cur.w[s][j].x, cur.w[s][j].y);
 #pragma unroll
-      for (int j = 0; j < NI; ++j) mma_3xtf32(c[i][j], a[i], b[j]);
-  };
-  int k0 = 0;
-  for (; k0 + 32 <= K; k0 += 32) {
-#pragma unroll
-    for (int s = 0; s < 4; ++s) step(k0 + 8 * s);
-  }
-  for (; k0 < K; k0 += 8) step(k0);
-}
-
-// xs (LP, ld) = sequence n's positions, rows L..LP zero. Every 16-byte piece
-// is its own asynchronous copy, so the whole tile is in flight at once.
-template <int MT>
-__device__ void load_tile(float* xs, int ld, const TcArgs& a, int64_t n, int L) {
-  constexpr int LP = 16 * MT;
-  const int D = a.D, per_row = D / 4;
-  for (int e = threadIdx.x; e < LP * per_row; e += kThreads) {
-    const int r = e / per_row, c = 4 * (e % per_row);
-    float* dst = xs + r * ld + c;
-    if (r < L) {
-      const float* src = a.src + a.view.offset(n, r) + c;
-      const unsigned dst_s = (unsigned)__cvta_generic_to_shared(dst);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst_s), "l"(src));
-    } else {
-      *reinterpret_cast<float4*>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int i = 0; i < MI; ++i) mma_3xtf32(c[i][j], a[i], b);
+      }
     }
   }
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// LayerNorm of rows 0..L of xs, in place; a warp per row.
-__device__ void layer_norm(float* xs, int ld, const TcArgs& a, int L) {
-  for (int r = threadIdx.x / 32; r < L; r += kWarps) {
-    float* y = xs + r * ld;
-    layer_norm_row(y, a.D, a.w.norm_weight, a.w.norm_bias, a.eps, [&](int c, float v) { y[c] = v; });
+__device__ __forceinline__ void copy_async16(float* dst, const float* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+
+// Rows 0..L of sequence n into x (row stride ld) by cp.async, every 16-byte
+// piece its own copy so the whole tile is in flight at once. Not waited for.
+__device__ void load_tile(float* x, int ld, const TcArgs& a, int64_t base, int L) {
+  const int per_row = a.D / 4;
+  for (int e = threadIdx.x; e < L * per_row; e += kThreads) {
+    const int r = e / per_row, c = 4 * (e % per_row);
+    copy_async16(x + r * ld + c, a.src + base + r * a.view.pos_stride + c);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// params (3 D) = [LayerNorm weight | LayerNorm bias | output bias], by cp.async,
+// committed with the first tile.
+__device__ void load_params(float* params, const TcArgs& a) {
+  const int per_vec = a.D / 4;
+  for (int e = threadIdx.x; e < 3 * per_vec; e += kThreads) {
+    const int which = e / per_vec, c = 4 * (e % per_vec);
+    const float* src = which == 0 ? a.w.norm_weight : which == 1 ? a.w.norm_bias : a.w.out_bias;
+    copy_async16(params + which * a.D + c, src + c);
   }
 }
 
-// o_h for (head h, query tile mt) = softmax(q_h k_h^T * scale) v_h, written to
-// o (LP, ld) at columns h*HD.. . One warp; L valid keys of LP.
+// xs (LP rows, split pairs, stride ldx) = LayerNorm of x's rows 0..L (fp32,
+// stride ldq) with the weight and bias in params; rows L..LP zero. Eight
+// lanes per row, so a warp normalises four rows at once with three-step
+// reductions: mean, then the mean squared deviation (two passes, as the
+// reference).
+template <int LP>
+__device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const float* params, const TcArgs& a, int L) {
+  const int part = threadIdx.x % 8, chunks = a.D / 4;
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int r = threadIdx.x / 8; r < LP; r += kThreads / 8) {  // the same trip count for a whole warp
+    const bool valid = r < L;
+    const float4* row = reinterpret_cast<const float4*>(x + r * ldq);
+    float sum = 0.0f;
+    for (int c = part; c < chunks; c += 8) {
+      const float4 v = valid ? row[c] : zero;
+      sum += (v.x + v.y) + (v.z + v.w);
+    }
+#pragma unroll
+    for (int m = 4; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+    const float mean = sum / a.D;
+    float sq = 0.0f;
+    for (int c = part; c < chunks; c += 8) {
+      const float4 v = valid ? row[c] : zero;
+      const float d0 = v.x - mean, d1 = v.y - mean, d2 = v.z - mean, d3 = v.w - mean;
+      sq += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
+    }
+#pragma unroll
+    for (int m = 4; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, m);
+    const float rstd = rsqrtf(sq / a.D + a.eps);
+    float4* out = reinterpret_cast<float4*>(xs + r * ldx);
+    for (int c = part; c < chunks; c += 8) {
+      if (!valid) {
+        out[2 * c] = out[2 * c + 1] = zero;
+        continue;
+      }
+      const float4 v = row[c];
+      const float4 gm = reinterpret_cast<const float4*>(params)[c];
+      const float4 bt = reinterpret_cast<const float4*>(params + a.D)[c];
+      out[2 * c] = split_pairs((v.x - mean) * rstd * gm.x + bt.x, (v.y - mean) * rstd * gm.y + bt.y);
+      out[2 * c + 1] = split_pairs((v.z - mean) * rstd * gm.z + bt.z, (v.w - mean) * rstd * gm.w + bt.w);
+    }
+  }
+}
+
+// o_h for (head h, query tile mt) = softmax(q_h k_h^T * scale) v_h, written as
+// split pairs to o (LP rows, stride ldx) at columns h*HD.. . One warp; L
+// valid keys of LP. q (scaled, base 2) and k: stride ldq; vt: (D, ldv).
 template <int MT, int HD>
-__device__ void attend_tile(float* o, const float* q, const float* k, const float* v, int ld, int h, int mt, int L,
-                            float scale) {
+__device__ void attend_tile(float* o, int ldx, const float* q, const float* k, int ldq, const float* vt, int ldv,
+                            int h, int mt, int L) {
   constexpr int NT = 2 * MT;  // 8-key groups
   constexpr int KS = HD / 8;  // 8-feature steps of a head
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int hc = h * HD, r0 = 16 * mt;
 
-  // s (16, LP) = q_h[r0 : r0+16] k_h^T; this thread holds rows g and g+8,
-  // keys 8j + 2t and 8j + 2t + 1 of each group j.
+  // s (16, LP) = q_h[r0 : r0+16] k_h^T in base 2; this thread holds rows g
+  // and g+8, keys 8j + 2t and 8j + 2t + 1 of each group j.
   FragA qa[KS];
 #pragma unroll
-  for (int s = 0; s < KS; ++s) qa[s] = load_a(q + r0 * ld + hc + 8 * s, ld);
+  for (int s = 0; s < KS; ++s) qa[s] = load_a_perm(q + r0 * ldq + hc + 8 * s, ldq);
   float s[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) mma_3xtf32(s[j], qa[ks], load_bt(k + 8 * j * ld + hc + 8 * ks, ld));
+    for (int ks = 0; ks < KS; ++ks) mma_3xtf32(s[j], qa[ks], load_bt_perm(k + 8 * j * ldq + hc + 8 * ks, ldq));
   }
 
   // Exact softmax per row: a row's LP scores are spread over the 4 lanes of a
   // quad (same g), so max and sum reduce over lanes xor 1 and 2.
+  if (L < 16 * MT) {  // padded keys
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (8 * j + 2 * t + e >= L) s[j][e] = s[j][2 + e] = -INFINITY;
+  }
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const bool valid = 8 * j + 2 * t + e < L;
-      s[j][e] = valid ? s[j][e] * scale : -INFINITY;
-      s[j][2 + e] = valid ? s[j][2 + e] * scale : -INFINITY;
-      mx0 = fmaxf(mx0, s[j][e]);
-      mx1 = fmaxf(mx1, s[j][2 + e]);
-    }
+  for (int j = 0; j < NT; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+  }
 #pragma unroll
   for (int m = 1; m <= 2; m <<= 1) {
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, m));
@@ -160,8 +232,8 @@ __device__ void attend_tile(float* o, const float* q, const float* k, const floa
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      s[j][e] = expf(s[j][e] - mx0);  // exp(-inf) = 0 for masked keys
-      s[j][2 + e] = expf(s[j][2 + e] - mx1);
+      s[j][e] = exp2f(s[j][e] - mx0);  // 0 for masked keys
+      s[j][2 + e] = exp2f(s[j][2 + e] - mx1);
       sum0 += s[j][e];
       sum1 += s[j][2 + e];
     }
@@ -174,7 +246,7 @@ __device__ void attend_tile(float* o, const float* q, const float* k, const floa
   // o_h (16, HD) = p v_h. The k index of the product is the key; inside group
   // j, A-column t stands for key 8j + 2t and column t + 4 for key 8j + 2t + 1,
   // so this thread's score registers are its A fragment as they are, and the
-  // B fragment reads v rows 8j + 2t and 8j + 2t + 1.
+  // B fragment is keys 8j + 2t, 8j + 2t + 1 of the transposed values' row g.
   float acc[KS][4];
 #pragma unroll
   for (int n = 0; n < KS; ++n)
@@ -183,16 +255,15 @@ __device__ void attend_tile(float* o, const float* q, const float* k, const floa
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const FragA pa = make_a(s[j][0], s[j][2], s[j][1], s[j][3]);
-    const float* vj = v + (8 * j + 2 * t) * ld + hc + g;
 #pragma unroll
-    for (int n = 0; n < KS; ++n) mma_3xtf32(acc[n], pa, make_b(vj[8 * n], vj[ld + 8 * n]));
+    for (int n = 0; n < KS; ++n) mma_3xtf32(acc[n], pa, load_bt_perm(vt + (hc + 8 * n) * ldv + 8 * j, ldv));
   }
   const float inv0 = 1.0f / sum0, inv1 = 1.0f / sum1;
 #pragma unroll
   for (int n = 0; n < KS; ++n) {
-    float* o0 = o + (r0 + g) * ld + hc + 8 * n + 2 * t;
-    *reinterpret_cast<float2*>(o0) = make_float2(acc[n][0] * inv0, acc[n][1] * inv0);
-    *reinterpret_cast<float2*>(o0 + 8 * ld) = make_float2(acc[n][2] * inv1, acc[n][3] * inv1);
+    float* o0 = o + (r0 + g) * ldx + 2 * (hc + 8 * n + 2 * t);
+    *reinterpret_cast<float4*>(o0) = split_pairs(acc[n][0] * inv0, acc[n][1] * inv0);
+    *reinterpret_cast<float4*>(o0 + 8 * ldx) = split_pairs(acc[n][2] * inv1, acc[n][3] * inv1);
   }
 }
 
@@ -200,80 +271,112 @@ template <int MT, int HD>
 __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcArgs a) {
   constexpr int LP = 16 * MT;
   constexpr int MI = MT % 2 == 0 ? 2 : 1;  // 16-row tiles per warp in the projections
-  const int D = a.D, ld = row_stride(D), L = (int)a.view.len;
+  constexpr int kQkvNI = 3, kOutNI = 1;    // 8-column tiles per warp item (3D / 8 is a multiple of 3)
+  const int D = a.D, L = (int)a.view.len;
+  const FusedLayout lay(LP, D);
   extern __shared__ float4 smem4[];
-  float* xs = reinterpret_cast<float*>(smem4);  // (LP, ld) LayerNorm(x), then o
-  float* q = xs + LP * ld;                      // (LP, ld) queries, all heads
-  float* k = q + LP * ld;                       // (LP, ld) keys
-  float* v = k + LP * ld;                       // (LP, ld) values
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float* smem = reinterpret_cast<float*>(smem4);
+  float* xs = smem;                   // (LP, ldx) LayerNorm(x), then o: split pairs
+  float* q = smem + lay.q_offset();   // (LP, ldq) x as it arrives, then queries (all heads)
+  float* k = smem + lay.k_offset();   // (LP, ldq) keys
+  float* vt = smem + lay.vt_offset();  // (D, ldv) values, transposed
+  float* params = smem + lay.params_offset();  // LayerNorm weight, bias; output bias
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int row_tiles = MT / MI;
+  const int qkv_items = row_tiles * (3 * D / (8 * kQkvNI)), out_items = row_tiles * (D / (8 * kOutNI));
+  const auto qkv_w = [&](int item) { return a.w.qkv_weight + (int64_t)(8 * kQkvNI * (item / row_tiles)) * D; };
+  const auto out_w = [&](int item) { return a.w.out_weight + (int64_t)(8 * kOutNI * (item / row_tiles)) * D; };
 
+  if (blockIdx.x < a.view.num_seq) load_params(params, a);
   for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
-    load_tile<MT>(xs, ld, a, n, L);
+    const int64_t base = a.view.offset(n, 0);
+    load_tile(q, lay.ldq, a, base, L);
+    WeightGroup<kQkvNI> gq;  // this warp's first QKV weights, in flight during the LayerNorm
+    if (warp < qkv_items) load_weights(gq, qkv_w(warp), D, 0);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
     __syncthreads();
-    layer_norm(xs, ld, a, L);
+    layer_norm<LP>(xs, lay.ldx, q, lay.ldq, params, a, L);
     __syncthreads();
 
-    // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns (3D / 8 is a
-    // multiple of 3); each 8-column part lies in one of q, k, v since 8 | D.
-    {
-      constexpr int NI = 3;
-      const int col_tiles = 3 * D / (8 * NI);
-      for (int item = warp; item < (MT / MI) * col_tiles; item += kWarps) {
-        const int m0 = 16 * MI * (item % (MT / MI)), c0 = 8 * NI * (item / (MT / MI));
-        float c[MI][NI][4];
-        warp_gemm<MI, NI>(c, xs + m0 * ld, ld, a.w.qkv_weight + (int64_t)c0 * D, D);
+    // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns; each
+    // 8-column part lies in one of q, k, v since 8 | D.
+    for (int item = warp; item < qkv_items; item += kWarps) {
+      const int m0 = 16 * MI * (item % row_tiles), c0 = 8 * kQkvNI * (item / row_tiles);
+      float c[MI][kQkvNI][4];
+      warp_gemm<MI, kQkvNI>(c, xs + m0 * lay.ldx, lay.ldx, qkv_w(item), D, gq,
+                            item + kWarps < qkv_items ? qkv_w(item + kWarps) : nullptr);
 #pragma unroll
-        for (int j = 0; j < NI; ++j) {
-          const int col = c0 + 8 * j;  // 8 columns in one of q, k, v
-          float* out = col < D ? q + col : col < 2 * D ? k + col - D : v + col - 2 * D;
+      for (int j = 0; j < kQkvNI; ++j) {
+        const int col = c0 + 8 * j + 2 * t;  // this thread's 2 columns, in one of q, k, v
 #pragma unroll
-          for (int i = 0; i < MI; ++i) {
-            float* p = out + (m0 + 16 * i + g) * ld + 2 * t;
-            *reinterpret_cast<float2*>(p) = make_float2(c[i][j][0], c[i][j][1]);
-            *reinterpret_cast<float2*>(p + 8 * ld) = make_float2(c[i][j][2], c[i][j][3]);
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = m0 + 16 * i + g + 8 * half;
+            const float c0v = c[i][j][2 * half], c1v = c[i][j][2 * half + 1];
+            if (col < D) {
+              *reinterpret_cast<float2*>(q + r * lay.ldq + col) = make_float2(c0v * a.q_scale, c1v * a.q_scale);
+            } else if (col < 2 * D) {
+              *reinterpret_cast<float2*>(k + r * lay.ldq + col - D) = make_float2(c0v, c1v);
+            } else {
+              vt[(col - 2 * D) * lay.ldv + r] = c0v;
+              vt[(col - 2 * D + 1) * lay.ldv + r] = c1v;
+            }
           }
-        }
       }
+    }
+    // The warp's first output weights and residual rows: in flight during the
+    // attention where registers allow (the score tile grows with HD * MT),
+    // else loaded after it.
+    constexpr bool kEarlyOut = HD * MT <= 128;
+    WeightGroup<kOutNI> go;
+    float2 res[MI][2];  // residual rows g, g + 8 of each 16-row tile, this thread's 2 columns
+    const auto load_residual = [&](int item) {
+      const int m0 = 16 * MI * (item % row_tiles), col = 8 * kOutNI * (item / row_tiles) + 2 * t;
+#pragma unroll
+      for (int i = 0; i < MI; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = m0 + 16 * i + g + 8 * half;
+          res[i][half] = r < L ? *reinterpret_cast<const float2*>(a.src + base + r * a.view.pos_stride + col)
+                               : make_float2(0.0f, 0.0f);
+        }
+    };
+    if (kEarlyOut && warp < out_items) {
+      load_weights(go, out_w(warp), D, 0);
+      load_residual(warp);
     }
     __syncthreads();
 
     for (int item = warp; item < a.heads * MT; item += kWarps)
-      attend_tile<MT, HD>(xs, q, k, v, ld, item / MT, item % MT, L, a.scale);
+      attend_tile<MT, HD>(xs, lay.ldx, q, k, lay.ldq, vt, lay.ldv, item / MT, item % MT, L);
+    if (!kEarlyOut && warp < out_items) {
+      load_weights(go, out_w(warp), D, 0);
+      load_residual(warp);
+    }
     __syncthreads();
 
     // dst = src + o @ Wout^T + bout, rows < L only.
-    {
-      constexpr int NI = 1;
-      const int col_tiles = D / (8 * NI);
-      for (int item = warp; item < (MT / MI) * col_tiles; item += kWarps) {
-        const int m0 = 16 * MI * (item % (MT / MI)), c0 = 8 * NI * (item / (MT / MI));
-        const int col = c0 + 2 * t;
-        // The residual rows, loaded before the product so the loads overlap it.
-        float2 x[MI][2];
+    for (int item = warp; item < out_items; item += kWarps) {
+      const int m0 = 16 * MI * (item % row_tiles), col = 8 * kOutNI * (item / row_tiles) + 2 * t;
+      if (item != warp) load_residual(item);  // overlaps the product
+      float c[MI][kOutNI][4];
+      warp_gemm<MI, kOutNI>(c, xs + m0 * lay.ldx, lay.ldx, out_w(item), D, go,
+                            item + kWarps < out_items ? out_w(item + kWarps) : nullptr);
+      const float2 bias = *reinterpret_cast<const float2*>(params + 2 * D + col);
 #pragma unroll
-        for (int i = 0; i < MI; ++i)
+      for (int i = 0; i < MI; ++i)
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = m0 + 16 * i + g + 8 * half;
-            x[i][half] = r < L ? *reinterpret_cast<const float2*>(a.src + a.view.offset(n, r) + col)
-                               : make_float2(0.0f, 0.0f);
-          }
-        float c[MI][NI][4];
-        warp_gemm<MI, NI>(c, xs + m0 * ld, ld, a.w.out_weight + (int64_t)c0 * D, D);
-        const float2 bias = *reinterpret_cast<const float2*>(a.w.out_bias + col);
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = m0 + 16 * i + g + 8 * half;
-            if (r >= L) continue;
-            *reinterpret_cast<float2*>(a.dst + a.view.offset(n, r) + col) =
-                make_float2(x[i][half].x + c[i][0][2 * half] + bias.x, x[i][half].y + c[i][0][2 * half + 1] + bias.y);
-          }
-      }
+        for (int half = 0; half < 2; ++half) {
+          const int r = m0 + 16 * i + g + 8 * half;
+          if (r >= L) continue;
+          *reinterpret_cast<float2*>(a.dst + base + r * a.view.pos_stride + col) =
+              make_float2(res[i][half].x + c[i][0][2 * half] + bias.x, res[i][half].y + c[i][0][2 * half + 1] + bias.y);
+        }
     }
-    __syncthreads();  // xs is rewritten by the next sequence
+    // No barrier here: the next sequence's x tile goes to q, last read in the
+    // attention, and its LayerNorm writes xs after the barrier that follows
+    // the tile's arrival, which every warp reaches after its output product.
   }
 }
 
@@ -281,7 +384,7 @@ template <int MT, int HD>
 cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   constexpr auto kernel = axis_tensor_core_kernel<MT, HD>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  const size_t smem = fused_smem_bytes(a.view.len, a.D);  // 16 MT rows
+  const size_t smem = fused_smem_bytes(a.view.len, a.D);  // FusedLayout of 16 MT rows
   // A block per sequence; past a few waves, blocks loop over sequences.
   const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * 64);
   kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
@@ -318,7 +421,7 @@ Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const
   a.heads = (int)p.heads;
   a.eps = p.eps;
   const int hd = (int)(p.dim / p.heads);
-  a.scale = 1.0f / sqrtf((float)hd);
+  a.q_scale = kLog2e / sqrtf((float)hd);
   a.w = w;
   a.src = src;
   a.dst = dst;

@@ -48,7 +48,7 @@ Status current_device(DeviceInfo* info) {
 Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
                    float* staged, const DeviceInfo& dev, cudaStream_t stream) {
   if (view.num_seq == 0 || view.len == 0) return Status::Ok();
-  switch (axis_path(view.len, p.dim, p.heads, view.num_seq * view.len)) {
+  switch (axis_path(view.len, p.dim, p.heads)) {
     case AxisPath::kFused:
       if (cuda::tensor_core_fits(view, p, w, src, dst, dev))
         return cuda::launch_axis_tensor_core(view, p, w, src, dst, dev, stream);
@@ -56,6 +56,10 @@ Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights
     case AxisPath::kStaged:
       if (cuda::staged_fits(view, p, w, src, dst, dev))
         return cuda::launch_axis_staged(view, p, w, src, dst, staged, dev, stream);
+      // No staged path on this device (it needs sm_90a code and a compute
+      // capability 9.0 GPU): the fused kernel where it holds the sequence.
+      if (cuda::tensor_core_fits(view, p, w, src, dst, dev))
+        return cuda::launch_axis_tensor_core(view, p, w, src, dst, dev, stream);
       break;
     case AxisPath::kGeneric:
       break;

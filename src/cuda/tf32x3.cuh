@@ -1,8 +1,8 @@
 // Warp-level fp32 matrix products on the tensor cores, with fp32 accuracy.
 //
 // A TF32 number keeps 10 of fp32's 23 mantissa bits, so a plain TF32 product
-// is about 1e-3 off. Each fp32 operand is split as a = hi + lo with hi and lo
-// both TF32 (hi = a rounded to TF32, lo = the rest rounded to TF32, together
+// is about 1e-3 off. Each fp32 operand is split as a = hi + lo (hi = a rounded
+// to TF32, lo = the rest, of which the tensor core reads TF32's worth: together
 // 21+ bits), and a*b is taken as lo*hi + hi*lo + hi*hi with fp32 accumulation
 // (the lo*lo term is below fp32 rounding). Three tensor-core products per
 // fp32 product, still several times the FFMA rate.
@@ -24,15 +24,19 @@ struct FragB {  // an 8 x 8 operand, split
   uint32_t hi[2], lo[2];
 };
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// x rounded to TF32, ties away from zero: the value of cvt.rna.tf32.f32 for
+// every finite x and the infinities, in two integer instructions (sm_90
+// expands cvt.rna to four). A NaN may come out as another value, but then
+// lo = x - hi below is NaN, so a product with it still is.
+__device__ __forceinline__ uint32_t to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 
+// hi = x rounded to TF32; lo = x - hi, exact in fp32 and left there: the
+// tensor core reads only the top 10 mantissa bits of a TF32 operand, and
+// truncating lo instead of rounding it changes no product measurably
+// (scripts/emulate_tf32x3.py). Three instructions per element.
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   hi = to_tf32(x);
-  lo = to_tf32(x - __uint_as_float(hi));  // exact in fp32, then rounded to TF32
+  lo = __float_as_uint(x - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ FragA make_a(float a0, float a1, float a2, float a3) {
@@ -93,14 +97,33 @@ __device__ __forceinline__ FragB load_bt(const float* p, int ld) {
   return make_b(p[g * ld + t], p[g * ld + t + 4]);
 }
 
+// ---- Permuted k -------------------------------------------------------------
+// A product sums over k, so one permutation of k applied to both operands
+// changes nothing. Inside each group of 8, the fragments below let k index t
+// stand for element 2t and t + 4 for element 2t + 1: a thread's two k values
+// of a row are then adjacent, one 8-byte load from fp32 rows.
+
+// A = rows 0..15, elements 0..7 of fp32 rows at p (row stride ld), k permuted.
+__device__ __forceinline__ FragA load_a_perm(const float* p, int ld) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const float2 r0 = *reinterpret_cast<const float2*>(p + g * ld + 2 * t);
+  const float2 r1 = *reinterpret_cast<const float2*>(p + (g + 8) * ld + 2 * t);
+  return make_a(r0.x, r1.x, r0.y, r1.y);
+}
+
+// B[k][n] = M[n][k] for fp32 rows of M at p: rows (n) 0..7, elements (k) 0..7, k permuted.
+__device__ __forceinline__ FragB load_bt_perm(const float* p, int ld) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const float2 r = *reinterpret_cast<const float2*>(p + g * ld + 2 * t);
+  return make_b(r.x, r.y);
+}
+
 // ---- Split operands in memory ------------------------------------------------
 // An operand that many warps read is split once, where it is produced: in
 // global memory as two planes (hi, then lo), or in shared memory as pairs,
 // element i of a row the words (hi_i, lo_i) at 2i, 2i + 1. Fragments then
 // need no conversion, and from pairs a thread's two k values of a fragment
-// come in one 16-byte load: inside each group of 8, the product's k
-// index t stands for element 2t and t + 4 for element 2t + 1 (a product sums
-// over k, so one permutation applied to both operands changes nothing).
+// come in one 16-byte load, k permuted as above.
 
 __device__ __forceinline__ float2 split_pair(float x) {
   uint32_t hi, lo;
@@ -121,6 +144,17 @@ __device__ __forceinline__ FragB load_bt_split(const float* p, int ld) {
   const uint4 r = *reinterpret_cast<const uint4*>(p + g * ld + 4 * t);
   FragB f;
   f.hi[0] = r.x, f.lo[0] = r.y, f.hi[1] = r.z, f.lo[1] = r.w;
+  return f;
+}
+
+// A = rows 0..15, elements 0..7 of split rows at p (row stride ld words), k permuted.
+__device__ __forceinline__ FragA load_a_split(const float* p, int ld) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const uint4 r0 = *reinterpret_cast<const uint4*>(p + g * ld + 4 * t);
+  const uint4 r1 = *reinterpret_cast<const uint4*>(p + (g + 8) * ld + 4 * t);
+  FragA f;
+  f.hi[0] = r0.x, f.lo[0] = r0.y, f.hi[2] = r0.z, f.lo[2] = r0.w;
+  f.hi[1] = r1.x, f.lo[1] = r1.y, f.hi[3] = r1.z, f.lo[3] = r1.w;
   return f;
 }
 

@@ -14,7 +14,7 @@ namespace {
 bool overridden() { return std::getenv("FASTAXIAL_CUDA_PATH") != nullptr; }
 
 struct Case {
-  int64_t len, dim, heads, tokens;
+  int64_t len, dim, heads;
   AxisPath path;
   const char* why;
 };
@@ -22,24 +22,25 @@ struct Case {
 TEST(Dispatch, PicksTheFamilyByShape) {
   if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
   const Case cases[] = {
-      {32, 64, 4, 4096, AxisPath::kFused, "default problem"},
-      {32, 64, 4, 16384, AxisPath::kStaged, "dim 64 from 16384 positions"},
-      {33, 96, 3, 561, AxisPath::kFused, "dim 96 on a small grid"},
-      {48, 96, 3, 7680, AxisPath::kStaged, "dim 96 with thousands of positions"},
-      {64, 128, 8, 32768, AxisPath::kStaged, "dim 128"},
-      {128, 256, 8, 32768, AxisPath::kStaged, "q, k, v of L = 128 at dim 256 exceed shared memory"},
-      {100, 256, 8, 300, AxisPath::kStaged, "the same at L = 100, even on a small grid"},
-      {256, 128, 4, 65536, AxisPath::kStaged, "L = 256 is past the fused kernel"},
-      {129, 64, 4, 1032, AxisPath::kStaged, "L = 129"},
-      {1024, 64, 4, 2048, AxisPath::kGeneric, "keys and values of L = 1024 exceed shared memory"},
-      {20, 12, 4, 60, AxisPath::kGeneric, "head_dim 3"},
-      {5, 1024, 8, 15, AxisPath::kGeneric, "head_dim 128"},
-      {9, 72, 9, 27, AxisPath::kFused, "head_dim 8"},
-      {7, 60, 3, 21, AxisPath::kGeneric, "dim not a multiple of 8"},
+      {32, 64, 4, AxisPath::kFused, "default problem"},
+      {48, 96, 3, AxisPath::kFused, "dim 96"},
+      {64, 128, 8, AxisPath::kFused, "dim 128"},
+      {32, 256, 8, AxisPath::kFused, "dim 256 at L = 32"},
+      {128, 64, 4, AxisPath::kFused, "L = 128 at dim 64"},
+      {128, 96, 3, AxisPath::kStaged, "q, k, v of L = 128 at dim 96 exceed shared memory"},
+      {128, 256, 8, AxisPath::kStaged, "q, k, v of L = 128 at dim 256 exceed shared memory"},
+      {100, 256, 8, AxisPath::kStaged, "the same at L = 100"},
+      {256, 128, 4, AxisPath::kStaged, "L = 256 is past the fused kernel"},
+      {129, 64, 4, AxisPath::kStaged, "L = 129"},
+      {1024, 64, 4, AxisPath::kGeneric, "keys and values of L = 1024 exceed shared memory"},
+      {20, 12, 4, AxisPath::kGeneric, "head_dim 3"},
+      {5, 1024, 8, AxisPath::kGeneric, "head_dim 128"},
+      {9, 72, 9, AxisPath::kFused, "head_dim 8"},
+      {7, 60, 3, AxisPath::kGeneric, "dim not a multiple of 8"},
   };
   for (const Case& c : cases)
-    EXPECT_EQ(axis_path(c.len, c.dim, c.heads, c.tokens), c.path)
-        << c.why << ": L " << c.len << ", dim " << c.dim << ", heads " << c.heads << ", positions " << c.tokens;
+    EXPECT_EQ(axis_path(c.len, c.dim, c.heads), c.path)
+        << c.why << ": L " << c.len << ", dim " << c.dim << ", heads " << c.heads;
 }
 
 TEST(Dispatch, FusedTileCounts) {
