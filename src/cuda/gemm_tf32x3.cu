@@ -11,11 +11,11 @@
 // reads (16-byte piece c of row r stored at piece c ^ (r % 8)), so the
 // copies and the tensor cores both meet distinct banks.
 //
-// Accuracy: each 8-deep step's three products (lo*hi, hi*lo, hi*hi) go into a
-// fresh accumulator T, which is then added to C in fp32 (the tensor core
-// truncates its own adds; a long chain drifts: docs/perf-notes.md). Two T
-// sets alternate, so one step's products run while the previous step's T is
-// added.
+// Accuracy: the three products (lo*hi, hi*lo, hi*hi) of two 8-deep steps go
+// into a fresh accumulator T, which is then added to C in fp32 (the tensor
+// core truncates its own adds; a long chain drifts, while runs of two steps
+// stay at an fp32 FMA chain's error: docs/perf-notes.md). Two T sets
+// alternate, so one run's products go on while the other's T is added.
 #include "gemm_tf32x3.h"
 
 #include <cstdint>
@@ -54,15 +54,19 @@ __device__ __forceinline__ void add_to(float (&c)[64], float (&t)[64]) {
   for (int i = 0; i < 64; ++i) c[i] += t[i];
 }
 
-// The three products of step ks of the stage at s into t (fresh).
-__device__ __forceinline__ void step_products(float (&t)[64], uint32_t s, int wg, int ks) {
-  const uint32_t a_hi = s + wg * 64 * 128 + ks * 32, a_lo = a_hi + kTileBytes;
-  const uint32_t w_hi = s + 2 * kTileBytes + ks * 32, w_lo = w_hi + kTileBytes;
+// The three products of steps ks and ks + 1 of the stage at s into t (fresh),
+// one commit group.
+__device__ __forceinline__ void run_products(float (&t)[64], uint32_t s, int wg, int ks) {
   fence_regs(t);
   wgmma_fence();
-  wgmma_m64n128k8_ss(t, desc_sw128(a_lo), desc_sw128(w_hi), 0);
-  wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_lo), 1);
-  wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_hi), 1);
+#pragma unroll
+  for (int k = ks; k < ks + 2; ++k) {
+    const uint32_t a_hi = s + wg * 64 * 128 + k * 32, a_lo = a_hi + kTileBytes;
+    const uint32_t w_hi = s + 2 * kTileBytes + k * 32, w_lo = w_hi + kTileBytes;
+    wgmma_m64n128k8_ss(t, desc_sw128(a_lo), desc_sw128(w_hi), k == ks ? 0 : 1);
+    wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_lo), 1);
+    wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_hi), 1);
+  }
   wgmma_commit();
 }
 
@@ -105,18 +109,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
     // cp.async wrote the tile through the generic proxy; wgmma reads it through the async one.
     fence_async_smem();
     __syncthreads();  // tile kt is in for all; every product of tile kt - 1 has completed
-    if (kt + kStages - 1 < ktiles) load_stage(kt + kStages - 1);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
 
     const uint32_t s = base + (kt % kStages) * kStageBytes;
-    step_products(t0, s, wg, 0);
-    step_products(t1, s, wg, 1);
-    wgmma_wait<1>();
-    add_to(c, t0);
-    step_products(t0, s, wg, 2);
-    wgmma_wait<1>();
-    add_to(c, t1);
-    step_products(t1, s, wg, 3);
+    run_products(t0, s, wg, 0);
+    // The refill of tile kt - 1's stage goes out while the products run.
+    if (kt + kStages - 1 < ktiles) load_stage(kt + kStages - 1);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    run_products(t1, s, wg, 2);
     wgmma_wait<1>();
     add_to(c, t0);
     wgmma_wait<0>();  // before the next barrier lets this stage be refilled
