@@ -152,8 +152,15 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
         for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
         const int key0 = c0 + 8 * j;
         if (key0 < Lp) {
+          const float* kj = ks + key0 * kLdk;
+          if constexpr (KS == 1) {
+            mma_3xtf32(s[j], qa[0], load_bt_split(kj, kLdk));
+          } else {  // runs of two steps per fresh accumulator (tf32x3.cuh)
 #pragma unroll
-          for (int kk = 0; kk < KS; ++kk) mma_3xtf32(s[j], qa[kk], load_bt_split(ks + key0 * kLdk + 16 * kk, kLdk));
+            for (int kk = 0; kk < KS; kk += 2)
+              mma_3xtf32_x2(s[j], qa[kk], load_bt_split(kj + 16 * kk, kLdk), qa[kk + 1],
+                            load_bt_split(kj + 16 * kk + 16, kLdk));
+          }
         }
         if (c0 + 8 * kChunk > L) {  // the chunk holding key L - 1: mask keys >= L
 #pragma unroll
@@ -181,23 +188,31 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
 #pragma unroll
       for (int j = 0; j < KS; ++j) acc[j][0] *= corr0, acc[j][1] *= corr0, acc[j][2] *= corr1, acc[j][3] *= corr1;
 
+      // Groups in pairs (j, j + 1), one fresh accumulator per pair; Lp is a
+      // multiple of 16, so both groups of a pair lie below it or neither.
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
+      for (int j = 0; j < kChunk; j += 2) {
         const int key0 = c0 + 8 * j;
         if (key0 >= Lp) continue;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[j][e] = exp2f(s[j][e] - m0);  // 2^-inf = 0 for masked keys
-          s[j][2 + e] = exp2f(s[j][2 + e] - m1);
-          l0 += s[j][e];
-          l1 += s[j][2 + e];
-        }
+        for (int jj = j; jj < j + 2; ++jj)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            s[jj][e] = exp2f(s[jj][e] - m0);  // 2^-inf = 0 for masked keys
+            s[jj][2 + e] = exp2f(s[jj][2 + e] - m1);
+            l0 += s[jj][e];
+            l1 += s[jj][2 + e];
+          }
         // A column t of group j stands for key 2t, column t + 4 for key 2t + 1:
         // the score registers are the A fragment, and the transposed values'
         // pairs at 2t, 2t + 1 are the B fragment.
         const FragA pa = make_a(s[j][0], s[j][2], s[j][1], s[j][3]);
+        const FragA pb = make_a(s[j + 1][0], s[j + 1][2], s[j + 1][1], s[j + 1][3]);
 #pragma unroll
-        for (int f = 0; f < KS; ++f) mma_3xtf32(acc[f], pa, load_bt_split(vt + 8 * f * ldv + 2 * key0, ldv));
+        for (int f = 0; f < KS; ++f) {
+          const float* vf = vt + 8 * f * ldv + 2 * key0;
+          mma_3xtf32_x2(acc[f], pa, load_bt_split(vf, ldv), pb, load_bt_split(vf + 16, ldv));
+        }
       }
     }
 #pragma unroll

@@ -96,16 +96,29 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
     if (k0 + 32 < K) load_weights(G, W, K, k0 + 32);
     else if (next_W != nullptr) load_weights(G, next_W, K, 0);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      if (k0 + 8 * s >= K) break;
-      FragA a[MI];
+    for (int s = 0; s < 4; s += 2) {  // runs of two steps per fresh accumulator (tf32x3.cuh)
+      const int k = k0 + 8 * s;
+      if (k >= K) break;
+      FragA a[MI], a2[MI];
 #pragma unroll
-      for (int i = 0; i < MI; ++i) a[i] = load_a_split(A + 16 * i * lda + 2 * (k0 + 8 * s), lda);
+      for (int i = 0; i < MI; ++i) a[i] = load_a_split(A + 16 * i * lda + 2 * k, lda);
+      if (k + 8 < K) {
 #pragma unroll
-      for (int j = 0; j < NI; ++j) {
-        const FragB b = make_b(cur.w[s][j].x, cur.w[s][j].y);
+        for (int i = 0; i < MI; ++i) a2[i] = load_a_split(A + 16 * i * lda + 2 * (k + 8), lda);
 #pragma unroll
-        for (int i = 0; i < MI; ++i) mma_3xtf32(c[i][j], a[i], b);
+        for (int j = 0; j < NI; ++j) {
+          const FragB b = make_b(cur.w[s][j].x, cur.w[s][j].y);
+          const FragB b2 = make_b(cur.w[s + 1][j].x, cur.w[s + 1][j].y);
+#pragma unroll
+          for (int i = 0; i < MI; ++i) mma_3xtf32_x2(c[i][j], a[i], b, a2[i], b2);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NI; ++j) {
+          const FragB b = make_b(cur.w[s][j].x, cur.w[s][j].y);
+#pragma unroll
+          for (int i = 0; i < MI; ++i) mma_3xtf32(c[i][j], a[i], b);
+        }
       }
     }
   }
@@ -214,8 +227,14 @@ __device__ void attend_tile(float* o, int ldx, const float* q, const float* k, i
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+    const float* kj = k + 8 * j * ldq + hc;
+    if constexpr (KS == 1) {
+      mma_3xtf32(s[j], qa[0], load_bt_perm(kj, ldq));
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) mma_3xtf32(s[j], qa[ks], load_bt_perm(k + 8 * j * ldq + hc + 8 * ks, ldq));
+      for (int ks = 0; ks < KS; ks += 2)
+        mma_3xtf32_x2(s[j], qa[ks], load_bt_perm(kj + 8 * ks, ldq), qa[ks + 1], load_bt_perm(kj + 8 * ks + 8, ldq));
+    }
   }
 
   // Exact softmax per row: a row's LP scores are spread over the 4 lanes of a
@@ -264,10 +283,14 @@ __device__ void attend_tile(float* o, int ldx, const float* q, const float* k, i
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+  for (int j = 0; j < NT; j += 2) {  // NT is even: runs of two key groups
     const FragA pa = make_a(s[j][0], s[j][2], s[j][1], s[j][3]);
+    const FragA pb = make_a(s[j + 1][0], s[j + 1][2], s[j + 1][1], s[j + 1][3]);
 #pragma unroll
-    for (int n = 0; n < KS; ++n) mma_3xtf32(acc[n], pa, load_bt_perm(vt + (hc + 8 * n) * ldv + 8 * j, ldv));
+    for (int n = 0; n < KS; ++n) {
+      const float* vn = vt + (hc + 8 * n) * ldv + 8 * j;
+      mma_3xtf32_x2(acc[n], pa, load_bt_perm(vn, ldv), pb, load_bt_perm(vn + 8, ldv));
+    }
   }
   const float inv0 = 1.0f / sum0, inv1 = 1.0f / sum1;
 #pragma unroll

@@ -84,6 +84,23 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const FragA& a, const 
   for (int e = 0; e < 4; ++e) c[e] += t[e];
 }
 
+// c += a0 * b0 + a1 * b1 (two 8-deep steps), fp32-accurate: both steps'
+// products in one fresh accumulator, then one fp32 add per element. Runs of
+// two steps stay at an fp32 FMA chain's error (scripts/emulate_tf32x3.py);
+// longer runs do not.
+__device__ __forceinline__ void mma_3xtf32_x2(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
+                                              const FragB& b1) {
+  float t[4];
+  mma_tf32_first(t, a0.lo, b0.hi);
+  mma_tf32(t, a0.hi, b0.lo);
+  mma_tf32(t, a0.hi, b0.hi);
+  mma_tf32(t, a1.lo, b1.hi);
+  mma_tf32(t, a1.hi, b1.lo);
+  mma_tf32(t, a1.hi, b1.hi);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) c[e] += t[e];
+}
+
 // A = rows 0..15, columns 0..7 of a row-major matrix at p with row stride ld.
 __device__ __forceinline__ FragA load_a(const float* p, int ld) {
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
