@@ -8,7 +8,9 @@ against float64 for
   - the same, each 8-input step into a zero accumulator, steps added in fp32
     (the kernels now);
   - between the two: runs of n steps chained in a zero accumulator, the runs
-    added in fp32 (fewer waits and adds for wgmma kernels), for K = 64 and 256.
+    added in fp32 (fewer waits and adds for wgmma kernels), for K = 64 and 256;
+  - the same with lo = x - hi left unrounded (the tensor core reads only its
+    top 10 mantissa bits), as the kernels split since v17.
 docs/perf-notes.md quotes its output.
 
     python scripts/emulate_tf32x3.py
@@ -27,6 +29,13 @@ def to_tf32(x):
 def split(x):
     hi = to_tf32(x)
     return hi, to_tf32((x - hi).astype(np.float32))
+
+
+def split_unrounded_lo(x):
+    """hi rounded, lo = x - hi left in fp32, of which the tensor core reads the top 10 mantissa bits."""
+    hi = to_tf32(x)
+    lo = (x - hi).astype(np.float32)
+    return hi, (lo.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def truncate_to_fp32(x):
@@ -99,6 +108,10 @@ def main():
         bh, bl = split(B)
         runs = ", ".join(f"{n}: {rel(chained_runs(al, ah, bl, bh, K, n)):.2e}" for n in (1, 2, 4, 8) if 8 * n <= K)
         print(f"K = {K}: fp32 FMA {rel(fma):.2e}; steps chained per run -> {runs}")
+        uh, ul = split_unrounded_lo(A)
+        vh, vl = split_unrounded_lo(B)
+        runs = ", ".join(f"{n}: {rel(chained_runs(ul, uh, vl, vh, K, n)):.2e}" for n in (1, 2))
+        print(f"K = {K}, lo left unrounded (the kernels since v17): steps chained per run -> {runs}")
 
 
 if __name__ == "__main__":
