@@ -10,7 +10,7 @@
 // a whole sequence's q, k and v fit one block's shared memory. Keys are then
 // projected once per sequence, and each attention row is complete in one
 // warp's registers: an exact softmax, no online rescaling, no block barrier
-// inside the attention. Five barriers per sequence in all.
+// inside the attention. Four barriers per sequence in all.
 //
 // A block runs one sequence per SM at a time with 8 warps, so its time is the
 // latency of that chain: the instructions per warp and the waits between them
@@ -22,7 +22,11 @@
 //   scale times log2(e), so scores come out in base 2;
 // - weights are read from global memory (L2) as B fragments, a group of four
 //   8-deep steps ahead of the products; a warp's first group is issued before
-//   the barrier in front of its product.
+//   the barrier in front of its product, and each block first asks DRAM for a
+//   slice of them, so that they are all in L2 by then;
+// - each run of two 8-deep steps goes into a fresh accumulator (tf32x3.cuh);
+// - the norm weights and output bias sit in shared memory; a block's next
+//   sequence arrives during the current one's output product.
 //
 // Work split (8 warps): the projections go by (16-row, 8-column) tiles of the
 // output, register-blocked MI x NI per warp; the attention goes by (head,
@@ -40,6 +44,7 @@
 
 #include "../common/dispatch.h"
 #include "../common/smem_layout.h"
+#include "async_copy.cuh"
 #include "axis_kernels.h"
 #include "tf32x3.cuh"
 
@@ -74,7 +79,8 @@ __device__ __forceinline__ void load_weights(WeightGroup<NI>& G, const float* __
   for (int s = 0; s < 4; ++s)
 #pragma unroll
     for (int j = 0; j < NI; ++j)
-      if (k0 + 8 * s < K) G.w[s][j] = __ldg(reinterpret_cast<const float2*>(W + (int64_t)(8 * j + g) * K + k0 + 8 * s + 2 * t));
+      if (k0 + 8 * s < K)
+        G.w[s][j] = __ldg(reinterpret_cast<const float2*>(W + (int64_t)(8 * j + g) * K + k0 + 8 * s + 2 * t));
 }
 
 // c (16 MI x 8 NI) = A[0:16 MI, 0:K] @ W[0:8 NI, 0:K]^T for one warp. A is
@@ -124,11 +130,6 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
   }
 }
 
-__device__ __forceinline__ void copy_async16(float* dst, const float* src) {
-  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-}
-
 // Rows 0..L of sequence n into x (row stride ld) by cp.async, every 16-byte
 // piece its own copy so the whole tile is in flight at once. Not waited for.
 __device__ void load_tile(float* x, int ld, const TcArgs& a, int64_t base, int L) {
@@ -137,7 +138,7 @@ __device__ void load_tile(float* x, int ld, const TcArgs& a, int64_t base, int L
     const int r = e / per_row, c = 4 * (e % per_row);
     copy_async16(x + r * ld + c, a.src + base + r * a.view.pos_stride + c);
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  copy_async_commit();
 }
 
 // Every block reads the pass's weights, and the benchmark (like a model's
@@ -330,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
     const int64_t base = a.view.offset(n, 0);
     WeightGroup<kQkvNI> gq;  // this warp's first QKV weights, in flight during the LayerNorm
     if (warp < qkv_items) load_weights(gq, qkv_w(warp), D, 0);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    copy_async_wait<0>();
     __syncthreads();
     layer_norm<LP>(xs, lay.ldx, q, lay.ldq, params, a, L);
     __syncthreads();

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "async_copy.cuh"
 #include "wgmma.cuh"
 
 namespace fastaxial::cuda {
@@ -32,10 +33,6 @@ constexpr int kStageBytes = 4 * kTileBytes;     // A hi, A lo, W hi, W lo
 constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes + 1024;  // + room to align to 1024
 
 #if FASTAXIAL_SM90A_DEVICE
-__device__ __forceinline__ void cp_async16(uint32_t dst, const float* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
 // 128 rows x BK columns of one plane of a (rows, K) matrix into the swizzled
 // tile at shared address s: a row's 8 pieces of 16 bytes, piece c at c ^ (r % 8).
 __device__ __forceinline__ void load_tile(uint32_t s, const float* g, int64_t row0, int64_t rows, int k0, int K) {
@@ -44,7 +41,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const float* g, int64_t ro
   for (int u = 0; u < 128 * 8 / kThreads; ++u) {
     const int r = threadIdx.x / 8 + u * (kThreads / 8);
     const bool valid = k < K && row0 + r < rows;
-    cp_async16(s + r * 128 + ((piece ^ (r % 8)) * 16), valid ? g + (row0 + r) * K + k : g, valid);
+    copy_async16(s + r * 128 + ((piece ^ (r % 8)) * 16), valid ? g + (row0 + r) * K + k : g, valid ? 16 : 0);
   }
 }
 
@@ -102,10 +99,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < ktiles) load_stage(s);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    copy_async_commit();
   }
   for (int kt = 0; kt < ktiles; ++kt) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    copy_async_wait<kStages - 2>();
     // cp.async wrote the tile through the generic proxy; wgmma reads it through the async one.
     fence_async_smem();
     __syncthreads();  // tile kt is in for all; every product of tile kt - 1 has completed
@@ -114,14 +111,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
     run_products(t0, s, wg, 0);
     // The refill of tile kt - 1's stage goes out while the products run.
     if (kt + kStages - 1 < ktiles) load_stage(kt + kStages - 1);
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    copy_async_commit();
     run_products(t1, s, wg, 2);
     wgmma_wait<1>();
     add_to(c, t0);
     wgmma_wait<0>();  // before the next barrier lets this stage be refilled
     add_to(c, t1);
   }
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  copy_async_wait<0>();
 
   // Accumulator layout: warp w of the warpgroup holds rows 16 w + g and
   // 16 w + g + 8; c[4 j .. 4 j + 3] are columns 8 j + 2t, 8 j + 2t + 1 of each.

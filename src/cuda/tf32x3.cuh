@@ -101,19 +101,6 @@ __device__ __forceinline__ void mma_3xtf32_x2(float (&c)[4], const FragA& a0, co
   for (int e = 0; e < 4; ++e) c[e] += t[e];
 }
 
-// A = rows 0..15, columns 0..7 of a row-major matrix at p with row stride ld.
-__device__ __forceinline__ FragA load_a(const float* p, int ld) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  return make_a(p[g * ld + t], p[(g + 8) * ld + t], p[g * ld + t + 4], p[(g + 8) * ld + t + 4]);
-}
-
-// B[k][n] = M[n][k]: M is row-major with row stride ld (a weight matrix
-// (out, in), or keys (position, feature)); rows 0..7, columns 0..7.
-__device__ __forceinline__ FragB load_bt(const float* p, int ld) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  return make_b(p[g * ld + t], p[g * ld + t + 4]);
-}
-
 // ---- Permuted k -------------------------------------------------------------
 // A product sums over k, so one permutation of k applied to both operands
 // changes nothing. Inside each group of 8, the fragments below let k index t
