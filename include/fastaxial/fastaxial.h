@@ -70,7 +70,9 @@ bool cuda_compiled();
 
 // Bytes of device scratch forward_cuda needs: the row pass's output, plus the
 // intermediates of the staged kernels (about 5x the input) for shapes that take
-// them (long sequences, wide dims; see the README). Depends on the shape alone.
+// them (sequences the fused kernel cannot hold: longer than 128 positions, or
+// too wide for one block's shared memory; see the README). Depends on the
+// shape alone.
 size_t cuda_workspace_bytes(const AxialParams& p);
 
 // CUDA forward on `stream` (nullptr: the default stream). All pointers are

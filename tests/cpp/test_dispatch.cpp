@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "../../src/common/dispatch.h"
+#include "../../src/common/smem_layout.h"
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial::test {
@@ -47,6 +48,26 @@ TEST(Dispatch, FusedTileCounts) {
   const int64_t lens[] = {1, 16, 17, 48, 49, 96, 97, 112, 128, 129};
   const int tiles[] = {1, 1, 2, 3, 4, 6, 8, 8, 8, 0};
   for (int i = 0; i < 10; ++i) EXPECT_EQ(fused_tile_count(lens[i]), tiles[i]) << "L " << lens[i];
+}
+
+// The fused kernel's rows are 16-byte aligned and their strides put the
+// fragment loads of a quarter warp (16-byte) or half warp (8-byte) on
+// distinct banks; the README's largest dims per L follow from the layout.
+TEST(Dispatch, FusedLayoutStridesAndLimits) {
+  for (int lp = 16; lp <= 128; lp += 16)
+    for (int d = 8; d <= 512; d += 8) {
+      const FusedLayout lay(lp, d);
+      EXPECT_EQ(lay.ldq % 16, 8) << "q, k rows: 8-byte loads of rows g = 0..3";
+      EXPECT_EQ(lay.ldv % 16, 8) << "transposed values: the same";
+      EXPECT_EQ(pair_row_words(2 * d) % 32, 16) << "split pairs: 16-byte loads of rows g = 0, 1";
+      for (int64_t offset : {lay.q_offset(), lay.k_offset(), lay.vt_offset(), lay.params_offset()})
+        EXPECT_EQ(offset % 4, 0) << "16-byte aligned, lp " << lp << ", d " << d;
+    }
+  const int64_t lens[] = {32, 64, 128}, widest[] = {328, 168, 88};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_LE(fused_smem_bytes(lens[i], widest[i]), 227u * 1024) << "L " << lens[i];
+    EXPECT_GT(fused_smem_bytes(lens[i], widest[i] + 8), 227u * 1024) << "L " << lens[i];
+  }
 }
 
 TEST(Dispatch, WorkspaceCoversTheStagedPath) {
