@@ -57,7 +57,6 @@ AxisPath axis_path(int64_t len, int64_t dim, int64_t heads) {
   const bool fused = fused_tile_count(len) > 0 && fused_smem_bytes(len, dim) <= kSmemBudget;
   const bool staged = staged_attention_smem_bytes(len, dim / heads) <= kSmemBudget;
   if (forced == Override::kStaged && staged) return AxisPath::kStaged;
-  if (forced == Override::kFused && fused) return AxisPath::kFused;
   // Measured on the H200 (docs/perf-notes.md, v17): the fused kernel, where
   // it holds the sequence, takes less GPU time than the staged path on every
   // shape measured but one (us per forward, fused vs staged: 4x32x32 dim 64
