@@ -4,9 +4,11 @@
 // planes, hi then lo, of TF32 values (tf32x3.cuh), so the kernel only copies
 // and multiplies.
 //
-// Shape: a block of two warpgroups computes a 128 x 128 tile of C, each
-// warpgroup 64 rows (64 accumulators a thread). K advances 32 at a time
-// through a 3-stage cp.async ring; a stage holds the hi and lo planes of the
+// Shape: a block of two warpgroups computes 128 x 128 tiles of C, each
+// warpgroup 64 rows (64 accumulators a thread); one block an SM, looping over
+// tiles. K advances 32 at a time through a 3-stage cp.async ring that runs on
+// across tiles, so a tile's first copies overlap the previous tile's last
+// products and its epilogue; a stage holds the hi and lo planes of the
 // A and W tiles, each row 128 bytes in the 128-byte swizzled layout wgmma
 // reads (16-byte piece c of row r stored at piece c ^ (r % 8)), so the
 // copies and the tensor cores both meet distinct banks.
@@ -18,6 +20,7 @@
 // alternate, so one run's products go on while the other's T is added.
 #include "gemm_tf32x3.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "async_copy.cuh"
@@ -74,22 +77,37 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
   extern __shared__ float4 smem4[];
   // Swizzled tiles must start on 1024-byte boundaries.
   const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem4) + 1023) & ~1023u;
-  // Blocks that share a row tile of A are neighbours in launch order: A comes
-  // from DRAM about once and from L2 for the other column tiles.
+  // Tile t is row tile t / ntiles, column tile t % ntiles: blocks that share
+  // a row tile of A run side by side, so A comes from DRAM about once. A
+  // block takes tiles blockIdx.x, + gridDim.x, ... and runs its k-steps on
+  // flat across them: the ring already holds a tile's first stages when the
+  // previous tile's products end, and their copies overlap its epilogue.
   const int ntiles = (p.N + BN - 1) / BN;
-  const int64_t m0 = (int64_t)(blockIdx.x / ntiles) * BM;
-  const int n0 = (int)(blockIdx.x % ntiles) * BN;
+  const int64_t tiles = (p.M + BM - 1) / BM * ntiles;
   const int wg = threadIdx.x / 128;
   const int ktiles = (p.K + BK - 1) / BK;
+  const int64_t iters = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * ktiles;
   const float* a_lo = p.a + p.M * p.K;
   const float* w_lo = p.w + (int64_t)p.N * p.K;
 
-  auto load_stage = [&](int kt) {
-    const uint32_t s = base + (kt % kStages) * kStageBytes;
-    load_tile(s, p.a, m0, p.M, kt * BK, p.K);
-    load_tile(s + kTileBytes, a_lo, m0, p.M, kt * BK, p.K);
-    load_tile(s + 2 * kTileBytes, p.w, n0, p.N, kt * BK, p.K);
-    load_tile(s + 3 * kTileBytes, w_lo, n0, p.N, kt * BK, p.K);
+  // The next k-step to load: its tile (first row and column), k index and
+  // stage, advanced in order.
+  int64_t load_tile_index = blockIdx.x, load_m0 = load_tile_index / ntiles * BM;
+  int load_n0 = (int)(load_tile_index % ntiles) * BN, load_kt = 0, load_stage = 0;
+  auto load_next = [&]() {
+    const uint32_t s = base + load_stage * kStageBytes;
+    const int k0 = load_kt * BK;
+    load_tile(s, p.a, load_m0, p.M, k0, p.K);
+    load_tile(s + kTileBytes, a_lo, load_m0, p.M, k0, p.K);
+    load_tile(s + 2 * kTileBytes, p.w, load_n0, p.N, k0, p.K);
+    load_tile(s + 3 * kTileBytes, w_lo, load_n0, p.N, k0, p.K);
+    load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
+    if (++load_kt == ktiles) {
+      load_kt = 0;
+      load_tile_index += gridDim.x;
+      load_m0 = load_tile_index / ntiles * BM;
+      load_n0 = (int)(load_tile_index % ntiles) * BN;
+    }
   };
 
   float c[64], t0[64], t1[64];
@@ -98,49 +116,82 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < ktiles) load_stage(s);
+    if (s < iters) load_next();
     copy_async_commit();
   }
-  for (int kt = 0; kt < ktiles; ++kt) {
-    copy_async_wait<kStages - 2>();
-    // cp.async wrote the tile through the generic proxy; wgmma reads it through the async one.
-    fence_async_smem();
-    __syncthreads();  // tile kt is in for all; every product of tile kt - 1 has completed
+  // Each k-step is two runs, A (steps 0-1 of the stage, into t0) and B
+  // (steps 2-3, into t1). Both block-wide barriers of a k-step have a run in
+  // flight, so the tensor cores wait only for the add of t1 between k-steps:
+  // the refill of the previous k-step's stage goes out while A runs, the
+  // next k-step's copies are waited for while B runs. Nothing is in flight
+  // across a loop turn (ptxas would wait there anyway).
+  copy_async_wait<kStages - 2>();
+  // cp.async wrote the tile through the generic proxy; wgmma reads it through the async one.
+  fence_async_smem();
+  __syncthreads();  // k-step 0 is in for all
+  int64_t it = 0;   // k-steps done, over all of this block's tiles
+  int stage = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int kt = 0; kt < ktiles; ++kt, ++it) {
+      const uint32_t s = base + stage * kStageBytes;
+      run_products(t0, s, wg, 0);
+      __syncthreads();  // every product of the previous k-step has completed: its stage may be refilled
+      if (it + kStages - 1 < iters) load_next();
+      copy_async_commit();
+      run_products(t1, s, wg, 2);
+      wgmma_wait<1>();
+      add_to(c, t0);
+      copy_async_wait<kStages - 2>();
+      fence_async_smem();
+      __syncthreads();  // k-step it + 1 is in for all
+      wgmma_wait<0>();
+      add_to(c, t1);
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+    }
 
-    const uint32_t s = base + (kt % kStages) * kStageBytes;
-    run_products(t0, s, wg, 0);
-    // The refill of tile kt - 1's stage goes out while the products run.
-    if (kt + kStages - 1 < ktiles) load_stage(kt + kStages - 1);
-    copy_async_commit();
-    run_products(t1, s, wg, 2);
-    wgmma_wait<1>();
-    add_to(c, t0);
-    wgmma_wait<0>();  // before the next barrier lets this stage be refilled
-    add_to(c, t1);
+    const int64_t m0 = tile / ntiles * BM;
+    const int n0 = (int)(tile % ntiles) * BN;
+    // Accumulator layout: warp w of the warpgroup holds rows 16 w + g and
+    // 16 w + g + 8; c[4 j .. 4 j + 3] are columns 8 j + 2t, 8 j + 2t + 1 of each.
+    // Bias and residual are all loaded before the first store: c may alias
+    // neither as far as the compiler knows, so loads after a store would wait
+    // for it, one global round trip per pair. The residual goes to t0, which
+    // is free here; t1 stays untouched (it holds a product in flight on the
+    // other path to the loop's next turn, so the compiler must not move it).
+    const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
+    const int64_t row0 = m0 + wg * 64 + warp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = n0 + 8 * j + 2 * tq;
+      const float2 b =
+          p.bias && col < p.N ? *reinterpret_cast<const float2*>(p.bias + col) : make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = row0 + 8 * half;
+        const int i = 4 * j + 2 * half;
+        const float2 r = p.residual && col < p.N && row < p.M
+                             ? *reinterpret_cast<const float2*>(p.residual + row * p.N + col)
+                             : make_float2(0.0f, 0.0f);
+        c[i] += b.x, c[i + 1] += b.y;
+        t0[i] = r.x, t0[i + 1] = r.y;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = n0 + 8 * j + 2 * tq;
+      if (col >= p.N) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = row0 + 8 * half;
+        if (row >= p.M) continue;
+        const int i = 4 * j + 2 * half;
+        *reinterpret_cast<float2*>(p.c + row * p.N + col) = make_float2(c[i] + t0[i], c[i + 1] + t0[i + 1]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) c[i] = 0.0f;
   }
   copy_async_wait<0>();
-
-  // Accumulator layout: warp w of the warpgroup holds rows 16 w + g and
-  // 16 w + g + 8; c[4 j .. 4 j + 3] are columns 8 j + 2t, 8 j + 2t + 1 of each.
-  const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int col = n0 + 8 * j + 2 * tq;
-    if (col >= p.N) continue;
-    const float2 bias = p.bias ? *reinterpret_cast<const float2*>(p.bias + col) : make_float2(0.0f, 0.0f);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t row = m0 + wg * 64 + warp * 16 + g + 8 * half;
-      if (row >= p.M) continue;
-      float2 v = make_float2(c[4 * j + 2 * half] + bias.x, c[4 * j + 2 * half + 1] + bias.y);
-      if (p.residual) {
-        const float2 r = *reinterpret_cast<const float2*>(p.residual + row * p.N + col);
-        v.x += r.x;
-        v.y += r.y;
-      }
-      *reinterpret_cast<float2*>(p.c + row * p.N + col) = v;
-    }
-  }
 #else
   (void)p;
   __trap();  // built without sm_90a: gemm_tf32x3_available() is false and nothing launches this
@@ -162,8 +213,9 @@ cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceInfo& dev, cudaStream_t s
   if (g.M == 0 || g.N == 0) return cudaSuccess;
   if (!gemm_tf32x3_available(dev)) return cudaErrorInvalidDeviceFunction;
   if (cudaError_t e = allow_max_smem<gemm_tf32x3_kernel>(dev); e != cudaSuccess) return e;
-  const int64_t blocks = (g.M + BM - 1) / BM * ((g.N + BN - 1) / BN);
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  // One block an SM (the ring takes most of its shared memory), each looping over tiles.
+  const int64_t tiles = (g.M + BM - 1) / BM * ((g.N + BN - 1) / BN);
+  const int64_t blocks = std::min<int64_t>(tiles, dev.sms);
   gemm_tf32x3_kernel<<<(unsigned)blocks, kThreads, kSmemBytes, stream>>>(g);
   return cudaGetLastError();
 }
