@@ -91,48 +91,78 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
   const int L = (int)a.pos.len, Lp = (L + 15) / 16 * 16, ldv = StagedAttentionLayout(Lp, HD).ldv;
   const int64_t n = blockIdx.x / a.heads;
   const int hc = (int)(blockIdx.x % a.heads) * HD;
+  // Row of position l: seq + l * a.pos.pos_stride (offset() divides by the
+  // batch's sequence count, a 64-bit division: once per block, not per row).
+  const int64_t seq = a.pos.offset(n, 0);
+  const auto row = [&](int l) { return seq + l * a.pos.pos_stride; };
   const int64_t row_words = 3 * (int64_t)a.D;
   extern __shared__ float4 smem4[];
   float* ks = reinterpret_cast<float*>(smem4);  // (Lp, kLdk) keys of this head, split pairs
   float* vt = ks + Lp * kLdk;                   // (HD, ldv) values, transposed, split pairs
 
-  // Keys and values of positions >= L are zero (and masked below).
-  for (int e = threadIdx.x; e < Lp * (HD / 4); e += blockDim.x) {
-    const int l = e / (HD / 4), f = 4 * (e % (HD / 4));
-    float4 kv = make_float4(0.0f, 0.0f, 0.0f, 0.0f), vv = kv;
-    if (l < L) {
-      const float* row = a.qkv + a.pos.offset(n, l) * row_words + hc + f;
-      kv = *reinterpret_cast<const float4*>(row + a.D);
-      vv = *reinterpret_cast<const float4*>(row + 2 * a.D);
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  // Query fragments of the 16-row tile at r0, k permuted as the split keys
+  // (tf32x3.cuh): this thread holds features 2t, 2t + 1 of each 8 for rows
+  // r0 + g and r0 + g + 8. The softmax scale, times log2(e), is applied to q
+  // here, once, rather than to each score: scores come out in base 2 for
+  // exp2f. Raw values: the split waits until they are used.
+  float2 qr[KS][2];
+  const auto load_q = [&](int r0) {
+    const bool in0 = r0 + g < L, in1 = r0 + g + 8 < L;
+    const float* q0 = a.qkv + (in0 ? row(r0 + g) * row_words : 0) + hc + 2 * t;
+    const float* q1 = a.qkv + (in1 ? row(r0 + g + 8) * row_words : 0) + hc + 2 * t;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      qr[s][0] = in0 ? *reinterpret_cast<const float2*>(q0 + 8 * s) : make_float2(0.0f, 0.0f);
+      qr[s][1] = in1 ? *reinterpret_cast<const float2*>(q1 + 8 * s) : make_float2(0.0f, 0.0f);
     }
-    *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f) = split_pairs(kv.x, kv.y);
-    *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f + 4) = split_pairs(kv.z, kv.w);
-    *reinterpret_cast<float2*>(vt + (f + 0) * ldv + 2 * l) = split_pair(vv.x);
-    *reinterpret_cast<float2*>(vt + (f + 1) * ldv + 2 * l) = split_pair(vv.y);
-    *reinterpret_cast<float2*>(vt + (f + 2) * ldv + 2 * l) = split_pair(vv.z);
-    *reinterpret_cast<float2*>(vt + (f + 3) * ldv + 2 * l) = split_pair(vv.w);
+  };
+  // The first tile's queries are in flight during the fill.
+  if (16 * warp < Lp) load_q(16 * warp);
+
+  // Keys and values of positions >= L are zero (and masked below). A
+  // thread's loads go out four at a time before any of them is split and
+  // stored: with one block an SM at L = 256 nothing else hides their latency.
+  constexpr int kBatch = 4;
+  const int elems = Lp * (HD / 4);  // float4s of keys (and of values)
+  for (int e0 = threadIdx.x; e0 < elems; e0 += kBatch * blockDim.x) {
+    float4 kv[kBatch], vv[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * blockDim.x, l = e / (HD / 4), f = 4 * (e % (HD / 4));
+      kv[u] = vv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (e < elems && l < L) {
+        const float* kv_row = a.qkv + row(l) * row_words + hc + f;
+        kv[u] = *reinterpret_cast<const float4*>(kv_row + a.D);
+        vv[u] = *reinterpret_cast<const float4*>(kv_row + 2 * a.D);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * blockDim.x, l = e / (HD / 4), f = 4 * (e % (HD / 4));
+      if (e >= elems) break;
+      *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f) = split_pairs(kv[u].x, kv[u].y);
+      *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f + 4) = split_pairs(kv[u].z, kv[u].w);
+      *reinterpret_cast<float2*>(vt + (f + 0) * ldv + 2 * l) = split_pair(vv[u].x);
+      *reinterpret_cast<float2*>(vt + (f + 1) * ldv + 2 * l) = split_pair(vv[u].y);
+      *reinterpret_cast<float2*>(vt + (f + 2) * ldv + 2 * l) = split_pair(vv[u].z);
+      *reinterpret_cast<float2*>(vt + (f + 3) * ldv + 2 * l) = split_pair(vv[u].w);
+    }
   }
   __syncthreads();
 
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   for (int r0 = 16 * warp; r0 < Lp; r0 += 16 * warps) {
-    // Query fragments, k permuted as the split keys (tf32x3.cuh): this thread
-    // holds features 2t, 2t + 1 of each 8 for rows r0 + g and r0 + g + 8.
-    // The softmax scale, times log2(e), is applied to q here, once, rather
-    // than to each score: scores come out in base 2 for exp2f.
     const bool in0 = r0 + g < L, in1 = r0 + g + 8 < L;
-    const float* q0 = a.qkv + (in0 ? a.pos.offset(n, r0 + g) * row_words : 0) + hc + 2 * t;
-    const float* q1 = a.qkv + (in1 ? a.pos.offset(n, r0 + g + 8) * row_words : 0) + hc + 2 * t;
     FragA qa[KS];
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
-      const float2 x0 = in0 ? *reinterpret_cast<const float2*>(q0 + 8 * s) : make_float2(0.0f, 0.0f);
-      const float2 x1 = in1 ? *reinterpret_cast<const float2*>(q1 + 8 * s) : make_float2(0.0f, 0.0f);
-      split(x0.x * a.scale_log2, qa[s].hi[0], qa[s].lo[0]);
-      split(x1.x * a.scale_log2, qa[s].hi[1], qa[s].lo[1]);
-      split(x0.y * a.scale_log2, qa[s].hi[2], qa[s].lo[2]);
-      split(x1.y * a.scale_log2, qa[s].hi[3], qa[s].lo[3]);
+      split(qr[s][0].x * a.scale_log2, qa[s].hi[0], qa[s].lo[0]);
+      split(qr[s][1].x * a.scale_log2, qa[s].hi[1], qa[s].lo[1]);
+      split(qr[s][0].y * a.scale_log2, qa[s].hi[2], qa[s].lo[2]);
+      split(qr[s][1].y * a.scale_log2, qa[s].hi[3], qa[s].lo[3]);
     }
+    // The warp's next tile's queries (L > 16 * warps only) arrive during this one.
+    if (r0 + 16 * warps < Lp) load_q(r0 + 16 * warps);
 
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
     float acc[KS][4];
@@ -229,7 +259,7 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
         if (!(half ? in1 : in0)) continue;
         const float inv = half ? inv1 : inv0;
         const float2 x = split_pair(acc[f][2 * half] * inv), y = split_pair(acc[f][2 * half + 1] * inv);
-        float* hi = a.o + a.pos.offset(n, r0 + g + 8 * half) * a.D + col;
+        float* hi = a.o + row(r0 + g + 8 * half) * a.D + col;
         *reinterpret_cast<float2*>(hi) = make_float2(x.x, y.x);
         *reinterpret_cast<float2*>(hi + a.plane) = make_float2(x.y, y.y);
       }
