@@ -426,8 +426,16 @@ cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
   constexpr auto kernel = axis_tensor_core_kernel<MT, HD>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const size_t smem = fused_smem_bytes(a.view.len, a.D);  // FusedLayout of 16 MT rows
-  // A block per sequence; past a few waves, blocks loop over sequences.
-  const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * 64);
+  // As many blocks as run at once, each looping over sequences: a block's
+  // next sequence arrives during its current one's output product, and the
+  // start (norm parameters, weight prefetch) is paid once per block rather
+  // than once per sequence.
+  int per_sm = 0;
+  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+      e != cudaSuccess)
+    return e;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // tensor_core_fits checked the shared memory
+  const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * per_sm);
   kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
   return cudaGetLastError();
 }
