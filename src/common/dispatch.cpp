@@ -1,4 +1,4 @@
-// The shape rule of dispatch.h, shared by cuda_workspace_bytes and forward_cuda.
+// The rule of dispatch.h, shared by cuda_workspace_bytes and forward_cuda.
 #include "dispatch.h"
 
 #include <algorithm>
@@ -51,21 +51,60 @@ size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim) {
   return (size_t)(lp * lay.ldk + head_dim * lay.ldv) * sizeof(float);
 }
 
-AxisPath axis_path(int64_t len, int64_t dim, int64_t heads) {
+namespace {
+
+struct Fits {
+  bool fused, staged;
+};
+
+Fits fits(int64_t len, int64_t dim, int64_t heads) {
+  return {fused_tile_count(len) > 0 && fused_smem_bytes(len, dim) <= kSmemBudget,
+          staged_attention_smem_bytes(len, dim / heads) <= kSmemBudget};
+}
+
+// Where both fit, by GPU time per forward measured on the H200 (132 SMs;
+// docs/perf-notes.md, v21; B x H x W, dim, heads: fused vs staged, us):
+// - dim 64: the fused kernel everywhere (4x32x32 17.8 vs 49.3, 16x32x32 64
+//   vs 90, 8x64x64 124 vs 154): its projections are a small share there.
+// - wider dims, passes of 16384 positions or more: the staged path, whose
+//   projections run on wgmma (8x64x64 dim 128 294 vs 311, 16x32x32 dim 128
+//   145 vs 151);
+// - wider dims, smaller passes: the fused kernel while its sequences (a
+//   block each, one block an SM) fill at least three quarters of the
+//   device's last wave (4x32x32 dim 256 116 vs 129, 4x32x32 dim 96 30 vs 57,
+//   2x64x64 dim 96 52 vs 83: 128 sequences), the staged path where they
+//   leave more idle, from 4096 positions up (2x48x80 dim 96: 96 and 160
+//   sequences, 93 vs 83; 4x48x48 dim 128 146 vs 111; 1x64x64 dim 128 81 vs
+//   66). Below that, its ten launches cost more than they save.
+bool staged_is_faster(int64_t len, int64_t dim, int64_t num_seq, int64_t sms) {
+  if (dim <= 64) return false;
+  const int64_t positions = num_seq * len;
+  if (positions >= 16384) return true;
+  if (positions < 4096 || sms < 1) return false;
+  const int64_t slots = (num_seq + sms - 1) / sms * sms;  // blocks the fused kernel's waves could hold
+  return 4 * num_seq < 3 * slots;
+}
+
+}  // namespace
+
+AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, int64_t sms) {
   static const Override forced = read_override();
   if (forced == Override::kGeneric || !tensor_core_shape(dim, heads)) return AxisPath::kGeneric;
-  const bool fused = fused_tile_count(len) > 0 && fused_smem_bytes(len, dim) <= kSmemBudget;
-  const bool staged = staged_attention_smem_bytes(len, dim / heads) <= kSmemBudget;
-  if (forced == Override::kStaged && staged) return AxisPath::kStaged;
-  // Measured on the H200 (docs/perf-notes.md, v17): the fused kernel, where
-  // it holds the sequence, takes less GPU time than the staged path on every
-  // shape measured but one (us per forward, fused vs staged: 4x32x32 dim 64
-  // 17.6 vs 49.3; 16x32x32 dim 64 64.2 vs 90.4; 8x64x64 dim 128 327 vs 363;
-  // 4x32x32 dim 256 129 vs 149; 2x48x80 dim 96 98 vs 91), and it makes two
-  // launches where the staged path makes ten.
-  if (fused) return AxisPath::kFused;
-  if (staged && forced != Override::kFused) return AxisPath::kStaged;
+  const Fits f = fits(len, dim, heads);
+  if (forced == Override::kStaged && f.staged) return AxisPath::kStaged;
+  if (forced == Override::kFused && f.fused) return AxisPath::kFused;
+  if (f.fused && !(f.staged && forced == Override::kNone && staged_is_faster(len, dim, num_seq, sms)))
+    return AxisPath::kFused;
+  if (f.staged && forced != Override::kFused) return AxisPath::kStaged;
   return AxisPath::kGeneric;
+}
+
+bool staged_possible(int64_t len, int64_t dim, int64_t heads) {
+  static const Override forced = read_override();
+  if (forced == Override::kGeneric || !tensor_core_shape(dim, heads)) return false;
+  const Fits f = fits(len, dim, heads);
+  if (!f.staged || (forced == Override::kFused && f.fused)) return false;
+  return forced == Override::kStaged || !f.fused || dim > 64;
 }
 
 int64_t staged_workspace_floats(int64_t tokens, int64_t dim) { return 5 * tokens * dim + 8 * dim * dim; }

@@ -1,15 +1,18 @@
-// Which CUDA kernels serve one attention pass. Shape alone decides, so that
-// cuda_workspace_bytes can size the scratch without a device; the CUDA side
-// then checks what the device and the pointers allow (shared memory,
-// alignment) and falls back to the generic kernel where they do not.
-//   kFused:   axis_tensor_core.cu, a block per whole sequence, wherever it
-//             holds one (L <= 128, and q, k, v of the sequence fit shared
-//             memory): there it is the faster one.
+// Which CUDA kernels serve one attention pass: the pass's shape and the
+// device's multiprocessor count decide. The CUDA side then checks what the
+// device and the pointers allow (shared memory, alignment) and falls back to
+// the generic kernel where they do not.
+//   kFused:   axis_tensor_core.cu, a block per whole sequence (L <= 128, and
+//             q, k, v of the sequence fit shared memory): for dim <= 64, and
+//             for wider dims on small passes whose sequences fill the device.
 //   kStaged:  axis_staged.cu, LayerNorm, the QKV product, attention and the
 //             output product as separate tensor-core kernels with their
-//             intermediates in the workspace: long sequences and wide dims
-//             at longer L.
+//             intermediates in the workspace: long sequences, and dims >= 72
+//             wherever the pass is large or the fused kernel's blocks would
+//             leave the device a quarter idle.
 //   kGeneric: axis_generic.cu, FFMA, any shape.
+// cuda_workspace_bytes has no device, so it reserves the staged path's
+// scratch wherever some device could pick it (staged_possible).
 // FASTAXIAL_CUDA_PATH=fused|staged|generic in the environment (read once per
 // process) overrides the choice where the forced kernel supports the shape:
 // for tests and benchmarks of one kernel family.
@@ -31,7 +34,11 @@ size_t fused_smem_bytes(int64_t len, int64_t dim);
 // of a whole sequence, split into (hi, lo) TF32 pairs.
 size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
 
-AxisPath axis_path(int64_t len, int64_t dim, int64_t heads);
+// The pass has num_seq sequences of len positions; the device sms multiprocessors.
+AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, int64_t sms);
+
+// True when axis_path can pick kStaged for this sequence length on some device.
+bool staged_possible(int64_t len, int64_t dim, int64_t heads);
 
 // Floats of workspace the staged path needs on top of the row pass's output:
 // LayerNorm output / attention output (hi and lo planes, 2ND), q|k|v (3ND) and

@@ -1,6 +1,6 @@
 // CUDA entry points of the core API: forward_cuda runs the row pass into the
 // workspace and the column pass into the output, each pass on the kernel
-// family common/dispatch.h picks for its shape, or on the generic kernel
+// family common/dispatch.h picks for its shape and the device, or on the generic kernel
 // where the device or the pointers rule that one out (axis_kernels.h).
 #include <cuda_runtime.h>
 
@@ -48,7 +48,7 @@ Status current_device(DeviceInfo* info) {
 Status launch_axis(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
                    float* staged, const DeviceInfo& dev, cudaStream_t stream) {
   if (view.num_seq == 0 || view.len == 0) return Status::Ok();
-  switch (axis_path(view.len, p.dim, p.heads)) {
+  switch (axis_path(view.len, p.dim, p.heads, view.num_seq, dev.sms)) {
     case AxisPath::kFused:
       if (cuda::tensor_core_fits(view, p, w, src, dst, dev))
         return cuda::launch_axis_tensor_core(view, p, w, src, dst, dev, stream);

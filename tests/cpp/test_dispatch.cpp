@@ -15,33 +15,62 @@ namespace {
 bool overridden() { return std::getenv("FASTAXIAL_CUDA_PATH") != nullptr; }
 
 struct Case {
-  int64_t len, dim, heads;
+  int64_t len, dim, heads, num_seq;
   AxisPath path;
   const char* why;
 };
 
-TEST(Dispatch, PicksTheFamilyByShape) {
+constexpr int64_t kH200Sms = 132;
+
+TEST(Dispatch, PicksTheFamilyByShapeAndDevice) {
   if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
   const Case cases[] = {
-      {32, 64, 4, AxisPath::kFused, "default problem"},
-      {48, 96, 3, AxisPath::kFused, "dim 96"},
-      {64, 128, 8, AxisPath::kFused, "dim 128"},
-      {32, 256, 8, AxisPath::kFused, "dim 256 at L = 32"},
-      {128, 64, 4, AxisPath::kFused, "L = 128 at dim 64"},
-      {128, 96, 3, AxisPath::kStaged, "q, k, v of L = 128 at dim 96 exceed shared memory"},
-      {128, 256, 8, AxisPath::kStaged, "q, k, v of L = 128 at dim 256 exceed shared memory"},
-      {100, 256, 8, AxisPath::kStaged, "the same at L = 100"},
-      {256, 128, 4, AxisPath::kStaged, "L = 256 is past the fused kernel"},
-      {129, 64, 4, AxisPath::kStaged, "L = 129"},
-      {1024, 64, 4, AxisPath::kGeneric, "keys and values of L = 1024 exceed shared memory"},
-      {20, 12, 4, AxisPath::kGeneric, "head_dim 3"},
-      {5, 1024, 8, AxisPath::kGeneric, "head_dim 128"},
-      {9, 72, 9, AxisPath::kFused, "head_dim 8"},
-      {7, 60, 3, AxisPath::kGeneric, "dim not a multiple of 8"},
+      // The shapes behind the rule (dispatch.cpp), each pass on an H200.
+      {32, 64, 4, 128, AxisPath::kFused, "default problem"},
+      {32, 64, 4, 512, AxisPath::kFused, "16x32x32 dim 64: dim 64 stays fused"},
+      {64, 64, 4, 512, AxisPath::kFused, "8x64x64 dim 64"},
+      {64, 128, 8, 512, AxisPath::kStaged, "8x64x64 dim 128: 32768 positions"},
+      {32, 128, 4, 512, AxisPath::kStaged, "16x32x32 dim 128: 16384 positions"},
+      {32, 256, 8, 128, AxisPath::kFused, "4x32x32 dim 256: 128 sequences fill 132 SMs"},
+      {32, 96, 3, 128, AxisPath::kFused, "4x32x32 dim 96"},
+      {64, 96, 3, 128, AxisPath::kFused, "2x64x64 dim 96"},
+      {80, 96, 3, 96, AxisPath::kStaged, "2x48x80 dim 96, rows: 96 sequences leave 36 SMs idle"},
+      {48, 96, 3, 160, AxisPath::kStaged, "2x48x80 dim 96, columns: a second wave of 28"},
+      {48, 128, 4, 192, AxisPath::kStaged, "4x48x48 dim 128: a second wave of 60"},
+      {64, 128, 8, 64, AxisPath::kStaged, "1x64x64 dim 128: 64 sequences"},
+      {8, 128, 4, 8, AxisPath::kFused, "1x8x8 dim 128: too small for ten launches"},
+      // Where only one family fits, the device does not matter.
+      {128, 64, 4, 4, AxisPath::kFused, "L = 128 at dim 64"},
+      {128, 96, 3, 4, AxisPath::kStaged, "q, k, v of L = 128 at dim 96 exceed shared memory"},
+      {128, 256, 8, 256, AxisPath::kStaged, "q, k, v of L = 128 at dim 256 exceed shared memory"},
+      {100, 256, 8, 1, AxisPath::kStaged, "the same at L = 100"},
+      {256, 128, 4, 256, AxisPath::kStaged, "L = 256 is past the fused kernel"},
+      {129, 64, 4, 2, AxisPath::kStaged, "L = 129"},
+      {1024, 64, 4, 2, AxisPath::kGeneric, "keys and values of L = 1024 exceed shared memory"},
+      {20, 12, 4, 3, AxisPath::kGeneric, "head_dim 3"},
+      {5, 1024, 8, 3, AxisPath::kGeneric, "head_dim 128"},
+      {9, 72, 9, 3, AxisPath::kFused, "head_dim 8"},
+      {7, 60, 3, 3, AxisPath::kGeneric, "dim not a multiple of 8"},
   };
-  for (const Case& c : cases)
-    EXPECT_EQ(axis_path(c.len, c.dim, c.heads), c.path)
-        << c.why << ": L " << c.len << ", dim " << c.dim << ", heads " << c.heads;
+  for (const Case& c : cases) {
+    EXPECT_EQ(axis_path(c.len, c.dim, c.heads, c.num_seq, kH200Sms), c.path)
+        << c.why << ": L " << c.len << ", dim " << c.dim << ", heads " << c.heads << ", " << c.num_seq
+        << " sequences";
+    // The workspace must cover the staged path wherever a device may pick it.
+    if (c.path == AxisPath::kStaged) EXPECT_TRUE(staged_possible(c.len, c.dim, c.heads)) << c.why;
+  }
+}
+
+TEST(Dispatch, WaveFillDependsOnTheDevice) {
+  if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
+  // 96 sequences of 80 at dim 96: a quarter of 132 SMs idle, none of 96.
+  EXPECT_EQ(axis_path(80, 96, 3, 96, 132), AxisPath::kStaged);
+  EXPECT_EQ(axis_path(80, 96, 3, 96, 96), AxisPath::kFused);
+  EXPECT_EQ(axis_path(80, 96, 3, 96, 48), AxisPath::kFused);  // two full waves
+  // dim 64 never prefers the staged path; no staged scratch for it where the fused kernel fits.
+  EXPECT_EQ(axis_path(64, 64, 4, 64, 132), AxisPath::kFused);
+  EXPECT_FALSE(staged_possible(64, 64, 4));
+  EXPECT_TRUE(staged_possible(64, 96, 3));
 }
 
 TEST(Dispatch, FusedTileCounts) {
@@ -76,6 +105,9 @@ TEST(Dispatch, WorkspaceCoversTheStagedPath) {
   p.batch = 4, p.height = 32, p.width = 32, p.dim = 64, p.heads = 4;  // fused both ways
   const int64_t n = 4 * 32 * 32 * 64;
   EXPECT_EQ(cuda_workspace_bytes(p), (size_t)n * sizeof(float));
+  p.batch = 2, p.height = 48, p.width = 80, p.dim = 96, p.heads = 3;  // staged on an H200, fused elsewhere
+  const int64_t e = 2 * 48 * 80;
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(e * 96 + staged_workspace_floats(e, 96)) * sizeof(float));
   p.batch = 2, p.height = 128, p.width = 128, p.dim = 256, p.heads = 8;  // staged both ways
   const int64_t tokens = 2 * 128 * 128, m = tokens * 256;
   EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(m + staged_workspace_floats(tokens, 256)) * sizeof(float));
