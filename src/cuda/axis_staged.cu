@@ -1,7 +1,8 @@
 // One attention pass as a pipeline of tensor-core kernels with the
 // intermediates in the workspace: for sequences longer than the fused kernel
-// holds (L > 128) and for dims whose q, k, v do not fit one block's shared
-// memory.
+// holds (L > 128), for dims whose q, k, v do not fit one block's shared
+// memory, and for the wider-dim passes where it beats the fused kernel
+// (common/dispatch.cpp).
 //
 // For the pass's T = B*H*W positions (the same flat rows for both axes:
 // LayerNorm and the projections act on each position alone, only the
