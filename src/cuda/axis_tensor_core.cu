@@ -47,6 +47,7 @@
 #include "async_copy.cuh"
 #include "axis_kernels.h"
 #include "tf32x3.cuh"
+#include "warp_ops.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -165,9 +166,8 @@ __device__ void load_params(float* params, const TcArgs& a) {
 
 // xs (LP rows, split pairs, stride ldx) = LayerNorm of x's rows 0..L (fp32,
 // stride ldq) with the weight and bias in params; rows L..LP zero. Eight
-// lanes per row, so a warp normalises four rows at once with three-step
-// reductions: mean, then the mean squared deviation (two passes, as the
-// reference).
+// lanes per row (float4 pieces), so a warp normalises four rows at once with
+// three-step reductions (warp_ops.cuh).
 template <int LP>
 __device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const float* params, const TcArgs& a, int L) {
   const int part = threadIdx.x % 8, chunks = a.D / 4;
@@ -175,23 +175,15 @@ __device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const fl
   for (int r = threadIdx.x / 8; r < LP; r += kThreads / 8) {  // the same trip count for a whole warp
     const bool valid = r < L;
     const float4* row = reinterpret_cast<const float4*>(x + r * ldq);
-    float sum = 0.0f;
-    for (int c = part; c < chunks; c += 8) {
-      const float4 v = valid ? row[c] : zero;
-      sum += (v.x + v.y) + (v.z + v.w);
-    }
-#pragma unroll
-    for (int m = 4; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
-    const float mean = sum / a.D;
-    float sq = 0.0f;
-    for (int c = part; c < chunks; c += 8) {
-      const float4 v = valid ? row[c] : zero;
-      const float d0 = v.x - mean, d1 = v.y - mean, d2 = v.z - mean, d3 = v.w - mean;
-      sq += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
-    }
-#pragma unroll
-    for (int m = 4; m > 0; m >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, m);
-    const float rstd = rsqrtf(sq / a.D + a.eps);
+    const float2 stats = row_mean_rstd<8>(a.D, a.eps, [&](auto f) {
+      float sum = 0.0f;
+      for (int c = part; c < chunks; c += 8) {
+        const float4 v = valid ? row[c] : zero;
+        sum += (f(v.x) + f(v.y)) + (f(v.z) + f(v.w));
+      }
+      return sum;
+    });
+    const float mean = stats.x, rstd = stats.y;
     float4* out = reinterpret_cast<float4*>(xs + r * ldx);
     for (int c = part; c < chunks; c += 8) {
       if (!valid) {
@@ -369,8 +361,11 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
     constexpr bool kEarlyOut = HD * MT <= 128;
     WeightGroup<kOutNI> go;
     float2 res[MI][2];  // residual rows g, g + 8 of each 16-row tile, this thread's 2 columns
+    // Output item: rows m0.. of 16 * MI, this thread's columns col, col + 1.
+    const auto item_m0 = [&](int item) { return 16 * MI * (item % row_tiles); };
+    const auto item_col = [&](int item) { return 8 * kOutNI * (item / row_tiles) + 2 * t; };
     const auto load_residual = [&](int item) {
-      const int m0 = 16 * MI * (item % row_tiles), col = 8 * kOutNI * (item / row_tiles) + 2 * t;
+      const int m0 = item_m0(item), col = item_col(item);
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
@@ -399,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
 
     // dst = src + o @ Wout^T + bout, rows < L only.
     for (int item = warp; item < out_items; item += kWarps) {
-      const int m0 = 16 * MI * (item % row_tiles), col = 8 * kOutNI * (item / row_tiles) + 2 * t;
+      const int m0 = item_m0(item), col = item_col(item);
       if (item != warp) load_residual(item);  // overlaps the product
       float c[MI][kOutNI][4];
       warp_gemm<MI, kOutNI>(c, xs + m0 * lay.ldx, lay.ldx, out_w(item), D, go,

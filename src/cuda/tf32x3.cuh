@@ -73,13 +73,25 @@ __device__ __forceinline__ void mma_tf32_first(float (&d)[4], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
 }
 
-// c += a * b, fp32-accurate: the small terms first, then the large one, in a
-// fresh accumulator; then one rounded fp32 add per element.
-__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const FragA& a, const FragB& b) {
-  float t[4];
-  mma_tf32_first(t, a.lo, b.hi);
+// The three products of a * b into t, the small terms first (lo * hi,
+// hi * lo, then hi * hi): into a fresh accumulator (kFresh: C is zero) or on
+// top of t's running value.
+template <bool kFresh>
+__device__ __forceinline__ void three_products(float (&t)[4], const FragA& a, const FragB& b) {
+  if constexpr (kFresh) {
+    mma_tf32_first(t, a.lo, b.hi);
+  } else {
+    mma_tf32(t, a.lo, b.hi);
+  }
   mma_tf32(t, a.hi, b.lo);
   mma_tf32(t, a.hi, b.hi);
+}
+
+// c += a * b, fp32-accurate: the three products in a fresh accumulator, then
+// one rounded fp32 add per element.
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const FragA& a, const FragB& b) {
+  float t[4];
+  three_products<true>(t, a, b);
 #pragma unroll
   for (int e = 0; e < 4; ++e) c[e] += t[e];
 }
@@ -91,12 +103,8 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const FragA& a, const 
 __device__ __forceinline__ void mma_3xtf32_x2(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
                                               const FragB& b1) {
   float t[4];
-  mma_tf32_first(t, a0.lo, b0.hi);
-  mma_tf32(t, a0.hi, b0.lo);
-  mma_tf32(t, a0.hi, b0.hi);
-  mma_tf32(t, a1.lo, b1.hi);
-  mma_tf32(t, a1.hi, b1.lo);
-  mma_tf32(t, a1.hi, b1.hi);
+  three_products<true>(t, a0, b0);
+  three_products<false>(t, a1, b1);
 #pragma unroll
   for (int e = 0; e < 4; ++e) c[e] += t[e];
 }
