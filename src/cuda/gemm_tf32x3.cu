@@ -156,8 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
     // Bias and residual are all loaded before the first store: c may alias
     // neither as far as the compiler knows, so loads after a store would wait
     // for it, one global round trip per pair. The residual goes to t0, which
-    // is free here; t1 stays untouched (it holds a product in flight on the
-    // other path to the loop's next turn, so the compiler must not move it).
+    // is free here.
     const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
     const int64_t row0 = m0 + wg * 64 + warp * 16 + g;
 #pragma unroll
