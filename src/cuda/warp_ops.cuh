@@ -3,10 +3,16 @@
 
 namespace fastaxial::cuda {
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+// Sum of v over a group of W adjacent lanes (W a power of two, at most 32),
+// returned to every lane of the group.
+template <int W>
+__device__ __forceinline__ float lane_group_sum(float v) {
+#pragma unroll
+  for (int m = W / 2; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
   return v;
 }
+
+__device__ __forceinline__ float warp_sum(float v) { return lane_group_sum<32>(v); }
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -19,13 +25,8 @@ __device__ __forceinline__ float warp_max(float v) {
 // sum of f(v) over the calling lane's own values of the row.
 template <int W, class SumOwn>
 __device__ __forceinline__ float2 row_mean_rstd(int D, float eps, SumOwn sum_own) {
-  const auto group_sum = [](float v) {
-#pragma unroll
-    for (int m = W / 2; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-    return v;
-  };
-  const float mean = group_sum(sum_own([](float v) { return v; })) / D;
-  const float sq = group_sum(sum_own([mean](float v) {
+  const float mean = lane_group_sum<W>(sum_own([](float v) { return v; })) / D;
+  const float sq = lane_group_sum<W>(sum_own([mean](float v) {
     const float d = v - mean;
     return d * d;
   }));
