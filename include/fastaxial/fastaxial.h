@@ -69,9 +69,10 @@ Status forward_cpu(const AxialParams& p);
 bool cuda_compiled();
 
 // Bytes of device scratch forward_cuda needs: the row pass's output, plus the
-// intermediates of the staged kernels (about 5x the input) for shapes that take
-// them (sequences the fused kernel cannot hold: longer than 128 positions, or
-// too wide for one block's shared memory; see the README). Depends on the
+// intermediates of the staged kernels (about 5x the input) for shapes that may
+// take them on some GPU (sequences the fused kernel cannot hold: longer than
+// 128 positions, or too wide for one block's shared memory; and dims above 64,
+// where the choice also depends on the GPU; see the README). Depends on the
 // shape alone.
 size_t cuda_workspace_bytes(const AxialParams& p);
 

@@ -53,14 +53,8 @@ size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim) {
 
 namespace {
 
-struct Fits {
-  bool fused, staged;
-};
-
-Fits fits(int64_t len, int64_t dim, int64_t heads) {
-  return {fused_tile_count(len) > 0 && fused_smem_bytes(len, dim) <= kSmemBudget,
-          staged_attention_smem_bytes(len, dim / heads) <= kSmemBudget};
-}
+// Dims at which the staged path beats the fused kernel on some passes (below).
+bool staged_can_be_faster(int64_t dim) { return dim > 64; }
 
 // Where both fit, by GPU time per forward measured on the H200 (132 SMs;
 // docs/perf-notes.md, v21; B x H x W, dim, heads: fused vs staged, us):
@@ -77,7 +71,7 @@ Fits fits(int64_t len, int64_t dim, int64_t heads) {
 //   sequences, 93 vs 83; 4x48x48 dim 128 146 vs 111; 1x64x64 dim 128 81 vs
 //   66). Below that, its ten launches cost more than they save.
 bool staged_is_faster(int64_t len, int64_t dim, int64_t num_seq, int64_t sms) {
-  if (dim <= 64) return false;
+  if (!staged_can_be_faster(dim)) return false;
   const int64_t positions = num_seq * len;
   if (positions >= 16384) return true;
   if (positions < 4096 || sms < 1) return false;
@@ -85,26 +79,27 @@ bool staged_is_faster(int64_t len, int64_t dim, int64_t num_seq, int64_t sms) {
   return 4 * num_seq < 3 * slots;
 }
 
-}  // namespace
-
-AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, int64_t sms) {
+// The rule, given whether the staged path is the faster one where both fit.
+AxisPath pick(int64_t len, int64_t dim, int64_t heads, bool staged_faster) {
   static const Override forced = read_override();
   if (forced == Override::kGeneric || !tensor_core_shape(dim, heads)) return AxisPath::kGeneric;
-  const Fits f = fits(len, dim, heads);
-  if (forced == Override::kStaged && f.staged) return AxisPath::kStaged;
-  if (forced == Override::kFused && f.fused) return AxisPath::kFused;
-  if (f.fused && !(f.staged && forced == Override::kNone && staged_is_faster(len, dim, num_seq, sms)))
-    return AxisPath::kFused;
-  if (f.staged && forced != Override::kFused) return AxisPath::kStaged;
+  const bool fused = fused_tile_count(len) > 0 && fused_smem_bytes(len, dim) <= kSmemBudget;
+  const bool staged = staged_attention_smem_bytes(len, dim / heads) <= kSmemBudget;
+  if (forced == Override::kStaged && staged) return AxisPath::kStaged;
+  if (forced == Override::kFused && fused) return AxisPath::kFused;
+  if (fused && !(staged && forced == Override::kNone && staged_faster)) return AxisPath::kFused;
+  if (staged && forced != Override::kFused) return AxisPath::kStaged;
   return AxisPath::kGeneric;
 }
 
+}  // namespace
+
+AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, int64_t sms) {
+  return pick(len, dim, heads, staged_is_faster(len, dim, num_seq, sms));
+}
+
 bool staged_possible(int64_t len, int64_t dim, int64_t heads) {
-  static const Override forced = read_override();
-  if (forced == Override::kGeneric || !tensor_core_shape(dim, heads)) return false;
-  const Fits f = fits(len, dim, heads);
-  if (!f.staged || (forced == Override::kFused && f.fused)) return false;
-  return forced == Override::kStaged || !f.fused || dim > 64;
+  return pick(len, dim, heads, staged_can_be_faster(dim)) == AxisPath::kStaged;
 }
 
 int64_t staged_workspace_floats(int64_t tokens, int64_t dim) { return 5 * tokens * dim + 8 * dim * dim; }
