@@ -102,6 +102,19 @@ bool staged_possible(int64_t len, int64_t dim, int64_t heads) {
   return pick(len, dim, heads, staged_can_be_faster(dim)) == AxisPath::kStaged;
 }
 
-int64_t staged_workspace_floats(int64_t tokens, int64_t dim) { return 5 * tokens * dim + 8 * dim * dim; }
+StagedLayout staged_layout(const AxialParams& p) {
+  StagedLayout lay;
+  const int64_t tokens = p.batch * p.height * p.width;
+  lay.floats = tokens * p.dim;  // the row pass's output
+  if (p.dim < 1 || p.heads < 1 || p.dim % p.heads != 0 || tokens <= 0) return lay;
+  const bool rows = staged_possible(p.width, p.dim, p.heads), cols = staged_possible(p.height, p.dim, p.heads);
+  if (!rows && !cols) return lay;
+  lay.scratch = lay.floats;
+  lay.floats += 5 * tokens * p.dim;
+  const int64_t weights = 8 * p.dim * p.dim;
+  if (rows) lay.row_weights = lay.floats, lay.floats += weights;
+  if (cols) lay.col_weights = lay.floats, lay.floats += weights;
+  return lay;
+}
 
 }  // namespace fastaxial

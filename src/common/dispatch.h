@@ -21,6 +21,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "fastaxial/fastaxial.h"
+
 namespace fastaxial {
 
 enum class AxisPath { kFused, kStaged, kGeneric };
@@ -40,9 +42,16 @@ AxisPath axis_path(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, int
 // True when axis_path can pick kStaged for this sequence length on some device.
 bool staged_possible(int64_t len, int64_t dim, int64_t heads);
 
-// Floats of workspace the staged path needs on top of the row pass's output:
-// LayerNorm output / attention output (hi and lo planes, 2ND), q|k|v (3ND) and
-// the pass's weights as hi and lo planes (8D^2).
-int64_t staged_workspace_floats(int64_t tokens, int64_t dim);
+// Where the staged path's scratch lies in forward_cuda's workspace, in
+// floats from its start, after the row pass's output (T D floats, T the
+// positions): LayerNorm output / attention output (hi and lo planes, 2 T D)
+// and q|k|v (3 T D), then each pass's weights as hi and lo planes (8 D^2),
+// for the passes that may take the staged path (staged_possible); -1 where
+// nothing is reserved. cuda_workspace_bytes and forward_cuda both read it.
+struct StagedLayout {
+  int64_t scratch = -1, row_weights = -1, col_weights = -1;
+  int64_t floats = 0;  // the whole workspace
+};
+StagedLayout staged_layout(const AxialParams& p);
 
 }  // namespace fastaxial

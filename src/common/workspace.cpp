@@ -9,12 +9,7 @@ namespace fastaxial {
 // the staged path's intermediates when either pass may take it (the choice
 // also depends on the device, which this function does not see).
 size_t cuda_workspace_bytes(const AxialParams& p) {
-  const int64_t tokens = p.batch * p.height * p.width;
-  int64_t floats = tokens * p.dim;
-  if (p.dim >= 1 && p.heads >= 1 && p.dim % p.heads == 0 && tokens > 0 &&
-      (staged_possible(p.width, p.dim, p.heads) || staged_possible(p.height, p.dim, p.heads)))
-    floats += staged_workspace_floats(tokens, p.dim);
-  return static_cast<size_t>(floats) * sizeof(float);
+  return static_cast<size_t>(staged_layout(p).floats) * sizeof(float);
 }
 
 }  // namespace fastaxial

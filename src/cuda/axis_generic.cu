@@ -33,6 +33,7 @@
 #include <string>
 
 #include "axis_kernels.h"
+#include "launch.cuh"
 #include "warp_ops.cuh"
 
 namespace fastaxial::cuda {
@@ -195,6 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
   float* corr = l + T * heads;          // (T) rescale of the accumulator
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t L = a.view.len;
+  grid_dependency_wait();
+  allow_dependent_launch();
 
   for (int64_t blk = blockIdx.x; blk < a.num_blocks; blk += gridDim.x) {
     const int64_t n = blk / a.tiles_per_seq;
@@ -289,8 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
 template <int T>
 cudaError_t launch_tile(const AxisArgs& a, int64_t grid, size_t smem, const DeviceInfo& dev, cudaStream_t stream) {
   if (cudaError_t e = allow_max_smem<axis_attention_kernel<T>>(dev); e != cudaSuccess) return e;
-  axis_attention_kernel<T><<<(unsigned)grid, kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_kernel(axis_attention_kernel<T>, (unsigned)grid, kThreads, smem, stream, dev, a);
 }
 
 }  // namespace

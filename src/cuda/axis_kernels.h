@@ -11,6 +11,7 @@
 //   workspace; long sequences and wide dims.
 // - axis_generic.cu: any shape; tiles of queries, online softmax over key
 //   tiles, FFMA products.
+// Every launch is a programmatic dependent of the one before it (launch.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,12 +50,31 @@ bool tensor_core_fits(const AxisView& view, const AxialParams& p, const AxisWeig
 Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                                float* dst, const DeviceInfo& dev, cudaStream_t stream);
 
-// The same for the staged path; `workspace` holds staged_workspace_floats floats.
+// The same for the staged path.
 bool staged_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                  const float* dst, const DeviceInfo& dev);
 
+// A staged pass's weights as (hi, lo) planes in the workspace: Wqkv (3D, D)
+// hi then lo, Wout (D, D) hi then lo.
+struct StagedWeights {
+  float* qkv = nullptr;
+  float* out = nullptr;
+};
+
+// Weights a staged pass splits in its first launch, beside its LayerNorm:
+// the first staged pass of a forward splits those of every staged pass.
+struct WeightSplits {
+  const AxisWeights* from[2] = {};
+  StagedWeights to[2];
+  int count = 0;
+};
+
+// `scratch` holds 5 T D floats (T = the pass's positions); `split` holds
+// the pass's weights as planes, written by `split_now` in this launch or by
+// an earlier pass's.
 Status launch_axis_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
-                          float* dst, float* workspace, const DeviceInfo& dev, cudaStream_t stream);
+                          float* dst, float* scratch, const StagedWeights& split, const WeightSplits& split_now,
+                          const DeviceInfo& dev, cudaStream_t stream);
 
 Status launch_axis_generic(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                            float* dst, const DeviceInfo& dev, cudaStream_t stream);

@@ -7,15 +7,18 @@
 // For the pass's T = B*H*W positions (the same flat rows for both axes:
 // LayerNorm and the projections act on each position alone, only the
 // attention sees the axis):
-//   1. split_weights:   Wqkv, Wout -> split hi/lo planes       (4 D^2 elements)
-//   2. layer_norm_split: xs = LayerNorm(src), split planes     (T, D)
-//   3. gemm_tf32x3:     qkv = xs @ Wqkv^T                      (T, 3D)
-//   4. attention:       o_h = softmax(q_h k_h^T * scale) v_h   (T, D) split planes, into xs's space
-//   5. gemm_tf32x3:     dst = src + o @ Wout^T + bout          (T, D)
+//   1. layer_norm_split: xs = LayerNorm(src), split planes     (T, D)
+//      and, in the same launch, Wqkv and Wout split into planes (4 D^2
+//      elements a pass: the first staged pass of a forward splits the
+//      weights of both passes)
+//   2. gemm_tf32x3:     qkv = xs @ Wqkv^T                      (T, 3D)
+//   3. attention:       o_h = softmax(q_h k_h^T * scale) v_h   (T, D) split planes, into xs's space
+//   4. gemm_tf32x3:     dst = src + o @ Wout^T + bout          (T, D)
+// Each launch is a programmatic dependent of the one before (launch.cuh).
 // Why this shape: at these sizes the projections are most of the arithmetic,
 // and as plain GEMMs over all T positions they run on Hopper's warpgroup
 // tensor-core instructions (gemm_tf32x3.cu); storing their operands split
-// once (1, 2, 4) takes the TF32 conversions out of the products. The path
+// once (1, 3) takes the TF32 conversions out of the products. The path
 // needs an sm_90a build on a compute-capability 9.0 device; elsewhere the
 // generic kernel serves these shapes.
 //
@@ -34,31 +37,47 @@
 #include "../common/smem_layout.h"
 #include "axis_kernels.h"
 #include "gemm_tf32x3.h"
+#include "launch.cuh"
 #include "tf32x3.cuh"
 #include "warp_ops.cuh"
 
 namespace fastaxial::cuda {
 namespace {
 
-// Split planes of two matrices: a (na floats) into out_a = [hi (na) | lo (na)],
-// b (nb floats) into out_b likewise.
-__global__ void split_weights_kernel(const float* __restrict__ a, int64_t na, float* __restrict__ out_a,
-                                     const float* __restrict__ b, int64_t nb, float* __restrict__ out_b) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < na + nb;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    const bool in_a = i < na;
-    const int64_t j = in_a ? i : i - na, n = in_a ? na : nb;
-    float* out = in_a ? out_a : out_b;
-    const float2 v = split_pair(in_a ? a[i] : b[j]);
-    out[j] = v.x;
-    out[n + j] = v.y;
-  }
-}
+// Matrices to split into (hi, lo) planes beside a LayerNorm: Wqkv and Wout
+// of one or two passes.
+struct SplitJobs {
+  static constexpr int kMax = 4;
+  const float* src[kMax];
+  float* dst[kMax];  // hi (count floats), then lo (count floats)
+  int64_t count[kMax];
+  int n = 0;
+};
 
-// xs = LayerNorm(x (T, D)) as split planes [hi (T, D) | lo (T, D)]; a warp per position.
+// Blocks below ln_blocks: xs = LayerNorm(x (T, D)) as split planes
+// [hi (T, D) | lo (T, D)], a warp per position. The blocks after them split
+// the matrices of `jobs`, a thread per element of the flat list.
 __global__ void layer_norm_split_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
                                         const float* __restrict__ beta, float eps, int64_t T, int D,
-                                        float* __restrict__ xs) {
+                                        float* __restrict__ xs, int64_t ln_blocks, const SplitJobs jobs) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  if (blockIdx.x >= ln_blocks) {
+    const int64_t stride = (gridDim.x - ln_blocks) * (int64_t)blockDim.x;
+    // Unrolled, so each job is read from the parameters by a constant index
+    // (a runtime index would copy the struct to local memory in every thread
+    // of the launch, the LayerNorm blocks' too).
+#pragma unroll
+    for (int j = 0; j < SplitJobs::kMax; ++j) {
+      if (j >= jobs.n) break;
+      for (int64_t i = (blockIdx.x - ln_blocks) * (int64_t)blockDim.x + threadIdx.x; i < jobs.count[j]; i += stride) {
+        const float2 v = split_pair(jobs.src[j][i]);
+        jobs.dst[j][i] = v.x;
+        jobs.dst[j][jobs.count[j] + i] = v.y;
+      }
+    }
+    return;
+  }
   const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (pos >= T) return;
   float* hi = xs + pos * D;
@@ -90,6 +109,8 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
   constexpr int kLdk = StagedAttentionLayout(16, HD).ldk;  // rows of split pairs (common/smem_layout.h)
   constexpr int kChunk = HD == 32 ? 4 : 8;  // 8-key groups per online-softmax step (fewer: 128 registers at 16 warps)
   const int L = (int)a.pos.len, Lp = (L + 15) / 16 * 16, ldv = StagedAttentionLayout(Lp, HD).ldv;
+  grid_dependency_wait();
+  allow_dependent_launch();
   const int64_t n = blockIdx.x / a.heads;
   const int hc = (int)(blockIdx.x % a.heads) * HD;
   // Row of position l: seq + l * a.pos.pos_stride (offset() divides by the
@@ -276,8 +297,8 @@ cudaError_t launch_attention(const AttnArgs& a, const DeviceInfo& dev, cudaStrea
   const int warps = (int)std::min<int64_t>(lp, max_warps<HD>());
   const int64_t blocks = a.pos.num_seq * a.heads;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<(unsigned)blocks, 32 * warps, staged_attention_smem_bytes(a.pos.len, HD), stream>>>(a);
-  return cudaGetLastError();
+  return launch_kernel(kernel, (unsigned)blocks, 32 * warps, staged_attention_smem_bytes(a.pos.len, HD), stream, dev,
+                       a);
 }
 
 // Positions as rows of the (T, D) matrices: the view's strides in units of D.
@@ -295,24 +316,29 @@ bool staged_fits(const AxisView& view, const AxialParams& p, const AxisWeights& 
 }
 
 Status launch_axis_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
-                          float* dst, float* workspace, const DeviceInfo& dev, cudaStream_t stream) {
+                          float* dst, float* scratch, const StagedWeights& split, const WeightSplits& split_now,
+                          const DeviceInfo& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len;
-  float* xs = workspace;                    // (T, D) x 2 split planes: LayerNorm output, then attention output
-  float* qkv = xs + 2 * T * D;              // (T, 3D)
-  float* wqkv = qkv + 3 * T * D;            // (3D, D) x 2 split planes
-  float* wout = wqkv + 6 * (int64_t)D * D;  // (D, D) x 2 split planes
+  float* xs = scratch;        // (T, D) x 2 split planes: LayerNorm output, then attention output
+  float* qkv = xs + 2 * T * D;  // (T, 3D)
 
-  split_weights_kernel<<<std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms), 256, 0, stream>>>(
-      w.qkv_weight, 3 * (int64_t)D * D, wqkv, w.out_weight, (int64_t)D * D, wout);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "split_weights_kernel launch");
-
-  layer_norm_split_kernel<<<(unsigned)((T + 7) / 8), 256, 0, stream>>>(src, w.norm_weight, w.norm_bias, p.eps, T, D,
-                                                                     xs);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error(e, "layer_norm_split_kernel launch");
+  SplitJobs jobs;
+  for (int i = 0; i < split_now.count; ++i) {
+    const AxisWeights& from = *split_now.from[i];
+    jobs.src[jobs.n] = from.qkv_weight, jobs.dst[jobs.n] = split_now.to[i].qkv, jobs.count[jobs.n++] = 3 * (int64_t)D * D;
+    jobs.src[jobs.n] = from.out_weight, jobs.dst[jobs.n] = split_now.to[i].out, jobs.count[jobs.n++] = (int64_t)D * D;
+  }
+  const int64_t ln_blocks = (T + 7) / 8;  // 8 warps, a position each
+  const int64_t split_blocks = jobs.n ? std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms) : 0;
+  if (ln_blocks + split_blocks > INT32_MAX) return {StatusCode::kUnsupported, "too many positions for one pass"};
+  if (cudaError_t e = launch_kernel(layer_norm_split_kernel, (unsigned)(ln_blocks + split_blocks), 256, 0, stream,
+                                    dev, src, w.norm_weight, w.norm_bias, p.eps, T, D, xs, ln_blocks, jobs);
+      e != cudaSuccess)
+    return cuda_error(e, "layer_norm_split_kernel launch");
 
   GemmArgs g;
-  g.a = xs, g.w = wqkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
+  g.a = xs, g.w = split.qkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
   if (cudaError_t e = gemm_tf32x3(g, dev, stream); e != cudaSuccess) return cuda_error(e, "QKV gemm_tf32x3 launch");
 
   AttnArgs a;
@@ -330,7 +356,7 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   }
   if (e != cudaSuccess) return cuda_error(e, "staged attention_kernel launch");
 
-  g.a = xs, g.w = wout, g.bias = w.out_bias, g.residual = src, g.c = dst, g.N = D;
+  g.a = xs, g.w = split.out, g.bias = w.out_bias, g.residual = src, g.c = dst, g.N = D;
   if (cudaError_t e2 = gemm_tf32x3(g, dev, stream); e2 != cudaSuccess)
     return cuda_error(e2, "output gemm_tf32x3 launch");
   return Status::Ok();

@@ -46,6 +46,7 @@
 #include "../common/smem_layout.h"
 #include "async_copy.cuh"
 #include "axis_kernels.h"
+#include "launch.cuh"
 #include "tf32x3.cuh"
 #include "warp_ops.cuh"
 
@@ -314,7 +315,9 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
   const auto qkv_w = [&](int item) { return a.w.qkv_weight + (int64_t)(8 * kQkvNI * (item / row_tiles)) * D; };
   const auto out_w = [&](int item) { return a.w.out_weight + (int64_t)(8 * kOutNI * (item / row_tiles)) * D; };
 
-  prefetch_weights_l2(a);
+  prefetch_weights_l2(a);  // a hint, safe before the wait (launch.cuh)
+  grid_dependency_wait();
+  allow_dependent_launch();
   if (blockIdx.x < a.view.num_seq) {
     load_params(params, a);
     load_tile(q, lay.ldq, a, a.view.offset(blockIdx.x, 0), L);
@@ -431,8 +434,7 @@ cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
     return e;
   if (per_sm < 1) return cudaErrorInvalidConfiguration;  // tensor_core_fits checked the shared memory
   const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * per_sm);
-  kernel<<<(unsigned)grid, kThreads, smem, stream>>>(a);
-  return cudaGetLastError();
+  return launch_kernel(kernel, (unsigned)grid, kThreads, smem, stream, dev, a);
 }
 
 template <int HD>

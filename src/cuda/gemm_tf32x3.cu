@@ -6,7 +6,9 @@
 //
 // Shape: a block of two warpgroups computes 128 x 128 tiles of C, each
 // warpgroup 64 rows (64 accumulators a thread); one block an SM, looping over
-// tiles. K advances 32 at a time through a 3-stage cp.async ring that runs on
+// tiles. Where 128-row tiles would leave half the SMs or more idle (the
+// output product of a small pass), a block of one warpgroup computes 64 x 128
+// tiles instead, twice as many. K advances 32 at a time through a 3-stage cp.async ring that runs on
 // across tiles, so a tile's first copies overlap the previous tile's last
 // products and its epilogue; a stage holds the hi and lo planes of the
 // A and W tiles, each row 128 bytes in the 128-byte swizzled layout wgmma
@@ -24,25 +26,35 @@
 #include <cstdint>
 
 #include "async_copy.cuh"
+#include "launch.cuh"
 #include "wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 32, kStages = 3;
-constexpr int kThreads = 256;                   // two warpgroups
-constexpr int kTileBytes = 128 * BK * 4;        // one plane of a 128-row tile: 16 KB
-constexpr int kStageBytes = 4 * kTileBytes;     // A hi, A lo, W hi, W lo
-constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes + 1024;  // + room to align to 1024
+constexpr int BN = 128, BK = 32, kStages = 3;
+
+// A block of WG warpgroups (1 or 2) and its BM x BN tiles.
+template <int WG>
+struct Tiling {
+  static constexpr int BM = 64 * WG;
+  static constexpr int kThreads = 128 * WG;
+  static constexpr int kATile = BM * BK * 4;    // one plane of an A tile: 8 or 16 KB
+  static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 KB
+  static constexpr int kStageBytes = 2 * kATile + 2 * kWTile;  // A hi, A lo, W hi, W lo
+  static constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes + 1024;  // + room to align to 1024
+};
 
 #if FASTAXIAL_SM90A_DEVICE
-// 128 rows x BK columns of one plane of a (rows, K) matrix into the swizzled
-// tile at shared address s: a row's 8 pieces of 16 bytes, piece c at c ^ (r % 8).
+// R rows x BK columns of one plane of a (rows, K) matrix into the swizzled
+// tile at shared address s, by the block's T threads: a row's 8 pieces of 16
+// bytes, piece c at c ^ (r % 8).
+template <int R, int T>
 __device__ __forceinline__ void load_tile(uint32_t s, const float* g, int64_t row0, int64_t rows, int k0, int K) {
   const int piece = threadIdx.x % 8, k = k0 + 4 * piece;
 #pragma unroll
-  for (int u = 0; u < 128 * 8 / kThreads; ++u) {
-    const int r = threadIdx.x / 8 + u * (kThreads / 8);
+  for (int u = 0; u < R * 8 / T; ++u) {
+    const int r = threadIdx.x / 8 + u * (T / 8);
     const bool valid = k < K && row0 + r < rows;
     copy_async16(s + r * 128 + ((piece ^ (r % 8)) * 16), valid ? g + (row0 + r) * K + k : g, valid ? 16 : 0);
   }
@@ -56,13 +68,15 @@ __device__ __forceinline__ void add_to(float (&c)[64], float (&t)[64]) {
 
 // The three products of steps ks and ks + 1 of the stage at s into t (fresh),
 // one commit group.
+template <int WG>
 __device__ __forceinline__ void run_products(float (&t)[64], uint32_t s, int wg, int ks) {
+  using Tl = Tiling<WG>;
   fence_regs(t);
   wgmma_fence();
 #pragma unroll
   for (int k = ks; k < ks + 2; ++k) {
-    const uint32_t a_hi = s + wg * 64 * 128 + k * 32, a_lo = a_hi + kTileBytes;
-    const uint32_t w_hi = s + 2 * kTileBytes + k * 32, w_lo = w_hi + kTileBytes;
+    const uint32_t a_hi = s + wg * 64 * 128 + k * 32, a_lo = a_hi + Tl::kATile;
+    const uint32_t w_hi = s + 2 * Tl::kATile + k * 32, w_lo = w_hi + Tl::kWTile;
     wgmma_m64n128k8_ss(t, desc_sw128(a_lo), desc_sw128(w_hi), k == ks ? 0 : 1);
     wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_lo), 1);
     wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_hi), 1);
@@ -72,8 +86,13 @@ __device__ __forceinline__ void run_products(float (&t)[64], uint32_t s, int wg,
 
 #endif  // FASTAXIAL_SM90A_DEVICE
 
-__global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs p) {
+template <int WG>
+__global__ void __launch_bounds__(Tiling<WG>::kThreads, 1) gemm_tf32x3_kernel(const GemmArgs p) {
 #if FASTAXIAL_SM90A_DEVICE
+  using Tl = Tiling<WG>;
+  constexpr int BM = Tl::BM, kThreads = Tl::kThreads, kStageBytes = Tl::kStageBytes;
+  grid_dependency_wait();
+  allow_dependent_launch();
   extern __shared__ float4 smem4[];
   // Swizzled tiles must start on 1024-byte boundaries.
   const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem4) + 1023) & ~1023u;
@@ -97,10 +116,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
   auto load_next = [&]() {
     const uint32_t s = base + load_stage * kStageBytes;
     const int k0 = load_kt * BK;
-    load_tile(s, p.a, load_m0, p.M, k0, p.K);
-    load_tile(s + kTileBytes, a_lo, load_m0, p.M, k0, p.K);
-    load_tile(s + 2 * kTileBytes, p.w, load_n0, p.N, k0, p.K);
-    load_tile(s + 3 * kTileBytes, w_lo, load_n0, p.N, k0, p.K);
+    load_tile<BM, kThreads>(s, p.a, load_m0, p.M, k0, p.K);
+    load_tile<BM, kThreads>(s + Tl::kATile, a_lo, load_m0, p.M, k0, p.K);
+    load_tile<BN, kThreads>(s + 2 * Tl::kATile, p.w, load_n0, p.N, k0, p.K);
+    load_tile<BN, kThreads>(s + 2 * Tl::kATile + Tl::kWTile, w_lo, load_n0, p.N, k0, p.K);
     load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
     if (++load_kt == ktiles) {
       load_kt = 0;
@@ -134,11 +153,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const uint32_t s = base + stage * kStageBytes;
-      run_products(t0, s, wg, 0);
+      run_products<WG>(t0, s, wg, 0);
       __syncthreads();  // every product of the previous k-step has completed: its stage may be refilled
       if (it + kStages - 1 < iters) load_next();
       copy_async_commit();
-      run_products(t1, s, wg, 2);
+      run_products<WG>(t1, s, wg, 2);
       wgmma_wait<1>();
       add_to(c, t0);
       copy_async_wait<kStages - 2>();
@@ -197,11 +216,20 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_tf32x3_kernel(const GemmArgs
 #endif
 }
 
+template <int WG>
+cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceInfo& dev, cudaStream_t stream) {
+  using Tl = Tiling<WG>;
+  constexpr auto kernel = gemm_tf32x3_kernel<WG>;
+  if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  const int64_t blocks = std::min<int64_t>(tiles, dev.sms);
+  return launch_kernel(kernel, (unsigned)blocks, Tl::kThreads, Tl::kSmemBytes, stream, dev, g);
+}
+
 }  // namespace
 
 bool gemm_tf32x3_available(const DeviceInfo& dev) {
 #if defined(FASTAXIAL_WGMMA)
-  return dev.cc_major == 9 && (size_t)dev.smem_optin >= kSmemBytes;
+  return dev.cc_major == 9 && (size_t)dev.smem_optin >= Tiling<2>::kSmemBytes;
 #else
   (void)dev;
   return false;
@@ -211,12 +239,12 @@ bool gemm_tf32x3_available(const DeviceInfo& dev) {
 cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
   if (g.M == 0 || g.N == 0) return cudaSuccess;
   if (!gemm_tf32x3_available(dev)) return cudaErrorInvalidDeviceFunction;
-  if (cudaError_t e = allow_max_smem<gemm_tf32x3_kernel>(dev); e != cudaSuccess) return e;
-  // One block an SM (the ring takes most of its shared memory), each looping over tiles.
-  const int64_t tiles = (g.M + BM - 1) / BM * ((g.N + BN - 1) / BN);
-  const int64_t blocks = std::min<int64_t>(tiles, dev.sms);
-  gemm_tf32x3_kernel<<<(unsigned)blocks, kThreads, kSmemBytes, stream>>>(g);
-  return cudaGetLastError();
+  // One block an SM (the ring takes most of its shared memory), each looping
+  // over tiles; 64-row tiles where they all fit one wave and 128-row tiles
+  // would leave half the SMs idle or more.
+  const int64_t ntiles = (g.N + BN - 1) / BN, tiles128 = (g.M + 127) / 128 * ntiles;
+  if (2 * tiles128 > dev.sms) return launch_tiles<2>(g, tiles128, dev, stream);
+  return launch_tiles<1>(g, (g.M + 63) / 64 * ntiles, dev, stream);
 }
 
 }  // namespace fastaxial::cuda

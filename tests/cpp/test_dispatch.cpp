@@ -105,15 +105,44 @@ TEST(Dispatch, WorkspaceCoversTheStagedPath) {
   p.batch = 4, p.height = 32, p.width = 32, p.dim = 64, p.heads = 4;  // fused both ways
   const int64_t n = 4 * 32 * 32 * 64;
   EXPECT_EQ(cuda_workspace_bytes(p), (size_t)n * sizeof(float));
+  EXPECT_EQ(staged_layout(p).scratch, -1);
   p.batch = 2, p.height = 48, p.width = 80, p.dim = 96, p.heads = 3;  // staged on an H200, fused elsewhere
-  const int64_t e = 2 * 48 * 80;
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(e * 96 + staged_workspace_floats(e, 96)) * sizeof(float));
+  const int64_t e = 2 * 48 * 80 * 96, w96 = 8 * 96 * 96;
+  StagedLayout lay = staged_layout(p);
+  EXPECT_EQ(lay.scratch, e);
+  EXPECT_EQ(lay.row_weights, 6 * e);
+  EXPECT_EQ(lay.col_weights, 6 * e + w96);
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(6 * e + 2 * w96) * sizeof(float));
   p.batch = 2, p.height = 128, p.width = 128, p.dim = 256, p.heads = 8;  // staged both ways
-  const int64_t tokens = 2 * 128 * 128, m = tokens * 256;
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(m + staged_workspace_floats(tokens, 256)) * sizeof(float));
-  EXPECT_EQ(staged_workspace_floats(tokens, 256), 5 * m + 8 * 256 * 256);
+  const int64_t m = 2 * 128 * 128 * 256;
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(6 * m + 2 * 8 * 256 * 256) * sizeof(float));
+  p.batch = 1, p.height = 256, p.width = 4, p.dim = 64, p.heads = 4;  // columns of 256: only they may be staged
+  const int64_t c = 256 * 4 * 64;
+  lay = staged_layout(p);
+  EXPECT_EQ(lay.row_weights, -1);
+  EXPECT_EQ(lay.col_weights, 6 * c);
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(6 * c + 8 * 64 * 64) * sizeof(float));
   p.batch = 0;  // nothing to compute, nothing to hold
   EXPECT_EQ(cuda_workspace_bytes(p), 0u);
+}
+
+// forward_cuda uses the staged scratch of a pass only where staged_layout
+// reserved it: axis_path must stage only where staged_possible allows, for
+// every device and every FASTAXIAL_CUDA_PATH.
+TEST(Dispatch, StagedOnlyWhereReserved) {
+  int staged = 0;
+  for (int64_t len : {1, 9, 16, 32, 48, 64, 80, 100, 128, 129, 256, 512, 1024})
+    for (int64_t dim : {8, 16, 32, 64, 72, 96, 128, 192, 256, 512})
+      for (int64_t heads : {1, 2, 3, 4, 8})
+        for (int64_t num_seq : {1, 8, 64, 96, 128, 160, 512, 4096})
+          for (int64_t sms : {1, 48, 108, 132, 1000})
+            if (axis_path(len, dim, heads, num_seq, sms) == AxisPath::kStaged) {
+              ++staged;
+              EXPECT_TRUE(staged_possible(len, dim, heads))
+                  << "L " << len << ", dim " << dim << ", heads " << heads << ", " << num_seq << " sequences, "
+                  << sms << " SMs";
+            }
+  if (!overridden()) EXPECT_GT(staged, 0);  // the sweep reaches the staged path
 }
 
 }  // namespace
