@@ -69,7 +69,7 @@ bool staged_can_be_faster(int64_t dim) { return dim > 64; }
 //   2x64x64 dim 96 52 vs 83: 128 sequences), the staged path where they
 //   leave more idle, from 4096 positions up (2x48x80 dim 96: 96 and 160
 //   sequences, 93 vs 83; 4x48x48 dim 128 146 vs 111; 1x64x64 dim 128 81 vs
-//   66). Below that, its ten launches cost more than they save.
+//   66). Below that, its eight launches cost more than they save.
 bool staged_is_faster(int64_t len, int64_t dim, int64_t num_seq, int64_t sms) {
   if (!staged_can_be_faster(dim)) return false;
   const int64_t positions = num_seq * len;

@@ -38,7 +38,7 @@ TEST(Dispatch, PicksTheFamilyByShapeAndDevice) {
       {48, 96, 3, 160, AxisPath::kStaged, "2x48x80 dim 96, columns: a second wave of 28"},
       {48, 128, 4, 192, AxisPath::kStaged, "4x48x48 dim 128: a second wave of 60"},
       {64, 128, 8, 64, AxisPath::kStaged, "1x64x64 dim 128: 64 sequences"},
-      {8, 128, 4, 8, AxisPath::kFused, "1x8x8 dim 128: too small for ten launches"},
+      {8, 128, 4, 8, AxisPath::kFused, "1x8x8 dim 128: too small for eight launches"},
       // Where only one family fits, the device does not matter.
       {128, 64, 4, 4, AxisPath::kFused, "L = 128 at dim 64"},
       {128, 96, 3, 4, AxisPath::kStaged, "q, k, v of L = 128 at dim 96 exceed shared memory"},
