@@ -7,8 +7,9 @@
 // Shape: a block of two warpgroups computes 128 x 128 tiles of C, each
 // warpgroup 64 rows (64 accumulators a thread); one block an SM, looping over
 // tiles. Where 128-row tiles would leave half the SMs or more idle (the
-// output product of a small pass), a block of one warpgroup computes 64 x 128
-// tiles instead, twice as many. K advances 32 at a time through a 3-stage cp.async ring that runs on
+// output product of a small pass), a block of one warpgroup computes 64-row
+// tiles instead, twice as many; where N pads less to a multiple of 96 than of
+// 128 (dim 96: N = 96, 288), tiles are 96 columns wide. K advances 32 at a time through a 3-stage cp.async ring that runs on
 // across tiles, so a tile's first copies overlap the previous tile's last
 // products and its epilogue; a stage holds the hi and lo planes of the
 // A and W tiles, each row 128 bytes in the 128-byte swizzled layout wgmma
@@ -32,15 +33,15 @@
 namespace fastaxial::cuda {
 namespace {
 
-constexpr int BN = 128, BK = 32, kStages = 3;
+constexpr int BK = 32, kStages = 3;
 
-// A block of WG warpgroups (1 or 2) and its BM x BN tiles.
-template <int WG>
+// A block of WG warpgroups (1 or 2) and its BM x BN tiles (BN 128 or 96).
+template <int WG, int BN_>
 struct Tiling {
-  static constexpr int BM = 64 * WG;
+  static constexpr int BM = 64 * WG, BN = BN_;
   static constexpr int kThreads = 128 * WG;
   static constexpr int kATile = BM * BK * 4;    // one plane of an A tile: 8 or 16 KB
-  static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 KB
+  static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 or 12 KB
   static constexpr int kStageBytes = 2 * kATile + 2 * kWTile;  // A hi, A lo, W hi, W lo
   static constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes + 1024;  // + room to align to 1024
 };
@@ -60,36 +61,37 @@ __device__ __forceinline__ void load_tile(uint32_t s, const float* g, int64_t ro
   }
 }
 
-__device__ __forceinline__ void add_to(float (&c)[64], float (&t)[64]) {
+template <int N>
+__device__ __forceinline__ void add_to(float (&c)[N], float (&t)[N]) {
   fence_regs(t);  // after the wait that completed t
 #pragma unroll
-  for (int i = 0; i < 64; ++i) c[i] += t[i];
+  for (int i = 0; i < N; ++i) c[i] += t[i];
 }
 
 // The three products of steps ks and ks + 1 of the stage at s into t (fresh),
 // one commit group.
-template <int WG>
-__device__ __forceinline__ void run_products(float (&t)[64], uint32_t s, int wg, int ks) {
-  using Tl = Tiling<WG>;
+template <int WG, int BN>
+__device__ __forceinline__ void run_products(float (&t)[BN / 2], uint32_t s, int wg, int ks) {
+  using Tl = Tiling<WG, BN>;
   fence_regs(t);
   wgmma_fence();
 #pragma unroll
   for (int k = ks; k < ks + 2; ++k) {
     const uint32_t a_hi = s + wg * 64 * 128 + k * 32, a_lo = a_hi + Tl::kATile;
     const uint32_t w_hi = s + 2 * Tl::kATile + k * 32, w_lo = w_hi + Tl::kWTile;
-    wgmma_m64n128k8_ss(t, desc_sw128(a_lo), desc_sw128(w_hi), k == ks ? 0 : 1);
-    wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_lo), 1);
-    wgmma_m64n128k8_ss(t, desc_sw128(a_hi), desc_sw128(w_hi), 1);
+    wgmma_m64k8_ss<BN>(t, desc_sw128(a_lo), desc_sw128(w_hi), k == ks ? 0 : 1);
+    wgmma_m64k8_ss<BN>(t, desc_sw128(a_hi), desc_sw128(w_lo), 1);
+    wgmma_m64k8_ss<BN>(t, desc_sw128(a_hi), desc_sw128(w_hi), 1);
   }
   wgmma_commit();
 }
 
 #endif  // FASTAXIAL_SM90A_DEVICE
 
-template <int WG>
-__global__ void __launch_bounds__(Tiling<WG>::kThreads, 1) gemm_tf32x3_kernel(const GemmArgs p) {
+template <int WG, int BN>
+__global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kernel(const GemmArgs p) {
 #if FASTAXIAL_SM90A_DEVICE
-  using Tl = Tiling<WG>;
+  using Tl = Tiling<WG, BN>;
   constexpr int BM = Tl::BM, kThreads = Tl::kThreads, kStageBytes = Tl::kStageBytes;
   grid_dependency_wait();
   allow_dependent_launch();
@@ -129,9 +131,10 @@ __global__ void __launch_bounds__(Tiling<WG>::kThreads, 1) gemm_tf32x3_kernel(co
     }
   };
 
-  float c[64], t0[64], t1[64];
+  constexpr int kAcc = BN / 2;  // accumulators a thread
+  float c[kAcc], t0[kAcc], t1[kAcc];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) c[i] = t0[i] = t1[i] = 0.0f;
+  for (int i = 0; i < kAcc; ++i) c[i] = t0[i] = t1[i] = 0.0f;
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -153,11 +156,11 @@ __global__ void __launch_bounds__(Tiling<WG>::kThreads, 1) gemm_tf32x3_kernel(co
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const uint32_t s = base + stage * kStageBytes;
-      run_products<WG>(t0, s, wg, 0);
+      run_products<WG, BN>(t0, s, wg, 0);
       __syncthreads();  // every product of the previous k-step has completed: its stage may be refilled
       if (it + kStages - 1 < iters) load_next();
       copy_async_commit();
-      run_products<WG>(t1, s, wg, 2);
+      run_products<WG, BN>(t1, s, wg, 2);
       wgmma_wait<1>();
       add_to(c, t0);
       copy_async_wait<kStages - 2>();
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(Tiling<WG>::kThreads, 1) gemm_tf32x3_kernel(co
       }
     }
 #pragma unroll
-    for (int i = 0; i < 64; ++i) c[i] = 0.0f;
+    for (int i = 0; i < kAcc; ++i) c[i] = 0.0f;
   }
   copy_async_wait<0>();
 #else
@@ -216,10 +219,10 @@ __global__ void __launch_bounds__(Tiling<WG>::kThreads, 1) gemm_tf32x3_kernel(co
 #endif
 }
 
-template <int WG>
+template <int WG, int BN>
 cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceInfo& dev, cudaStream_t stream) {
-  using Tl = Tiling<WG>;
-  constexpr auto kernel = gemm_tf32x3_kernel<WG>;
+  using Tl = Tiling<WG, BN>;
+  constexpr auto kernel = gemm_tf32x3_kernel<WG, BN>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const int64_t blocks = std::min<int64_t>(tiles, dev.sms);
   return launch_kernel(kernel, (unsigned)blocks, Tl::kThreads, Tl::kSmemBytes, stream, dev, g);
@@ -229,7 +232,7 @@ cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceInfo& dev
 
 bool gemm_tf32x3_available(const DeviceInfo& dev) {
 #if defined(FASTAXIAL_WGMMA)
-  return dev.cc_major == 9 && (size_t)dev.smem_optin >= Tiling<2>::kSmemBytes;
+  return dev.cc_major == 9 && (size_t)dev.smem_optin >= Tiling<2, 128>::kSmemBytes;  // the largest
 #else
   (void)dev;
   return false;
@@ -241,10 +244,15 @@ cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceInfo& dev, cudaStream_t s
   if (!gemm_tf32x3_available(dev)) return cudaErrorInvalidDeviceFunction;
   // One block an SM (the ring takes most of its shared memory), each looping
   // over tiles; 64-row tiles where they all fit one wave and 128-row tiles
-  // would leave half the SMs idle or more.
-  const int64_t ntiles = (g.N + BN - 1) / BN, tiles128 = (g.M + 127) / 128 * ntiles;
-  if (2 * tiles128 > dev.sms) return launch_tiles<2>(g, tiles128, dev, stream);
-  return launch_tiles<1>(g, (g.M + 63) / 64 * ntiles, dev, stream);
+  // would leave half the SMs idle or more; 96-column tiles where they pad N
+  // less than 128-column ones (N = 96, 288: the products of dim 96).
+  const bool narrow = (g.N + 95) / 96 * 96 < (g.N + 127) / 128 * 128;
+  const int bn = narrow ? 96 : 128;
+  const int64_t ntiles = (g.N + bn - 1) / bn, tiles128 = (g.M + 127) / 128 * ntiles,
+                tiles64 = (g.M + 63) / 64 * ntiles;
+  const bool wide = 2 * tiles128 > dev.sms;
+  if (narrow) return wide ? launch_tiles<2, 96>(g, tiles128, dev, stream) : launch_tiles<1, 96>(g, tiles64, dev, stream);
+  return wide ? launch_tiles<2, 128>(g, tiles128, dev, stream) : launch_tiles<1, 128>(g, tiles64, dev, stream);
 }
 
 }  // namespace fastaxial::cuda

@@ -1,5 +1,5 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only) for fp32 data
-// as TF32: the shared-memory matrix descriptor, the product gemm_tf32x3.cu
+// as TF32: the shared-memory matrix descriptor, the products gemm_tf32x3.cu
 // uses, and the fences around it. Include only from code compiled for sm_90a
 // (FASTAXIAL_SM90A_DEVICE).
 //
@@ -61,6 +61,32 @@ __device__ __forceinline__ void wgmma_m64n128k8_ss(float (&d)[64], uint64_t a, u
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (64 x 96) = or += A (64 x 8) @ B (8 x 96), A and B in shared memory.
+__device__ __forceinline__ void wgmma_m64n96k8_ss(float (&d)[48], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
+      "%48, %49, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The products above by N, 128 or 96 columns (N / 2 accumulators a thread).
+template <int N>
+__device__ __forceinline__ void wgmma_m64k8_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
+  static_assert(N == 128 || N == 96, "wgmma_m64k8_ss: N is 128 or 96");
+  if constexpr (N == 128)
+    wgmma_m64n128k8_ss(d, a, b, accumulate);
+  else
+    wgmma_m64n96k8_ss(d, a, b, accumulate);
 }
 
 }  // namespace fastaxial::cuda

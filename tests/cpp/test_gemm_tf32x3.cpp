@@ -99,11 +99,14 @@ TEST_P(GemmTf32x3, MatchesDoubleProduct) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, GemmTf32x3,
-                         // The last two have more tiles than an H200 has SMs twice over, so
-                         // blocks loop over tiles (one and two k-steps each, edges in all of M, N, K).
+                         // On an H200 (132 SMs) the first three run 64 x 128 tiles (one
+                         // warpgroup), the next two 64 x 96 (N pads less to 96); the last
+                         // three have more tiles than the SMs twice over, so blocks loop
+                         // over tiles (one to two k-steps each, edges in all of M, N, K):
+                         // 128 x 96 tiles twice, then 128 x 128.
                          ::testing::Values(Dims{128, 128, 32}, Dims{300, 200, 72}, Dims{256, 384, 256},
                                            Dims{1, 8, 4}, Dims{1000, 96, 96}, Dims{17000, 136, 40},
-                                           Dims{40000, 8, 4}),
+                                           Dims{40000, 8, 4}, Dims{20000, 256, 64}),
                          [](const auto& info) {
                            return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) +
                                   "_K" + std::to_string(info.param.K);
