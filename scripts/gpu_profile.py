@@ -104,7 +104,8 @@ def timeline(m, x, iters=50):
         torch.cuda.synchronize()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
-    events = json.load(open(path))["traceEvents"]
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
     launches = {ev["args"]["correlation"]: ev for ev in events
                 if ev.get("cat") == "cuda_runtime" and "correlation" in ev.get("args", {})}
     kernels = sorted((ev for ev in events if ev.get("cat") in ("kernel", "gpu_memset")), key=lambda ev: ev["ts"])
@@ -121,7 +122,6 @@ def timeline(m, x, iters=50):
     runs = [r for r in runs if len(r) == n]
     print(f"timeline: {len(runs)} forwards of {n - 1} kernels each (after the flush)")
     print(f"{'kernel':60s} {'GPU us':>8s} {'gap us':>8s} {'host lead us':>13s}")
-    total = []
     for i in range(1, n):
         dur = [r[i]["dur"] for r in runs]
         gap = [r[i]["ts"] - (r[i - 1]["ts"] + r[i - 1]["dur"]) for r in runs]

@@ -9,8 +9,9 @@
 // tiles. Where 128-row tiles would leave half the SMs or more idle (the
 // output product of a small pass), a block of one warpgroup computes 64-row
 // tiles instead, twice as many; where N pads less to a multiple of 96 than of
-// 128 (dim 96: N = 96, 288), tiles are 96 columns wide. K advances 32 at a time through a 3-stage cp.async ring that runs on
-// across tiles, so a tile's first copies overlap the previous tile's last
+// 128 (dim 96: N = 96, 288), tiles are 96 columns wide (48 accumulators a
+// thread). K advances 32 at a time through a 3-stage cp.async ring that runs
+// on across tiles, so a tile's first copies overlap the previous tile's last
 // products and its epilogue; a stage holds the hi and lo planes of the
 // A and W tiles, each row 128 bytes in the 128-byte swizzled layout wgmma
 // reads (16-byte piece c of row r stored at piece c ^ (r % 8)), so the
