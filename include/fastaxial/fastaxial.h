@@ -69,7 +69,7 @@ Status forward_cpu(const AxialParams& p);
 bool cuda_compiled();
 
 // Bytes of device scratch forward_cuda needs: the row pass's output, plus the
-// intermediates of the staged kernels (about 5x the input) for shapes that may
+// intermediates of the staged kernels (about 4x the input) for shapes that may
 // take them on some GPU (sequences the fused kernel cannot hold: longer than
 // 128 positions, or too wide for one block's shared memory; and dims above 64,
 // where the choice also depends on the GPU; see the README). Depends on the

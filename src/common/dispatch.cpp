@@ -110,7 +110,7 @@ StagedLayout staged_layout(const AxialParams& p) {
   const bool rows = staged_possible(p.width, p.dim, p.heads), cols = staged_possible(p.height, p.dim, p.heads);
   if (!rows && !cols) return lay;
   lay.scratch = lay.floats;
-  lay.floats += 5 * tokens * p.dim;
+  lay.floats += 4 * tokens * p.dim;
   const int64_t weights = 8 * p.dim * p.dim;
   if (rows) lay.row_weights = lay.floats, lay.floats += weights;
   if (cols) lay.col_weights = lay.floats, lay.floats += weights;

@@ -44,8 +44,8 @@ bool staged_possible(int64_t len, int64_t dim, int64_t heads);
 
 // Where the staged path's scratch lies in forward_cuda's workspace, in
 // floats from its start, after the row pass's output (T D floats, T the
-// positions): LayerNorm output / attention output (hi and lo planes, 2 T D)
-// and q|k|v (3 T D), then each pass's weights as hi and lo planes (8 D^2),
+// positions): LayerNorm output / attention output (T D) and q|k|v (3 T D),
+// then each pass's weights as hi and lo planes (8 D^2),
 // for the passes that may take the staged path (staged_possible); -1 where
 // nothing is reserved. cuda_workspace_bytes and forward_cuda both read it.
 struct StagedLayout {

@@ -7,18 +7,19 @@
 // For the pass's T = B*H*W positions (the same flat rows for both axes:
 // LayerNorm and the projections act on each position alone, only the
 // attention sees the axis):
-//   1. layer_norm_split: xs = LayerNorm(src), split planes     (T, D)
+//   1. layer_norm:  xs = LayerNorm(src)                    (T, D)
 //      and, in the same launch, Wqkv and Wout split into planes (4 D^2
 //      elements a pass: the first staged pass of a forward splits the
 //      weights of both passes)
-//   2. gemm_tf32x3:     qkv = xs @ Wqkv^T                      (T, 3D)
-//   3. attention:       o_h = softmax(q_h k_h^T * scale) v_h   (T, D) split planes, into xs's space
-//   4. gemm_tf32x3:     dst = src + o @ Wout^T + bout          (T, D)
+//   2. gemm_tf32x3: qkv = xs @ Wqkv^T                      (T, 3D)
+//   3. attention:   o_h = softmax(q_h k_h^T * scale) v_h   (T, D), into xs's space
+//   4. gemm_tf32x3: dst = src + o @ Wout^T + bout          (T, D)
 // Each launch is a programmatic dependent of the one before (launch.cuh).
 // Why this shape: at these sizes the projections are most of the arithmetic,
 // and as plain GEMMs over all T positions they run on Hopper's warpgroup
-// tensor-core instructions (gemm_tf32x3.cu); storing their operands split
-// once (1, 3) takes the TF32 conversions out of the products. The path
+// tensor-core instructions (gemm_tf32x3.cu); the weights are stored split
+// once (1), and the products split their A operands (xs, o) in registers,
+// so those are written once, as plain fp32. The path
 // needs an sm_90a build on a compute-capability 9.0 device; elsewhere the
 // generic kernel serves these shapes.
 //
@@ -54,10 +55,10 @@ struct SplitJobs {
   int n = 0;
 };
 
-// Blocks below ln_blocks: xs = LayerNorm(x (T, D)) as split planes
-// [hi (T, D) | lo (T, D)], a warp per position. The blocks after them split
-// the matrices of `jobs`, a thread per element of the flat list.
-__global__ void layer_norm_split_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
+// Blocks below ln_blocks: xs (T, D) = LayerNorm(x (T, D)), a warp per
+// position. The blocks after them split the matrices of `jobs` into (hi, lo)
+// planes, a thread per element of the flat list.
+__global__ void layer_norm_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
                                         const float* __restrict__ beta, float eps, int64_t T, int D,
                                         float* __restrict__ xs, int64_t ln_blocks, const SplitJobs jobs) {
   grid_dependency_wait();
@@ -80,13 +81,8 @@ __global__ void layer_norm_split_kernel(const float* __restrict__ x, const float
   }
   const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (pos >= T) return;
-  float* hi = xs + pos * D;
-  float* lo = hi + T * D;
-  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) {
-    const float2 h = split_pair(v);
-    hi[c] = h.x;
-    lo[c] = h.y;
-  });
+  float* out = xs + pos * D;
+  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
 }
 
 struct AttnArgs {
@@ -94,8 +90,7 @@ struct AttnArgs {
   int D, heads;
   float scale_log2;  // log2(e) / sqrt(hd)
   const float* qkv;  // (T, 3D): [q | k | v], heads side by side in each
-  float* o;          // [hi (T, D) | lo (T, D)] split planes
-  int64_t plane;     // T * D
+  float* o;          // (T, D)
 };
 
 template <int HD>
@@ -280,10 +275,8 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
       for (int half = 0; half < 2; ++half) {
         if (!(half ? in1 : in0)) continue;
         const float inv = half ? inv1 : inv0;
-        const float2 x = split_pair(acc[f][2 * half] * inv), y = split_pair(acc[f][2 * half + 1] * inv);
-        float* hi = a.o + row(r0 + g + 8 * half) * a.D + col;
-        *reinterpret_cast<float2*>(hi) = make_float2(x.x, y.x);
-        *reinterpret_cast<float2*>(hi + a.plane) = make_float2(x.y, y.y);
+        *reinterpret_cast<float2*>(a.o + row(r0 + g + 8 * half) * a.D + col) =
+            make_float2(acc[f][2 * half] * inv, acc[f][2 * half + 1] * inv);
       }
     }
   }
@@ -320,8 +313,8 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
                           const DeviceInfo& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len;
-  float* xs = scratch;        // (T, D) x 2 split planes: LayerNorm output, then attention output
-  float* qkv = xs + 2 * T * D;  // (T, 3D)
+  float* xs = scratch;      // (T, D): LayerNorm output, then attention output
+  float* qkv = xs + T * D;  // (T, 3D)
 
   SplitJobs jobs;
   for (int i = 0; i < split_now.count; ++i) {
@@ -332,10 +325,10 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   const int64_t ln_blocks = (T + 7) / 8;  // 8 warps, a position each
   const int64_t split_blocks = jobs.n ? std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms) : 0;
   if (ln_blocks + split_blocks > INT32_MAX) return {StatusCode::kUnsupported, "too many positions for one pass"};
-  if (cudaError_t e = launch_kernel(layer_norm_split_kernel, (unsigned)(ln_blocks + split_blocks), 256, 0, stream,
+  if (cudaError_t e = launch_kernel(layer_norm_kernel, (unsigned)(ln_blocks + split_blocks), 256, 0, stream,
                                     dev, src, w.norm_weight, w.norm_bias, p.eps, T, D, xs, ln_blocks, jobs);
       e != cudaSuccess)
-    return cuda_error(e, "layer_norm_split_kernel launch");
+    return cuda_error(e, "layer_norm_kernel launch");
 
   GemmArgs g;
   g.a = xs, g.w = split.qkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
@@ -346,7 +339,7 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   a.D = D, a.heads = (int)p.heads;
   const int hd = (int)(p.dim / p.heads);
   a.scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
-  a.qkv = qkv, a.o = xs, a.plane = T * D;
+  a.qkv = qkv, a.o = xs;
   cudaError_t e = cudaErrorInvalidValue;
   switch (hd) {
     case 8: e = launch_attention<8>(a, dev, stream); break;

@@ -1,8 +1,7 @@
 // C (M, N) = A (M, K) @ W (N, K)^T (+ bias) (+ residual) in fp32 accuracy on
 // Hopper's warpgroup tensor-core instructions (wgmma, sm_90a), the 3xTF32
-// split with both operands already split in global memory: each is two
-// planes, hi then lo, of TF32 values (tf32x3.cuh), so the kernel only copies
-// and multiplies.
+// split: W comes already split in global memory (two planes, hi then lo, of
+// TF32 values: tf32x3.cuh), A as plain fp32, split in registers.
 //
 // Shape: a block of two warpgroups computes 128 x 128 tiles of C, each
 // warpgroup 64 rows (64 accumulators a thread); one block an SM, looping over
@@ -10,12 +9,20 @@
 // output product of a small pass), a block of one warpgroup computes 64-row
 // tiles instead, twice as many; where N pads less to a multiple of 96 than of
 // 128 (dim 96: N = 96, 288), tiles are 96 columns wide (48 accumulators a
-// thread). K advances 32 at a time through a 3-stage cp.async ring that runs
+// thread). K advances 32 at a time through a 4-stage cp.async ring that runs
 // on across tiles, so a tile's first copies overlap the previous tile's last
-// products and its epilogue; a stage holds the hi and lo planes of the
-// A and W tiles, each row 128 bytes in the 128-byte swizzled layout wgmma
-// reads (16-byte piece c of row r stored at piece c ^ (r % 8)), so the
-// copies and the tensor cores both meet distinct banks.
+// products and its epilogue; a stage holds the fp32 A tile and the hi and lo
+// planes of the W tile, each row 128 bytes in the 128-byte swizzled layout
+// wgmma reads (16-byte piece c of row r stored at piece c ^ (r % 8)), so the
+// copies, the tensor cores and the A fragment loads all meet distinct banks.
+//
+// Why A from registers: with both operands in shared memory, each 8-deep
+// step's three products read A's hi plane twice and its lo plane once, and
+// the ring holds both planes; shared memory, not the tensor cores, bounded
+// the products. A thread loads its A fragment once per step (four 4-byte
+// loads) and splits it itself, which takes a third of the product's
+// shared-memory reads and of the ring's A copies away, and lets the kernels
+// before it write A once, unsplit.
 //
 // Accuracy: the three products (lo*hi, hi*lo, hi*hi) of two 8-deep steps go
 // into a fresh accumulator T, which is then added to C in fp32 (the tensor
@@ -29,21 +36,22 @@
 
 #include "async_copy.cuh"
 #include "launch.cuh"
+#include "tf32x3.cuh"
 #include "wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
 
-constexpr int BK = 32, kStages = 3;
+constexpr int BK = 32, kStages = 4;
 
 // A block of WG warpgroups (1 or 2) and its BM x BN tiles (BN 128 or 96).
 template <int WG, int BN_>
 struct Tiling {
   static constexpr int BM = 64 * WG, BN = BN_;
   static constexpr int kThreads = 128 * WG;
-  static constexpr int kATile = BM * BK * 4;    // one plane of an A tile: 8 or 16 KB
+  static constexpr int kATile = BM * BK * 4;    // an A tile: 8 or 16 KB
   static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 or 12 KB
-  static constexpr int kStageBytes = 2 * kATile + 2 * kWTile;  // A hi, A lo, W hi, W lo
+  static constexpr int kStageBytes = kATile + 2 * kWTile;  // A, W hi, W lo
   static constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes + 1024;  // + room to align to 1024
 };
 
@@ -69,20 +77,41 @@ __device__ __forceinline__ void add_to(float (&c)[N], float (&t)[N]) {
   for (int i = 0; i < N; ++i) c[i] += t[i];
 }
 
-// The three products of steps ks and ks + 1 of the stage at s into t (fresh),
-// one commit group.
+// This thread's A fragments (wgmma.cuh) of steps ks and ks + 1 of the
+// stage's A tile at a, for warpgroup wg, split: column t of a step is in
+// piece 2 k of its row, column t + 4 in piece 2 k + 1; rows r and r + 8 share
+// r % 8 = g, so both sit at the same swizzled place 1024 bytes apart.
+__device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, int wg, int ks) {
+  const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const float* row = a + (wg * 64 + warp * 16 + g) * 32 + t;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float* c0 = row + ((2 * (ks + k)) ^ g) * 4;
+    const float* c4 = row + ((2 * (ks + k) + 1) ^ g) * 4;
+    f[k] = make_a(c0[0], c0[256], c4[0], c4[256]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void fence_frags(FragA (&f)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) fence_regs(f[i].hi), fence_regs(f[i].lo);
+}
+
+// The three products of steps ks and ks + 1 of the stage at s into t
+// (fresh), A from the fragments f of those steps, one commit group.
 template <int WG, int BN>
-__device__ __forceinline__ void run_products(float (&t)[BN / 2], uint32_t s, int wg, int ks) {
+__device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], uint32_t s, int ks) {
   using Tl = Tiling<WG, BN>;
   fence_regs(t);
+  fence_frags(f);
   wgmma_fence();
 #pragma unroll
-  for (int k = ks; k < ks + 2; ++k) {
-    const uint32_t a_hi = s + wg * 64 * 128 + k * 32, a_lo = a_hi + Tl::kATile;
-    const uint32_t w_hi = s + 2 * Tl::kATile + k * 32, w_lo = w_hi + Tl::kWTile;
-    wgmma_m64k8_ss<BN>(t, desc_sw128(a_lo), desc_sw128(w_hi), k == ks ? 0 : 1);
-    wgmma_m64k8_ss<BN>(t, desc_sw128(a_hi), desc_sw128(w_lo), 1);
-    wgmma_m64k8_ss<BN>(t, desc_sw128(a_hi), desc_sw128(w_hi), 1);
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t w_hi = s + Tl::kATile + (ks + k) * 32, w_lo = w_hi + Tl::kWTile;
+    wgmma_m64k8_rs<BN>(t, f[k].lo, desc_sw128(w_hi), k == 0 ? 0 : 1);
+    wgmma_m64k8_rs<BN>(t, f[k].hi, desc_sw128(w_lo), 1);
+    wgmma_m64k8_rs<BN>(t, f[k].hi, desc_sw128(w_hi), 1);
   }
   wgmma_commit();
 }
@@ -97,8 +126,10 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
   grid_dependency_wait();
   allow_dependent_launch();
   extern __shared__ float4 smem4[];
-  // Swizzled tiles must start on 1024-byte boundaries.
-  const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem4) + 1023) & ~1023u;
+  // Swizzled tiles must start on 1024-byte boundaries: base as a shared
+  // address (descriptors, copies) and as a pointer (A fragment loads).
+  const uint32_t raw = (uint32_t)__cvta_generic_to_shared(smem4), base = (raw + 1023) & ~1023u;
+  const float* base_ptr = reinterpret_cast<const float*>(smem4) + (base - raw) / 4;
   // Tile t is row tile t / ntiles, column tile t % ntiles: blocks that share
   // a row tile of A run side by side, so A comes from DRAM about once. A
   // block takes tiles blockIdx.x, + gridDim.x, ... and runs its k-steps on
@@ -109,7 +140,6 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
   const int wg = threadIdx.x / 128;
   const int ktiles = (p.K + BK - 1) / BK;
   const int64_t iters = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * ktiles;
-  const float* a_lo = p.a + p.M * p.K;
   const float* w_lo = p.w + (int64_t)p.N * p.K;
 
   // The next k-step to load: its tile (first row and column), k index and
@@ -120,9 +150,8 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
     const uint32_t s = base + load_stage * kStageBytes;
     const int k0 = load_kt * BK;
     load_tile<BM, kThreads>(s, p.a, load_m0, p.M, k0, p.K);
-    load_tile<BM, kThreads>(s + Tl::kATile, a_lo, load_m0, p.M, k0, p.K);
-    load_tile<BN, kThreads>(s + 2 * Tl::kATile, p.w, load_n0, p.N, k0, p.K);
-    load_tile<BN, kThreads>(s + 2 * Tl::kATile + Tl::kWTile, w_lo, load_n0, p.N, k0, p.K);
+    load_tile<BN, kThreads>(s + Tl::kATile, p.w, load_n0, p.N, k0, p.K);
+    load_tile<BN, kThreads>(s + Tl::kATile + Tl::kWTile, w_lo, load_n0, p.N, k0, p.K);
     load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
     if (++load_kt == ktiles) {
       load_kt = 0;
@@ -134,6 +163,7 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
 
   constexpr int kAcc = BN / 2;  // accumulators a thread
   float c[kAcc], t0[kAcc], t1[kAcc];
+  FragA f0[2], f1[2];  // A fragments of runs A and B
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) c[i] = t0[i] = t1[i] = 0.0f;
 
@@ -146,8 +176,10 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
   // (steps 2-3, into t1). Both block-wide barriers of a k-step have a run in
   // flight, so the tensor cores wait only for the add of t1 between k-steps:
   // the refill of the previous k-step's stage goes out while A runs, the
-  // next k-step's copies are waited for while B runs. Nothing is in flight
-  // across a loop turn (ptxas would wait there anyway).
+  // next k-step's copies are waited for while B runs; B's A fragments are
+  // loaded while A runs. Nothing is in flight across a loop turn (ptxas
+  // would wait there anyway). A run's fragments stay untouched until the
+  // wait that completes it.
   copy_async_wait<kStages - 2>();
   // cp.async wrote the tile through the generic proxy; wgmma reads it through the async one.
   fence_async_smem();
@@ -157,17 +189,22 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const uint32_t s = base + stage * kStageBytes;
-      run_products<WG, BN>(t0, s, wg, 0);
+      const float* a_tile = base_ptr + stage * (kStageBytes / 4);
+      load_a(f0, a_tile, wg, 0);
+      run_products<WG, BN>(t0, f0, s, 0);
+      load_a(f1, a_tile, wg, 2);
       __syncthreads();  // every product of the previous k-step has completed: its stage may be refilled
       if (it + kStages - 1 < iters) load_next();
       copy_async_commit();
-      run_products<WG, BN>(t1, s, wg, 2);
+      run_products<WG, BN>(t1, f1, s, 2);
       wgmma_wait<1>();
+      fence_frags(f0);
       add_to(c, t0);
       copy_async_wait<kStages - 2>();
       fence_async_smem();
       __syncthreads();  // k-step it + 1 is in for all
       wgmma_wait<0>();
+      fence_frags(f1);
       add_to(c, t1);
       stage = stage + 1 == kStages ? 0 : stage + 1;
     }

@@ -1,5 +1,5 @@
 // C = A @ W^T (+ bias) (+ residual) in fp32 accuracy on Hopper's tensor cores,
-// for operands stored split: each as two planes, hi then lo, of TF32 values
+// for A in fp32 and W stored split: two planes, hi then lo, of TF32 values
 // (tf32x3.cuh). The projections of the staged path.
 #pragma once
 
@@ -12,7 +12,7 @@
 namespace fastaxial::cuda {
 
 struct GemmArgs {
-  const float* a = nullptr;         // (M, K) hi, then (M, K) lo
+  const float* a = nullptr;         // (M, K)
   const float* w = nullptr;         // (N, K) hi, then (N, K) lo
   const float* bias = nullptr;      // (N), or null
   const float* residual = nullptr;  // (M, N), or null

@@ -1,13 +1,15 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only) for fp32 data
 // as TF32: the shared-memory matrix descriptor, the products gemm_tf32x3.cu
-// uses, and the fences around it. Include only from code compiled for sm_90a
-// (FASTAXIAL_SM90A_DEVICE).
+// uses (A from registers, B from shared memory), and the fences around them.
+// Include only from code compiled for sm_90a (FASTAXIAL_SM90A_DEVICE).
 //
 // A warpgroup is 4 consecutive warps (128 threads, starting at a warp index
 // divisible by 4). The 64 x N f32 accumulator of a product is spread as in
 // mma.m16n8k8's C: warp w holds rows 16 w + g and 16 w + g + 8 (g = lane / 4),
 // and d[4 j .. 4 j + 3] are columns 8 j + 2t, 8 j + 2t + 1 of those rows
-// (t = lane % 4).
+// (t = lane % 4). A register A operand (64 x 8) is mma.m16n8k8's A fragment
+// of the same rows: a[0..3] = (16 w + g, t), (16 w + g + 8, t),
+// (16 w + g, t + 4), (16 w + g + 8, t + 4).
 #pragma once
 
 #include <cstdint>
@@ -38,20 +40,27 @@ __device__ __forceinline__ void wgmma_wait() {
 // Shared memory written by ordinary stores (or cp.async) that wgmma reads next.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Keeps the compiler from moving accesses of r across asynchronous products.
+// Keeps the compiler from moving accesses of r across asynchronous products
+// (accumulators, and A fragments, which must hold until their product completes).
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 
-// d (64 x 128) = or += A (64 x 8) @ B (8 x 128), A and B in shared memory.
-__device__ __forceinline__ void wgmma_m64n128k8_ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+// d (64 x 128) = or += A (64 x 8) @ B (8 x 128), A from registers (the
+// mma.m16n8k8 A fragment of the warp's 16 rows), B in shared memory.
+__device__ __forceinline__ void wgmma_m64n128k8_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1;\n}\n"
+      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -60,33 +69,34 @@ __device__ __forceinline__ void wgmma_m64n128k8_ss(float (&d)[64], uint64_t a, u
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(a), "l"(b), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// d (64 x 96) = or += A (64 x 8) @ B (8 x 96), A and B in shared memory.
-__device__ __forceinline__ void wgmma_m64n96k8_ss(float (&d)[48], uint64_t a, uint64_t b, int accumulate) {
+// d (64 x 96) = or += A (64 x 8) @ B (8 x 96), A from registers (the
+// mma.m16n8k8 A fragment of the warp's 16 rows), B in shared memory.
+__device__ __forceinline__ void wgmma_m64n96k8_rs(float (&d)[48], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-      "%48, %49, p, 1, 1;\n}\n"
+      "{%48, %49, %50, %51}, %52, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
         "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
-      : "l"(a), "l"(b), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// The products above by N, 128 or 96 columns (N / 2 accumulators a thread).
+// The register-A products above by N, 128 or 96 columns.
 template <int N>
-__device__ __forceinline__ void wgmma_m64k8_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
-  static_assert(N == 128 || N == 96, "wgmma_m64k8_ss: N is 128 or 96");
+__device__ __forceinline__ void wgmma_m64k8_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  static_assert(N == 128 || N == 96, "wgmma_m64k8_rs: N is 128 or 96");
   if constexpr (N == 128)
-    wgmma_m64n128k8_ss(d, a, b, accumulate);
+    wgmma_m64n128k8_rs(d, a, b, accumulate);
   else
-    wgmma_m64n96k8_ss(d, a, b, accumulate);
+    wgmma_m64n96k8_rs(d, a, b, accumulate);
 }
 
 }  // namespace fastaxial::cuda

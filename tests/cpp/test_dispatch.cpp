@@ -110,18 +110,18 @@ TEST(Dispatch, WorkspaceCoversTheStagedPath) {
   const int64_t e = 2 * 48 * 80 * 96, w96 = 8 * 96 * 96;
   StagedLayout lay = staged_layout(p);
   EXPECT_EQ(lay.scratch, e);
-  EXPECT_EQ(lay.row_weights, 6 * e);
-  EXPECT_EQ(lay.col_weights, 6 * e + w96);
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(6 * e + 2 * w96) * sizeof(float));
+  EXPECT_EQ(lay.row_weights, 5 * e);
+  EXPECT_EQ(lay.col_weights, 5 * e + w96);
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(5 * e + 2 * w96) * sizeof(float));
   p.batch = 2, p.height = 128, p.width = 128, p.dim = 256, p.heads = 8;  // staged both ways
   const int64_t m = 2 * 128 * 128 * 256;
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(6 * m + 2 * 8 * 256 * 256) * sizeof(float));
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(5 * m + 2 * 8 * 256 * 256) * sizeof(float));
   p.batch = 1, p.height = 256, p.width = 4, p.dim = 64, p.heads = 4;  // columns of 256: only they may be staged
   const int64_t c = 256 * 4 * 64;
   lay = staged_layout(p);
   EXPECT_EQ(lay.row_weights, -1);
-  EXPECT_EQ(lay.col_weights, 6 * c);
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(6 * c + 8 * 64 * 64) * sizeof(float));
+  EXPECT_EQ(lay.col_weights, 5 * c);
+  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(5 * c + 8 * 64 * 64) * sizeof(float));
   p.batch = 0;  // nothing to compute, nothing to hold
   EXPECT_EQ(cuda_workspace_bytes(p), 0u);
 }

@@ -1,5 +1,5 @@
 // The staged path's product kernel (src/cuda/gemm_tf32x3.cu) on its own:
-// C = A @ W^T + bias + residual from split operands, against a float64 product
+// C = A @ W^T + bias + residual from fp32 A and split W, against a float64 product
 // on the host, over tile edges in M, N and K. Skipped without a device that
 // runs it (compute capability 9.0 and an sm_90a build).
 #include <cuda_runtime.h>
@@ -58,13 +58,13 @@ TEST_P(GemmTf32x3, MatchesDoubleProduct) {
   std::vector<float> a((size_t)M * K), w((size_t)N * K), bias(N), res((size_t)M * N);
   for (auto* v : {&a, &w, &bias, &res})
     for (float& x : *v) x = normal(rng);
-  const std::vector<float> as = split_planes(a), ws = split_planes(w);
+  const std::vector<float> ws = split_planes(w);
 
   float *da, *dw, *db, *dr, *dc;
-  for (auto [ptr, n] : {std::pair{&da, as.size()}, {&dw, ws.size()}, {&db, bias.size()}, {&dr, res.size()},
+  for (auto [ptr, n] : {std::pair{&da, a.size()}, {&dw, ws.size()}, {&db, bias.size()}, {&dr, res.size()},
                         {&dc, res.size()}})
     ASSERT_EQ(cudaMalloc(ptr, n * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(da, as.data(), as.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(da, a.data(), a.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dw, ws.data(), ws.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(db, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dr, res.data(), res.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
