@@ -7,20 +7,19 @@
 // For the pass's T = B*H*W positions (the same flat rows for both axes:
 // LayerNorm and the projections act on each position alone, only the
 // attention sees the axis):
-//   1. row_stats:   stats = (mean, rstd) of each row of src (T) float2, into o's space
+//   1. layer_norm:  xs = LayerNorm(src)                    (T, D)
 //      and, in the same launch, Wqkv and Wout split into planes (4 D^2
 //      elements a pass: the first staged pass of a forward splits the
 //      weights of both passes)
-//   2. gemm_tf32x3: qkv = LayerNorm(src) @ Wqkv^T          (T, 3D), the norm applied on load
-//   3. attention:   o_h = softmax(q_h k_h^T * scale) v_h   (T, D)
+//   2. gemm_tf32x3: qkv = xs @ Wqkv^T                      (T, 3D)
+//   3. attention:   o_h = softmax(q_h k_h^T * scale) v_h   (T, D), into xs's space
 //   4. gemm_tf32x3: dst = src + o @ Wout^T + bout          (T, D)
 // Each launch is a programmatic dependent of the one before (launch.cuh).
 // Why this shape: at these sizes the projections are most of the arithmetic,
 // and as plain GEMMs over all T positions they run on Hopper's warpgroup
 // tensor-core instructions (gemm_tf32x3.cu); the weights are stored split
-// once (1), and the products split their A operands in registers, the QKV
-// product normalising src's rows as it loads them, so the normalised rows
-// never reach memory and o is written once, as plain fp32. The path
+// once (1), and the products split their A operands (xs, o) in registers,
+// so those are written once, as plain fp32. The path
 // needs an sm_90a build on a compute-capability 9.0 device; elsewhere the
 // generic kernel serves these shapes.
 //
@@ -56,22 +55,23 @@ struct SplitJobs {
   int n = 0;
 };
 
-// Blocks below stats_blocks: stats (T) = LayerNorm's (mean, rstd) of each row
-// of x (T, D), a warp per position. The blocks after them split the matrices
-// of `jobs` into (hi, lo) planes, a thread per element of the flat list.
-__global__ void row_stats_kernel(const float* __restrict__ x, float eps, int64_t T, int D,
-                                 float2* __restrict__ stats, int64_t stats_blocks, const SplitJobs jobs) {
+// Blocks below ln_blocks: xs (T, D) = LayerNorm(x (T, D)), a warp per
+// position. The blocks after them split the matrices of `jobs` into (hi, lo)
+// planes, a thread per element of the flat list.
+__global__ void layer_norm_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
+                                        const float* __restrict__ beta, float eps, int64_t T, int D,
+                                        float* __restrict__ xs, int64_t ln_blocks, const SplitJobs jobs) {
   grid_dependency_wait();
   allow_dependent_launch();
-  if (blockIdx.x >= stats_blocks) {
-    const int64_t stride = (gridDim.x - stats_blocks) * (int64_t)blockDim.x;
+  if (blockIdx.x >= ln_blocks) {
+    const int64_t stride = (gridDim.x - ln_blocks) * (int64_t)blockDim.x;
     // Unrolled, so each job is read from the parameters by a constant index
     // (a runtime index would copy the struct to local memory in every thread
     // of the launch, the LayerNorm blocks' too).
 #pragma unroll
     for (int j = 0; j < SplitJobs::kMax; ++j) {
       if (j >= jobs.n) break;
-      for (int64_t i = (blockIdx.x - stats_blocks) * (int64_t)blockDim.x + threadIdx.x; i < jobs.count[j]; i += stride) {
+      for (int64_t i = (blockIdx.x - ln_blocks) * (int64_t)blockDim.x + threadIdx.x; i < jobs.count[j]; i += stride) {
         const float2 v = split_pair(jobs.src[j][i]);
         jobs.dst[j][i] = v.x;
         jobs.dst[j][jobs.count[j] + i] = v.y;
@@ -81,8 +81,8 @@ __global__ void row_stats_kernel(const float* __restrict__ x, float eps, int64_t
   }
   const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (pos >= T) return;
-  const float2 st = warp_row_mean_rstd(x + pos * D, D, eps);
-  if (threadIdx.x % 32 == 0) stats[pos] = st;
+  float* out = xs + pos * D;
+  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
 }
 
 struct AttnArgs {
@@ -313,9 +313,8 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
                           const DeviceInfo& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len;
-  float* o = scratch;                             // (T, D): attention output
-  float2* stats = reinterpret_cast<float2*>(o);  // (T), in o's space until the QKV product has read it
-  float* qkv = o + T * D;                         // (T, 3D)
+  float* xs = scratch;      // (T, D): LayerNorm output, then attention output
+  float* qkv = xs + T * D;  // (T, 3D)
 
   SplitJobs jobs;
   for (int i = 0; i < split_now.count; ++i) {
@@ -323,17 +322,16 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
     jobs.src[jobs.n] = from.qkv_weight, jobs.dst[jobs.n] = split_now.to[i].qkv, jobs.count[jobs.n++] = 3 * (int64_t)D * D;
     jobs.src[jobs.n] = from.out_weight, jobs.dst[jobs.n] = split_now.to[i].out, jobs.count[jobs.n++] = (int64_t)D * D;
   }
-  const int64_t stats_blocks = (T + 7) / 8;  // 8 warps, a position each
+  const int64_t ln_blocks = (T + 7) / 8;  // 8 warps, a position each
   const int64_t split_blocks = jobs.n ? std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms) : 0;
-  if (stats_blocks + split_blocks > INT32_MAX) return {StatusCode::kUnsupported, "too many positions for one pass"};
-  if (cudaError_t e = launch_kernel(row_stats_kernel, (unsigned)(stats_blocks + split_blocks), 256, 0, stream, dev,
-                                    src, p.eps, T, D, stats, stats_blocks, jobs);
+  if (ln_blocks + split_blocks > INT32_MAX) return {StatusCode::kUnsupported, "too many positions for one pass"};
+  if (cudaError_t e = launch_kernel(layer_norm_kernel, (unsigned)(ln_blocks + split_blocks), 256, 0, stream,
+                                    dev, src, w.norm_weight, w.norm_bias, p.eps, T, D, xs, ln_blocks, jobs);
       e != cudaSuccess)
-    return cuda_error(e, "row_stats_kernel launch");
+    return cuda_error(e, "layer_norm_kernel launch");
 
   GemmArgs g;
-  g.a = src, g.w = split.qkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
-  g.norm = stats, g.gamma = w.norm_weight, g.beta = w.norm_bias;
+  g.a = xs, g.w = split.qkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
   if (cudaError_t e = gemm_tf32x3(g, dev, stream); e != cudaSuccess) return cuda_error(e, "QKV gemm_tf32x3 launch");
 
   AttnArgs a;
@@ -341,7 +339,7 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   a.D = D, a.heads = (int)p.heads;
   const int hd = (int)(p.dim / p.heads);
   a.scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
-  a.qkv = qkv, a.o = o;
+  a.qkv = qkv, a.o = xs;
   cudaError_t e = cudaErrorInvalidValue;
   switch (hd) {
     case 8: e = launch_attention<8>(a, dev, stream); break;
@@ -351,8 +349,7 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   }
   if (e != cudaSuccess) return cuda_error(e, "staged attention_kernel launch");
 
-  g.a = o, g.w = split.out, g.bias = w.out_bias, g.residual = src, g.c = dst, g.N = D;
-  g.norm = nullptr, g.gamma = g.beta = nullptr;
+  g.a = xs, g.w = split.out, g.bias = w.out_bias, g.residual = src, g.c = dst, g.N = D;
   if (cudaError_t e2 = gemm_tf32x3(g, dev, stream); e2 != cudaSuccess)
     return cuda_error(e2, "output gemm_tf32x3 launch");
   return Status::Ok();

@@ -24,11 +24,6 @@
 // shared-memory reads and of the ring's A copies away, and lets the kernels
 // before it write A once, unsplit.
 //
-// LayerNorm on load (QKV product): with row statistics given, row m of A is
-// used as (a - mean_m) * rstd_m * gamma + beta, applied as each fragment is
-// loaded, so the staged path never writes the normalised rows: each stage
-// also carries its rows' (mean, rstd) and its 32 columns of gamma and beta.
-//
 // Accuracy: the three products (lo*hi, hi*lo, hi*hi) of two 8-deep steps go
 // into a fresh accumulator T, which is then added to C in fp32 (the tensor
 // core truncates its own adds; a long chain drifts, while runs of two steps
@@ -49,20 +44,15 @@ namespace {
 
 constexpr int BK = 32, kStages = 4;
 
-// A block of WG warpgroups (1 or 2) and its BM x BN tiles (BN 128 or 96);
-// kNorm: A's rows are LayerNorm'ed on load.
-template <int WG, int BN_, bool kNorm_ = false>
+// A block of WG warpgroups (1 or 2) and its BM x BN tiles (BN 128 or 96).
+template <int WG, int BN_>
 struct Tiling {
   static constexpr int BM = 64 * WG, BN = BN_;
-  static constexpr bool kNorm = kNorm_;
   static constexpr int kThreads = 128 * WG;
   static constexpr int kATile = BM * BK * 4;    // an A tile: 8 or 16 KB
   static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 or 12 KB
   static constexpr int kStageBytes = kATile + 2 * kWTile;  // A, W hi, W lo
-  // Beside each stage, after the ring (the swizzled tiles keep their
-  // 1024-byte alignment): the rows' (mean, rstd), then gamma and beta.
-  static constexpr int kSideBytes = kNorm ? BM * 8 + 2 * BK * 4 : 0;
-  static constexpr size_t kSmemBytes = (size_t)kStages * (kStageBytes + kSideBytes) + 1024;  // + room to align
+  static constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes + 1024;  // + room to align to 1024
 };
 
 #if FASTAXIAL_SM90A_DEVICE
@@ -87,58 +77,18 @@ __device__ __forceinline__ void add_to(float (&c)[N], float (&t)[N]) {
   for (int i = 0; i < N; ++i) c[i] += t[i];
 }
 
-// Rows r0 + 16 u of a (rows, 2) matrix of float2 into the side area at s,
-// a float2 a row; rows at or past `rows` read as zero.
-template <int R, int T>
-__device__ __forceinline__ void load_rows2(uint32_t s, const float2* g, int64_t row0, int64_t rows) {
-  for (int i = threadIdx.x; i < R / 2; i += T) {
-    const int64_t r = row0 + 2 * i;
-    const int bytes = r + 1 < rows ? 16 : r < rows ? 8 : 0;
-    copy_async16(s + 16 * i, bytes ? g + r : g, bytes);
-  }
-}
-
-// BK values of a (K) vector from k0 into the side area at s; past K, zero.
-template <int T>
-__device__ __forceinline__ void load_cols(uint32_t s, const float* g, int k0, int K) {
-  const int i = threadIdx.x - (T - BK / 4);  // the last BK / 4 threads
-  if (i >= 0) {
-    const bool valid = k0 + 4 * i < K;
-    copy_async16(s + 16 * i, valid ? g + k0 + 4 * i : g, valid ? 16 : 0);
-  }
-}
-
 // This thread's A fragments (wgmma.cuh) of steps ks and ks + 1 of the
 // stage's A tile at a, for warpgroup wg, split: column t of a step is in
 // piece 2 k of its row, column t + 4 in piece 2 k + 1; rows r and r + 8 share
-// r % 8 = g, so both sit at the same swizzled place 1024 bytes apart. With
-// kNorm, side holds the stage's row statistics, gamma and beta (Tiling).
-template <class Tl>
-__device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, const float* side, int wg, int ks) {
+// r % 8 = g, so both sit at the same swizzled place 1024 bytes apart.
+__device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, int wg, int ks) {
   const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const int r = wg * 64 + warp * 16 + g;
-  const float* row = a + r * 32 + t;
-  float2 st0 = make_float2(0.0f, 0.0f), st1 = st0;  // (mean, rstd) of rows r and r + 8
-  if constexpr (Tl::kNorm) {
-    st0 = reinterpret_cast<const float2*>(side)[r];
-    st1 = reinterpret_cast<const float2*>(side)[r + 8];
-  }
-  const float* gamma = side + 2 * Tl::BM;
-  const float* beta = gamma + BK;
+  const float* row = a + (wg * 64 + warp * 16 + g) * 32 + t;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const float* c0 = row + ((2 * (ks + k)) ^ g) * 4;
     const float* c4 = row + ((2 * (ks + k) + 1) ^ g) * 4;
-    float v[4] = {c0[0], c0[256], c4[0], c4[256]};
-    if constexpr (Tl::kNorm) {  // as layer_norm_row (warp_ops.cuh)
-      const int col = 8 * (ks + k) + t;
-      const float g0 = gamma[col], b0 = beta[col], g4 = gamma[col + 4], b4 = beta[col + 4];
-      v[0] = (v[0] - st0.x) * st0.y * g0 + b0;
-      v[1] = (v[1] - st1.x) * st1.y * g0 + b0;
-      v[2] = (v[2] - st0.x) * st0.y * g4 + b4;
-      v[3] = (v[3] - st1.x) * st1.y * g4 + b4;
-    }
-    f[k] = make_a(v[0], v[1], v[2], v[3]);
+    f[k] = make_a(c0[0], c0[256], c4[0], c4[256]);
   }
 }
 
@@ -150,9 +100,9 @@ __device__ __forceinline__ void fence_frags(FragA (&f)[N]) {
 
 // The three products of steps ks and ks + 1 of the stage at s into t
 // (fresh), A from the fragments f of those steps, one commit group.
-template <class Tl>
-__device__ __forceinline__ void run_products(float (&t)[Tl::BN / 2], FragA (&f)[2], uint32_t s, int ks) {
-  constexpr int BN = Tl::BN;
+template <int WG, int BN>
+__device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], uint32_t s, int ks) {
+  using Tl = Tiling<WG, BN>;
   fence_regs(t);
   fence_frags(f);
   wgmma_fence();
@@ -168,12 +118,11 @@ __device__ __forceinline__ void run_products(float (&t)[Tl::BN / 2], FragA (&f)[
 
 #endif  // FASTAXIAL_SM90A_DEVICE
 
-template <int WG, int BN, bool kNorm>
+template <int WG, int BN>
 __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kernel(const GemmArgs p) {
 #if FASTAXIAL_SM90A_DEVICE
-  using Tl = Tiling<WG, BN, kNorm>;
+  using Tl = Tiling<WG, BN>;
   constexpr int BM = Tl::BM, kThreads = Tl::kThreads, kStageBytes = Tl::kStageBytes;
-  constexpr int kSideBytes = Tl::kSideBytes, kRingBytes = kStages * kStageBytes;
   grid_dependency_wait();
   allow_dependent_launch();
   extern __shared__ float4 smem4[];
@@ -203,12 +152,6 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
     load_tile<BM, kThreads>(s, p.a, load_m0, p.M, k0, p.K);
     load_tile<BN, kThreads>(s + Tl::kATile, p.w, load_n0, p.N, k0, p.K);
     load_tile<BN, kThreads>(s + Tl::kATile + Tl::kWTile, w_lo, load_n0, p.N, k0, p.K);
-    if constexpr (kNorm) {
-      const uint32_t side = base + kRingBytes + load_stage * kSideBytes;
-      load_rows2<BM, kThreads>(side, p.norm, load_m0, p.M);
-      load_cols<kThreads>(side + BM * 8, p.gamma, k0, p.K);
-      load_cols<kThreads>(side + BM * 8 + BK * 4, p.beta, k0, p.K);
-    }
     load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
     if (++load_kt == ktiles) {
       load_kt = 0;
@@ -247,14 +190,13 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
       const uint32_t s = base + stage * kStageBytes;
       const float* a_tile = base_ptr + stage * (kStageBytes / 4);
-      const float* side = base_ptr + (kRingBytes + stage * kSideBytes) / 4;
-      load_a<Tl>(f0, a_tile, side, wg, 0);
-      run_products<Tl>(t0, f0, s, 0);
-      load_a<Tl>(f1, a_tile, side, wg, 2);
+      load_a(f0, a_tile, wg, 0);
+      run_products<WG, BN>(t0, f0, s, 0);
+      load_a(f1, a_tile, wg, 2);
       __syncthreads();  // every product of the previous k-step has completed: its stage may be refilled
       if (it + kStages - 1 < iters) load_next();
       copy_async_commit();
-      run_products<Tl>(t1, f1, s, 2);
+      run_products<WG, BN>(t1, f1, s, 2);
       wgmma_wait<1>();
       fence_frags(f0);
       add_to(c, t0);
@@ -315,25 +257,20 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
 #endif
 }
 
-template <int WG, int BN, bool kNorm>
+template <int WG, int BN>
 cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceInfo& dev, cudaStream_t stream) {
-  using Tl = Tiling<WG, BN, kNorm>;
-  constexpr auto kernel = gemm_tf32x3_kernel<WG, BN, kNorm>;
+  using Tl = Tiling<WG, BN>;
+  constexpr auto kernel = gemm_tf32x3_kernel<WG, BN>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const int64_t blocks = std::min<int64_t>(tiles, dev.sms);
   return launch_kernel(kernel, (unsigned)blocks, Tl::kThreads, Tl::kSmemBytes, stream, dev, g);
-}
-
-template <int WG, int BN>
-cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceInfo& dev, cudaStream_t stream) {
-  return g.norm ? launch_tiles<WG, BN, true>(g, tiles, dev, stream) : launch_tiles<WG, BN, false>(g, tiles, dev, stream);
 }
 
 }  // namespace
 
 bool gemm_tf32x3_available(const DeviceInfo& dev) {
 #if defined(FASTAXIAL_WGMMA)
-  return dev.cc_major == 9 && (size_t)dev.smem_optin >= Tiling<2, 128, true>::kSmemBytes;  // the largest
+  return dev.cc_major == 9 && (size_t)dev.smem_optin >= Tiling<2, 128>::kSmemBytes;  // the largest
 #else
   (void)dev;
   return false;

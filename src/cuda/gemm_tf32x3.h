@@ -1,7 +1,6 @@
 // C = A @ W^T (+ bias) (+ residual) in fp32 accuracy on Hopper's tensor cores,
-// for A in fp32 (optionally LayerNorm'ed on load) and W stored split: two
-// planes, hi then lo, of TF32 values (tf32x3.cuh). The projections of the
-// staged path.
+// for A in fp32 and W stored split: two planes, hi then lo, of TF32 values
+// (tf32x3.cuh). The projections of the staged path.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,11 +17,6 @@ struct GemmArgs {
   const float* bias = nullptr;      // (N), or null
   const float* residual = nullptr;  // (M, N), or null
   float* c = nullptr;               // (M, N)
-  // LayerNorm of A's rows on load, or null: row m is used as
-  // (a - norm[m].x) * norm[m].y * gamma + beta (norm: mean, rstd).
-  const float2* norm = nullptr;     // (M)
-  const float* gamma = nullptr;     // (K), with norm
-  const float* beta = nullptr;      // (K), with norm
   int64_t M = 0;
   int N = 0, K = 0;  // N a multiple of 8, K of 4
 };

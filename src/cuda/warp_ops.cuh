@@ -33,25 +33,19 @@ __device__ __forceinline__ float2 row_mean_rstd(int D, float eps, SumOwn sum_own
   return make_float2(mean, rsqrtf(sq / D + eps));
 }
 
-// LayerNorm's (mean, rstd) of one row x[0, D) by the calling warp, each lane
-// reading columns lane, lane + 32, ...
-__device__ __forceinline__ float2 warp_row_mean_rstd(const float* x, int D, float eps) {
-  const int lane = threadIdx.x % 32;
-  return row_mean_rstd<32>(D, eps, [&](auto f) {
-    float sum = 0.0f;
-    for (int c = lane; c < D; c += 32) sum += f(x[c]);
-    return sum;
-  });
-}
-
 // LayerNorm of one row x[0, D) by the calling warp, then store(c, y_c) for
 // each column c this lane owns (c = lane, lane + 32, ...). x may be the
 // destination too: each lane reads its column before storing it.
 template <class Store>
 __device__ __forceinline__ void layer_norm_row(const float* x, int D, const float* __restrict__ gamma,
                                                const float* __restrict__ beta, float eps, Store store) {
-  const float2 stats = warp_row_mean_rstd(x, D, eps);
-  for (int c = threadIdx.x % 32; c < D; c += 32) store(c, (x[c] - stats.x) * stats.y * gamma[c] + beta[c]);
+  const int lane = threadIdx.x % 32;
+  const float2 stats = row_mean_rstd<32>(D, eps, [&](auto f) {
+    float sum = 0.0f;
+    for (int c = lane; c < D; c += 32) sum += f(x[c]);
+    return sum;
+  });
+  for (int c = lane; c < D; c += 32) store(c, (x[c] - stats.x) * stats.y * gamma[c] + beta[c]);
 }
 
 }  // namespace fastaxial::cuda
