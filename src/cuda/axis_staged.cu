@@ -36,6 +36,7 @@
 
 #include "../common/dispatch.h"
 #include "../common/smem_layout.h"
+#include "async_copy.cuh"
 #include "axis_kernels.h"
 #include "gemm_tf32x3.h"
 #include "launch.cuh"
@@ -56,11 +57,12 @@ struct SplitJobs {
 };
 
 // Blocks below ln_blocks: xs (T, D) = LayerNorm(x (T, D)), a warp per
-// position. The blocks after them split the matrices of `jobs` into (hi, lo)
-// planes, a thread per element of the flat list.
+// position, 16 bytes a lane at a time. The blocks after them split the
+// matrices of `jobs` into (hi, lo) planes, a thread per element of the flat
+// list.
 __global__ void layer_norm_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
-                                        const float* __restrict__ beta, float eps, int64_t T, int D,
-                                        float* __restrict__ xs, int64_t ln_blocks, const SplitJobs jobs) {
+                                  const float* __restrict__ beta, float eps, int64_t T, int D, float* __restrict__ xs,
+                                  int64_t ln_blocks, const SplitJobs jobs) {
   grid_dependency_wait();
   allow_dependent_launch();
   if (blockIdx.x >= ln_blocks) {
@@ -81,8 +83,26 @@ __global__ void layer_norm_kernel(const float* __restrict__ x, const float* __re
   }
   const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (pos >= T) return;
-  float* out = xs + pos * D;
-  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
+  // As layer_norm_row (warp_ops.cuh), in 16-byte pieces (D is a multiple of
+  // 8 here, rows 16-byte aligned): lane c takes pieces c, c + 32, ...
+  const int lane = threadIdx.x % 32, D4 = D / 4;
+  const float4* row = reinterpret_cast<const float4*>(x + pos * D);
+  const float2 st = row_mean_rstd<32>(D, eps, [&](auto f) {
+    float sum = 0.0f;
+    for (int c = lane; c < D4; c += 32) {
+      const float4 v = row[c];
+      sum += f(v.x) + f(v.y) + f(v.z) + f(v.w);
+    }
+    return sum;
+  });
+  const float4* g4 = reinterpret_cast<const float4*>(gamma);
+  const float4* b4 = reinterpret_cast<const float4*>(beta);
+  float4* out = reinterpret_cast<float4*>(xs + pos * D);
+  for (int c = lane; c < D4; c += 32) {
+    const float4 v = row[c], gm = g4[c], bt = b4[c];
+    out[c] = make_float4((v.x - st.x) * st.y * gm.x + bt.x, (v.y - st.x) * st.y * gm.y + bt.y,
+                         (v.z - st.x) * st.y * gm.z + bt.z, (v.w - st.x) * st.y * gm.w + bt.w);
+  }
 }
 
 struct AttnArgs {
@@ -98,7 +118,7 @@ constexpr int max_warps() {
   return HD >= 64 ? 8 : 16;  // 64: q fragments alone take 64 registers
 }
 
-template <int HD>
+template <int HD, bool kPrefetch>
 __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const AttnArgs a) {
   constexpr int KS = HD / 8;            // 8-feature steps of a head
   constexpr int kLdk = StagedAttentionLayout(16, HD).ldk;  // rows of split pairs (common/smem_layout.h)
@@ -106,192 +126,265 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
   const int L = (int)a.pos.len, Lp = (L + 15) / 16 * 16, ldv = StagedAttentionLayout(Lp, HD).ldv;
   grid_dependency_wait();
   allow_dependent_launch();
-  const int64_t n = blockIdx.x / a.heads;
-  const int hc = (int)(blockIdx.x % a.heads) * HD;
-  // Row of position l: seq + l * a.pos.pos_stride (offset() divides by the
-  // batch's sequence count, a 64-bit division: once per block, not per row).
-  const int64_t seq = a.pos.offset(n, 0);
-  const auto row = [&](int l) { return seq + l * a.pos.pos_stride; };
+  const int64_t items = a.pos.num_seq * a.heads;  // (sequence, head) pairs; gridDim.x <= items
+  // Row of position l of the sequence whose first row is seq (offset()
+  // divides by the batch's sequence count, a 64-bit division: once per item,
+  // not per row).
+  const auto row = [&](int64_t seq, int l) { return seq + l * a.pos.pos_stride; };
+  const auto locate = [&](int64_t item, int64_t& seq, int& hc) {
+    seq = a.pos.offset(item / a.heads, 0);
+    hc = (int)(item % a.heads) * HD;
+  };
   const int64_t row_words = 3 * (int64_t)a.D;
   extern __shared__ float4 smem4[];
   float* ks = reinterpret_cast<float*>(smem4);  // (Lp, kLdk) keys of this head, split pairs
   float* vt = ks + Lp * kLdk;                   // (HD, ldv) values, transposed, split pairs
+  float4* raw = reinterpret_cast<float4*>(vt + HD * ldv);  // kPrefetch: next item's keys, then values, (Lp, HD) each
 
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int elems = Lp * (HD / 4);  // float4s of keys (and of values)
   // Query fragments of the 16-row tile at r0, k permuted as the split keys
   // (tf32x3.cuh): this thread holds features 2t, 2t + 1 of each 8 for rows
   // r0 + g and r0 + g + 8. The softmax scale, times log2(e), is applied to q
-  // here, once, rather than to each score: scores come out in base 2 for
-  // exp2f. Raw values: the split waits until they are used.
+  // when it is split, once, rather than to each score: scores come out in
+  // base 2 for exp2f. Raw values: the split waits until they are used.
   float2 qr[KS][2];
-  const auto load_q = [&](int r0) {
+  const auto load_q = [&](int r0, int64_t seq, int hc) {
     const bool in0 = r0 + g < L, in1 = r0 + g + 8 < L;
-    const float* q0 = a.qkv + (in0 ? row(r0 + g) * row_words : 0) + hc + 2 * t;
-    const float* q1 = a.qkv + (in1 ? row(r0 + g + 8) * row_words : 0) + hc + 2 * t;
+    const float* q0 = a.qkv + (in0 ? row(seq, r0 + g) * row_words : 0) + hc + 2 * t;
+    const float* q1 = a.qkv + (in1 ? row(seq, r0 + g + 8) * row_words : 0) + hc + 2 * t;
 #pragma unroll
     for (int s = 0; s < KS; ++s) {
       qr[s][0] = in0 ? *reinterpret_cast<const float2*>(q0 + 8 * s) : make_float2(0.0f, 0.0f);
       qr[s][1] = in1 ? *reinterpret_cast<const float2*>(q1 + 8 * s) : make_float2(0.0f, 0.0f);
     }
   };
-  // The first tile's queries are in flight during the fill.
-  if (16 * warp < Lp) load_q(16 * warp);
-
-  // Keys and values of positions >= L are zero (and masked below). A
-  // thread's loads go out four at a time before any of them is split and
-  // stored: with one block an SM at L = 256 nothing else hides their latency.
-  constexpr int kBatch = 4;
-  const int elems = Lp * (HD / 4);  // float4s of keys (and of values)
-  for (int e0 = threadIdx.x; e0 < elems; e0 += kBatch * blockDim.x) {
-    float4 kv[kBatch], vv[kBatch];
+  // The keys and values of an item into raw by cp.async (kPrefetch), to
+  // arrive while the block computes the item before it.
+  const auto fetch = [&](int64_t seq, int hc) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(raw);
+    for (int e = threadIdx.x; e < elems; e += blockDim.x) {
+      const int l = e / (HD / 4), f = 4 * (e % (HD / 4));
+      const bool valid = l < L;
+      const float* kv_row = a.qkv + (valid ? row(seq, l) * row_words : 0) + hc + f;
+      copy_async16(dst + 16 * e, kv_row + a.D, valid ? 16 : 0);
+      copy_async16(dst + 16 * (elems + e), kv_row + 2 * a.D, valid ? 16 : 0);
+    }
+  };
+  // Keys and values of the item at (seq, hc) split into ks and vt, from raw
+  // (kPrefetch) or from memory. Positions >= L are zero (and masked below). A
+  // thread's global loads go out four at a time before any of them is split
+  // and stored: with one block an SM at L = 256 nothing else hides their
+  // latency.
+  const auto fill = [&](int64_t seq, int hc) {
+    constexpr int kBatch = 4;
+    for (int e0 = threadIdx.x; e0 < elems; e0 += kBatch * blockDim.x) {
+      float4 kv[kBatch], vv[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * blockDim.x, l = e / (HD / 4), f = 4 * (e % (HD / 4));
-      kv[u] = vv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (e < elems && l < L) {
-        const float* kv_row = a.qkv + row(l) * row_words + hc + f;
-        kv[u] = *reinterpret_cast<const float4*>(kv_row + a.D);
-        vv[u] = *reinterpret_cast<const float4*>(kv_row + 2 * a.D);
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * blockDim.x, l = e / (HD / 4), f = 4 * (e % (HD / 4));
+        kv[u] = vv[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if constexpr (kPrefetch) {
+          if (e < elems) kv[u] = raw[e], vv[u] = raw[elems + e];
+        } else if (e < elems && l < L) {
+          const float* kv_row = a.qkv + row(seq, l) * row_words + hc + f;
+          kv[u] = *reinterpret_cast<const float4*>(kv_row + a.D);
+          vv[u] = *reinterpret_cast<const float4*>(kv_row + 2 * a.D);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * blockDim.x, l = e / (HD / 4), f = 4 * (e % (HD / 4));
+        if (e >= elems) break;
+        *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f) = split_pairs(kv[u].x, kv[u].y);
+        *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f + 4) = split_pairs(kv[u].z, kv[u].w);
+        *reinterpret_cast<float2*>(vt + (f + 0) * ldv + 2 * l) = split_pair(vv[u].x);
+        *reinterpret_cast<float2*>(vt + (f + 1) * ldv + 2 * l) = split_pair(vv[u].y);
+        *reinterpret_cast<float2*>(vt + (f + 2) * ldv + 2 * l) = split_pair(vv[u].z);
+        *reinterpret_cast<float2*>(vt + (f + 3) * ldv + 2 * l) = split_pair(vv[u].w);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int e = e0 + u * blockDim.x, l = e / (HD / 4), f = 4 * (e % (HD / 4));
-      if (e >= elems) break;
-      *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f) = split_pairs(kv[u].x, kv[u].y);
-      *reinterpret_cast<float4*>(ks + l * kLdk + 2 * f + 4) = split_pairs(kv[u].z, kv[u].w);
-      *reinterpret_cast<float2*>(vt + (f + 0) * ldv + 2 * l) = split_pair(vv[u].x);
-      *reinterpret_cast<float2*>(vt + (f + 1) * ldv + 2 * l) = split_pair(vv[u].y);
-      *reinterpret_cast<float2*>(vt + (f + 2) * ldv + 2 * l) = split_pair(vv[u].z);
-      *reinterpret_cast<float2*>(vt + (f + 3) * ldv + 2 * l) = split_pair(vv[u].w);
-    }
+  };
+
+  // A block loops over items blockIdx.x, + gridDim.x, ... (as many blocks as
+  // fit the device at once). With kPrefetch the next item's keys and values
+  // are copied into raw while this one computes, so only the split into ks
+  // and vt, shared memory to shared memory, stands between two items.
+  int64_t item = blockIdx.x, seq, next_seq = 0;
+  int hc, next_hc = 0;
+  locate(item, seq, hc);
+  if constexpr (kPrefetch) {
+    fetch(seq, hc);
+    copy_async_commit();
   }
+  // The first tile's queries are in flight during the fill.
+  if (16 * warp < Lp) load_q(16 * warp, seq, hc);
+  if constexpr (kPrefetch) {
+    copy_async_wait<0>();
+    __syncthreads();  // every thread's copies are in
+  }
+  fill(seq, hc);
   __syncthreads();
 
-  for (int r0 = 16 * warp; r0 < Lp; r0 += 16 * warps) {
-    const bool in0 = r0 + g < L, in1 = r0 + g + 8 < L;
-    FragA qa[KS];
-#pragma unroll
-    for (int s = 0; s < KS; ++s) {
-      split(qr[s][0].x * a.scale_log2, qa[s].hi[0], qa[s].lo[0]);
-      split(qr[s][1].x * a.scale_log2, qa[s].hi[1], qa[s].lo[1]);
-      split(qr[s][0].y * a.scale_log2, qa[s].hi[2], qa[s].lo[2]);
-      split(qr[s][1].y * a.scale_log2, qa[s].hi[3], qa[s].lo[3]);
+  for (;;) {
+    const int64_t next = item + gridDim.x;
+    if (next < items) {
+      locate(next, next_seq, next_hc);
+      if constexpr (kPrefetch) fetch(next_seq, next_hc);
     }
-    // The warp's next tile's queries (L > 16 * warps only) arrive during this one.
-    if (r0 + 16 * warps < Lp) load_q(r0 + 16 * warps);
+    if constexpr (kPrefetch) copy_async_commit();
 
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
-    float acc[KS][4];
+    for (int r0 = 16 * warp; r0 < Lp; r0 += 16 * warps) {
+      const bool in0 = r0 + g < L, in1 = r0 + g + 8 < L;
+      FragA qa[KS];
 #pragma unroll
-    for (int j = 0; j < KS; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+      for (int s = 0; s < KS; ++s) {
+        split(qr[s][0].x * a.scale_log2, qa[s].hi[0], qa[s].lo[0]);
+        split(qr[s][1].x * a.scale_log2, qa[s].hi[1], qa[s].lo[1]);
+        split(qr[s][0].y * a.scale_log2, qa[s].hi[2], qa[s].lo[2]);
+        split(qr[s][1].y * a.scale_log2, qa[s].hi[3], qa[s].lo[3]);
+      }
+      // The warp's next tile's queries (L > 16 * warps only) arrive during this one.
+      if (r0 + 16 * warps < Lp) load_q(r0 + 16 * warps, seq, hc);
 
-    // Every chunk starts below L (c0 <= Lp - 16 < L), so its row max is finite.
-    for (int c0 = 0; c0 < Lp; c0 += 8 * kChunk) {
-      // s (16, 64) = q k^T for keys c0 ..; this thread: keys c0 + 8j + 2t (+1).
-      float s[kChunk][4];
-      float cm0 = -INFINITY, cm1 = -INFINITY;
+      float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // rows g, g + 8
+      float acc[KS][4];
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
+      for (int j = 0; j < KS; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
-        const int key0 = c0 + 8 * j;
-        if (key0 < Lp) {
-          const float* kj = ks + key0 * kLdk;
-          if constexpr (KS == 1) {
-            mma_3xtf32(s[j], qa[0], load_bt_split(kj, kLdk));
-          } else {  // runs of two steps per fresh accumulator (tf32x3.cuh)
+        for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
+
+      // Every chunk starts below L (c0 <= Lp - 16 < L), so its row max is finite.
+      for (int c0 = 0; c0 < Lp; c0 += 8 * kChunk) {
+        // s (16, 64) = q k^T for keys c0 ..; this thread: keys c0 + 8j + 2t (+1).
+        float s[kChunk][4];
+        float cm0 = -INFINITY, cm1 = -INFINITY;
 #pragma unroll
-            for (int kk = 0; kk < KS; kk += 2)
-              mma_3xtf32_x2(s[j], qa[kk], load_bt_split(kj + 16 * kk, kLdk), qa[kk + 1],
-                            load_bt_split(kj + 16 * kk + 16, kLdk));
+        for (int j = 0; j < kChunk; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+          const int key0 = c0 + 8 * j;
+          if (key0 < Lp) {
+            const float* kj = ks + key0 * kLdk;
+            if constexpr (KS == 1) {
+              mma_3xtf32(s[j], qa[0], load_bt_split(kj, kLdk));
+            } else {  // runs of two steps per fresh accumulator (tf32x3.cuh)
+#pragma unroll
+              for (int kk = 0; kk < KS; kk += 2)
+                mma_3xtf32_x2(s[j], qa[kk], load_bt_split(kj + 16 * kk, kLdk), qa[kk + 1],
+                              load_bt_split(kj + 16 * kk + 16, kLdk));
+            }
           }
-        }
-        if (c0 + 8 * kChunk > L) {  // the chunk holding key L - 1: mask keys >= L
+          if (c0 + 8 * kChunk > L) {  // the chunk holding key L - 1: mask keys >= L
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const bool valid = key0 + 2 * t + e < L;
+              s[j][e] = valid ? s[j][e] : -INFINITY;
+              s[j][2 + e] = valid ? s[j][2 + e] : -INFINITY;
+            }
+          }
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const bool valid = key0 + 2 * t + e < L;
-            s[j][e] = valid ? s[j][e] : -INFINITY;
-            s[j][2 + e] = valid ? s[j][2 + e] : -INFINITY;
+            cm0 = fmaxf(cm0, s[j][e]);
+            cm1 = fmaxf(cm1, s[j][2 + e]);
           }
         }
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          cm0 = fmaxf(cm0, s[j][e]);
-          cm1 = fmaxf(cm1, s[j][2 + e]);
+        for (int m = 1; m <= 2; m <<= 1) {  // a row's scores are spread over a quad
+          cm0 = fmaxf(cm0, __shfl_xor_sync(0xffffffffu, cm0, m));
+          cm1 = fmaxf(cm1, __shfl_xor_sync(0xffffffffu, cm1, m));
         }
-      }
+        const float mn0 = fmaxf(m0, cm0), mn1 = fmaxf(m1, cm1);
+        const float corr0 = exp2f(m0 - mn0), corr1 = exp2f(m1 - mn1);  // 0 on the first chunk
+        m0 = mn0, m1 = mn1;
+        l0 *= corr0, l1 *= corr1;
 #pragma unroll
-      for (int m = 1; m <= 2; m <<= 1) {  // a row's scores are spread over a quad
-        cm0 = fmaxf(cm0, __shfl_xor_sync(0xffffffffu, cm0, m));
-        cm1 = fmaxf(cm1, __shfl_xor_sync(0xffffffffu, cm1, m));
-      }
-      const float mn0 = fmaxf(m0, cm0), mn1 = fmaxf(m1, cm1);
-      const float corr0 = exp2f(m0 - mn0), corr1 = exp2f(m1 - mn1);  // 0 on the first chunk
-      m0 = mn0, m1 = mn1;
-      l0 *= corr0, l1 *= corr1;
-#pragma unroll
-      for (int j = 0; j < KS; ++j) acc[j][0] *= corr0, acc[j][1] *= corr0, acc[j][2] *= corr1, acc[j][3] *= corr1;
+        for (int j = 0; j < KS; ++j) acc[j][0] *= corr0, acc[j][1] *= corr0, acc[j][2] *= corr1, acc[j][3] *= corr1;
 
-      // Groups in pairs (j, j + 1), one fresh accumulator per pair; Lp is a
-      // multiple of 16, so both groups of a pair lie below it or neither.
+        // Groups in pairs (j, j + 1), one fresh accumulator per pair; Lp is a
+        // multiple of 16, so both groups of a pair lie below it or neither.
 #pragma unroll
-      for (int j = 0; j < kChunk; j += 2) {
-        const int key0 = c0 + 8 * j;
-        if (key0 >= Lp) continue;
+        for (int j = 0; j < kChunk; j += 2) {
+          const int key0 = c0 + 8 * j;
+          if (key0 >= Lp) continue;
 #pragma unroll
-        for (int jj = j; jj < j + 2; ++jj)
+          for (int jj = j; jj < j + 2; ++jj)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            s[jj][e] = exp2f(s[jj][e] - m0);  // 2^-inf = 0 for masked keys
-            s[jj][2 + e] = exp2f(s[jj][2 + e] - m1);
-            l0 += s[jj][e];
-            l1 += s[jj][2 + e];
+            for (int e = 0; e < 2; ++e) {
+              s[jj][e] = exp2f(s[jj][e] - m0);  // 2^-inf = 0 for masked keys
+              s[jj][2 + e] = exp2f(s[jj][2 + e] - m1);
+              l0 += s[jj][e];
+              l1 += s[jj][2 + e];
+            }
+          // A column t of group j stands for key 2t, column t + 4 for key 2t + 1:
+          // the score registers are the A fragment, and the transposed values'
+          // pairs at 2t, 2t + 1 are the B fragment.
+          const FragA pa = make_a(s[j][0], s[j][2], s[j][1], s[j][3]);
+          const FragA pb = make_a(s[j + 1][0], s[j + 1][2], s[j + 1][1], s[j + 1][3]);
+#pragma unroll
+          for (int f = 0; f < KS; ++f) {
+            const float* vf = vt + 8 * f * ldv + 2 * key0;
+            mma_3xtf32_x2(acc[f], pa, load_bt_split(vf, ldv), pb, load_bt_split(vf + 16, ldv));
           }
-        // A column t of group j stands for key 2t, column t + 4 for key 2t + 1:
-        // the score registers are the A fragment, and the transposed values'
-        // pairs at 2t, 2t + 1 are the B fragment.
-        const FragA pa = make_a(s[j][0], s[j][2], s[j][1], s[j][3]);
-        const FragA pb = make_a(s[j + 1][0], s[j + 1][2], s[j + 1][1], s[j + 1][3]);
+        }
+      }
 #pragma unroll
-        for (int f = 0; f < KS; ++f) {
-          const float* vf = vt + 8 * f * ldv + 2 * key0;
-          mma_3xtf32_x2(acc[f], pa, load_bt_split(vf, ldv), pb, load_bt_split(vf + 16, ldv));
+      for (int m = 1; m <= 2; m <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, m);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, m);
+      }
+      const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+#pragma unroll
+      for (int f = 0; f < KS; ++f) {
+        const int col = hc + 8 * f + 2 * t;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (!(half ? in1 : in0)) continue;
+          const float inv = half ? inv1 : inv0;
+          *reinterpret_cast<float2*>(a.o + row(seq, r0 + g + 8 * half) * a.D + col) =
+              make_float2(acc[f][2 * half] * inv, acc[f][2 * half + 1] * inv);
         }
       }
     }
-#pragma unroll
-    for (int m = 1; m <= 2; m <<= 1) {
-      l0 += __shfl_xor_sync(0xffffffffu, l0, m);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, m);
-    }
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-#pragma unroll
-    for (int f = 0; f < KS; ++f) {
-      const int col = hc + 8 * f + 2 * t;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (!(half ? in1 : in0)) continue;
-        const float inv = half ? inv1 : inv0;
-        *reinterpret_cast<float2*>(a.o + row(r0 + g + 8 * half) * a.D + col) =
-            make_float2(acc[f][2 * half] * inv, acc[f][2 * half + 1] * inv);
-      }
-    }
+
+    if (next >= items) break;
+    item = next, seq = next_seq, hc = next_hc;
+    if (16 * warp < Lp) load_q(16 * warp, seq, hc);
+    if constexpr (kPrefetch) copy_async_wait<0>();
+    __syncthreads();  // ks and vt are read by all (and, with kPrefetch, raw holds every thread's copies)
+    fill(seq, hc);
+    __syncthreads();
   }
 }
 
-template <int HD>
-cudaError_t launch_attention(const AttnArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  constexpr auto kernel = attention_kernel<HD>;
+// Shared memory of the attention kernel with kPrefetch: the split keys and
+// values, and one item's raw keys and values beside them.
+size_t attention_prefetch_smem_bytes(int64_t len, int head_dim) {
+  return staged_attention_smem_bytes(len, head_dim) + 2 * (size_t)((len + 15) / 16 * 16) * head_dim * sizeof(float);
+}
+
+template <int HD, bool kPrefetch>
+cudaError_t launch_attention(const AttnArgs& a, size_t smem, const DeviceInfo& dev, cudaStream_t stream) {
+  constexpr auto kernel = attention_kernel<HD, kPrefetch>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const int64_t lp = (a.pos.len + 15) / 16;
   const int warps = (int)std::min<int64_t>(lp, max_warps<HD>());
-  const int64_t blocks = a.pos.num_seq * a.heads;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  return launch_kernel(kernel, (unsigned)blocks, 32 * warps, staged_attention_smem_bytes(a.pos.len, HD), stream, dev,
-                       a);
+  int per_sm = 0;
+  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * warps, smem);
+      e != cudaSuccess)
+    return e;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // staged_fits checked the shared memory
+  const int64_t blocks = std::min<int64_t>(a.pos.num_seq * a.heads, (int64_t)dev.sms * per_sm);
+  return launch_kernel(kernel, (unsigned)blocks, 32 * warps, smem, stream, dev, a);
+}
+
+// The prefetching kernel where its shared memory fits the device, else the
+// one that fills from memory.
+template <int HD>
+cudaError_t launch_attention(const AttnArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+  const size_t prefetch = attention_prefetch_smem_bytes(a.pos.len, HD);
+  if (prefetch <= (size_t)dev.smem_optin) return launch_attention<HD, true>(a, prefetch, dev, stream);
+  return launch_attention<HD, false>(a, staged_attention_smem_bytes(a.pos.len, HD), dev, stream);
 }
 
 // Positions as rows of the (T, D) matrices: the view's strides in units of D.

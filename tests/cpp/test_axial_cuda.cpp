@@ -64,8 +64,10 @@ TEST_P(CudaForward, MatchesDoubleReference) {
 // Odd sizes, several key tiles (L > 64), head_dim 1 to 128; each kernel
 // family by its own choice (common/dispatch.h): fused (L <= 128; L = 100
 // pads 28 keys over four groups, head_dim 64 at L = 64), staged
-// (L = 130, 140, 200, 257; dim 256 with L = 100), generic (head_dim 12, 1,
-// 128; L = 1024 with head_dim 16).
+// (L = 130, 132, 140, 200, 257; dim 256 with L = 100), generic (head_dim
+// 12, 1, 128; L = 1024 with head_dim 16). 1 x 132 x 67: the staged attention
+// has more (column, head) items than an H200 holds blocks of it, so blocks
+// loop, each prefetching its next item during the current one.
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
                          ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 1, 7, 16, 2}, Shape{1, 7, 1, 32, 4},
                                            Shape{2, 5, 9, 64, 8}, Shape{1, 8, 3, 128, 4}, Shape{1, 4, 6, 256, 4},
@@ -75,7 +77,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
                                            Shape{1, 257, 2, 32, 2}, Shape{1, 2, 1024, 64, 4},
                                            Shape{1, 3, 5, 1024, 8}, Shape{1, 100, 3, 256, 8},
                                            Shape{2, 9, 200, 64, 2}, Shape{1, 140, 2, 72, 9},
-                                           Shape{1, 100, 2, 64, 2}, Shape{1, 64, 2, 128, 2}),
+                                           Shape{1, 100, 2, 64, 2}, Shape{1, 64, 2, 128, 2},
+                                          Shape{1, 132, 67, 64, 2}),
                          [](const auto& info) { return shape_name(info.param); });
 
 TEST(CudaForward, RejectsMissingWorkspace) {
