@@ -23,12 +23,17 @@
 // needs an sm_90a build on a compute-capability 9.0 device; elsewhere the
 // generic kernel serves these shapes.
 //
-// The attention kernel takes a block per (sequence, head): the head's keys
-// and values of the whole sequence are split into shared memory once (keys
-// (Lp, hd), values transposed (hd, Lp), Lp = L rounded up to 16), and each
-// warp owns 16 queries at a time, going over the keys 32 or 64 at a time with
-// an online softmax (running max and sum per row), scores in registers and P fed
-// to P @ V from the score registers as in the fused kernel.
+// The attention kernel works on one (sequence, head) item at a time: the
+// head's keys and values of the whole sequence are split into shared memory
+// once (keys (Lp, hd), values transposed (hd, Lp), Lp = L rounded up to 16),
+// and each warp owns 16 queries at a time, going over the keys 32 or 64 at a
+// time with an online softmax (running max and sum per row), scores in
+// registers and P fed to P @ V from the score registers as in the fused
+// kernel. Its blocks stay resident and loop over items; where shared memory
+// holds a raw copy beside the split one, the next item's keys and values
+// arrive by cp.async while the current item computes (a block that fetched
+// them only when it started would leave the SM idle for that global-memory
+// round trip, all its warps waiting at the barrier).
 #include <cuda_runtime.h>
 
 #include <algorithm>
