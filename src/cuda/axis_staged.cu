@@ -62,9 +62,8 @@ struct SplitJobs {
 };
 
 // Blocks below ln_blocks: xs (T, D) = LayerNorm(x (T, D)), a warp per
-// position, 16 bytes a lane at a time. The blocks after them split the
-// matrices of `jobs` into (hi, lo) planes, a thread per element of the flat
-// list.
+// position. The blocks after them split the matrices of `jobs` into (hi, lo)
+// planes, a thread per element of the flat list.
 __global__ void layer_norm_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
                                   const float* __restrict__ beta, float eps, int64_t T, int D, float* __restrict__ xs,
                                   int64_t ln_blocks, const SplitJobs jobs) {
@@ -88,26 +87,8 @@ __global__ void layer_norm_kernel(const float* __restrict__ x, const float* __re
   }
   const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (pos >= T) return;
-  // As layer_norm_row (warp_ops.cuh), in 16-byte pieces (D is a multiple of
-  // 8 here, rows 16-byte aligned): lane c takes pieces c, c + 32, ...
-  const int lane = threadIdx.x % 32, D4 = D / 4;
-  const float4* row = reinterpret_cast<const float4*>(x + pos * D);
-  const float2 st = row_mean_rstd<32>(D, eps, [&](auto f) {
-    float sum = 0.0f;
-    for (int c = lane; c < D4; c += 32) {
-      const float4 v = row[c];
-      sum += f(v.x) + f(v.y) + f(v.z) + f(v.w);
-    }
-    return sum;
-  });
-  const float4* g4 = reinterpret_cast<const float4*>(gamma);
-  const float4* b4 = reinterpret_cast<const float4*>(beta);
-  float4* out = reinterpret_cast<float4*>(xs + pos * D);
-  for (int c = lane; c < D4; c += 32) {
-    const float4 v = row[c], gm = g4[c], bt = b4[c];
-    out[c] = make_float4((v.x - st.x) * st.y * gm.x + bt.x, (v.y - st.x) * st.y * gm.y + bt.y,
-                         (v.z - st.x) * st.y * gm.z + bt.z, (v.w - st.x) * st.y * gm.w + bt.w);
-  }
+  float* out = xs + pos * D;
+  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
 }
 
 struct AttnArgs {
