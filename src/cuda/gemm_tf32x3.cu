@@ -56,17 +56,39 @@ struct Tiling {
 };
 
 #if FASTAXIAL_SM90A_DEVICE
-// R rows x BK columns of one plane of a (rows, K) matrix into the swizzled
-// tile at shared address s, by the block's T threads: a row's 8 pieces of 16
-// bytes, piece c at c ^ (r % 8).
+// A thread's share of the copies of an R-row tile of a (rows, K) matrix by
+// the block's T threads: piece threadIdx.x % 8 (16 bytes) of rows
+// threadIdx.x / 8 + u (T / 8), u < R * 8 / T. Set once per tile, so that a
+// k-step's copies cost an add each: src points at the piece of the first
+// such row, `valid` counts the rows u below `rows`.
+struct TileCopies {
+  const float* src;
+  int valid;
+};
+
 template <int R, int T>
-__device__ __forceinline__ void load_tile(uint32_t s, const float* g, int64_t row0, int64_t rows, int k0, int K) {
-  const int piece = threadIdx.x % 8, k = k0 + 4 * piece;
+__device__ __forceinline__ TileCopies tile_copies(const float* g, int64_t row0, int64_t rows, int K) {
+  const int64_t r = row0 + threadIdx.x / 8, left = rows - r;
+  const int64_t n = (left + T / 8 - 1) / (T / 8);
+  const int valid = left <= 0 ? 0 : n < R * 8 / T ? (int)n : R * 8 / T;
+  return {g + r * K + 4 * (threadIdx.x % 8), valid};
+}
+
+// Columns k0 .. k0 + BK of the tile (plus `plane` floats: the lo plane) into
+// the swizzled tile at shared address s: piece c of row r at c ^ (r % 8).
+// Rows past the matrix and columns past K read as zero; g is any address
+// the zero-byte copies may name.
+template <int R, int T>
+__device__ __forceinline__ void load_tile(uint32_t s, const TileCopies& tc, const float* g, int64_t plane, int k0,
+                                          int K) {
+  const int r = threadIdx.x / 8, piece = threadIdx.x % 8;
+  const bool k_in = k0 + 4 * piece < K;
+  const uint32_t dst = s + r * 128 + ((piece ^ (r % 8)) * 16);  // (r + u T / 8) % 8 = r % 8
+  const float* src = tc.src + plane + k0;
 #pragma unroll
   for (int u = 0; u < R * 8 / T; ++u) {
-    const int r = threadIdx.x / 8 + u * (T / 8);
-    const bool valid = k < K && row0 + r < rows;
-    copy_async16(s + r * 128 + ((piece ^ (r % 8)) * 16), valid ? g + (row0 + r) * K + k : g, valid ? 16 : 0);
+    const bool valid = k_in && u < tc.valid;
+    copy_async16(dst + u * (T / 8) * 128, valid ? src + (int64_t)u * (T / 8) * K : g, valid ? 16 : 0);
   }
 }
 
@@ -140,24 +162,29 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
   const int wg = threadIdx.x / 128;
   const int ktiles = (p.K + BK - 1) / BK;
   const int64_t iters = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * ktiles;
-  const float* w_lo = p.w + (int64_t)p.N * p.K;
+  const int64_t w_plane = (int64_t)p.N * p.K;  // W's lo plane, after its hi plane
 
   // The next k-step to load: its tile (first row and column), k index and
   // stage, advanced in order.
-  int64_t load_tile_index = blockIdx.x, load_m0 = load_tile_index / ntiles * BM;
-  int load_n0 = (int)(load_tile_index % ntiles) * BN, load_kt = 0, load_stage = 0;
-  auto load_next = [&]() {
+  int64_t load_tile_index = blockIdx.x;
+  int load_kt = 0, load_stage = 0;
+  TileCopies a_copies, w_copies;
+  const auto start_tile = [&]() {
+    a_copies = tile_copies<BM, kThreads>(p.a, load_tile_index / ntiles * BM, p.M, p.K);
+    w_copies = tile_copies<BN, kThreads>(p.w, load_tile_index % ntiles * BN, p.N, p.K);
+  };
+  start_tile();
+  const auto load_next = [&]() {
     const uint32_t s = base + load_stage * kStageBytes;
     const int k0 = load_kt * BK;
-    load_tile<BM, kThreads>(s, p.a, load_m0, p.M, k0, p.K);
-    load_tile<BN, kThreads>(s + Tl::kATile, p.w, load_n0, p.N, k0, p.K);
-    load_tile<BN, kThreads>(s + Tl::kATile + Tl::kWTile, w_lo, load_n0, p.N, k0, p.K);
+    load_tile<BM, kThreads>(s, a_copies, p.a, 0, k0, p.K);
+    load_tile<BN, kThreads>(s + Tl::kATile, w_copies, p.w, 0, k0, p.K);
+    load_tile<BN, kThreads>(s + Tl::kATile + Tl::kWTile, w_copies, p.w, w_plane, k0, p.K);
     load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
     if (++load_kt == ktiles) {
       load_kt = 0;
       load_tile_index += gridDim.x;
-      load_m0 = load_tile_index / ntiles * BM;
-      load_n0 = (int)(load_tile_index % ntiles) * BN;
+      start_tile();
     }
   };
 
