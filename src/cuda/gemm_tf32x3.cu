@@ -16,13 +16,14 @@
 // wgmma reads (16-byte piece c of row r stored at piece c ^ (r % 8)), so the
 // copies, the tensor cores and the A fragment loads all meet distinct banks.
 //
-// Why A from registers: with both operands in shared memory, each 8-deep
-// step's three products read A's hi plane twice and its lo plane once, and
-// the ring holds both planes; shared memory, not the tensor cores, bounded
-// the products. A thread loads its A fragment once per step (four 4-byte
-// loads) and splits it itself, which takes a third of the product's
-// shared-memory reads and of the ring's A copies away, and lets the kernels
-// before it write A once, unsplit.
+// Why A from registers: a thread loads its A fragment once per step (four
+// 4-byte loads) and splits it itself, so the kernels before the product
+// write A once, unsplit (the LayerNorm and the attention output moved two
+// planes before), and the ring carries one A plane. The products ran no
+// faster for it (docs/perf-notes.md, v23a): what bounds them is each warp's
+// own instruction stream between its wgmma runs (copies, fragment loads and
+// splits, the fp32 adds), which is why each thread's copies are set up once
+// per tile rather than per k-step.
 //
 // Accuracy: the three products (lo*hi, hi*lo, hi*hi) of two 8-deep steps go
 // into a fresh accumulator T, which is then added to C in fp32 (the tensor
