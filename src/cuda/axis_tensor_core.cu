@@ -132,13 +132,24 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
   }
 }
 
+// Offset of sequence n's first position, as AxisView::offset but dividing
+// in 32 bits (tensor_core_fits keeps the sequence count below 2^31): the
+// 64-bit division is a called subroutine, and each block's first tile
+// waits on it.
+__device__ __forceinline__ int64_t seq_offset(const AxisView& v, int64_t n) {
+  const uint32_t inner = (uint32_t)v.inner, b = (uint32_t)n / inner, i = (uint32_t)n - b * inner;
+  return b * v.batch_stride + i * v.seq_stride;
+}
+
 // Rows 0..L of sequence n into x (row stride ld) by cp.async, every 16-byte
 // piece its own copy so the whole tile is in flight at once. Not waited for.
+// Piece (row r, columns 4c..4c+3) advances by kThreads pieces without dividing.
 __device__ void load_tile(float* x, int ld, const TcArgs& a, int64_t base, int L) {
-  const int per_row = a.D / 4;
-  for (int e = threadIdx.x; e < L * per_row; e += kThreads) {
-    const int r = e / per_row, c = 4 * (e % per_row);
-    copy_async16(x + r * ld + c, a.src + base + r * a.view.pos_stride + c);
+  const int per_row = a.D / 4, dr = kThreads / per_row, dc = kThreads % per_row;
+  for (int r = threadIdx.x / per_row, c = threadIdx.x % per_row; r < L;) {
+    copy_async16(x + r * ld + 4 * c, a.src + base + r * a.view.pos_stride + 4 * c);
+    r += dr, c += dc;
+    if (c >= per_row) c -= per_row, ++r;
   }
   copy_async_commit();
 }
@@ -320,10 +331,10 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
   allow_dependent_launch();
   if (blockIdx.x < a.view.num_seq) {
     load_params(params, a);
-    load_tile(q, lay.ldq, a, a.view.offset(blockIdx.x, 0), L);
+    load_tile(q, lay.ldq, a, seq_offset(a.view, blockIdx.x), L);
   }
   for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
-    const int64_t base = a.view.offset(n, 0);
+    const int64_t base = seq_offset(a.view, n);
     WeightGroup<kQkvNI> gq;  // this warp's first QKV weights, in flight during the LayerNorm
     if (warp < qkv_items) load_weights(gq, qkv_w(warp), D, 0);
     copy_async_wait<0>();
@@ -393,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
     __syncthreads();
     // q is free from here on: the block's next sequence arrives there during
     // this one's output product.
-    if (n + gridDim.x < a.view.num_seq) load_tile(q, lay.ldq, a, a.view.offset(n + gridDim.x, 0), L);
+    if (n + gridDim.x < a.view.num_seq) load_tile(q, lay.ldq, a, seq_offset(a.view, n + gridDim.x), L);
 
     // dst = src + o @ Wout^T + bout, rows < L only.
     for (int item = warp; item < out_items; item += kWarps) {
@@ -456,7 +467,7 @@ cudaError_t launch_tiles(const TcArgs& a, int mt, const DeviceInfo& dev, cudaStr
 bool tensor_core_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                       const float* dst, const DeviceInfo& dev) {
   return fused_tile_count(view.len) > 0 && fused_smem_bytes(view.len, p.dim) <= (size_t)dev.smem_optin &&
-         pass_aligned(w, src, dst);
+         view.num_seq <= INT32_MAX && pass_aligned(w, src, dst);
 }
 
 Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
