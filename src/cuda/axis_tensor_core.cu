@@ -179,14 +179,45 @@ __device__ void load_params(float* params, const TcArgs& a) {
 // xs (LP rows, split pairs, stride ldx) = LayerNorm of x's rows 0..L (fp32,
 // stride ldq) with the weight and bias in params; rows L..LP zero. Eight
 // lanes per row (float4 pieces), so a warp normalises four rows at once with
-// three-step reductions (warp_ops.cuh).
+// three-step reductions (warp_ops.cuh). Rows of up to 8 kPieces pieces stay
+// in registers between the two passes and the store (one read of shared
+// memory, loops unrolled); longer rows are read again in each.
 template <int LP>
 __device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const float* params, const TcArgs& a, int L) {
+  constexpr int kPieces = 4;  // a lane's float4 pieces held in registers: dims up to 128
   const int part = threadIdx.x % 8, chunks = a.D / 4;
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4* gamma = reinterpret_cast<const float4*>(params);
+  const float4* beta = reinterpret_cast<const float4*>(params + a.D);
+  const auto normed = [&](float4 v, int c, float mean, float rstd, float4* out) {
+    const float4 gm = gamma[c], bt = beta[c];
+    out[2 * c] = split_pairs((v.x - mean) * rstd * gm.x + bt.x, (v.y - mean) * rstd * gm.y + bt.y);
+    out[2 * c + 1] = split_pairs((v.z - mean) * rstd * gm.z + bt.z, (v.w - mean) * rstd * gm.w + bt.w);
+  };
   for (int r = threadIdx.x / 8; r < LP; r += kThreads / 8) {  // the same trip count for a whole warp
     const bool valid = r < L;
     const float4* row = reinterpret_cast<const float4*>(x + r * ldq);
+    float4* out = reinterpret_cast<float4*>(xs + r * ldx);
+    if (chunks <= 8 * kPieces) {
+      float4 v[kPieces];
+#pragma unroll
+      for (int i = 0; i < kPieces; ++i) v[i] = valid && part + 8 * i < chunks ? row[part + 8 * i] : zero;
+      const float2 stats = row_mean_rstd<8>(a.D, a.eps, [&](auto f) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kPieces; ++i)
+          if (part + 8 * i < chunks) sum += (f(v[i].x) + f(v[i].y)) + (f(v[i].z) + f(v[i].w));
+        return sum;
+      });
+#pragma unroll
+      for (int i = 0; i < kPieces; ++i) {
+        const int c = part + 8 * i;
+        if (c >= chunks) break;
+        if (valid) normed(v[i], c, stats.x, stats.y, out);
+        else out[2 * c] = out[2 * c + 1] = zero;
+      }
+      continue;
+    }
     const float2 stats = row_mean_rstd<8>(a.D, a.eps, [&](auto f) {
       float sum = 0.0f;
       for (int c = part; c < chunks; c += 8) {
@@ -195,18 +226,9 @@ __device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const fl
       }
       return sum;
     });
-    const float mean = stats.x, rstd = stats.y;
-    float4* out = reinterpret_cast<float4*>(xs + r * ldx);
     for (int c = part; c < chunks; c += 8) {
-      if (!valid) {
-        out[2 * c] = out[2 * c + 1] = zero;
-        continue;
-      }
-      const float4 v = row[c];
-      const float4 gm = reinterpret_cast<const float4*>(params)[c];
-      const float4 bt = reinterpret_cast<const float4*>(params + a.D)[c];
-      out[2 * c] = split_pairs((v.x - mean) * rstd * gm.x + bt.x, (v.y - mean) * rstd * gm.y + bt.y);
-      out[2 * c + 1] = split_pairs((v.z - mean) * rstd * gm.z + bt.z, (v.w - mean) * rstd * gm.w + bt.w);
+      if (valid) normed(row[c], c, stats.x, stats.y, out);
+      else out[2 * c] = out[2 * c + 1] = zero;
     }
   }
 }
