@@ -9,12 +9,15 @@ namespace {
 
 const char* const kWeightNames[5] = {"norm_weight", "norm_bias", "qkv_weight", "out_weight", "out_bias"};
 
-void check_weight(const at::Tensor& w, const std::string& name, at::IntArrayRef shape, const at::Tensor& x) {
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "fastaxial.axial_attention: ", name,
+// The weight's name is `axis` + kWeightNames[i] ("row_", "col_"); the checks'
+// messages are built only when one fails, as every call checks ten weights.
+void check_weight(const at::Tensor& w, const char* axis, const char* name, at::IntArrayRef shape,
+                  const at::Tensor& x) {
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "fastaxial.axial_attention: ", axis, name,
                    " must be float32 like x, got ", w.scalar_type());
-  TORCH_CHECK(w.device() == x.device(), "fastaxial.axial_attention: ", name, " is on ", w.device(),
+  TORCH_CHECK(w.device() == x.device(), "fastaxial.axial_attention: ", axis, name, " is on ", w.device(),
               " but x is on ", x.device());
-  TORCH_CHECK_VALUE(w.sizes() == shape, "fastaxial.axial_attention: ", name, " must have shape ", shape,
+  TORCH_CHECK_VALUE(w.sizes() == shape, "fastaxial.axial_attention: ", axis, name, " must have shape ", shape,
                     ", got ", w.sizes());
 }
 
@@ -39,11 +42,11 @@ Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at
   const at::Tensor* given[2][5] = {
       {&row_norm_weight, &row_norm_bias, &row_qkv_weight, &row_out_weight, &row_out_bias},
       {&col_norm_weight, &col_norm_bias, &col_qkv_weight, &col_out_weight, &col_out_bias}};
-  const std::vector<int64_t> shapes[5] = {{D}, {D}, {3 * D, D}, {D, D}, {D}};
+  const int64_t vec[1] = {D}, qkv[2] = {3 * D, D}, square[2] = {D, D};
+  const at::IntArrayRef shapes[5] = {vec, vec, qkv, square, vec};
   for (int axis = 0; axis < 2; ++axis)
     for (int i = 0; i < 5; ++i) {
-      const std::string name = std::string(axis == 0 ? "row_" : "col_") + kWeightNames[i];
-      check_weight(*given[axis][i], name, shapes[i], x);
+      check_weight(*given[axis][i], axis == 0 ? "row_" : "col_", kWeightNames[i], shapes[i], x);
       (axis == 0 ? c.row : c.col)[i] = given[axis][i]->contiguous();
     }
   return c;
