@@ -69,7 +69,7 @@ struct WeightSplits {
   int count = 0;
 };
 
-// `scratch` holds 5 T D floats (T = the pass's positions); `split` holds
+// `scratch` holds 4 T D floats (T = the pass's positions); `split` holds
 // the pass's weights as planes, written by `split_now` in this launch or by
 // an earlier pass's.
 Status launch_axis_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
