@@ -1,5 +1,6 @@
 // One attention pass with a thread block per whole sequence, every product on
-// the tensor cores (mma.sync, 3xTF32 split for fp32 accuracy: tf32x3.cuh).
+// the tensor cores (3xTF32 split for fp32 accuracy: tf32x3.cuh): mma.sync, or
+// at dim 64 with L <= 64 the projections on wgmma (sm_90a; below).
 //
 // For sequence n of the axis, x is its (L, D) positions (strided in the grid):
 //   xs  = LayerNorm(x)                  (LP, D) split pairs, LP = 16*MT >= L
@@ -12,28 +13,33 @@
 // warp's registers: an exact softmax, no online rescaling, no block barrier
 // inside the attention. Four barriers per sequence in all.
 //
-// A block runs one sequence per SM at a time with 8 warps, so its time is the
-// latency of that chain: the instructions per warp and the waits between them
-// are what count (docs/perf-notes.md). Hence:
-// - xs and o, which every warp reads whole, are split once into (hi, lo)
-//   pairs where they are written; fragments come in 16-byte loads;
+// A block runs one sequence per SM at a time with 8 warps (12 with wgmma), so
+// its time is the latency of that chain: the instructions per warp and the
+// waits between them are what count (docs/perf-notes.md). Hence:
+// - xs and o, which every warp reads whole, are split once where they are
+//   written: into (hi, lo) pairs whose fragments come in 16-byte loads, or
+//   for wgmma into hi and lo planes in its swizzled layout;
 // - q, k and v, read by few warps, stay fp32, in layouts whose fragments are
 //   8-byte loads (k permuted inside each 8, tf32x3.cuh); q carries the softmax
 //   scale times log2(e), so scores come out in base 2;
-// - weights are read from global memory (L2) as B fragments, a group of four
-//   8-deep steps ahead of the products; a warp's first group is issued before
-//   the barrier in front of its product, and each block first asks DRAM for a
-//   slice of them, so that they are all in L2 by then;
+// - weights are read from global memory (L2) as fragments and split in
+//   registers: for mma.sync a group of four 8-deep steps ahead of the
+//   products, for wgmma a warpgroup's 64-row tile at a time; the first are
+//   issued before the barrier in front of the product, and each block first
+//   asks DRAM for a slice of them, so that they are all in L2 by then;
 // - each run of two 8-deep steps goes into a fresh accumulator (tf32x3.cuh);
 // - the norm weights and output bias sit in shared memory; a block's next
 //   sequence arrives during the current one's output product.
 //
-// Work split (8 warps): the projections go by (16-row, 8-column) tiles of the
-// output, register-blocked MI x NI per warp; the attention goes by (head,
-// 16-query tile): scores (16, LP) live in registers, P is fed to the P @ V
-// product straight from the score registers (the key order inside each group
-// of 8 keys is permuted to match the A-fragment layout, and V is read in the
-// same order), and o_h goes to shared memory.
+// Work split (mma.sync, 8 warps): the projections go by (16-row, 8-column)
+// tiles of the output, register-blocked MI x NI per warp. With wgmma (three
+// warpgroups) the weights are the A operand: each warpgroup computes 64-row
+// tiles of [q | k | v]^T for a range of positions, and two of them the output
+// product. Either way the attention goes by (head, 16-query tile), on
+// mma.sync: scores (16, LP) live in registers, P is fed to the P @ V product
+// straight from the score registers (the key order inside each group of 8
+// keys is permuted to match the A-fragment layout, and V is read in the same
+// order), and o_h goes to shared memory.
 //
 // Padded rows (L <= i < LP) are zero in xs, so their q, k, v are zero;
 // padded keys are masked out of the softmax; padded queries are never stored.
@@ -41,6 +47,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "../common/dispatch.h"
 #include "../common/smem_layout.h"
@@ -49,12 +57,15 @@
 #include "launch.cuh"
 #include "tf32x3.cuh"
 #include "warp_ops.cuh"
+#include "wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = 32 * kWarps;
+// Warps of a block: 8 for the mma.sync products, 12 (three warpgroups) for
+// the wgmma ones (below).
+template <bool kWg>
+constexpr int kWarps = kWg ? 12 : 8;
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct TcArgs {
@@ -143,9 +154,11 @@ __device__ __forceinline__ int64_t seq_offset(const AxisView& v, int64_t n) {
 
 // Rows 0..L of sequence n into x (row stride ld) by cp.async, every 16-byte
 // piece its own copy so the whole tile is in flight at once. Not waited for.
-// Piece (row r, columns 4c..4c+3) advances by kThreads pieces without dividing.
+// Piece (row r, columns 4c..4c+3) advances by NT (the block's threads) pieces
+// without dividing.
+template <int NT>
 __device__ void load_tile(float* x, int ld, const TcArgs& a, int64_t base, int L) {
-  const int per_row = a.D / 4, dr = kThreads / per_row, dc = kThreads % per_row;
+  const int per_row = a.D / 4, dr = NT / per_row, dc = NT % per_row;
   for (int r = threadIdx.x / per_row, c = threadIdx.x % per_row; r < L;) {
     copy_async16(x + r * ld + 4 * c, a.src + base + r * a.view.pos_stride + 4 * c);
     r += dr, c += dc;
@@ -157,9 +170,10 @@ __device__ void load_tile(float* x, int ld, const TcArgs& a, int64_t base, int L
 // Every block reads the pass's weights, and the benchmark (like a model's
 // forward) finds them outside L2: each block asks DRAM for a slice of them at
 // once, so that later weight loads, which depend on the products, hit L2.
+template <int NT>
 __device__ void prefetch_weights_l2(const TcArgs& a) {
   const int64_t D = a.D, lines_qkv = 3 * D * D / 32, lines = lines_qkv + D * D / 32;  // 128-byte lines
-  for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < lines; i += (int64_t)gridDim.x * kThreads) {
+  for (int64_t i = (int64_t)blockIdx.x * NT + threadIdx.x; i < lines; i += (int64_t)gridDim.x * NT) {
     const float* p = i < lines_qkv ? a.w.qkv_weight + 32 * i : a.w.out_weight + 32 * (i - lines_qkv);
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
   }
@@ -167,37 +181,37 @@ __device__ void prefetch_weights_l2(const TcArgs& a) {
 
 // params (3 D) = [LayerNorm weight | LayerNorm bias | output bias], by cp.async,
 // committed with the first tile.
+template <int NT>
 __device__ void load_params(float* params, const TcArgs& a) {
   const int per_vec = a.D / 4;
-  for (int e = threadIdx.x; e < 3 * per_vec; e += kThreads) {
+  for (int e = threadIdx.x; e < 3 * per_vec; e += NT) {
     const int which = e / per_vec, c = 4 * (e % per_vec);
     const float* src = which == 0 ? a.w.norm_weight : which == 1 ? a.w.norm_bias : a.w.out_bias;
     copy_async16(params + which * a.D + c, src + c);
   }
 }
 
-// xs (LP rows, split pairs, stride ldx) = LayerNorm of x's rows 0..L (fp32,
-// stride ldq) with the weight and bias in params; rows L..LP zero. Eight
-// lanes per row (float4 pieces), so a warp normalises four rows at once with
-// three-step reductions (warp_ops.cuh). Rows of up to 8 kPieces pieces stay
-// in registers between the two passes and the store (one read of shared
-// memory, loops unrolled); longer rows are read again in each.
-template <int LP>
-__device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const float* params, const TcArgs& a, int L) {
+// LayerNorm of x's rows 0..L (fp32, stride ldq) with the weight and bias in
+// params, rows L..LP zero: store(r, c, y) takes piece c (elements 4c..4c+3)
+// of row r. Eight lanes per row (float4 pieces), so a warp normalises four
+// rows at once with three-step reductions (warp_ops.cuh). Rows of up to 8
+// kPieces pieces stay in registers between the two passes and the store (one
+// read of shared memory, loops unrolled); longer rows are read again in each.
+template <int LP, int NT, class Store>
+__device__ void layer_norm(const float* x, int ldq, const float* params, const TcArgs& a, int L, Store store) {
   constexpr int kPieces = 4;  // a lane's float4 pieces held in registers: dims up to 128
   const int part = threadIdx.x % 8, chunks = a.D / 4;
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float4* gamma = reinterpret_cast<const float4*>(params);
   const float4* beta = reinterpret_cast<const float4*>(params + a.D);
-  const auto normed = [&](float4 v, int c, float mean, float rstd, float4* out) {
+  const auto normed = [&](float4 v, int c, float mean, float rstd) {
     const float4 gm = gamma[c], bt = beta[c];
-    out[2 * c] = split_pairs((v.x - mean) * rstd * gm.x + bt.x, (v.y - mean) * rstd * gm.y + bt.y);
-    out[2 * c + 1] = split_pairs((v.z - mean) * rstd * gm.z + bt.z, (v.w - mean) * rstd * gm.w + bt.w);
+    return make_float4((v.x - mean) * rstd * gm.x + bt.x, (v.y - mean) * rstd * gm.y + bt.y,
+                       (v.z - mean) * rstd * gm.z + bt.z, (v.w - mean) * rstd * gm.w + bt.w);
   };
-  for (int r = threadIdx.x / 8; r < LP; r += kThreads / 8) {  // the same trip count for a whole warp
+  for (int r = threadIdx.x / 8; r < LP; r += NT / 8) {  // the same trip count for a whole warp
     const bool valid = r < L;
     const float4* row = reinterpret_cast<const float4*>(x + r * ldq);
-    float4* out = reinterpret_cast<float4*>(xs + r * ldx);
     if (chunks <= 8 * kPieces) {
       float4 v[kPieces];
 #pragma unroll
@@ -213,8 +227,7 @@ __device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const fl
       for (int i = 0; i < kPieces; ++i) {
         const int c = part + 8 * i;
         if (c >= chunks) break;
-        if (valid) normed(v[i], c, stats.x, stats.y, out);
-        else out[2 * c] = out[2 * c + 1] = zero;
+        store(r, c, valid ? normed(v[i], c, stats.x, stats.y) : zero);
       }
       continue;
     }
@@ -227,18 +240,18 @@ __device__ void layer_norm(float* xs, int ldx, const float* x, int ldq, const fl
       return sum;
     });
     for (int c = part; c < chunks; c += 8) {
-      if (valid) normed(row[c], c, stats.x, stats.y, out);
-      else out[2 * c] = out[2 * c + 1] = zero;
+      store(r, c, valid ? normed(row[c], c, stats.x, stats.y) : zero);
     }
   }
 }
 
-// o_h for (head h, query tile mt) = softmax(q_h k_h^T * scale) v_h, written as
-// split pairs to o (LP rows, stride ldx) at columns h*HD.. . One warp; L
-// valid keys of LP. q (scaled, base 2) and k: stride ldq; vt: (D, ldv).
-template <int MT, int HD>
-__device__ void attend_tile(float* o, int ldx, const float* q, const float* k, int ldq, const float* vt, int ldv,
-                            int h, int mt, int L) {
+// o_h for (head h, query tile mt) = softmax(q_h k_h^T * scale) v_h: columns
+// h*HD.. of o, through store(r, c, x, y), which takes elements c (even) and
+// c + 1 of row r. One warp; L valid keys of LP. q (scaled, base 2) and k:
+// stride ldq; vt: (D, ldv).
+template <int MT, int HD, class Store>
+__device__ void attend_tile(const float* q, const float* k, int ldq, const float* vt, int ldv, int h, int mt, int L,
+                            Store store) {
   constexpr int NT = 2 * MT;  // 8-key groups
   constexpr int KS = HD / 8;  // 8-feature steps of a head
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -322,22 +335,155 @@ __device__ void attend_tile(float* o, int ldx, const float* q, const float* k, i
   const float inv0 = 1.0f / sum0, inv1 = 1.0f / sum1;
 #pragma unroll
   for (int n = 0; n < KS; ++n) {
-    float* o0 = o + (r0 + g) * ldx + 2 * (hc + 8 * n + 2 * t);
-    *reinterpret_cast<float4*>(o0) = split_pairs(acc[n][0] * inv0, acc[n][1] * inv0);
-    *reinterpret_cast<float4*>(o0 + 8 * ldx) = split_pairs(acc[n][2] * inv1, acc[n][3] * inv1);
+    const int c = hc + 8 * n + 2 * t;
+    store(r0 + g, c, acc[n][0] * inv0, acc[n][1] * inv0);
+    store(r0 + g + 8, c, acc[n][2] * inv1, acc[n][3] * inv1);
   }
 }
 
-template <int MT, int HD>
-__global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcArgs a) {
+// ---- Products on wgmma (sm_90a; dim 64, L <= 64) ----------------------------
+// At dim 64 a sequence's projections are [q | k | v]^T (192, LP) =
+// Wqkv (192, 64) @ xs^T and (o @ Wout^T)^T (64, LP) = Wout (64, 64) @ o^T:
+// the weights are wgmma's A operand (64-row tiles, from registers, split
+// there) and the sequence its B operand, N = positions. A warpgroup's product
+// is then 24 asynchronous instructions instead of each warp's chain of
+// mma.sync, fragment loads and splits, whose latency bounded the mma.sync
+// products (docs/perf-notes.md, v24). The two warpgroups take half the
+// positions each.
+
+// xs, later o, as wgmma's B operand: LP rows of 64 values in two planes (hi,
+// then lo), each two 32-value chunks of LP 128-byte rows in the 128-byte
+// swizzled layout (wgmma.cuh). Inside each group of 8 the values are permuted
+// as in the rest of this file (tf32x3.cuh): slot t holds element 2t, slot
+// t + 4 element 2t + 1, so a thread's A operand comes in 8-byte loads of W.
+struct WgOperand {
+  float* hi;  // the lo plane follows
+  int lp;
+  __device__ __forceinline__ int plane() const { return lp * 64; }
+  // Word of element e of row n.
+  __device__ __forceinline__ int at(int n, int e) const {
+    const int k = (e & ~7) | ((e & 7) >> 1) | ((e & 1) << 2);  // the slot
+    return (k >> 5) * lp * 32 + n * 32 + ((((k >> 2) & 7) ^ (n & 7)) << 2) + (k & 3);
+  }
+  __device__ __forceinline__ void put(int i, float x) const {
+    uint32_t h, l;
+    split(x, h, l);
+    hi[i] = __uint_as_float(h), hi[plane() + i] = __uint_as_float(l);
+  }
+  // Elements 4c..4c+3 of row n: slots of 4c and 4c + 2 are adjacent, as are
+  // those of 4c + 1 and 4c + 3.
+  __device__ __forceinline__ void put_piece(int n, int c, float4 y) const {
+    const int i0 = at(n, 4 * c), i1 = at(n, 4 * c + 1);
+    uint32_t h[4], l[4];
+    split(y.x, h[0], l[0]), split(y.y, h[1], l[1]), split(y.z, h[2], l[2]), split(y.w, h[3], l[3]);
+    *reinterpret_cast<uint2*>(hi + i0) = make_uint2(h[0], h[2]);
+    *reinterpret_cast<uint2*>(hi + i1) = make_uint2(h[1], h[3]);
+    *reinterpret_cast<uint2*>(hi + plane() + i0) = make_uint2(l[0], l[2]);
+    *reinterpret_cast<uint2*>(hi + plane() + i1) = make_uint2(l[1], l[3]);
+  }
+};
+
+// A thread's rows r and r + 8 of a 64-row weight tile (row stride 64; W
+// points at row r), raw fp32: elements 8s + 2t and 8s + 2t + 1 of each 8-wide
+// step s, its warp's A operand of the step with k permuted as above.
+struct WgRows {
+  float2 w[8][2];
+};
+
+__device__ __forceinline__ void load_rows(WgRows& R, const float* __restrict__ W) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    R.w[s][0] = __ldg(reinterpret_cast<const float2*>(W + 8 * s + 2 * t));
+    R.w[s][1] = __ldg(reinterpret_cast<const float2*>(W + 8 * 64 + 8 * s + 2 * t));
+  }
+}
+
+#if FASTAXIAL_SM90A_DEVICE
+// The three products of steps s0 and s0 + 1 into t (fresh), A from R split
+// into f, one commit group. b: the B operand's hi-plane descriptor
+// (wgmma.cuh) at the warpgroup's first row; lo: bytes to the lo plane;
+// chunk: bytes to the next 32 values.
+template <int NW>
+__device__ __forceinline__ void wg_run(float (&t)[NW / 2], FragA (&f)[2], const WgRows& R, int s0, uint64_t b,
+                                       uint32_t lo, uint32_t chunk) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float2 r0 = R.w[s0 + k][0], r1 = R.w[s0 + k][1];
+    f[k] = make_a(r0.x, r1.x, r0.y, r1.y);
+  }
+  fence_regs(t);
+  fence_frags(f);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int s = s0 + k;
+    const uint64_t d = b + ((s / 4 * chunk + s % 4 * 32) >> 4);  // the address field counts 16 bytes
+    wgmma_m64k8_rs<NW>(t, f[k].lo, d, k);
+    wgmma_m64k8_rs<NW>(t, f[k].hi, d + (lo >> 4), 1);
+    wgmma_m64k8_rs<NW>(t, f[k].hi, d, 1);
+  }
+  wgmma_commit();
+}
+#endif
+
+// c (64, NW) = W (64, 64) @ B^T for one warpgroup: R its rows of W, B NW rows
+// of the operand at descriptor b. Runs of two steps go into fresh
+// accumulators (tf32x3.cuh), two alternating, so one run's products go on
+// while the other's are added; the block's other warpgroups hide the waits.
+template <int NW>
+__device__ __forceinline__ void wg_product(float (&c)[NW / 2], const WgRows& R, uint64_t b, uint32_t lo,
+                                           uint32_t chunk) {
+#if FASTAXIAL_SM90A_DEVICE
+  float t0[NW / 2], t1[NW / 2];
+  FragA f0[2], f1[2];
+#pragma unroll
+  for (int i = 0; i < NW / 2; ++i) c[i] = t0[i] = t1[i] = 0.0f;
+  wg_run<NW>(t0, f0, R, 0, b, lo, chunk);
+  wg_run<NW>(t1, f1, R, 2, b, lo, chunk);
+  wgmma_wait<1>();
+  fence_frags(f0);
+  add_to(c, t0);
+  wg_run<NW>(t0, f0, R, 4, b, lo, chunk);
+  wgmma_wait<1>();
+  fence_frags(f1);
+  add_to(c, t1);
+  wg_run<NW>(t1, f1, R, 6, b, lo, chunk);
+  wgmma_wait<1>();
+  fence_frags(f0);
+  add_to(c, t0);
+  wgmma_wait<0>();
+  fence_frags(f1);
+  add_to(c, t1);
+#else
+  (void)c, (void)R, (void)b, (void)lo, (void)chunk;
+  __trap();  // built without sm_90a: fused_wgmma() is false and nothing launches this
+#endif
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// kWg: the projections on wgmma (dim 64, MT <= 4; sm_90a), else on mma.sync.
+template <int MT, int HD, bool kWg>
+__global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(const TcArgs a) {
+  constexpr int NWARPS = kWarps<kWg>, NT = 32 * NWARPS;
   constexpr int LP = 16 * MT;
   constexpr int MI = MT % 2 == 0 ? 2 : 1;  // 16-row tiles per warp in the projections
   constexpr int kQkvNI = 3, kOutNI = 1;    // 8-column tiles per warp item (3D / 8 is a multiple of 3)
+  // kWg: the QKV product in units of (64-row tile, NQ positions), a
+  // warpgroup's three or six (L > 32: accumulators for 64 positions do not
+  // fit) round robin; the output product as two warpgroups of NO positions.
+  constexpr int NQ = LP <= 32 ? LP : LP / 2, kUnits = 3 * (LP / NQ), NO = LP / 2;
+  static_assert(!kWg || MT <= 4, "wgmma products take N <= 32");
   const int D = a.D, L = (int)a.view.len;
   const FusedLayout lay(LP, D);
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  float* xs = smem;                   // (LP, ldx) LayerNorm(x), then o: split pairs
+  // The swizzled B operand starts on a 1024-byte boundary (the launch adds the room).
+  if constexpr (kWg) smem += ((shared_address(smem4) + 1023u) & ~1023u) - shared_address(smem4) >> 2;
+  float* xs = smem;                   // (LP, ldx) LayerNorm(x), then o: split pairs, or kWg's B operand
   float* q = smem + lay.q_offset();   // (LP, ldq) x as it arrives, then queries (all heads)
   float* k = smem + lay.k_offset();   // (LP, ldq) keys
   float* vt = smem + lay.vt_offset();  // (D, ldv) values, transposed
@@ -347,48 +493,105 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
   const int qkv_items = row_tiles * (3 * D / (8 * kQkvNI)), out_items = row_tiles * (D / (8 * kOutNI));
   const auto qkv_w = [&](int item) { return a.w.qkv_weight + (int64_t)(8 * kQkvNI * (item / row_tiles)) * D; };
   const auto out_w = [&](int item) { return a.w.out_weight + (int64_t)(8 * kOutNI * (item / row_tiles)) * D; };
+  // kWg: this thread's rows f, f + 8 of each 64-row weight tile; B rows
+  // from position p0 on have the descriptor wg_desc(p0).
+  const int wg = warp / 4, f = 16 * (warp % 4) + g;
+  const WgOperand xo{xs, LP};
+  const uint32_t wg_lo = 256 * LP, wg_chunk = 128 * LP;
+  const auto wg_desc = [&](int p0) {
+#if FASTAXIAL_SM90A_DEVICE
+    return desc_sw128(shared_address(xs) + 128 * p0);
+#else
+    return (uint64_t)p0;
+#endif
+  };
+  const auto wg_fence = [] {
+#if FASTAXIAL_SM90A_DEVICE
+    fence_async_smem();  // generic-proxy stores that wgmma reads next
+#endif
+  };
+  // QKV unit u: 64-row tile u / (LP / NQ), positions from NQ * (u % (LP / NQ)).
+  const auto unit_rows = [&](int u) { return a.w.qkv_weight + (64 * (u / (LP / NQ)) + f) * 64; };
 
-  prefetch_weights_l2(a);  // a hint, safe before the wait (launch.cuh)
+  prefetch_weights_l2<NT>(a);  // a hint, safe before the wait (launch.cuh)
   grid_dependency_wait();
   allow_dependent_launch();
   if (blockIdx.x < a.view.num_seq) {
-    load_params(params, a);
-    load_tile(q, lay.ldq, a, seq_offset(a.view, blockIdx.x), L);
+    load_params<NT>(params, a);
+    load_tile<NT>(q, lay.ldq, a, seq_offset(a.view, blockIdx.x), L);
   }
   for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
     const int64_t base = seq_offset(a.view, n);
     WeightGroup<kQkvNI> gq;  // this warp's first QKV weights, in flight during the LayerNorm
-    if (warp < qkv_items) load_weights(gq, qkv_w(warp), D, 0);
+    WgRows wq[2];            // kWg: this thread's rows of its units' tiles, the first loaded now
+    if constexpr (kWg) load_rows(wq[0], unit_rows(wg));
+    else if (warp < qkv_items) load_weights(gq, qkv_w(warp), D, 0);
     copy_async_wait<0>();
     __syncthreads();
-    layer_norm<LP>(xs, lay.ldx, q, lay.ldq, params, a, L);
+    if constexpr (kWg) {
+      layer_norm<LP, NT>(q, lay.ldq, params, a, L, [&](int r, int c, float4 y) { xo.put_piece(r, c, y); });
+      wg_fence();
+    } else {
+      layer_norm<LP, NT>(q, lay.ldq, params, a, L, [&](int r, int c, float4 y) {
+        float4* out = reinterpret_cast<float4*>(xs + r * lay.ldx);
+        out[2 * c] = split_pairs(y.x, y.y);
+        out[2 * c + 1] = split_pairs(y.z, y.w);
+      });
+    }
     __syncthreads();
 
-    // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns; each
-    // 8-column part lies in one of q, k, v since 8 | D.
-    for (int item = warp; item < qkv_items; item += kWarps) {
-      const int m0 = 16 * MI * (item % row_tiles), c0 = 8 * kQkvNI * (item / row_tiles);
-      float c[MI][kQkvNI][4];
-      warp_gemm<MI, kQkvNI>(c, xs + m0 * lay.ldx, lay.ldx, qkv_w(item), D, gq,
-                            item + kWarps < qkv_items ? qkv_w(item + kWarps) : nullptr);
+    if constexpr (kWg) {
+      // [q | k | v]^T by units; a second unit's rows load during the first product.
 #pragma unroll
-      for (int j = 0; j < kQkvNI; ++j) {
-        const int col = c0 + 8 * j + 2 * t;  // this thread's 2 columns, in one of q, k, v
+      for (int i = 0; i < kUnits / 3; ++i) {
+        const int u = wg + 3 * i, m = u / (LP / NQ), n0 = NQ * (u % (LP / NQ));
+        if (i + 1 < kUnits / 3) load_rows(wq[i + 1], unit_rows(u + 3));
+        float c[NQ / 2];
+        wg_product<NQ>(c, wq[i], wg_desc(n0), wg_lo, wg_chunk);
+        // c[4j ..]: features f, f + 8 at positions p, p + 1 (accumulator layout, wgmma.cuh).
 #pragma unroll
-        for (int i = 0; i < MI; ++i)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = m0 + 16 * i + g + 8 * half;
-            const float c0v = c[i][j][2 * half], c1v = c[i][j][2 * half + 1];
-            if (col < D) {
-              *reinterpret_cast<float2*>(q + r * lay.ldq + col) = make_float2(c0v * a.q_scale, c1v * a.q_scale);
-            } else if (col < 2 * D) {
-              *reinterpret_cast<float2*>(k + r * lay.ldq + col - D) = make_float2(c0v, c1v);
-            } else {
-              vt[(col - 2 * D) * lay.ldv + r] = c0v;
-              vt[(col - 2 * D + 1) * lay.ldv + r] = c1v;
-            }
+        for (int j = 0; j < NQ / 8; ++j) {
+          const int p = n0 + 8 * j + 2 * t;
+          if (m == 2) {
+            *reinterpret_cast<float2*>(vt + f * lay.ldv + p) = make_float2(c[4 * j], c[4 * j + 1]);
+            *reinterpret_cast<float2*>(vt + (f + 8) * lay.ldv + p) = make_float2(c[4 * j + 2], c[4 * j + 3]);
+          } else {
+            float* dst = m == 0 ? q : k;
+            const float s = m == 0 ? a.q_scale : 1.0f;
+            dst[p * lay.ldq + f] = c[4 * j] * s;
+            dst[(p + 1) * lay.ldq + f] = c[4 * j + 1] * s;
+            dst[p * lay.ldq + f + 8] = c[4 * j + 2] * s;
+            dst[(p + 1) * lay.ldq + f + 8] = c[4 * j + 3] * s;
           }
+        }
+      }
+    } else {
+      // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns; each
+      // 8-column part lies in one of q, k, v since 8 | D.
+      for (int item = warp; item < qkv_items; item += NWARPS) {
+        const int m0 = 16 * MI * (item % row_tiles), c0 = 8 * kQkvNI * (item / row_tiles);
+        float c[MI][kQkvNI][4];
+        warp_gemm<MI, kQkvNI>(c, xs + m0 * lay.ldx, lay.ldx, qkv_w(item), D, gq,
+                              item + NWARPS < qkv_items ? qkv_w(item + NWARPS) : nullptr);
+#pragma unroll
+        for (int j = 0; j < kQkvNI; ++j) {
+          const int col = c0 + 8 * j + 2 * t;  // this thread's 2 columns, in one of q, k, v
+#pragma unroll
+          for (int i = 0; i < MI; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = m0 + 16 * i + g + 8 * half;
+              const float c0v = c[i][j][2 * half], c1v = c[i][j][2 * half + 1];
+              if (col < D) {
+                *reinterpret_cast<float2*>(q + r * lay.ldq + col) = make_float2(c0v * a.q_scale, c1v * a.q_scale);
+              } else if (col < 2 * D) {
+                *reinterpret_cast<float2*>(k + r * lay.ldq + col - D) = make_float2(c0v, c1v);
+              } else {
+                vt[(col - 2 * D) * lay.ldv + r] = c0v;
+                vt[(col - 2 * D + 1) * lay.ldv + r] = c1v;
+              }
+            }
+        }
       }
     }
     // The warp's first output weights and residual rows: in flight during the
@@ -397,6 +600,9 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
     constexpr bool kEarlyOut = HD * MT <= 128;
     WeightGroup<kOutNI> go;
     float2 res[MI][2];  // residual rows g, g + 8 of each 16-row tile, this thread's 2 columns
+    WgRows wo;           // kWg: this thread's rows of Wout (warpgroups 0 and 1)
+    float wres[NO / 2];  // kWg: the residual at the output accumulator's places
+    const int o0 = NO * wg;  // kWg: the warpgroup's first output position
     // Output item: rows m0.. of 16 * MI, this thread's columns col, col + 1.
     const auto item_m0 = [&](int item) { return 16 * MI * (item % row_tiles); };
     const auto item_col = [&](int item) { return 8 * kOutNI * (item / row_tiles) + 2 * t; };
@@ -411,40 +617,72 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
                                : make_float2(0.0f, 0.0f);
         }
     };
-    if (kEarlyOut && warp < out_items) {
-      load_weights(go, out_w(warp), D, 0);
-      load_residual(warp);
-    }
+    const auto load_out = [&] {
+      if constexpr (kWg) {
+        if (wg >= 2) return;
+        load_rows(wo, a.w.out_weight + f * 64);
+#pragma unroll
+        for (int i = 0; i < NO / 2; ++i) {
+          const int p = o0 + 8 * (i / 4) + 2 * t + i % 2, feature = f + 8 * (i % 4 / 2);
+          wres[i] = p < L ? a.src[base + p * a.view.pos_stride + feature] : 0.0f;
+        }
+      } else if (warp < out_items) {
+        load_weights(go, out_w(warp), D, 0);
+        load_residual(warp);
+      }
+    };
+    if (kEarlyOut) load_out();
     __syncthreads();
 
-    for (int item = warp; item < a.heads * MT; item += kWarps)
-      attend_tile<MT, HD>(xs, lay.ldx, q, k, lay.ldq, vt, lay.ldv, item / MT, item % MT, L);
-    if (!kEarlyOut && warp < out_items) {
-      load_weights(go, out_w(warp), D, 0);
-      load_residual(warp);
+    for (int item = warp; item < a.heads * MT; item += NWARPS) {
+      if constexpr (kWg) {
+        attend_tile<MT, HD>(q, k, lay.ldq, vt, lay.ldv, item / MT, item % MT, L, [&](int r, int c, float x, float y) {
+          xo.put(xo.at(r, c), x);
+          xo.put(xo.at(r, c + 1), y);
+        });
+      } else {
+        attend_tile<MT, HD>(q, k, lay.ldq, vt, lay.ldv, item / MT, item % MT, L, [&](int r, int c, float x, float y) {
+          *reinterpret_cast<float4*>(xs + r * lay.ldx + 2 * c) = split_pairs(x, y);
+        });
+      }
     }
+    if (kWg) wg_fence();
+    if (!kEarlyOut) load_out();
     __syncthreads();
     // q is free from here on: the block's next sequence arrives there during
     // this one's output product.
-    if (n + gridDim.x < a.view.num_seq) load_tile(q, lay.ldq, a, seq_offset(a.view, n + gridDim.x), L);
+    if (n + gridDim.x < a.view.num_seq) load_tile<NT>(q, lay.ldq, a, seq_offset(a.view, n + gridDim.x), L);
 
     // dst = src + o @ Wout^T + bout, rows < L only.
-    for (int item = warp; item < out_items; item += kWarps) {
-      const int m0 = item_m0(item), col = item_col(item);
-      if (item != warp) load_residual(item);  // overlaps the product
-      float c[MI][kOutNI][4];
-      warp_gemm<MI, kOutNI>(c, xs + m0 * lay.ldx, lay.ldx, out_w(item), D, go,
-                            item + kWarps < out_items ? out_w(item + kWarps) : nullptr);
-      const float2 bias = *reinterpret_cast<const float2*>(params + 2 * D + col);
+    if constexpr (kWg) {
+      if (wg < 2) {
+        float c[NO / 2];
+        wg_product<NO>(c, wo, wg_desc(o0), wg_lo, wg_chunk);
+        const float bias[2] = {params[2 * D + f], params[2 * D + f + 8]};
 #pragma unroll
-      for (int i = 0; i < MI; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = m0 + 16 * i + g + 8 * half;
-          if (r >= L) continue;
-          *reinterpret_cast<float2*>(a.dst + base + r * a.view.pos_stride + col) =
-              make_float2(res[i][half].x + c[i][0][2 * half] + bias.x, res[i][half].y + c[i][0][2 * half + 1] + bias.y);
+        for (int i = 0; i < NO / 2; ++i) {
+          const int p = o0 + 8 * (i / 4) + 2 * t + i % 2, half = i % 4 / 2;
+          if (p < L) a.dst[base + p * a.view.pos_stride + f + 8 * half] = wres[i] + c[i] + bias[half];
         }
+      }
+    } else {
+      for (int item = warp; item < out_items; item += NWARPS) {
+        const int m0 = item_m0(item), col = item_col(item);
+        if (item != warp) load_residual(item);  // overlaps the product
+        float c[MI][kOutNI][4];
+        warp_gemm<MI, kOutNI>(c, xs + m0 * lay.ldx, lay.ldx, out_w(item), D, go,
+                              item + NWARPS < out_items ? out_w(item + NWARPS) : nullptr);
+        const float2 bias = *reinterpret_cast<const float2*>(params + 2 * D + col);
+#pragma unroll
+        for (int i = 0; i < MI; ++i)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = m0 + 16 * i + g + 8 * half;
+            if (r >= L) continue;
+            *reinterpret_cast<float2*>(a.dst + base + r * a.view.pos_stride + col) = make_float2(
+                res[i][half].x + c[i][0][2 * half] + bias.x, res[i][half].y + c[i][0][2 * half + 1] + bias.y);
+          }
+      }
     }
     // No barrier here: the next sequence's LayerNorm writes xs after the
     // barrier that follows its tile's arrival, which every warp reaches after
@@ -452,16 +690,34 @@ __global__ void __launch_bounds__(kThreads, 1) axis_tensor_core_kernel(const TcA
   }
 }
 
-template <int MT, int HD>
+// The wgmma products where they apply (FASTAXIAL_FUSED_WGMMA=0 in the
+// environment, read once, turns them off: the tests run both).
+bool fused_wgmma(const TcArgs& a, int mt, const DeviceInfo& dev) {
+#if defined(FASTAXIAL_WGMMA)
+  static const bool off = [] {
+    const char* v = std::getenv("FASTAXIAL_FUSED_WGMMA");
+    return v != nullptr && std::strcmp(v, "0") == 0;
+  }();
+  return !off && dev.cc_major == 9 && a.D == 64 && mt <= 4;
+#else
+  (void)a, (void)mt, (void)dev;
+  return false;
+#endif
+}
+
+template <int MT, int HD, bool kWg>
 cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
-  constexpr auto kernel = axis_tensor_core_kernel<MT, HD>;
+  constexpr auto kernel = axis_tensor_core_kernel<MT, HD, kWg>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  const size_t smem = fused_smem_bytes(a.view.len, a.D);  // FusedLayout of 16 MT rows
+  // FusedLayout of 16 MT rows, and room to align kWg's operand to 1024 bytes.
+  const size_t smem = fused_smem_bytes(a.view.len, a.D) + (kWg ? 1024 : 0);
+  if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
   // As many blocks as run at once, each looping over sequences: a block's
   // next sequence arrives during its current one's output product, and the
   // start (norm parameters, weight prefetch) is paid once per block rather
   // than once per sequence.
   int per_sm = 0;
+  constexpr int kThreads = 32 * kWarps<kWg>;
   if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
       e != cudaSuccess)
     return e;
@@ -472,14 +728,15 @@ cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
 
 template <int HD>
 cudaError_t launch_tiles(const TcArgs& a, int mt, const DeviceInfo& dev, cudaStream_t stream) {
+  const bool wg = fused_wgmma(a, mt, dev);
   switch (mt) {
-    case 1: return launch<1, HD>(a, dev, stream);
-    case 2: return launch<2, HD>(a, dev, stream);
-    case 3: return launch<3, HD>(a, dev, stream);
-    case 4: return launch<4, HD>(a, dev, stream);
-    case 5: return launch<5, HD>(a, dev, stream);
-    case 6: return launch<6, HD>(a, dev, stream);
-    case 8: return launch<8, HD>(a, dev, stream);
+    case 1: return wg ? launch<1, HD, true>(a, dev, stream) : launch<1, HD, false>(a, dev, stream);
+    case 2: return wg ? launch<2, HD, true>(a, dev, stream) : launch<2, HD, false>(a, dev, stream);
+    case 3: return wg ? launch<3, HD, true>(a, dev, stream) : launch<3, HD, false>(a, dev, stream);
+    case 4: return wg ? launch<4, HD, true>(a, dev, stream) : launch<4, HD, false>(a, dev, stream);
+    case 5: return launch<5, HD, false>(a, dev, stream);
+    case 6: return launch<6, HD, false>(a, dev, stream);
+    case 8: return launch<8, HD, false>(a, dev, stream);
   }
   return cudaErrorInvalidValue;
 }

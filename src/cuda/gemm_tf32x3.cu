@@ -93,13 +93,6 @@ __device__ __forceinline__ void load_tile(uint32_t s, const TileCopies& tc, cons
   }
 }
 
-template <int N>
-__device__ __forceinline__ void add_to(float (&c)[N], float (&t)[N]) {
-  fence_regs(t);  // after the wait that completed t
-#pragma unroll
-  for (int i = 0; i < N; ++i) c[i] += t[i];
-}
-
 // This thread's A fragments (wgmma.cuh) of steps ks and ks + 1 of the
 // stage's A tile at a, for warpgroup wg, split: column t of a step is in
 // piece 2 k of its row, column t + 4 in piece 2 k + 1; rows r and r + 8 share
@@ -113,12 +106,6 @@ __device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, int wg, in
     const float* c4 = row + ((2 * (ks + k) + 1) ^ g) * 4;
     f[k] = make_a(c0[0], c0[256], c4[0], c4[256]);
   }
-}
-
-template <int N>
-__device__ __forceinline__ void fence_frags(FragA (&f)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) fence_regs(f[i].hi), fence_regs(f[i].lo);
 }
 
 // The three products of steps ks and ks + 1 of the stage at s into t

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "tf32x3.cuh"
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FASTAXIAL_SM90A_DEVICE 1
 #else
@@ -53,6 +55,21 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// c += t, after the wait that completed the product into t.
+template <int N>
+__device__ __forceinline__ void add_to(float (&c)[N], float (&t)[N]) {
+  fence_regs(t);
+#pragma unroll
+  for (int i = 0; i < N; ++i) c[i] += t[i];
+}
+
+// Register A operands, kept in place until the products that read them complete.
+template <int N>
+__device__ __forceinline__ void fence_frags(FragA (&f)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) fence_regs(f[i].hi), fence_regs(f[i].lo);
+}
+
 // d (64 x 128) = or += A (64 x 8) @ B (8 x 128), A from registers (the
 // mma.m16n8k8 A fragment of the warp's 16 rows), B in shared memory.
 __device__ __forceinline__ void wgmma_m64n128k8_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {
@@ -89,14 +106,57 @@ __device__ __forceinline__ void wgmma_m64n96k8_rs(float (&d)[48], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// The register-A products above by N, 128 or 96 columns.
+// The same for the narrow products of the fused kernel (axis_tensor_core.cu),
+// whose N is a sequence's positions: 8 to 32 a warpgroup.
+__device__ __forceinline__ void wgmma_m64n8k8_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_m64n16k8_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_m64n24k8_rs(float (&d)[12], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n24k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_m64n32k8_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+// The register-A products above by N.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k8_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  static_assert(N == 128 || N == 96, "wgmma_m64k8_rs: N is 128 or 96");
+  static_assert(N == 128 || N == 96 || N == 32 || N == 24 || N == 16 || N == 8,
+                "wgmma_m64k8_rs: N is 8, 16, 24, 32, 96 or 128");
   if constexpr (N == 128)
     wgmma_m64n128k8_rs(d, a, b, accumulate);
-  else
+  else if constexpr (N == 96)
     wgmma_m64n96k8_rs(d, a, b, accumulate);
+  else if constexpr (N == 32)
+    wgmma_m64n32k8_rs(d, a, b, accumulate);
+  else if constexpr (N == 24)
+    wgmma_m64n24k8_rs(d, a, b, accumulate);
+  else if constexpr (N == 16)
+    wgmma_m64n16k8_rs(d, a, b, accumulate);
+  else
+    wgmma_m64n8k8_rs(d, a, b, accumulate);
 }
 
 }  // namespace fastaxial::cuda

@@ -78,7 +78,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
                                            Shape{1, 3, 5, 1024, 8}, Shape{1, 100, 3, 256, 8},
                                            Shape{2, 9, 200, 64, 2}, Shape{1, 140, 2, 72, 9},
                                            Shape{1, 100, 2, 64, 2}, Shape{1, 64, 2, 128, 2},
-                                           Shape{1, 132, 67, 64, 2}),
+                                           Shape{1, 132, 67, 64, 2}, Shape{3, 40, 20, 64, 2},
+                                           Shape{2, 50, 64, 64, 4}),
                          [](const auto& info) { return shape_name(info.param); });
 
 TEST(CudaForward, RejectsMissingWorkspace) {
