@@ -348,8 +348,9 @@ __device__ void attend_tile(const float* q, const float* k, int ldq, const float
 // there) and the sequence its B operand, N = positions. A warpgroup's product
 // is then 24 asynchronous instructions instead of each warp's chain of
 // mma.sync, fragment loads and splits, whose latency bounded the mma.sync
-// products (docs/perf-notes.md, v24). The two warpgroups take half the
-// positions each.
+// products (docs/perf-notes.md, v24). Three warpgroups a block: each takes
+// 64-row tiles of [q | k | v]^T, and two of them half the positions each of
+// the output product.
 
 // xs, later o, as wgmma's B operand: LP rows of 64 values in two planes (hi,
 // then lo), each two 32-value chunks of LP 128-byte rows in the 128-byte
