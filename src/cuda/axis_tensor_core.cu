@@ -473,9 +473,10 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
   constexpr int LP = 16 * MT;
   constexpr int MI = MT % 2 == 0 ? 2 : 1;  // 16-row tiles per warp in the projections
   constexpr int kQkvNI = 3, kOutNI = 1;    // 8-column tiles per warp item (3D / 8 is a multiple of 3)
-  // kWg: the QKV product in units of (64-row tile, NQ positions), a
-  // warpgroup's three or six (L > 32: accumulators for 64 positions do not
-  // fit) round robin; the output product as two warpgroups of NO positions.
+  // kWg: the QKV product in units of (64-row tile, NQ positions), three
+  // units (L <= 32) or six (accumulators for 64 positions would not fit),
+  // dealt round robin to the three warpgroups; the output product by two
+  // warpgroups of NO positions each.
   constexpr int NQ = LP <= 32 ? LP : LP / 2, kUnits = 3 * (LP / NQ), NO = LP / 2;
   static_assert(!kWg || MT <= 4, "wgmma products take N <= 32");
   const int D = a.D, L = (int)a.view.len;
@@ -483,7 +484,10 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   // The swizzled B operand starts on a 1024-byte boundary (the launch adds the room).
-  if constexpr (kWg) smem += ((shared_address(smem4) + 1023u) & ~1023u) - shared_address(smem4) >> 2;
+  if constexpr (kWg) {
+    const uint32_t raw = shared_address(smem4), aligned = (raw + 1023u) & ~1023u;
+    smem += (aligned - raw) / sizeof(float);
+  }
   float* xs = smem;                   // (LP, ldx) LayerNorm(x), then o: split pairs, or kWg's B operand
   float* q = smem + lay.q_offset();   // (LP, ldq) x as it arrives, then queries (all heads)
   float* k = smem + lay.k_offset();   // (LP, ldq) keys
@@ -503,7 +507,8 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
 #if FASTAXIAL_SM90A_DEVICE
     return desc_sw128(shared_address(xs) + 128 * p0);
 #else
-    return (uint64_t)p0;
+    (void)p0;
+    return uint64_t{0};  // never launched (fused_wgmma)
 #endif
   };
   const auto wg_fence = [] {
@@ -691,6 +696,10 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
   }
 }
 
+// Shared memory the wgmma variant takes beyond FusedLayout: room to align its
+// B operand to 1024 bytes.
+constexpr size_t kWgSmemExtra = 1024;
+
 // The wgmma products where they apply (FASTAXIAL_FUSED_WGMMA=0 in the
 // environment, read once, turns them off: the tests run both).
 bool fused_wgmma(const TcArgs& a, int mt, const DeviceInfo& dev) {
@@ -699,7 +708,8 @@ bool fused_wgmma(const TcArgs& a, int mt, const DeviceInfo& dev) {
     const char* v = std::getenv("FASTAXIAL_FUSED_WGMMA");
     return v != nullptr && std::strcmp(v, "0") == 0;
   }();
-  return !off && dev.cc_major == 9 && a.D == 64 && mt <= 4;
+  return !off && dev.cc_major == 9 && a.D == 64 && mt <= 4 &&
+         fused_smem_bytes(a.view.len, a.D) + kWgSmemExtra <= (size_t)dev.smem_optin;
 #else
   (void)a, (void)mt, (void)dev;
   return false;
@@ -710,8 +720,7 @@ template <int MT, int HD, bool kWg>
 cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
   constexpr auto kernel = axis_tensor_core_kernel<MT, HD, kWg>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  // FusedLayout of 16 MT rows, and room to align kWg's operand to 1024 bytes.
-  const size_t smem = fused_smem_bytes(a.view.len, a.D) + (kWg ? 1024 : 0);
+  const size_t smem = fused_smem_bytes(a.view.len, a.D) + (kWg ? kWgSmemExtra : 0);  // FusedLayout of 16 MT rows
   if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
   // As many blocks as run at once, each looping over sequences: a block's
   // next sequence arrives during its current one's output product, and the

@@ -1,7 +1,9 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only) for fp32 data
 // as TF32: the shared-memory matrix descriptor, the products gemm_tf32x3.cu
-// uses (A from registers, B from shared memory), and the fences around them.
-// Include only from code compiled for sm_90a (FASTAXIAL_SM90A_DEVICE).
+// and the fused kernel (axis_tensor_core.cu) use (A from registers, B from
+// shared memory), and the fences around them.
+// Its functions exist only in device code compiled for sm_90a
+// (FASTAXIAL_SM90A_DEVICE); use them under that macro.
 //
 // A warpgroup is 4 consecutive warps (128 threads, starting at a warp index
 // divisible by 4). The 64 x N f32 accumulator of a product is spread as in
