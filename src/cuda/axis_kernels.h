@@ -6,7 +6,7 @@
 //   dst = src + Attention(LayerNorm(src)) @ Wout^T + bout
 // - axis_tensor_core.cu (fused): one thread block per whole sequence, every
 //   product on the tensor cores with the 3xTF32 split (the projections on
-//   wgmma at dim 64, L <= 64, on sm_90a); L <= 128.
+//   wgmma at dim 64 with two heads or more, L <= 64, on sm_90a); L <= 128.
 // - axis_staged.cu: LayerNorm, the QKV product, attention and the output
 //   product as tensor-core kernels over all positions, intermediates in the
 //   workspace; long sequences and wide dims.

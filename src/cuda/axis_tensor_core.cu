@@ -1,6 +1,7 @@
 // One attention pass with a thread block per whole sequence, every product on
 // the tensor cores (3xTF32 split for fp32 accuracy: tf32x3.cuh): mma.sync, or
-// at dim 64 with L <= 64 the projections on wgmma (sm_90a; below).
+// at dim 64 with two heads or more and L <= 64 the projections on wgmma
+// (sm_90a; below).
 //
 // For sequence n of the axis, x is its (L, D) positions (strided in the grid):
 //   xs  = LayerNorm(x)                  (LP, D) split pairs, LP = 16*MT >= L
@@ -341,7 +342,7 @@ __device__ void attend_tile(const float* q, const float* k, int ldq, const float
   }
 }
 
-// ---- Products on wgmma (sm_90a; dim 64, L <= 64) ----------------------------
+// ---- Products on wgmma (sm_90a; dim 64, head_dim below 64, L <= 64) ---------
 // At dim 64 a sequence's projections are [q | k | v]^T (192, LP) =
 // Wqkv (192, 64) @ xs^T and (o @ Wout^T)^T (64, LP) = Wout (64, 64) @ o^T:
 // the weights are wgmma's A operand (64-row tiles, from registers, split
@@ -466,7 +467,7 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// kWg: the projections on wgmma (dim 64, MT <= 4; sm_90a), else on mma.sync.
+// kWg: the projections on wgmma (dim 64, HD < 64, MT <= 4; sm_90a), else on mma.sync.
 template <int MT, int HD, bool kWg>
 __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(const TcArgs a) {
   constexpr int NWARPS = kWarps<kWg>, NT = 32 * NWARPS;
@@ -738,12 +739,24 @@ cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
 
 template <int HD>
 cudaError_t launch_tiles(const TcArgs& a, int mt, const DeviceInfo& dev, cudaStream_t stream) {
-  const bool wg = fused_wgmma(a, mt, dev);
+  // wgmma below head_dim 64 only: one head of 64 keeps more attention state
+  // than the 168 registers a thread of three warpgroups has, and ran slower
+  // so in three of four shapes (perf notes, v25e).
+  if constexpr (HD < 64) {
+    if (fused_wgmma(a, mt, dev)) {
+      switch (mt) {
+        case 1: return launch<1, HD, true>(a, dev, stream);
+        case 2: return launch<2, HD, true>(a, dev, stream);
+        case 3: return launch<3, HD, true>(a, dev, stream);
+        case 4: return launch<4, HD, true>(a, dev, stream);
+      }
+    }
+  }
   switch (mt) {
-    case 1: return wg ? launch<1, HD, true>(a, dev, stream) : launch<1, HD, false>(a, dev, stream);
-    case 2: return wg ? launch<2, HD, true>(a, dev, stream) : launch<2, HD, false>(a, dev, stream);
-    case 3: return wg ? launch<3, HD, true>(a, dev, stream) : launch<3, HD, false>(a, dev, stream);
-    case 4: return wg ? launch<4, HD, true>(a, dev, stream) : launch<4, HD, false>(a, dev, stream);
+    case 1: return launch<1, HD, false>(a, dev, stream);
+    case 2: return launch<2, HD, false>(a, dev, stream);
+    case 3: return launch<3, HD, false>(a, dev, stream);
+    case 4: return launch<4, HD, false>(a, dev, stream);
     case 5: return launch<5, HD, false>(a, dev, stream);
     case 6: return launch<6, HD, false>(a, dev, stream);
     case 8: return launch<8, HD, false>(a, dev, stream);
