@@ -409,23 +409,15 @@ __device__ __forceinline__ void load_rows(WgRows& R, const float* __restrict__ W
 template <int NW>
 __device__ __forceinline__ void wg_run(float (&t)[NW / 2], FragA (&f)[2], const WgRows& R, int s0, uint64_t b,
                                        uint32_t lo, uint32_t chunk) {
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const float2 r0 = R.w[s0 + k][0], r1 = R.w[s0 + k][1];
-    f[k] = make_a(r0.x, r1.x, r0.y, r1.y);
-  }
-  fence_regs(t);
-  fence_frags(f);
-  wgmma_fence();
+  uint64_t d[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int s = s0 + k;
-    const uint64_t d = b + ((s / 4 * chunk + s % 4 * 32) >> 4);  // the address field counts 16 bytes
-    wgmma_m64k8_rs<NW>(t, f[k].lo, d, k);
-    wgmma_m64k8_rs<NW>(t, f[k].hi, d + (lo >> 4), 1);
-    wgmma_m64k8_rs<NW>(t, f[k].hi, d, 1);
+    const float2 r0 = R.w[s][0], r1 = R.w[s][1];
+    f[k] = make_a(r0.x, r1.x, r0.y, r1.y);
+    d[k] = b + ((s / 4 * chunk + s % 4 * 32) >> 4);  // the address field counts 16 bytes
   }
-  wgmma_commit();
+  wgmma_3xtf32_run<NW>(t, f, d, lo >> 4);
 }
 #endif
 

@@ -113,17 +113,9 @@ __device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, int wg, in
 template <int WG, int BN>
 __device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], uint32_t s, int ks) {
   using Tl = Tiling<WG, BN>;
-  fence_regs(t);
-  fence_frags(f);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const uint32_t w_hi = s + Tl::kATile + (ks + k) * 32, w_lo = w_hi + Tl::kWTile;
-    wgmma_m64k8_rs<BN>(t, f[k].lo, desc_sw128(w_hi), k == 0 ? 0 : 1);
-    wgmma_m64k8_rs<BN>(t, f[k].hi, desc_sw128(w_lo), 1);
-    wgmma_m64k8_rs<BN>(t, f[k].hi, desc_sw128(w_hi), 1);
-  }
-  wgmma_commit();
+  const uint32_t w_hi = s + Tl::kATile + ks * 32;  // W's hi plane at step ks; the lo plane kWTile on
+  const uint64_t b[2] = {desc_sw128(w_hi), desc_sw128(w_hi + 32)};
+  wgmma_3xtf32_run<BN>(t, f, b, Tl::kWTile >> 4);
 }
 
 #endif  // FASTAXIAL_SM90A_DEVICE
