@@ -34,7 +34,10 @@ def main(paths):
         sys.exit("cuobjdump not found (it comes with the CUDA toolkit)")
     checked, bad = 0, []
     for path in paths:
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+        run = subprocess.run([tool, "-sass", path], capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"cuobjdump -sass {path} failed: {run.stderr.strip()}")
+        sass = run.stdout
         for name, lines in kernels(sass):
             checked += 1
             wait = next((i for i, l in enumerate(lines) if "ACQBULK" in l), None)
@@ -44,10 +47,12 @@ def main(paths):
             early = [l.split(";")[0].split("*/")[-1].strip() for l in lines[:wait] if LOAD.search(l)]
             if early:
                 bad.append(f"{name}: {len(early)} loads before the wait, first: {early[0]}")
+    if checked == 0:
+        bad.append("no sm_90 kernels found in " + " ".join(paths))
     for b in bad:
         print("FAIL", b)
     print(f"{checked} kernels, {len(bad)} reading global memory before their dependency wait or without one")
-    return 1 if bad or checked == 0 else 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
