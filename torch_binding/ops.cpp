@@ -1,5 +1,7 @@
-// Defines the operator once; its CPU and CUDA kernels live in ops_cpu.cpp and
-// ops_cuda.cpp, its fake kernel and autograd in python/fastaxial/ops.py.
+// Defines the operators once: axial_attention, with its CPU, CUDA and
+// Autograd kernels in ops_cpu.cpp, ops_cuda.cpp and ops_autograd.cpp and its
+// fake kernel in python/fastaxial/ops.py; and describe_cuda_plan, which says
+// which CUDA kernels a forward of x would run (ops_cuda.cpp).
 #include "ops.h"
 
 #include <torch/library.h>
@@ -79,4 +81,5 @@ TORCH_LIBRARY(fastaxial, m) {
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05) "
       "-> Tensor");
+  m.def("describe_cuda_plan(Tensor x, int num_heads) -> str");
 }

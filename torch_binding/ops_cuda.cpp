@@ -1,5 +1,6 @@
-// CUDA kernel of fastaxial::axial_attention: on x's device and PyTorch's
-// current stream, with the workspace from PyTorch's caching allocator.
+// CUDA kernels of the fastaxial operators: on x's device and PyTorch's
+// current stream, with the workspace the plan asks for from PyTorch's
+// caching allocator. No host synchronisation.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -19,12 +20,29 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
-  AxialParams p = c.params(out);
+  const AxialParams p = c.params(out);
+  CudaPlan plan;
+  Status s = plan_cuda(p, &plan);
+  TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
   const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(cuda_workspace_bytes(p))}, c.x.options().dtype(at::kByte));
-  const Status s = forward_cuda(p, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+      at::empty({static_cast<int64_t>(plan.workspace_bytes)}, c.x.options().dtype(at::kByte));
+  s = forward_cuda(p, plan, workspace.data_ptr(), plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
   return out;
+}
+
+// The plan of a forward of x with num_heads heads on x's device, assuming
+// 16-byte aligned weights (as PyTorch allocates them).
+std::string describe_cuda_plan(const at::Tensor& x, int64_t num_heads) {
+  TORCH_CHECK_VALUE(x.dim() == 4, "fastaxial.describe_cuda_plan: x must have 4 dimensions (B, H, W, D), got ",
+                    x.dim());
+  const c10::cuda::CUDAGuard guard(x.device());
+  AxialParams p;
+  p.batch = x.size(0), p.height = x.size(1), p.width = x.size(2), p.dim = x.size(3), p.heads = num_heads;
+  CudaPlan plan;
+  const Status s = plan_cuda(p, &plan);
+  TORCH_CHECK(s.ok(), "fastaxial.describe_cuda_plan: ", s.message);
+  return plan.describe();
 }
 
 }  // namespace
@@ -32,4 +50,5 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
 
 TORCH_LIBRARY_IMPL(fastaxial, CUDA, m) {
   m.impl("axial_attention", &fastaxial::torch_binding::axial_attention_cuda);
+  m.impl("describe_cuda_plan", &fastaxial::torch_binding::describe_cuda_plan);
 }

@@ -68,24 +68,79 @@ Status forward_cpu(const AxialParams& p);
 // True when this build contains the CUDA kernels.
 bool cuda_compiled();
 
-// Bytes of device scratch forward_cuda needs: the row pass's output, plus the
-// intermediates of the staged kernels (about 4x the input) for shapes that may
-// take them on some GPU (sequences the fused kernel cannot hold: longer than
-// 128 positions, or too wide for one block's shared memory; and dims above 64,
-// where the choice also depends on the GPU; see the README). Depends on the
-// shape alone.
-size_t cuda_workspace_bytes(const AxialParams& p);
+// ---- CUDA: plan, workspace, forward --------------------------------------------------------
+// As in CUTLASS: plan the problem, allocate the workspace the plan asks for,
+// then run. The plan is made on the host from the problem (sizes, pointer
+// alignment) and the current device; it picks each pass's kernel family and
+// lays out every byte of the workspace, so the workspace covers the chosen
+// kernels by construction.
 
-// CUDA forward on `stream` (nullptr: the default stream). All pointers are
-// device pointers; `workspace` holds cuda_workspace_bytes(p) bytes. Launches
-// only: no allocation, no synchronisation, so it can be captured in a graph.
-// Precision: fp32 inputs, outputs and accumulation. With dim a multiple of 8
-// and head_dim 8, 16, 32 or 64, sequences of up to 128 positions (and on
-// compute capability 9.0 with an sm_90a build, longer ones) use the tensor
-// cores, each fp32 operand split into two TF32 parts (3xTF32): error against
-// float64 within twice that of plain fp32 arithmetic in the tests, though not
-// bit-identical to it. Other shapes use fp32 FMA. PyTorch's TF32 switches do
-// not apply.
-Status forward_cuda(const AxialParams& p, void* workspace, CUstream_st* stream);
+// The CUDA kernel families of one attention pass (README, "Performance"):
+//   kFused:   one block per whole sequence (L <= 128), every product on the
+//             tensor cores;
+//   kStaged:  LayerNorm, QKV product, attention and output product as
+//             separate tensor-core kernels over all positions, with q, k, v
+//             in the workspace (Hopper, an sm_90a build);
+//   kGeneric: FFMA, any shape.
+enum class KernelFamily { kFused, kStaged, kGeneric };
+const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
+
+struct PassPlan {
+  KernelFamily family = KernelFamily::kGeneric;
+  bool wgmma = false;  // kFused only: the projections on Hopper's wgmma (else mma.sync)
+};
+
+struct CudaPlan {
+  static constexpr size_t kNone = ~size_t{0};  // offset of a region the plan does not use
+
+  PassPlan row, col;  // attention along W, then along H
+
+  // Workspace layout, in bytes from its start (which must be 256-byte aligned).
+  size_t row_output = 0;                // (B, H, W, D) floats: row pass out, column pass in
+  size_t staged_scratch = kNone;        // 4 T D floats (T = B H W) for the staged passes
+  size_t row_weight_planes = kNone;     // a staged pass's weights as TF32 (hi, lo) planes:
+  size_t col_weight_planes = kNone;     //   8 D^2 floats each
+  size_t workspace_bytes = 0;           // the whole workspace
+
+  // What the plan was made for; forward_cuda rejects another problem or device.
+  int64_t batch = 0, height = 0, width = 0, dim = 0, heads = 0;
+  int device = -1;
+
+  // One line, e.g. "row: fused (wgmma), col: staged; workspace 1310720 B (...)".
+  std::string describe() const;
+};
+
+// Plans the forward of p on the current CUDA device. p is validated first
+// (its sizes decide the workspace; a negative size is an error, not a huge
+// size); its pointers may be null when no forward is planned yet for them, as
+// null counts as aligned. The choice depends on the shape, the device
+// (multiprocessors, shared memory, compute capability), the alignment of p's
+// pointers, and two environment variables read once per process:
+// FASTAXIAL_CUDA_PATH=fused|staged|generic forces one family on every pass
+// whose shape that family supports (an error where the device cannot run it),
+// and FASTAXIAL_FUSED_WGMMA=0|1 turns the fused kernel's wgmma projections off
+// or on (default on). Another value of either is an error.
+// kUnsupported in a build without CUDA or with no device.
+Status plan_cuda(const AxialParams& p, CudaPlan* plan);
+
+// plan_cuda(p).workspace_bytes: the device scratch forward_cuda(p) needs on
+// the current device.
+Status cuda_workspace_bytes(const AxialParams& p, size_t* bytes);
+
+// CUDA forward on `stream` (nullptr: the default stream) of the plan made by
+// plan_cuda for p on the current device. All pointers are device pointers;
+// `workspace` is 256-byte aligned and holds `workspace_bytes` >=
+// plan.workspace_bytes bytes. Launches only: no allocation, no
+// synchronisation, so it can be captured in a graph.
+// Precision: fp32 inputs, outputs and accumulation. The fused and staged
+// families run every product on the tensor cores, each fp32 operand split
+// into two TF32 parts (3xTF32): error against float64 within twice that of
+// plain fp32 arithmetic in the tests, though not bit-identical to it. The
+// generic family uses fp32 FMA. PyTorch's TF32 switches do not apply.
+Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace, size_t workspace_bytes,
+                    CUstream_st* stream);
+
+// Plans p, then runs it: the same as plan_cuda followed by the call above.
+Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_bytes, CUstream_st* stream);
 
 }  // namespace fastaxial

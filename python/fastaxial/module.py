@@ -1,5 +1,7 @@
 """fastaxial.AxialAttention: the reference module's drop-in replacement."""
 
+import os
+import sys
 import warnings
 
 import torch
@@ -8,6 +10,10 @@ from . import ops, reference
 
 __all__ = ["AxialAttention"]
 
+_OP = torch.ops.fastaxial.axial_attention.default
+_HAS_CPU, _HAS_CUDA = ops.has_kernel("cpu"), ops.has_kernel("cuda")
+_SUBMODULES = frozenset(m for m, _ in reference._WEIGHT_NAMES)
+
 
 class AxialAttention(reference.AxialAttentionReference):
     """Axial attention on x (B, H, W, D) through fastaxial's fused kernels.
@@ -15,41 +21,90 @@ class AxialAttention(reference.AxialAttentionReference):
     Same constructor, parameters (names, shapes, initialisation, creation
     order) and forward as fastaxial.reference.AxialAttentionReference, so
     state dicts load both ways and equal seeds give equal weights. Gradients
-    flow through the operator's registered autograd formula. Inputs the fused
-    kernels do not serve yet (a dtype other than float32, a device without a
-    kernel, dropout active in training mode, different LayerNorm epsilons per
-    axis) run the reference math instead, with a warning the first time.
+    flow through the operator's autograd kernel. Inputs the fused kernels do
+    not serve yet (a dtype other than float32, a device without a kernel,
+    dropout active in training mode, different LayerNorm epsilons per axis)
+    run the reference math instead, with a warning the first time.
     """
 
-    # Submodules are read from self._modules rather than as attributes: each
-    # attribute read of a submodule goes through nn.Module.__getattr__, about
-    # 0.6 us of host time, and the checks below run on every forward.
-    def _fused_unsupported(self, x, weights):
-        """Why the fused path cannot serve this call, or None when it can."""
+    # forward() is the host path of every call, so it reads only plain
+    # attributes and dicts: each submodule read through nn.Module.__getattr__
+    # costs about 0.6 us. The weights are read from their submodules'
+    # parameter dicts, kept in _slots (built on first use, dropped when a
+    # submodule is replaced), so a swapped or reloaded parameter is the one
+    # used.
+    def forward(self, x):
+        mods = self._modules
+        eps = mods["row_norm"].eps
+        if (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and (x.is_cuda and _HAS_CUDA or x.is_cpu and _HAS_CPU)
+                and not (self.training and mods["dropout"].p > 0) and eps == mods["col_norm"].eps):
+            try:
+                weights = [d[n] for d, n in self.__dict__["_slots"]]
+            except KeyError:
+                weights = self._weights_slow_path()
+            return _OP(x, *weights, self.num_heads, eps)
+        return self._reference_forward(x)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in _SUBMODULES:
+            self.__dict__.pop("_slots", None)
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        if name in _SUBMODULES:
+            self.__dict__.pop("_slots", None)
+
+    def _weights_slow_path(self):
+        """The ten weights, building _slots where every weight is a plain parameter."""
+        mods = self._modules
+        try:
+            slots = tuple((mods[m]._parameters, p) for m, p in reference._WEIGHT_NAMES)
+            weights = [d[n] for d, n in slots]
+        except KeyError:  # a parametrized weight (a property, not in _parameters)
+            self.__dict__.pop("_slots", None)
+            return list(self.weights())
+        self.__dict__["_slots"] = slots
+        return weights
+
+    def _reference_forward(self, x):
+        if isinstance(x, torch.Tensor):
+            weights = self.weights()
+            mismatch = next((w.dtype for w in weights if w.dtype != x.dtype), None)
+            if mismatch is not None:
+                raise TypeError(f"fastaxial.AxialAttention: x is {x.dtype} but the weights are {mismatch}; "
+                                f"convert one to the other's dtype (e.g. module.to({x.dtype}) or x.to({mismatch}))")
+            reason = self._fused_unsupported(x)
+            if reason is not None:
+                _warn_once(reason)
+        return super().forward(x)
+
+    def _fused_unsupported(self, x):
+        """Why the fused path cannot serve this call."""
         mods = self._modules
         if self.training and mods["dropout"].p > 0:
             return "dropout is active in training mode"
-        if x.dtype is not torch.float32 or not all(w.dtype is torch.float32 for w in weights):
+        if x.dtype is not torch.float32:
             return f"dtype {x.dtype} is not supported yet (float32 is)"
         if not ops.has_kernel(x.device.type):
             return f"no fastaxial kernel for device type '{x.device.type}' in this build"
-        if mods["row_norm"].eps != mods["col_norm"].eps:
-            return "row_norm and col_norm have different eps"
-        return None
-
-    def forward(self, x):
-        weights = self.weights()
-        reason = self._fused_unsupported(x, weights) if isinstance(x, torch.Tensor) else None
-        if reason is not None:
-            _warn_once(reason)
-            return super().forward(x)
-        return ops.axial_attention(x, *weights, self.num_heads, self._modules["row_norm"].eps)
+        return "row_norm and col_norm have different eps"
 
 
 _warned = set()
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
+
+
+def _caller_stacklevel():
+    """The stacklevel of the first frame outside torch and fastaxial: the user's call of the module."""
+    frame, level = sys._getframe(2), 2  # 1: _warn_once's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _warn_once(reason):
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"fastaxial.AxialAttention: {reason}; running the reference PyTorch math", stacklevel=3)
+        warnings.warn(f"fastaxial.AxialAttention: {reason}; running the reference PyTorch math",
+                      stacklevel=_caller_stacklevel())

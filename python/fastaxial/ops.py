@@ -1,15 +1,13 @@
 """The fused operator torch.ops.fastaxial.axial_attention: loads the compiled
-library and registers, from Python, its fake kernel (shapes for torch.compile)
-and its autograd formula."""
+library (which registers its CPU, CUDA and autograd kernels in C++) and adds,
+from Python, its fake kernel (shapes for torch.compile)."""
 
 import os
 from pathlib import Path
 
 import torch
 
-from . import reference
-
-__all__ = ["axial_attention", "has_kernel", "library_path"]
+__all__ = ["axial_attention", "describe_cuda_plan", "has_kernel", "library_path"]
 
 
 def library_path():
@@ -43,7 +41,6 @@ def _load():
 _load()
 
 _OP = "fastaxial::axial_attention"
-_NUM_TENSORS = 11  # x and the ten weights
 
 
 # Read once at import: torch.compile traces has_kernel() as a plain lookup.
@@ -71,21 +68,8 @@ def _(x, *args):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:_NUM_TENSORS])
-    ctx.num_heads, ctx.eps = inputs[_NUM_TENSORS:]
-
-
-def _backward(ctx, grad_out):
-    # The gradient of the same function, through the reference math: the
-    # forward stays fused, the backward recomputes and differentiates.
-    needs = ctx.needs_input_grad[:_NUM_TENSORS]
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-        out = reference.axial_attention(*leaves, ctx.num_heads, ctx.eps)
-        wanted = [t for t in leaves if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-    return (*(next(grads) if need else None for need in needs), None, None)
-
-
-torch.library.register_autograd(_OP, _backward, setup_context=_setup_context)
+def describe_cuda_plan(x, num_heads):
+    """Which CUDA kernels a forward of x (B, H, W, D) on x's device runs, and its workspace, as one line:
+    e.g. 'row: fused (wgmma), col: fused (wgmma); workspace 1048576 B: ...'. FASTAXIAL_CUDA_PATH and
+    FASTAXIAL_FUSED_WGMMA apply as in the forward."""
+    return torch.ops.fastaxial.describe_cuda_plan(x, num_heads)

@@ -1,5 +1,5 @@
 // Shared-memory layouts of the tensor-core kernels, in one place for the
-// kernels (device) and for dispatch.cpp (host), which must size them without
+// kernels (device) and for plan.cpp (host), which must size them without
 // a device: row strides chosen so that fragment loads hit distinct banks.
 #pragma once
 
@@ -43,5 +43,14 @@ struct StagedAttentionLayout {
   FASTAXIAL_HOST_DEVICE constexpr StagedAttentionLayout(int lp, int hd)
       : ldk(pair_row_words(2 * hd)), ldv(pair_row_words(2 * lp)) {}
 };
+
+// Shared memory the fused kernel's wgmma variant takes beyond FusedLayout:
+// room to align its B operand to 1024 bytes.
+constexpr size_t kFusedWgmmaSmemExtra = 1024;
+
+// Shared memory of the staged path's largest GEMM tiling (4 stages of a
+// 128 x 32 A tile and two 128 x 32 W planes, + 1024 to align): a device
+// that cannot give a block this much has no staged path.
+constexpr size_t kStagedGemmSmemBytes = 4 * (16384 + 2 * 16384) + 1024;
 
 }  // namespace fastaxial

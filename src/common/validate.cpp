@@ -1,5 +1,6 @@
 // Argument checks shared by the CPU and CUDA entry points.
 #include "fastaxial/fastaxial.h"
+#include "plan.h"  // validate_sizes
 
 #include <limits>
 #include <sstream>
@@ -20,7 +21,7 @@ Status check_axis(const AxisWeights& w, const char* axis) {
 
 }  // namespace
 
-Status validate(const AxialParams& p) {
+Status validate_sizes(const AxialParams& p) {
   const std::pair<int64_t, const char*> sizes[] = {
       {p.batch, "batch"}, {p.height, "height"}, {p.width, "width"}};
   for (const auto& [v, name] : sizes)
@@ -40,7 +41,12 @@ Status validate(const AxialParams& p) {
     if (v != 0 && n > max / v) return invalid("B*H*W*D overflows int64");
     n *= v;
   }
-  if (n == 0) return Status::Ok();  // nothing to read or write
+  return Status::Ok();
+}
+
+Status validate(const AxialParams& p) {
+  if (Status s = validate_sizes(p); !s.ok()) return s;
+  if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to read or write
   if (p.x == nullptr) return invalid("x is null");
   if (p.out == nullptr) return invalid("out is null");
   if (p.out == p.x) return invalid("out must not alias x");

@@ -1,13 +1,25 @@
 // Entry points of a build without CUDA: they say so instead of failing to link.
+#include "../common/plan.h"  // validate_sizes
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial {
+namespace {
+
+Status no_cuda(const AxialParams& p, bool pointers = true) {
+  if (Status s = pointers ? validate(p) : validate_sizes(p); !s.ok()) return s;
+  return {StatusCode::kUnsupported, "fastaxial was built without CUDA"};
+}
+
+}  // namespace
 
 bool cuda_compiled() { return false; }
 
-Status forward_cuda(const AxialParams& p, void*, CUstream_st*) {
-  if (Status s = validate(p); !s.ok()) return s;
-  return {StatusCode::kUnsupported, "fastaxial was built without CUDA"};
-}
+Status plan_cuda(const AxialParams& p, CudaPlan*) { return no_cuda(p, false); }
+
+Status cuda_workspace_bytes(const AxialParams& p, size_t*) { return no_cuda(p, false); }
+
+Status forward_cuda(const AxialParams& p, const CudaPlan&, void*, size_t, CUstream_st*) { return no_cuda(p); }
+
+Status forward_cuda(const AxialParams& p, void*, size_t, CUstream_st*) { return no_cuda(p); }
 
 }  // namespace fastaxial

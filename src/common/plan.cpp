@@ -1,0 +1,222 @@
+// The rules of plan.h: each pass's kernel family, and the workspace layout.
+#include "plan.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "smem_layout.h"
+
+namespace fastaxial {
+namespace {
+
+Status invalid(const std::string& what) { return {StatusCode::kInvalidArgument, what}; }
+
+// Dims at which the staged path beats the fused kernel on some passes.
+bool staged_can_be_faster(int64_t dim) { return dim > 64; }
+
+// Where both fit, by GPU time per forward measured on the H200 (132 SMs;
+// docs/perf-notes.md, "dispatch"):
+// - dim 64 and less: the fused kernel everywhere; its projections are a
+//   small share of its time there.
+// - wider dims, passes of 16384 positions or more: the staged path, whose
+//   projections run on wgmma over all positions;
+// - wider dims, smaller passes: the fused kernel while its sequences (a
+//   block each, one block an SM) fill at least three quarters of the
+//   device's last wave, the staged path where they leave more idle, from
+//   4096 positions up. Below that, the staged path's launches cost more
+//   than they save.
+bool staged_is_faster(int64_t len, int64_t dim, int64_t num_seq, int64_t sms) {
+  if (!staged_can_be_faster(dim)) return false;
+  const int64_t positions = num_seq * len;
+  if (positions >= 16384) return true;
+  if (positions < 4096 || sms < 1) return false;
+  const int64_t slots = (num_seq + sms - 1) / sms * sms;  // blocks the fused kernel's waves could hold
+  return 4 * num_seq < 3 * slots;
+}
+
+// Regions of the workspace start on 256-byte boundaries, as allocators give.
+constexpr size_t kAlign = 256;
+
+// Appends `bytes` to a layout of `*end` bytes and returns the region's
+// offset; false when the sum would overflow size_t.
+bool append(size_t* end, size_t bytes, size_t* offset) {
+  const size_t start = (*end + kAlign - 1) / kAlign * kAlign;
+  if (start < *end || bytes > ~size_t{0} - start) return false;
+  *offset = start;
+  *end = start + bytes;
+  return true;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+bool pass_aligned(const AxisWeights& w, const float* src, const float* dst) {
+  for (const void* ptr : {static_cast<const void*>(src), static_cast<const void*>(dst),
+                          static_cast<const void*>(w.norm_weight), static_cast<const void*>(w.norm_bias),
+                          static_cast<const void*>(w.qkv_weight), static_cast<const void*>(w.out_weight),
+                          static_cast<const void*>(w.out_bias)})
+    if (!aligned16(ptr)) return false;
+  return true;
+}
+
+}  // namespace
+
+const char* to_string(KernelFamily family) {
+  switch (family) {
+    case KernelFamily::kFused: return "fused";
+    case KernelFamily::kStaged: return "staged";
+    case KernelFamily::kGeneric: return "generic";
+  }
+  return "?";
+}
+
+std::string CudaPlan::describe() const {
+  std::ostringstream s;
+  const auto pass = [&](const char* name, const PassPlan& p) {
+    s << name << ": " << to_string(p.family);
+    if (p.family == KernelFamily::kFused) s << (p.wgmma ? " (wgmma)" : " (mma.sync)");
+  };
+  pass("row", row);
+  s << ", ";
+  pass("col", col);
+  s << "; workspace " << workspace_bytes << " B: row output at " << row_output;
+  if (staged_scratch != kNone) s << ", staged scratch at " << staged_scratch;
+  if (row_weight_planes != kNone) s << ", row weight planes at " << row_weight_planes;
+  if (col_weight_planes != kNone) s << ", col weight planes at " << col_weight_planes;
+  s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
+    << device << ")";
+  return s.str();
+}
+
+Status parse_plan_options(const char* cuda_path, const char* fused_wgmma, PlanOptions* options) {
+  PlanOptions o;
+  if (cuda_path != nullptr) {
+    const std::pair<const char*, ForcedFamily> names[] = {
+        {"fused", ForcedFamily::kFused}, {"staged", ForcedFamily::kStaged}, {"generic", ForcedFamily::kGeneric}};
+    const auto* hit = std::find_if(std::begin(names), std::end(names),
+                                   [&](const auto& n) { return std::strcmp(cuda_path, n.first) == 0; });
+    if (hit == std::end(names))
+      return invalid(std::string("FASTAXIAL_CUDA_PATH='") + cuda_path +
+                     "' is not a kernel family: use fused, staged or generic, or unset it");
+    o.forced = hit->second;
+  }
+  if (fused_wgmma != nullptr) {
+    if (std::strcmp(fused_wgmma, "0") == 0) {
+      o.fused_wgmma = 0;
+    } else if (std::strcmp(fused_wgmma, "1") == 0) {
+      o.fused_wgmma = 1;
+    } else {
+      return invalid(std::string("FASTAXIAL_FUSED_WGMMA='") + fused_wgmma + "': use 0 (off) or 1 (on), or unset it");
+    }
+  }
+  *options = o;
+  return Status::Ok();
+}
+
+Status env_plan_options(PlanOptions* options) {
+  static PlanOptions parsed;
+  static const Status status =
+      parse_plan_options(std::getenv("FASTAXIAL_CUDA_PATH"), std::getenv("FASTAXIAL_FUSED_WGMMA"), &parsed);
+  if (status.ok()) *options = parsed;
+  return status;
+}
+
+bool tensor_core_head(int64_t dim, int64_t heads) {
+  const int64_t hd = dim / heads;
+  return dim % 8 == 0 && (hd == 8 || hd == 16 || hd == 32 || hd == 64);
+}
+
+int fused_tile_count(int64_t len) {
+  for (int mt : {1, 2, 3, 4, 5, 6, 8})
+    if (16 * mt >= len) return mt;
+  return 0;
+}
+
+size_t fused_smem_bytes(int64_t len, int64_t dim) {
+  const int mt = fused_tile_count(len);
+  if (mt == 0 || dim > (1 << 20)) return ~size_t{0};  // no block holds it
+  const FusedLayout lay(16 * mt, (int)dim);
+  return (size_t)lay.floats() * sizeof(float);
+}
+
+// Lp = L rounded up to 16 (int: a longer sequence fits no block anyway).
+size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim) {
+  const int64_t lp = std::min<int64_t>((len + 15) / 16 * 16, 1 << 24);
+  const StagedAttentionLayout lay((int)lp, (int)head_dim);
+  return (size_t)(lp * lay.ldk + head_dim * lay.ldv) * sizeof(float);
+}
+
+Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned, const DeviceCaps& dev,
+                 const PlanOptions& options, PassPlan* pass) {
+  const size_t smem = (size_t)std::max(dev.smem_optin, 0);
+  const bool staged_device = dev.sm90a && smem >= kStagedGemmSmemBytes;
+  if (options.forced == ForcedFamily::kStaged && !staged_device)
+    return {StatusCode::kUnsupported,
+            "FASTAXIAL_CUDA_PATH=staged: this device or build has no staged path (it needs an sm_90a build on a "
+            "compute-capability 9.0 GPU with " + std::to_string(kStagedGemmSmemBytes) +
+                " bytes of shared memory a block)"};
+  if (options.fused_wgmma == 1 && !dev.sm90a)
+    return {StatusCode::kUnsupported,
+            "FASTAXIAL_FUSED_WGMMA=1: this device or build has no wgmma (it needs an sm_90a build on a "
+            "compute-capability 9.0 GPU)"};
+
+  const bool tc = tensor_core_head(dim, heads) && aligned;
+  const int tiles = fused_tile_count(view.len);
+  const bool fused = tc && tiles > 0 && fused_smem_bytes(view.len, dim) <= smem && view.num_seq <= INT32_MAX;
+  const bool staged = tc && staged_device && staged_attention_smem_bytes(view.len, dim / heads) <= smem;
+
+  KernelFamily family = KernelFamily::kGeneric;
+  if (options.forced == ForcedFamily::kFused && fused) {
+    family = KernelFamily::kFused;
+  } else if (options.forced == ForcedFamily::kStaged && staged) {
+    family = KernelFamily::kStaged;
+  } else if (options.forced != ForcedFamily::kGeneric) {
+    if (fused && !(staged && staged_is_faster(view.len, dim, view.num_seq, dev.sms)))
+      family = KernelFamily::kFused;
+    else if (staged)
+      family = KernelFamily::kStaged;
+  }
+  pass->family = family;
+  // The fused kernel's projections on wgmma: dim 64 with heads of less than
+  // 64 (one head of 64 keeps more attention state than a thread of three
+  // warpgroups has registers for), up to 64 positions.
+  pass->wgmma = family == KernelFamily::kFused && options.fused_wgmma != 0 && dev.sm90a && dim == 64 &&
+                dim / heads < 64 && tiles <= 4 && fused_smem_bytes(view.len, dim) + kFusedWgmmaSmemExtra <= smem;
+  return Status::Ok();
+}
+
+Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan) {
+  CudaPlan c;
+  c.batch = p.batch, c.height = p.height, c.width = p.width, c.dim = p.dim, c.heads = p.heads;
+  c.device = dev.device;
+  // The row pass's output, the workspace's first region, is 256-byte
+  // aligned; null stands in for it (it counts as aligned).
+  const float* x1 = nullptr;
+  if (Status s = plan_pass(row_view(p), p.dim, p.heads, pass_aligned(p.row, p.x, x1), dev, options, &c.row); !s.ok())
+    return s;
+  if (Status s = plan_pass(col_view(p), p.dim, p.heads, pass_aligned(p.col, x1, p.out), dev, options, &c.col);
+      !s.ok())
+    return s;
+
+  const size_t floats = (size_t)(p.batch * p.height * p.width * p.dim);  // validate() bounds it by int64
+  const size_t bytes = floats * sizeof(float);
+  if (bytes / sizeof(float) != floats) return invalid("the workspace size overflows size_t");
+  size_t end = 0;
+  bool fits = append(&end, bytes, &c.row_output);
+  const bool row_staged = c.row.family == KernelFamily::kStaged, col_staged = c.col.family == KernelFamily::kStaged;
+  if (fits && (row_staged || col_staged)) {
+    const size_t planes = 8 * (size_t)p.dim * (size_t)p.dim * sizeof(float);
+    fits = bytes <= ~size_t{0} / 4 && append(&end, 4 * bytes, &c.staged_scratch);
+    if (fits && row_staged) fits = append(&end, planes, &c.row_weight_planes);
+    if (fits && col_staged) fits = append(&end, planes, &c.col_weight_planes);
+  }
+  if (!fits) return invalid("the workspace size overflows size_t");
+  c.workspace_bytes = end;
+  *plan = c;
+  return Status::Ok();
+}
+
+}  // namespace fastaxial

@@ -1,0 +1,71 @@
+// The plan of one CUDA forward (fastaxial.h's CudaPlan), made on the host:
+// which kernel family serves each pass, and where everything lies in the
+// workspace. Host-only code: it knows the device through DeviceCaps, which
+// the CUDA side reads once per device, so CI tests every rule without a GPU.
+//
+// Each pass's family, in order:
+//   1. the shape's preference where every family could run it (from
+//      timings on the H200, plan.cpp says which);
+//   2. FASTAXIAL_CUDA_PATH, where the forced family can serve the pass;
+//   3. narrowed to what the device and the pointers allow: the fused kernel
+//      needs its shared memory and 16-byte aligned tensors, the staged path
+//      an sm_90a build on a compute-capability 9.0 GPU; else the generic one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "axis.h"
+#include "fastaxial/fastaxial.h"
+
+namespace fastaxial {
+
+// What the plan needs to know of the device.
+struct DeviceCaps {
+  int device = 0;      // ordinal
+  int sms = 0;         // multiprocessors
+  int smem_optin = 0;  // bytes of shared memory a block may opt in to
+  int cc_major = 0, cc_minor = 0;
+  bool sm90a = false;  // the kernels run as this build's sm_90a code (cc 9.0, a build with 90a)
+};
+
+enum class ForcedFamily { kNone, kFused, kStaged, kGeneric };
+
+// FASTAXIAL_CUDA_PATH and FASTAXIAL_FUSED_WGMMA, parsed.
+struct PlanOptions {
+  ForcedFamily forced = ForcedFamily::kNone;
+  int fused_wgmma = -1;  // -1: where it applies (unset), 0: never, 1: required where it applies
+};
+
+// Parses the two variables' values (null: unset); an unknown value is an error.
+Status parse_plan_options(const char* cuda_path, const char* fused_wgmma, PlanOptions* options);
+
+// The process's options, read from the environment once.
+Status env_plan_options(PlanOptions* options);
+
+// validate() without the pointer checks: what a plan needs of p.
+Status validate_sizes(const AxialParams& p);
+
+// The plan of p on dev; p must have passed validate_sizes().
+Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan);
+
+// ---- the shape rules, for tests and for the kernels' launchers -----------------------------
+
+// Head dims the tensor-core families serve (dim a multiple of 8 too).
+bool tensor_core_head(int64_t dim, int64_t heads);
+
+// The fused kernel's 16-position tiles for a sequence of length L (0: L is
+// too long for it), and its shared memory for that L and dim D.
+int fused_tile_count(int64_t len);
+size_t fused_smem_bytes(int64_t len, int64_t dim);
+
+// Shared memory of the staged attention kernel: one head's keys and values
+// of a whole sequence, split into (hi, lo) TF32 pairs.
+size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
+
+// One pass's family and variant: `view` gives its sequences, `aligned`
+// whether its tensors are 16-byte aligned. make_plan calls it for each pass.
+Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned, const DeviceCaps& dev,
+                 const PlanOptions& options, PassPlan* pass);
+
+}  // namespace fastaxial

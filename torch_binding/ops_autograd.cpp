@@ -1,0 +1,111 @@
+// Autograd kernel of fastaxial::axial_attention, in C++ so that no Python
+// runs per call: under no_grad, or where nothing requires grad, it calls the
+// device kernel straight away; in grad mode it records one node that saves
+// x and the ten weights.
+// The backward recomputes the forward with the reference math in ATen ops
+// (python/fastaxial/reference.py, the same function) and differentiates it.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "ops.h"
+
+namespace fastaxial::torch_binding {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int kTensors = 11;  // x and the ten weights, in the schema's order
+
+// One axis of the reference: x is (N, L, D); returns the attention branch
+// (no residual). w: norm weight, norm bias, qkv weight, out weight, out bias.
+at::Tensor axis_branch(const at::Tensor& x, const at::Tensor* w, int64_t heads, double eps) {
+  const int64_t N = x.size(0), L = x.size(1), D = x.size(2), hd = D / heads;
+  const at::Tensor y = at::layer_norm(x, {D}, w[0], w[1], eps);
+  const at::Tensor qkv = at::linear(y, w[2]).view({N, L, 3, heads, hd}).permute({2, 0, 3, 1, 4});
+  const at::Tensor q = qkv[0], k = qkv[1], v = qkv[2];  // each (N, heads, L, hd)
+  const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+  const at::Tensor o = at::matmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({N, L, D});
+  return at::linear(o, w[3], w[4]);
+}
+
+// Rows then columns of x (B, H, W, D), each with its residual.
+at::Tensor reference_forward(const variable_list& t, int64_t heads, double eps) {
+  const at::Tensor& x = t[0];
+  const int64_t B = x.size(0), H = x.size(1), W = x.size(2), D = x.size(3);
+  const at::Tensor x1 = x + axis_branch(x.reshape({B * H, W, D}), &t[1], heads, eps).reshape({B, H, W, D});
+  const at::Tensor xc = x1.permute({0, 2, 1, 3}).reshape({B * W, H, D});
+  return x1 + axis_branch(xc, &t[6], heads, eps).reshape({B, W, H, D}).permute({0, 2, 1, 3});
+}
+
+using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
+
+// The operator's kernels below autograd (CPU, CUDA, fake).
+at::Tensor call_below_autograd(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
+                               const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
+                               const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
+                               const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+}
+
+class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
+                            const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
+                            const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
+                            const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
+    ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob});
+    ctx->saved_data["heads"] = heads;
+    ctx->saved_data["eps"] = eps;
+    return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const int64_t heads = ctx->saved_data["heads"].toInt();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    variable_list leaves, wanted;
+    for (int i = 0; i < kTensors; ++i) {
+      leaves.push_back(saved[i].detach().requires_grad_(ctx->needs_input_grad(i)));
+      if (ctx->needs_input_grad(i)) wanted.push_back(leaves.back());
+    }
+    variable_list grads;
+    if (!wanted.empty()) {
+      const at::AutoGradMode grad_mode(true);
+      const at::Tensor out = reference_forward(leaves, heads, eps);
+      grads = torch::autograd::grad({out}, wanted, {grad_outputs[0]});
+    }
+    variable_list result(kTensors + 2);  // undefined: no gradient (and none for heads, eps)
+    for (int i = 0, j = 0; i < kTensors; ++i)
+      if (ctx->needs_input_grad(i)) result[i] = grads[j++];
+    return result;
+  }
+};
+
+at::Tensor axial_attention_autograd(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
+                                    const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
+                                    const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
+                                    const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
+  const bool record = at::GradMode::is_enabled() &&
+                      (x.requires_grad() || rnw.requires_grad() || rnb.requires_grad() || rqkv.requires_grad() ||
+                       rout.requires_grad() || rob.requires_grad() || cnw.requires_grad() || cnb.requires_grad() ||
+                       cqkv.requires_grad() || cout.requires_grad() || cob.requires_grad());
+  if (!record) return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+  return AxialAttentionFunction::apply(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+}
+
+}  // namespace
+}  // namespace fastaxial::torch_binding
+
+TORCH_LIBRARY_IMPL(fastaxial, Autograd, m) {
+  m.impl("axial_attention", &fastaxial::torch_binding::axial_attention_autograd);
+}
