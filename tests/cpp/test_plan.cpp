@@ -1,79 +1,197 @@
-// The shape rule that picks a pass's CUDA kernel family and sizes the
-// workspace (src/common/dispatch.cpp): no GPU needed, so CI runs it.
+// The plan of a CUDA forward (src/common/plan.cpp): which kernel family each
+// pass takes on a given device, and the workspace layout. Host code alone, so
+// CI runs it without a GPU. The environment's FASTAXIAL_CUDA_PATH does not
+// apply here: every test passes its options explicitly, so it runs once.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
+#include <string>
 
-#include "../../src/common/dispatch.h"
+#include "../../src/common/plan.h"
 #include "../../src/common/smem_layout.h"
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial::test {
 namespace {
 
-// The rule is read with FASTAXIAL_CUDA_PATH unset; a forced path changes it.
-bool overridden() { return std::getenv("FASTAXIAL_CUDA_PATH") != nullptr; }
+// An H200: 132 SMs, 227 KB of shared memory a block, sm_90a code.
+DeviceCaps h200() {
+  DeviceCaps d;
+  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.cc_minor = 0, d.sm90a = true;
+  return d;
+}
+
+// A newer GPU with as much shared memory, running the PTX build: no sm_90a
+// code, so no staged path and no wgmma.
+DeviceCaps ptx_only() {
+  DeviceCaps d = h200();
+  d.cc_major = 10, d.sm90a = false;
+  return d;
+}
+
+// An Ampere-class GPU: less shared memory, and the PTX build.
+DeviceCaps a100() {
+  DeviceCaps d;
+  d.sms = 108, d.smem_optin = 163 * 1024, d.cc_major = 8, d.cc_minor = 0, d.sm90a = false;
+  return d;
+}
+
+// The plan of the row pass of num_seq sequences of len positions.
+PassPlan row_pass(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, const DeviceCaps& dev,
+                  const PlanOptions& options = {}, bool aligned = true) {
+  const AxisView view{num_seq, len, num_seq, len * dim, dim, num_seq * len * dim};
+  PassPlan pass;
+  const Status s = plan_pass(view, dim, heads, aligned, dev, options, &pass);
+  EXPECT_TRUE(s.ok()) << s.message;
+  return pass;
+}
+
+AxialParams problem(int64_t B, int64_t H, int64_t W, int64_t D, int64_t heads) {
+  AxialParams p;
+  p.batch = B, p.height = H, p.width = W, p.dim = D, p.heads = heads;
+  return p;  // null pointers: planned as aligned
+}
+
+CudaPlan plan_of(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options = {}) {
+  CudaPlan plan;
+  const Status s = make_plan(p, dev, options, &plan);
+  EXPECT_TRUE(s.ok()) << s.message;
+  return plan;
+}
 
 struct Case {
   int64_t len, dim, heads, num_seq;
-  AxisPath path;
+  KernelFamily family;
   const char* why;
 };
 
-constexpr int64_t kH200Sms = 132;
-
-TEST(Dispatch, PicksTheFamilyByShapeAndDevice) {
-  if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
+TEST(Plan, PicksTheFamilyByShapeAndDevice) {
   const Case cases[] = {
       // The shapes behind the rule (dispatch.cpp), each pass on an H200.
-      {32, 64, 4, 128, AxisPath::kFused, "default problem"},
-      {32, 64, 4, 512, AxisPath::kFused, "16x32x32 dim 64: dim 64 stays fused"},
-      {64, 64, 4, 512, AxisPath::kFused, "8x64x64 dim 64"},
-      {64, 128, 8, 512, AxisPath::kStaged, "8x64x64 dim 128: 32768 positions"},
-      {32, 128, 4, 512, AxisPath::kStaged, "16x32x32 dim 128: 16384 positions"},
-      {32, 256, 8, 128, AxisPath::kFused, "4x32x32 dim 256: 128 sequences fill 132 SMs"},
-      {32, 96, 3, 128, AxisPath::kFused, "4x32x32 dim 96"},
-      {64, 96, 3, 128, AxisPath::kFused, "2x64x64 dim 96"},
-      {80, 96, 3, 96, AxisPath::kStaged, "2x48x80 dim 96, rows: 96 sequences leave 36 SMs idle"},
-      {48, 96, 3, 160, AxisPath::kStaged, "2x48x80 dim 96, columns: a second wave of 28"},
-      {48, 128, 4, 192, AxisPath::kStaged, "4x48x48 dim 128: a second wave of 60"},
-      {64, 128, 8, 64, AxisPath::kStaged, "1x64x64 dim 128: 64 sequences"},
-      {8, 128, 4, 8, AxisPath::kFused, "1x8x8 dim 128: too small for eight launches"},
+      {32, 64, 4, 128, KernelFamily::kFused, "default problem"},
+      {32, 64, 4, 512, KernelFamily::kFused, "16x32x32 dim 64: dim 64 stays fused"},
+      {64, 64, 4, 512, KernelFamily::kFused, "8x64x64 dim 64"},
+      {64, 128, 8, 512, KernelFamily::kStaged, "8x64x64 dim 128: 32768 positions"},
+      {32, 128, 4, 512, KernelFamily::kStaged, "16x32x32 dim 128: 16384 positions"},
+      {32, 256, 8, 128, KernelFamily::kFused, "4x32x32 dim 256: 128 sequences fill 132 SMs"},
+      {32, 96, 3, 128, KernelFamily::kFused, "4x32x32 dim 96"},
+      {64, 96, 3, 128, KernelFamily::kFused, "2x64x64 dim 96"},
+      {80, 96, 3, 96, KernelFamily::kStaged, "2x48x80 dim 96, rows: 96 sequences leave 36 SMs idle"},
+      {48, 96, 3, 160, KernelFamily::kStaged, "2x48x80 dim 96, columns: a second wave of 28"},
+      {48, 128, 4, 192, KernelFamily::kStaged, "4x48x48 dim 128: a second wave of 60"},
+      {64, 128, 8, 64, KernelFamily::kStaged, "1x64x64 dim 128: 64 sequences"},
+      {8, 128, 4, 8, KernelFamily::kFused, "1x8x8 dim 128: too small for eight launches"},
       // Where only one family fits, the device does not matter.
-      {128, 64, 4, 4, AxisPath::kFused, "L = 128 at dim 64"},
-      {128, 96, 3, 4, AxisPath::kStaged, "q, k, v of L = 128 at dim 96 exceed shared memory"},
-      {128, 256, 8, 256, AxisPath::kStaged, "q, k, v of L = 128 at dim 256 exceed shared memory"},
-      {100, 256, 8, 1, AxisPath::kStaged, "the same at L = 100"},
-      {256, 128, 4, 256, AxisPath::kStaged, "L = 256 is past the fused kernel"},
-      {129, 64, 4, 2, AxisPath::kStaged, "L = 129"},
-      {1024, 64, 4, 2, AxisPath::kGeneric, "keys and values of L = 1024 exceed shared memory"},
-      {20, 12, 4, 3, AxisPath::kGeneric, "head_dim 3"},
-      {5, 1024, 8, 3, AxisPath::kGeneric, "head_dim 128"},
-      {9, 72, 9, 3, AxisPath::kFused, "head_dim 8"},
-      {7, 60, 3, 3, AxisPath::kGeneric, "dim not a multiple of 8"},
-  };
-  for (const Case& c : cases) {
-    EXPECT_EQ(axis_path(c.len, c.dim, c.heads, c.num_seq, kH200Sms), c.path)
+      {128, 64, 4, 4, KernelFamily::kFused, "L = 128 at dim 64"},
+      {128, 96, 3, 4, KernelFamily::kStaged, "q, k, v of L = 128 at dim 96 exceed shared memory"},
+      {128, 256, 8, 256, KernelFamily::kStaged, "q, k, v of L = 128 at dim 256 exceed shared memory"},
+      {100, 256, 8, 1, KernelFamily::kStaged, "the same at L = 100"},
+      {256, 128, 4, 256, KernelFamily::kStaged, "L = 256 is past the fused kernel"},
+      {129, 64, 4, 2, KernelFamily::kStaged, "L = 129"},
+      {1024, 64, 4, 2, KernelFamily::kGeneric, "keys and values of L = 1024 exceed shared memory"},
+      {20, 12, 4, 3, KernelFamily::kGeneric, "head_dim 3"},
+      {5, 1024, 8, 3, KernelFamily::kGeneric, "head_dim 128"},
+      {9, 72, 9, 3, KernelFamily::kFused, "head_dim 8"},
+      {7, 60, 3, 3, KernelFamily::kGeneric, "dim not a multiple of 8"},
+  };  for (const Case& c : cases)
+    EXPECT_EQ(row_pass(c.len, c.dim, c.heads, c.num_seq, h200()).family, c.family)
         << c.why << ": L " << c.len << ", dim " << c.dim << ", heads " << c.heads << ", " << c.num_seq
         << " sequences";
-    // The workspace must cover the staged path wherever a device may pick it.
-    if (c.path == AxisPath::kStaged) EXPECT_TRUE(staged_possible(c.len, c.dim, c.heads)) << c.why;
+}
+
+TEST(Plan, WaveFillDependsOnTheDevice) {
+  // 96 sequences of 80 at dim 96: a quarter of 132 SMs idle, none of 96.
+  DeviceCaps dev = h200();
+  EXPECT_EQ(row_pass(80, 96, 3, 96, dev).family, KernelFamily::kStaged);
+  dev.sms = 96;
+  EXPECT_EQ(row_pass(80, 96, 3, 96, dev).family, KernelFamily::kFused);
+  dev.sms = 48;
+  EXPECT_EQ(row_pass(80, 96, 3, 96, dev).family, KernelFamily::kFused);  // two full waves
+  EXPECT_EQ(row_pass(64, 64, 4, 64, h200()).family, KernelFamily::kFused);  // dim 64 never prefers staged
+}
+
+TEST(Plan, NarrowsToWhatTheDeviceAndPointersAllow) {
+  // No sm_90a code: the staged path's shapes take the fused kernel where it
+  // holds the sequence, else the generic one.
+  EXPECT_EQ(row_pass(64, 128, 8, 512, ptx_only()).family, KernelFamily::kFused);
+  EXPECT_EQ(row_pass(256, 128, 4, 256, ptx_only()).family, KernelFamily::kGeneric);
+  // The fused kernel's shared memory must fit this device: L = 128 at dim 88 fits 227 KB, not 163 KB.
+  EXPECT_EQ(row_pass(128, 88, 11, 4, h200()).family, KernelFamily::kFused);
+  EXPECT_EQ(row_pass(128, 88, 11, 4, a100()).family, KernelFamily::kGeneric);
+  // Tensors not 16-byte aligned: generic.
+  EXPECT_EQ(row_pass(32, 64, 4, 128, h200(), {}, false).family, KernelFamily::kGeneric);
+  PlanOptions staged;
+  staged.forced = ForcedFamily::kStaged;
+  EXPECT_EQ(row_pass(256, 128, 4, 256, h200(), staged, false).family, KernelFamily::kGeneric);
+}
+
+TEST(Plan, FusedWgmmaWhereItApplies) {
+  EXPECT_TRUE(row_pass(32, 64, 4, 128, h200()).wgmma) << "the default problem";
+  EXPECT_TRUE(row_pass(64, 64, 2, 128, h200()).wgmma) << "up to 64 positions";
+  EXPECT_FALSE(row_pass(65, 64, 4, 128, h200()).wgmma) << "past 64 positions";
+  EXPECT_FALSE(row_pass(32, 64, 1, 128, h200()).wgmma) << "one head of 64";
+  EXPECT_FALSE(row_pass(32, 32, 4, 128, h200()).wgmma) << "dim 32";
+  EXPECT_FALSE(row_pass(32, 64, 4, 128, a100()).wgmma) << "no sm_90a code";
+  PlanOptions off;
+  off.fused_wgmma = 0;
+  EXPECT_FALSE(row_pass(32, 64, 4, 128, h200(), off).wgmma) << "FASTAXIAL_FUSED_WGMMA=0";
+  EXPECT_FALSE(row_pass(80, 96, 3, 96, h200()).wgmma) << "only the fused family has the variant";
+}
+
+TEST(Plan, ForcedFamilyWhereItCanServe) {
+  PlanOptions o;
+  o.forced = ForcedFamily::kStaged;
+  EXPECT_EQ(row_pass(32, 64, 4, 128, h200(), o).family, KernelFamily::kStaged);
+  EXPECT_EQ(row_pass(20, 12, 4, 3, h200(), o).family, KernelFamily::kGeneric) << "head_dim 3: no tensor cores";
+  o.forced = ForcedFamily::kFused;
+  EXPECT_EQ(row_pass(80, 96, 3, 96, h200(), o).family, KernelFamily::kFused);
+  EXPECT_EQ(row_pass(256, 128, 4, 256, h200(), o).family, KernelFamily::kStaged)
+      << "L = 256: past the fused kernel, the default choice";
+  o.forced = ForcedFamily::kGeneric;
+  EXPECT_EQ(row_pass(32, 64, 4, 128, h200(), o).family, KernelFamily::kGeneric);
+  EXPECT_FALSE(row_pass(32, 64, 4, 128, h200(), o).wgmma);
+}
+
+TEST(Plan, ForcedFamilyTheDeviceCannotRunIsAnError) {
+  const AxisView view{128, 32, 32, 32 * 64, 64, 32 * 32 * 64};
+  PassPlan pass;
+  PlanOptions o;
+  o.forced = ForcedFamily::kStaged;
+  Status s = plan_pass(view, 64, 4, true, a100(), o, &pass);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("FASTAXIAL_CUDA_PATH=staged"), std::string::npos) << s.message;
+  o = {};
+  o.fused_wgmma = 1;
+  s = plan_pass(view, 64, 4, true, a100(), o, &pass);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("FASTAXIAL_FUSED_WGMMA=1"), std::string::npos) << s.message;
+}
+
+TEST(Plan, EnvironmentValuesAreParsedOrRejected) {
+  PlanOptions o;
+  ASSERT_TRUE(parse_plan_options(nullptr, nullptr, &o).ok());
+  EXPECT_EQ(o.forced, ForcedFamily::kNone);
+  EXPECT_EQ(o.fused_wgmma, -1);
+  ASSERT_TRUE(parse_plan_options("fused", "0", &o).ok());
+  EXPECT_EQ(o.forced, ForcedFamily::kFused);
+  EXPECT_EQ(o.fused_wgmma, 0);
+  ASSERT_TRUE(parse_plan_options("staged", "1", &o).ok());
+  EXPECT_EQ(o.forced, ForcedFamily::kStaged);
+  EXPECT_EQ(o.fused_wgmma, 1);
+  ASSERT_TRUE(parse_plan_options("generic", nullptr, &o).ok());
+  EXPECT_EQ(o.forced, ForcedFamily::kGeneric);
+  for (const char* bad : {"", "Fused", "tensor_core", "staged "}) {
+    const Status s = parse_plan_options(bad, nullptr, &o);
+    EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << "'" << bad << "'";
+    EXPECT_NE(s.message.find("FASTAXIAL_CUDA_PATH"), std::string::npos) << s.message;
+  }
+  for (const char* bad : {"", "2", "off", "true"}) {
+    const Status s = parse_plan_options(nullptr, bad, &o);
+    EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << "'" << bad << "'";
+    EXPECT_NE(s.message.find("FASTAXIAL_FUSED_WGMMA"), std::string::npos) << s.message;
   }
 }
 
-TEST(Dispatch, WaveFillDependsOnTheDevice) {
-  if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
-  // 96 sequences of 80 at dim 96: a quarter of 132 SMs idle, none of 96.
-  EXPECT_EQ(axis_path(80, 96, 3, 96, 132), AxisPath::kStaged);
-  EXPECT_EQ(axis_path(80, 96, 3, 96, 96), AxisPath::kFused);
-  EXPECT_EQ(axis_path(80, 96, 3, 96, 48), AxisPath::kFused);  // two full waves
-  // dim 64 never prefers the staged path; no staged scratch for it where the fused kernel fits.
-  EXPECT_EQ(axis_path(64, 64, 4, 64, 132), AxisPath::kFused);
-  EXPECT_FALSE(staged_possible(64, 64, 4));
-  EXPECT_TRUE(staged_possible(64, 96, 3));
-}
-
-TEST(Dispatch, FusedTileCounts) {
+TEST(Plan, FusedTileCounts) {
   const int64_t lens[] = {1, 16, 17, 48, 49, 96, 97, 112, 128, 129};
   const int tiles[] = {1, 1, 2, 3, 4, 6, 8, 8, 8, 0};
   for (int i = 0; i < 10; ++i) EXPECT_EQ(fused_tile_count(lens[i]), tiles[i]) << "L " << lens[i];
@@ -82,7 +200,7 @@ TEST(Dispatch, FusedTileCounts) {
 // The fused kernel's rows are 16-byte aligned and their strides put the
 // fragment loads of a quarter warp (16-byte) or half warp (8-byte) on
 // distinct banks; the README's largest dims per L follow from the layout.
-TEST(Dispatch, FusedLayoutStridesAndLimits) {
+TEST(Plan, FusedLayoutStridesAndLimits) {
   for (int lp = 16; lp <= 128; lp += 16)
     for (int d = 8; d <= 512; d += 8) {
       const FusedLayout lay(lp, d);
@@ -99,50 +217,75 @@ TEST(Dispatch, FusedLayoutStridesAndLimits) {
   }
 }
 
-TEST(Dispatch, WorkspaceCoversTheStagedPath) {
-  if (overridden()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
-  AxialParams p;
-  p.batch = 4, p.height = 32, p.width = 32, p.dim = 64, p.heads = 4;  // fused both ways
-  const int64_t n = 4 * 32 * 32 * 64;
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)n * sizeof(float));
-  EXPECT_EQ(staged_layout(p).scratch, -1);
-  p.batch = 2, p.height = 48, p.width = 80, p.dim = 96, p.heads = 3;  // staged on an H200, fused elsewhere
-  const int64_t e = 2 * 48 * 80 * 96, w96 = 8 * 96 * 96;
-  StagedLayout lay = staged_layout(p);
-  EXPECT_EQ(lay.scratch, e);
-  EXPECT_EQ(lay.row_weights, 5 * e);
-  EXPECT_EQ(lay.col_weights, 5 * e + w96);
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(5 * e + 2 * w96) * sizeof(float));
-  p.batch = 2, p.height = 128, p.width = 128, p.dim = 256, p.heads = 8;  // staged both ways
-  const int64_t m = 2 * 128 * 128 * 256;
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(5 * m + 2 * 8 * 256 * 256) * sizeof(float));
-  p.batch = 1, p.height = 256, p.width = 4, p.dim = 64, p.heads = 4;  // columns of 256: only they may be staged
-  const int64_t c = 256 * 4 * 64;
-  lay = staged_layout(p);
-  EXPECT_EQ(lay.row_weights, -1);
-  EXPECT_EQ(lay.col_weights, 5 * c);
-  EXPECT_EQ(cuda_workspace_bytes(p), (size_t)(5 * c + 8 * 64 * 64) * sizeof(float));
-  p.batch = 0;  // nothing to compute, nothing to hold
-  EXPECT_EQ(cuda_workspace_bytes(p), 0u);
+// The workspace holds exactly what the chosen families use, each region
+// 256-byte aligned, none overlapping: the row output, then the staged scratch
+// and weight planes only where a pass is staged.
+TEST(Plan, WorkspaceCoversTheChosenFamilies) {
+  const size_t f = sizeof(float);
+  CudaPlan plan = plan_of(problem(4, 32, 32, 64, 4), h200());  // fused both ways
+  EXPECT_EQ(plan.row.family, KernelFamily::kFused);
+  EXPECT_EQ(plan.col.family, KernelFamily::kFused);
+  EXPECT_EQ(plan.row_output, 0u);
+  EXPECT_EQ(plan.staged_scratch, CudaPlan::kNone);
+  EXPECT_EQ(plan.row_weight_planes, CudaPlan::kNone);
+  EXPECT_EQ(plan.col_weight_planes, CudaPlan::kNone);
+  EXPECT_EQ(plan.workspace_bytes, 4u * 32 * 32 * 64 * f);
+
+  const size_t e = 2 * 48 * 80 * 96 * f, w96 = 8 * 96 * 96 * f;  // staged both ways on an H200
+  plan = plan_of(problem(2, 48, 80, 96, 3), h200());
+  EXPECT_EQ(plan.row.family, KernelFamily::kStaged);
+  EXPECT_EQ(plan.col.family, KernelFamily::kStaged);
+  EXPECT_EQ(plan.staged_scratch, e);
+  EXPECT_EQ(plan.row_weight_planes, 5 * e);
+  EXPECT_EQ(plan.col_weight_planes, 5 * e + w96);
+  EXPECT_EQ(plan.workspace_bytes, 5 * e + 2 * w96);
+  // The same problem where the device has no staged path: fused, and no staged scratch.
+  plan = plan_of(problem(2, 48, 80, 96, 3), ptx_only());
+  EXPECT_EQ(plan.row.family, KernelFamily::kFused);
+  EXPECT_EQ(plan.workspace_bytes, e);
+
+  const size_t c = 256 * 4 * 64 * f;  // columns of 256: only they are staged
+  plan = plan_of(problem(1, 256, 4, 64, 4), h200());
+  EXPECT_EQ(plan.row.family, KernelFamily::kFused);
+  EXPECT_EQ(plan.col.family, KernelFamily::kStaged);
+  EXPECT_EQ(plan.row_weight_planes, CudaPlan::kNone);
+  EXPECT_EQ(plan.col_weight_planes, 5 * c);
+  EXPECT_EQ(plan.workspace_bytes, 5 * c + 8 * 64 * 64 * f);
+
+  PlanOptions staged;
+  staged.forced = ForcedFamily::kStaged;
+  plan = plan_of(problem(1, 3, 5, 24, 3), h200(), staged);  // head_dim 8: staged both ways
+  EXPECT_EQ(plan.row.family, KernelFamily::kStaged);
+  EXPECT_EQ(plan.staged_scratch, 1536u) << "15 positions x 24 floats = 1440 bytes, rounded up to 256";
+  EXPECT_EQ(plan.row_weight_planes % 256, 0u);
+  EXPECT_EQ(plan.col_weight_planes, plan.row_weight_planes + (8 * 24 * 24 * f + 255) / 256 * 256);
+
+  plan = plan_of(problem(0, 32, 32, 64, 4), h200());  // nothing to compute, nothing to hold
+  EXPECT_EQ(plan.workspace_bytes, 0u);
 }
 
-// forward_cuda uses the staged scratch of a pass only where staged_layout
-// reserved it: axis_path must stage only where staged_possible allows, for
-// every device and every FASTAXIAL_CUDA_PATH.
-TEST(Dispatch, StagedOnlyWhereReserved) {
-  int staged = 0;
-  for (int64_t len : {1, 9, 16, 32, 48, 64, 80, 100, 128, 129, 256, 512, 1024})
-    for (int64_t dim : {8, 16, 32, 64, 72, 96, 128, 192, 256, 512})
-      for (int64_t heads : {1, 2, 3, 4, 8})
-        for (int64_t num_seq : {1, 8, 64, 96, 128, 160, 512, 4096})
-          for (int64_t sms : {1, 48, 108, 132, 1000})
-            if (axis_path(len, dim, heads, num_seq, sms) == AxisPath::kStaged) {
-              ++staged;
-              EXPECT_TRUE(staged_possible(len, dim, heads))
-                  << "L " << len << ", dim " << dim << ", heads " << heads << ", " << num_seq << " sequences, "
-                  << sms << " SMs";
-            }
-  if (!overridden()) EXPECT_GT(staged, 0);  // the sweep reaches the staged path
+TEST(Plan, DescribesItself) {
+  const CudaPlan plan = plan_of(problem(1, 256, 4, 64, 4), h200());
+  const std::string d = plan.describe();
+  EXPECT_NE(d.find("row: fused (wgmma)"), std::string::npos) << d;
+  EXPECT_NE(d.find("col: staged"), std::string::npos) << d;
+  EXPECT_NE(d.find("workspace " + std::to_string(plan.workspace_bytes) + " B"), std::string::npos) << d;
+  EXPECT_STREQ(to_string(KernelFamily::kGeneric), "generic");
+}
+
+// Sizes are checked before the workspace is sized: a negative size used to
+// give a workspace of about 1.8e19 bytes.
+TEST(Plan, InvalidSizesAreRejectedBeforeSizing) {
+  for (int i = 0; i < 3; ++i) {
+    AxialParams p = problem(2, 3, 4, 8, 2);
+    (i == 0 ? p.batch : i == 1 ? p.height : p.width) = -1;
+    size_t bytes = 12345;
+    const Status s = cuda_workspace_bytes(p, &bytes);
+    EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << s.message;
+    EXPECT_NE(s.message.find("must be >= 0"), std::string::npos) << s.message;
+    EXPECT_EQ(bytes, 12345u) << "left as it was";
+    EXPECT_EQ(validate_sizes(p).code, StatusCode::kInvalidArgument);
+  }
 }
 
 }  // namespace
