@@ -1,4 +1,4 @@
-"""Machine-code check of the rule in src/cuda/launch.cuh: no kernel reads
+"""Machine-code check of the rule in src/cuda/detail/launch.cuh: no kernel reads
 global memory before its dependency wait.
 
 Under programmatic dependent launch a kernel's blocks start while the kernel

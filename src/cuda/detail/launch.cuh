@@ -1,6 +1,6 @@
-// Kernel launches chained by programmatic dependent launch (Hopper, sm_90):
-// a forward is 2 to 8 kernels in a row on one stream, and between two plain
-// launches the GPU sits idle for the next grid's launch and block start
+// Kernel launches chained by programmatic dependent launch (PDL, Hopper,
+// sm_90): a forward is 2 to 8 kernels in a row on one stream, and between two
+// plain launches the GPU sits idle for the next grid's launch and block start
 // (about 1.5 us each on the H200). Launched with programmatic stream
 // serialization, the next kernel is set up while the current one runs and
 // its blocks take the multiprocessors as the current one's leave.
@@ -11,14 +11,16 @@
 // writes are visible; so each kernel sees the whole of the one before it, and
 // by induction everything launched earlier. allow_dependent_launch() right
 // after it lets the next kernel be launched; that one waits in turn.
-// Before sm_90 both are no-ops and launch_kernel() launches plainly.
+// Code compiled for an architecture below sm_90 has neither (both are empty
+// there), and launch_kernel() launches such code plainly.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <utility>
 
-#include "axis_kernels.h"
+#include "../../common/plan.h"  // DeviceCaps
 
 namespace fastaxial::cuda {
 
@@ -34,12 +36,43 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
+// True when `kernel` runs on this device as code that has the wait of
+// grid_dependency_wait(): code compiled from PTX of compute_90 or later. With
+// the default architectures (sm_90a machine code, compute_80 PTX) every GPU
+// but a compute-capability 9.0 one (9.x, 10.x, 12.x) runs the driver's
+// compilation of the compute_80 PTX, where the wait is empty: launched as a
+// programmatic dependent, such a kernel would read its predecessor's output
+// while that still runs. Asked once per kernel and device (the query costs
+// microseconds of host time); the answer never changes, so concurrent first
+// calls store the same value.
+template <auto kernel>
+cudaError_t has_dependency_wait(const DeviceCaps& dev, bool* waits) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // one array per kernel: 0 not asked yet, 1 no wait, 2 a wait
+  const int device = dev.device;
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached) {
+    if (const int k = known[device].load(std::memory_order_relaxed); k != 0) {
+      *waits = k == 2;
+      return cudaSuccess;
+    }
+  }
+  cudaFuncAttributes attr = {};
+  if (cudaError_t e = cudaFuncGetAttributes(&attr, kernel); e != cudaSuccess) return e;
+  *waits = attr.ptxVersion >= 90;
+  if (cached) known[device].store(*waits ? 2 : 1, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic
-// dependent of the stream's previous kernel where the device has it
-// (compute capability 9.0 and up); returns the launch's error.
-template <typename... Params, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                          const DeviceInfo& dev, Args&&... args) {
+// dependent of the stream's previous kernel where the kernel's code waits
+// for that one (has_dependency_wait); returns the launch's error.
+template <auto kernel, typename... Args>
+cudaError_t launch_kernel(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const DeviceCaps& dev,
+                          Args&&... args) {
+  bool dependent = false;
+  if (dev.cc_major >= 9)
+    if (cudaError_t e = has_dependency_wait<kernel>(dev, &dependent); e != cudaSuccess) return e;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -49,7 +82,7 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = dev.cc_major >= 9 ? 1 : 0;
+  config.numAttrs = dependent ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

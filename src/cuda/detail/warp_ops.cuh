@@ -1,4 +1,6 @@
-// Warp-wide reductions and the one-row LayerNorm every kernel family uses.
+// Warp-wide reductions, the LayerNorm statistics of a row spread over a lane
+// group (every kernel family), and the LayerNorm of a row by one warp (the
+// staged and generic kernels).
 #pragma once
 
 namespace fastaxial::cuda {

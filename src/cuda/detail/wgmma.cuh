@@ -1,6 +1,6 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only) for fp32 data
-// as TF32: the shared-memory matrix descriptor, the products gemm_tf32x3.cu
-// and the fused kernel (axis_tensor_core.cu) use (A from registers, B from
+// as TF32: the shared-memory matrix descriptor, the products staged/gemm.cu
+// and the fused kernel (fused/forward.cu) use (A from registers, B from
 // shared memory), and the fences around them.
 // Its functions exist only in device code compiled for sm_90a
 // (FASTAXIAL_SM90A_DEVICE); use them under that macro.
@@ -108,7 +108,7 @@ __device__ __forceinline__ void wgmma_m64n96k8_rs(float (&d)[48], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// The same for the narrow products of the fused kernel (axis_tensor_core.cu),
+// The same for the narrow products of the fused kernel (fused/forward.cu),
 // whose N is a sequence's positions: 8 to 32 a warpgroup.
 __device__ __forceinline__ void wgmma_m64n8k8_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(

@@ -1,5 +1,5 @@
 // One attention pass with a thread block per whole sequence, every product on
-// the tensor cores (3xTF32 split for fp32 accuracy: tf32x3.cuh): mma.sync, or
+// the tensor cores (3xTF32 split for fp32 accuracy: detail/tf32x3.cuh): mma.sync, or
 // at dim 64 with two heads or more and L <= 64 the projections on wgmma
 // (sm_90a; below).
 //
@@ -21,14 +21,14 @@
 //   written: into (hi, lo) pairs whose fragments come in 16-byte loads, or
 //   for wgmma into hi and lo planes in its swizzled layout;
 // - q, k and v, read by few warps, stay fp32, in layouts whose fragments are
-//   8-byte loads (k permuted inside each 8, tf32x3.cuh); q carries the softmax
+//   8-byte loads (k permuted inside each 8, detail/tf32x3.cuh); q carries the softmax
 //   scale times log2(e), so scores come out in base 2;
 // - weights are read from global memory (L2) as fragments and split in
 //   registers: for mma.sync a group of four 8-deep steps ahead of the
 //   products, for wgmma a warpgroup's 64-row tile at a time; the first are
 //   issued before the barrier in front of the product, and each block first
 //   asks DRAM for a slice of them, so that they are all in L2 by then;
-// - each run of two 8-deep steps goes into a fresh accumulator (tf32x3.cuh);
+// - each run of two 8-deep steps goes into a fresh accumulator (detail/tf32x3.cuh);
 // - the norm weights and output bias sit in shared memory; a block's next
 //   sequence arrives during the current one's output product.
 //
@@ -48,17 +48,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
-#include "../common/dispatch.h"
-#include "../common/smem_layout.h"
-#include "async_copy.cuh"
-#include "axis_kernels.h"
-#include "launch.cuh"
-#include "tf32x3.cuh"
-#include "warp_ops.cuh"
-#include "wgmma.cuh"
+#include "../../common/plan.h"
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/launch.cuh"
+#include "../detail/tf32x3.cuh"
+#include "../detail/warp_ops.cuh"
+#include "../detail/wgmma.cuh"
+#include "../kernels.h"
 
 namespace fastaxial::cuda {
 namespace {
@@ -116,7 +114,7 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
     if (k0 + 32 < K) load_weights(G, W, K, k0 + 32);
     else if (next_W != nullptr) load_weights(G, next_W, K, 0);
 #pragma unroll
-    for (int s = 0; s < 4; s += 2) {  // runs of two steps per fresh accumulator (tf32x3.cuh)
+    for (int s = 0; s < 4; s += 2) {  // runs of two steps per fresh accumulator (detail/tf32x3.cuh)
       const int k = k0 + 8 * s;
       if (k >= K) break;
       FragA a[MI], a2[MI];
@@ -145,7 +143,7 @@ __device__ void warp_gemm(float (&c)[MI][NI][4], const float* A, int lda, const 
 }
 
 // Offset of sequence n's first position, as AxisView::offset but dividing
-// in 32 bits (tensor_core_fits keeps the sequence count below 2^31): the
+// in 32 bits (the plan keeps the sequence count below 2^31): the
 // 64-bit division is a called subroutine, and each block's first tile
 // waits on it.
 __device__ __forceinline__ int64_t seq_offset(const AxisView& v, int64_t n) {
@@ -195,7 +193,7 @@ __device__ void load_params(float* params, const TcArgs& a) {
 // LayerNorm of x's rows 0..L (fp32, stride ldq) with the weight and bias in
 // params, rows L..LP zero: store(r, c, y) takes piece c (elements 4c..4c+3)
 // of row r. Eight lanes per row (float4 pieces), so a warp normalises four
-// rows at once with three-step reductions (warp_ops.cuh). Rows of up to 8
+// rows at once with three-step reductions (detail/warp_ops.cuh). Rows of up to 8
 // kPieces pieces stay in registers between the two passes and the store (one
 // read of shared memory, loops unrolled); longer rows are read again in each.
 template <int LP, int NT, class Store>
@@ -355,8 +353,8 @@ __device__ void attend_tile(const float* q, const float* k, int ldq, const float
 
 // xs, later o, as wgmma's B operand: LP rows of 64 values in two planes (hi,
 // then lo), each two 32-value chunks of LP 128-byte rows in the 128-byte
-// swizzled layout (wgmma.cuh). Inside each group of 8 the values are permuted
-// as in the rest of this file (tf32x3.cuh): slot t holds element 2t, slot
+// swizzled layout (detail/wgmma.cuh). Inside each group of 8 the values are permuted
+// as in the rest of this file (detail/tf32x3.cuh): slot t holds element 2t, slot
 // t + 4 element 2t + 1, so a thread's A operand comes in 8-byte loads of W.
 struct WgOperand {
   float* hi;  // the lo plane follows
@@ -404,7 +402,7 @@ __device__ __forceinline__ void load_rows(WgRows& R, const float* __restrict__ W
 #if FASTAXIAL_SM90A_DEVICE
 // The three products of steps s0 and s0 + 1 into t (fresh), A from R split
 // into f, one commit group. b: the B operand's hi-plane descriptor
-// (wgmma.cuh) at the warpgroup's first row; lo: bytes to the lo plane;
+// (detail/wgmma.cuh) at the warpgroup's first row; lo: bytes to the lo plane;
 // chunk: bytes to the next 32 values.
 template <int NW>
 __device__ __forceinline__ void wg_run(float (&t)[NW / 2], FragA (&f)[2], const WgRows& R, int s0, uint64_t b,
@@ -423,7 +421,7 @@ __device__ __forceinline__ void wg_run(float (&t)[NW / 2], FragA (&f)[2], const 
 
 // c (64, NW) = W (64, 64) @ B^T for one warpgroup: R its rows of W, B NW rows
 // of the operand at descriptor b. Runs of two steps go into fresh
-// accumulators (tf32x3.cuh), two alternating, so one run's products go on
+// accumulators (detail/tf32x3.cuh), two alternating, so one run's products go on
 // while the other's are added; the block's other warpgroups hide the waits.
 template <int NW>
 __device__ __forceinline__ void wg_product(float (&c)[NW / 2], const WgRows& R, uint64_t b, uint32_t lo,
@@ -451,7 +449,7 @@ __device__ __forceinline__ void wg_product(float (&c)[NW / 2], const WgRows& R, 
   add_to(c, t1);
 #else
   (void)c, (void)R, (void)b, (void)lo, (void)chunk;
-  __trap();  // built without sm_90a: fused_wgmma() is false and nothing launches this
+  __trap();  // built without sm_90a: launch_fused launches no wgmma variant
 #endif
 }
 
@@ -501,7 +499,7 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
     return desc_sw128(shared_address(xs) + 128 * p0);
 #else
     (void)p0;
-    return uint64_t{0};  // never launched (fused_wgmma)
+    return uint64_t{0};  // never launched (launch_fused)
 #endif
   };
   const auto wg_fence = [] {
@@ -512,7 +510,7 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
   // QKV unit u: 64-row tile u / (LP / NQ), positions from NQ * (u % (LP / NQ)).
   const auto unit_rows = [&](int u) { return a.w.qkv_weight + (64 * (u / (LP / NQ)) + f) * 64; };
 
-  prefetch_weights_l2<NT>(a);  // a hint, safe before the wait (launch.cuh)
+  prefetch_weights_l2<NT>(a);  // a hint, safe before the wait (detail/launch.cuh)
   grid_dependency_wait();
   allow_dependent_launch();
   if (blockIdx.x < a.view.num_seq) {
@@ -547,7 +545,7 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
         if (i + 1 < kUnits / 3) load_rows(wq[i + 1], unit_rows(u + 3));
         float c[NQ / 2];
         wg_product<NQ>(c, wq[i], wg_desc(n0), wg_lo, wg_chunk);
-        // c[4j ..]: features f, f + 8 at positions p, p + 1 (accumulator layout, wgmma.cuh).
+        // c[4j ..]: features f, f + 8 at positions p, p + 1 (accumulator layout, detail/wgmma.cuh).
 #pragma unroll
         for (int j = 0; j < NQ / 8; ++j) {
           const int p = n0 + 8 * j + 2 * t;
@@ -689,31 +687,11 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
   }
 }
 
-// Shared memory the wgmma variant takes beyond FusedLayout: room to align its
-// B operand to 1024 bytes.
-constexpr size_t kWgSmemExtra = 1024;
-
-// The wgmma products where they apply (FASTAXIAL_FUSED_WGMMA=0 in the
-// environment, read once, turns them off: the tests run both).
-bool fused_wgmma(const TcArgs& a, int mt, const DeviceInfo& dev) {
-#if defined(FASTAXIAL_WGMMA)
-  static const bool off = [] {
-    const char* v = std::getenv("FASTAXIAL_FUSED_WGMMA");
-    return v != nullptr && std::strcmp(v, "0") == 0;
-  }();
-  return !off && dev.cc_major == 9 && a.D == 64 && mt <= 4 &&
-         fused_smem_bytes(a.view.len, a.D) + kWgSmemExtra <= (size_t)dev.smem_optin;
-#else
-  (void)a, (void)mt, (void)dev;
-  return false;
-#endif
-}
-
 template <int MT, int HD, bool kWg>
-cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t launch(const TcArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
   constexpr auto kernel = axis_tensor_core_kernel<MT, HD, kWg>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  const size_t smem = fused_smem_bytes(a.view.len, a.D) + (kWg ? kWgSmemExtra : 0);  // FusedLayout of 16 MT rows
+  const size_t smem = fused_smem_bytes(a.view.len, a.D) + (kWg ? kFusedWgmmaSmemExtra : 0);  // FusedLayout of 16 MT rows
   if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
   // As many blocks as run at once, each looping over sequences: a block's
   // next sequence arrives during its current one's output product, and the
@@ -724,26 +702,28 @@ cudaError_t launch(const TcArgs& a, const DeviceInfo& dev, cudaStream_t stream) 
   if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
       e != cudaSuccess)
     return e;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // tensor_core_fits checked the shared memory
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // the plan checked the shared memory
   const int64_t grid = std::min<int64_t>(a.view.num_seq, (int64_t)dev.sms * per_sm);
-  return launch_kernel(kernel, (unsigned)grid, kThreads, smem, stream, dev, a);
+  return launch_kernel<kernel>((unsigned)grid, kThreads, smem, stream, dev, a);
 }
 
 template <int HD>
-cudaError_t launch_tiles(const TcArgs& a, int mt, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t launch_tiles(const TcArgs& a, int mt, bool wgmma, const DeviceCaps& dev, cudaStream_t stream) {
   // wgmma below head_dim 64 only: one head of 64 keeps more attention state
   // than the 168 registers a thread of three warpgroups has, and ran slower
-  // so in three of four shapes (perf notes, v25e).
+  // so (docs/perf-notes.md).
   if constexpr (HD < 64) {
-    if (fused_wgmma(a, mt, dev)) {
+    if (wgmma) {
       switch (mt) {
         case 1: return launch<1, HD, true>(a, dev, stream);
         case 2: return launch<2, HD, true>(a, dev, stream);
         case 3: return launch<3, HD, true>(a, dev, stream);
         case 4: return launch<4, HD, true>(a, dev, stream);
       }
+      return cudaErrorInvalidValue;
     }
   }
+  if (wgmma) return cudaErrorInvalidValue;
   switch (mt) {
     case 1: return launch<1, HD, false>(a, dev, stream);
     case 2: return launch<2, HD, false>(a, dev, stream);
@@ -758,14 +738,11 @@ cudaError_t launch_tiles(const TcArgs& a, int mt, const DeviceInfo& dev, cudaStr
 
 }  // namespace
 
-bool tensor_core_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
-                      const float* dst, const DeviceInfo& dev) {
-  return fused_tile_count(view.len) > 0 && fused_smem_bytes(view.len, p.dim) <= (size_t)dev.smem_optin &&
-         view.num_seq <= INT32_MAX && pass_aligned(w, src, dst);
-}
-
-Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
-                               float* dst, const DeviceInfo& dev, cudaStream_t stream) {
+Status launch_fused(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
+                    bool wgmma, const DeviceCaps& dev, cudaStream_t stream) {
+#if !defined(FASTAXIAL_WGMMA)
+  if (wgmma) return {StatusCode::kUnsupported, "the fused kernel's wgmma variant needs a build with sm_90a"};
+#endif
   TcArgs a;
   a.view = view;
   a.D = (int)p.dim;
@@ -779,10 +756,10 @@ Status launch_axis_tensor_core(const AxisView& view, const AxialParams& p, const
   const int mt = fused_tile_count(view.len);
   cudaError_t e = cudaErrorInvalidValue;
   switch (hd) {
-    case 8: e = launch_tiles<8>(a, mt, dev, stream); break;
-    case 16: e = launch_tiles<16>(a, mt, dev, stream); break;
-    case 32: e = launch_tiles<32>(a, mt, dev, stream); break;
-    case 64: e = launch_tiles<64>(a, mt, dev, stream); break;
+    case 8: e = launch_tiles<8>(a, mt, wgmma, dev, stream); break;
+    case 16: e = launch_tiles<16>(a, mt, wgmma, dev, stream); break;
+    case 32: e = launch_tiles<32>(a, mt, wgmma, dev, stream); break;
+    case 64: e = launch_tiles<64>(a, mt, wgmma, dev, stream); break;
   }
   if (e != cudaSuccess) return cuda_error(e, "axis_tensor_core_kernel launch");
   return Status::Ok();

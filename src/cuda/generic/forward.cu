@@ -1,6 +1,9 @@
-// One attention pass for any shape: the generic kernel, FFMA products.
-// forward_cuda.cu uses it where axis_tensor_core.cu does not apply (sequences
-// longer than 128, head_dim other than 8/16/32/64, dim not a multiple of 8).
+// One attention pass for any shape: the generic kernel, FFMA products. The
+// plan (common/plan.cpp) gives it the passes the tensor-core families cannot
+// serve: head_dim other than 8/16/32/64 or dim not a multiple of 8, tensors
+// not 16-byte aligned, sequences longer than 128 where the staged path is
+// missing (no sm_90a build or not a compute-capability 9.0 GPU), shared
+// memory the device does not have for the others; or FASTAXIAL_CUDA_PATH=generic.
 //
 // What a launch computes, for every sequence of the axis (rows: x is viewed
 // as B*H sequences of W positions; columns: B*W sequences of H positions,
@@ -32,9 +35,9 @@
 #include <climits>
 #include <string>
 
-#include "axis_kernels.h"
-#include "launch.cuh"
-#include "warp_ops.cuh"
+#include "../detail/launch.cuh"
+#include "../detail/warp_ops.cuh"
+#include "../kernels.h"
 
 namespace fastaxial::cuda {
 namespace {
@@ -290,15 +293,15 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
 }
 
 template <int T>
-cudaError_t launch_tile(const AxisArgs& a, int64_t grid, size_t smem, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t launch_tile(const AxisArgs& a, int64_t grid, size_t smem, const DeviceCaps& dev, cudaStream_t stream) {
   if (cudaError_t e = allow_max_smem<axis_attention_kernel<T>>(dev); e != cudaSuccess) return e;
-  return launch_kernel(axis_attention_kernel<T>, (unsigned)grid, kThreads, smem, stream, dev, a);
+  return launch_kernel<axis_attention_kernel<T>>((unsigned)grid, kThreads, smem, stream, dev, a);
 }
 
 }  // namespace
 
-Status launch_axis_generic(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
-                           float* dst, const DeviceInfo& dev, cudaStream_t stream) {
+Status launch_generic(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
+                      const DeviceCaps& dev, cudaStream_t stream) {
   if (p.dim > INT_MAX / kMaxTile) return {StatusCode::kUnsupported, "dim too large for the CUDA kernels"};
   // Largest power-of-two tile, at most kMaxTile and at most L rounded up, that fits.
   int64_t T = 1;

@@ -1,34 +1,34 @@
 // One attention pass as a pipeline of tensor-core kernels with the
 // intermediates in the workspace: for sequences longer than the fused kernel
 // holds (L > 128), for dims whose q, k, v do not fit one block's shared
-// memory, and for the wider-dim passes where it beats the fused kernel
-// (common/dispatch.cpp).
+// memory, and for the wider-dim passes where it beats the fused kernel (the
+// plan decides: common/plan.cpp).
 //
 // For the pass's T = B*H*W positions (the same flat rows for both axes:
 // LayerNorm and the projections act on each position alone, only the
 // attention sees the axis):
-//   1. layer_norm:  xs = LayerNorm(src)                    (T, D)
+//   1. layer_norm_kernel: xs = LayerNorm(src)                    (T, D)
 //      and, in the same launch, Wqkv and Wout split into planes (4 D^2
 //      elements a pass: the first staged pass of a forward splits the
 //      weights of both passes)
-//   2. gemm_tf32x3: qkv = xs @ Wqkv^T                      (T, 3D)
-//   3. attention:   o_h = softmax(q_h k_h^T * scale) v_h   (T, D), into xs's space
-//   4. gemm_tf32x3: dst = src + o @ Wout^T + bout          (T, D)
-// Each launch is a programmatic dependent of the one before (launch.cuh).
+//   2. gemm_tf32x3:       qkv = xs @ Wqkv^T                      (T, 3D)
+//   3. attention_kernel:  o_h = softmax(q_h k_h^T * scale) v_h   (T, D), into xs's space
+//   4. gemm_tf32x3:       dst = src + o @ Wout^T + bout          (T, D)
+// Each launch is a programmatic dependent of the one before (detail/launch.cuh).
 // Why this shape: at these sizes the projections are most of the arithmetic,
 // and as plain GEMMs over all T positions they run on Hopper's warpgroup
-// tensor-core instructions (gemm_tf32x3.cu); the weights are stored split
-// once (1), and the products split their A operands (xs, o) in registers,
-// so those are written once, as plain fp32. The path
-// needs an sm_90a build on a compute-capability 9.0 device; elsewhere the
-// generic kernel serves these shapes.
+// tensor-core instructions (gemm.cu); the weights are stored split once (1),
+// and the products split their A operands (xs, o) in registers, so those are
+// written once, as plain fp32. The path needs an sm_90a build on a
+// compute-capability 9.0 device; elsewhere the plan gives these shapes to
+// the fused kernel where it holds the sequence, else to the generic one.
 //
 // The attention kernel works on one (sequence, head) item at a time: the
 // head's keys and values of the whole sequence are split into shared memory
 // once (keys (Lp, hd), values transposed (hd, Lp), Lp = L rounded up to 16),
-// and each warp owns 16 queries at a time, going over the keys 32 or 64 at a
-// time with an online softmax (running max and sum per row), scores in
-// registers and P fed to P @ V from the score registers as in the fused
+// and each warp owns 16 queries at a time, going over the keys 32 (hd 32) or
+// 64 at a time with an online softmax (running max and sum per row), scores
+// in registers and P fed to P @ V from the score registers as in the fused
 // kernel. Its blocks stay resident and loop over items; where shared memory
 // holds a raw copy beside the split one, the next item's keys and values
 // arrive by cp.async while the current item computes (a block that fetched
@@ -39,14 +39,14 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "../common/dispatch.h"
-#include "../common/smem_layout.h"
-#include "async_copy.cuh"
-#include "axis_kernels.h"
-#include "gemm_tf32x3.h"
-#include "launch.cuh"
-#include "tf32x3.cuh"
-#include "warp_ops.cuh"
+#include "../../common/plan.h"
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/launch.cuh"
+#include "../detail/tf32x3.cuh"
+#include "../detail/warp_ops.cuh"
+#include "../kernels.h"
+#include "gemm.h"
 
 namespace fastaxial::cuda {
 namespace {
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
   const int warp = threadIdx.x / 32, warps = blockDim.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const int elems = Lp * (HD / 4);  // float4s of keys (and of values)
   // Query fragments of the 16-row tile at r0, k permuted as the split keys
-  // (tf32x3.cuh): this thread holds features 2t, 2t + 1 of each 8 for rows
+  // (detail/tf32x3.cuh): this thread holds features 2t, 2t + 1 of each 8 for rows
   // r0 + g and r0 + g + 8. The softmax scale, times log2(e), is applied to q
   // when it is split, once, rather than to each score: scores come out in
   // base 2 for exp2f. Raw values: the split waits until they are used.
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(32 * max_warps<HD>()) attention_kernel(const A
             const float* kj = ks + key0 * kLdk;
             if constexpr (KS == 1) {
               mma_3xtf32(s[j], qa[0], load_bt_split(kj, kLdk));
-            } else {  // runs of two steps per fresh accumulator (tf32x3.cuh)
+            } else {  // runs of two steps per fresh accumulator (detail/tf32x3.cuh)
 #pragma unroll
               for (int kk = 0; kk < KS; kk += 2)
                 mma_3xtf32_x2(s[j], qa[kk], load_bt_split(kj + 16 * kk, kLdk), qa[kk + 1],
@@ -350,7 +350,7 @@ size_t attention_prefetch_smem_bytes(int64_t len, int head_dim) {
 }
 
 template <int HD, bool kPrefetch>
-cudaError_t launch_attention(const AttnArgs& a, size_t smem, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t launch_attention(const AttnArgs& a, size_t smem, const DeviceCaps& dev, cudaStream_t stream) {
   constexpr auto kernel = attention_kernel<HD, kPrefetch>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const int64_t lp = (a.pos.len + 15) / 16;
@@ -359,15 +359,15 @@ cudaError_t launch_attention(const AttnArgs& a, size_t smem, const DeviceInfo& d
   if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * warps, smem);
       e != cudaSuccess)
     return e;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // staged_fits checked the shared memory
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;  // the plan checked the shared memory
   const int64_t blocks = std::min<int64_t>(a.pos.num_seq * a.heads, (int64_t)dev.sms * per_sm);
-  return launch_kernel(kernel, (unsigned)blocks, 32 * warps, smem, stream, dev, a);
+  return launch_kernel<kernel>((unsigned)blocks, 32 * warps, smem, stream, dev, a);
 }
 
 // The prefetching kernel where its shared memory fits the device, else the
 // one that fills from memory.
 template <int HD>
-cudaError_t launch_attention(const AttnArgs& a, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t launch_attention(const AttnArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
   const size_t prefetch = attention_prefetch_smem_bytes(a.pos.len, HD);
   if (prefetch <= (size_t)dev.smem_optin) return launch_attention<HD, true>(a, prefetch, dev, stream);
   return launch_attention<HD, false>(a, staged_attention_smem_bytes(a.pos.len, HD), dev, stream);
@@ -380,16 +380,9 @@ AxisView row_indices(const AxisView& v, int64_t D) {
 
 }  // namespace
 
-bool staged_fits(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
-                 const float* dst, const DeviceInfo& dev) {
-  return gemm_tf32x3_available(dev) &&
-         staged_attention_smem_bytes(view.len, p.dim / p.heads) <= (size_t)dev.smem_optin &&
-         pass_aligned(w, src, dst);
-}
-
-Status launch_axis_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
-                          float* dst, float* scratch, const StagedWeights& split, const WeightSplits& split_now,
-                          const DeviceInfo& dev, cudaStream_t stream) {
+Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
+                     float* scratch, const StagedWeights& split, const WeightSplits& split_now,
+                     const DeviceCaps& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len;
   float* xs = scratch;      // (T, D): LayerNorm output, then attention output
@@ -404,7 +397,7 @@ Status launch_axis_staged(const AxisView& view, const AxialParams& p, const Axis
   const int64_t ln_blocks = (T + 7) / 8;  // 8 warps, a position each
   const int64_t split_blocks = jobs.n ? std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms) : 0;
   if (ln_blocks + split_blocks > INT32_MAX) return {StatusCode::kUnsupported, "too many positions for one pass"};
-  if (cudaError_t e = launch_kernel(layer_norm_kernel, (unsigned)(ln_blocks + split_blocks), 256, 0, stream,
+  if (cudaError_t e = launch_kernel<layer_norm_kernel>((unsigned)(ln_blocks + split_blocks), 256, 0, stream,
                                     dev, src, w.norm_weight, w.norm_bias, p.eps, T, D, xs, ln_blocks, jobs);
       e != cudaSuccess)
     return cuda_error(e, "layer_norm_kernel launch");

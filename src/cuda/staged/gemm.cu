@@ -1,7 +1,7 @@
 // C (M, N) = A (M, K) @ W (N, K)^T (+ bias) (+ residual) in fp32 accuracy on
 // Hopper's warpgroup tensor-core instructions (wgmma, sm_90a), the 3xTF32
 // split: W comes already split in global memory (two planes, hi then lo, of
-// TF32 values: tf32x3.cuh), A as plain fp32, split in registers.
+// TF32 values: detail/tf32x3.cuh), A as plain fp32, split in registers.
 //
 // Shape: a block of two warpgroups computes 128 x 128 tiles of C, each
 // warpgroup 64 rows (64 accumulators a thread); one block an SM, looping over
@@ -30,15 +30,17 @@
 // core truncates its own adds; a long chain drifts, while runs of two steps
 // stay at an fp32 FMA chain's error: docs/perf-notes.md). Two T sets
 // alternate, so one run's products go on while the other's T is added.
-#include "gemm_tf32x3.h"
+#include "gemm.h"
 
 #include <algorithm>
 #include <cstdint>
 
-#include "async_copy.cuh"
-#include "launch.cuh"
-#include "tf32x3.cuh"
-#include "wgmma.cuh"
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/host.h"
+#include "../detail/launch.cuh"
+#include "../detail/tf32x3.cuh"
+#include "../detail/wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -55,6 +57,8 @@ struct Tiling {
   static constexpr int kStageBytes = kATile + 2 * kWTile;  // A, W hi, W lo
   static constexpr size_t kSmemBytes = (size_t)kStages * kStageBytes + 1024;  // + room to align to 1024
 };
+// The plan (host) sizes the staged path by the largest tiling.
+static_assert(Tiling<2, 128>::kSmemBytes == kStagedGemmSmemBytes, "common/smem_layout.h");
 
 #if FASTAXIAL_SM90A_DEVICE
 // A thread's share of the copies of an R-row tile of a (rows, K) matrix by
@@ -93,7 +97,7 @@ __device__ __forceinline__ void load_tile(uint32_t s, const TileCopies& tc, cons
   }
 }
 
-// This thread's A fragments (wgmma.cuh) of steps ks and ks + 1 of the
+// This thread's A fragments (detail/wgmma.cuh) of steps ks and ks + 1 of the
 // stage's A tile at a, for warpgroup wg, split: column t of a step is in
 // piece 2 k of its row, column t + 4 in piece 2 k + 1; rows r and r + 8 share
 // r % 8 = g, so both sit at the same swizzled place 1024 bytes apart.
@@ -265,26 +269,26 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
 }
 
 template <int WG, int BN>
-cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceCaps& dev, cudaStream_t stream) {
   using Tl = Tiling<WG, BN>;
   constexpr auto kernel = gemm_tf32x3_kernel<WG, BN>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const int64_t blocks = std::min<int64_t>(tiles, dev.sms);
-  return launch_kernel(kernel, (unsigned)blocks, Tl::kThreads, Tl::kSmemBytes, stream, dev, g);
+  return launch_kernel<kernel>((unsigned)blocks, Tl::kThreads, Tl::kSmemBytes, stream, dev, g);
 }
 
 }  // namespace
 
-bool gemm_tf32x3_available(const DeviceInfo& dev) {
+bool gemm_tf32x3_available(const DeviceCaps& dev) {
 #if defined(FASTAXIAL_WGMMA)
-  return dev.cc_major == 9 && (size_t)dev.smem_optin >= Tiling<2, 128>::kSmemBytes;  // the largest
+  return dev.sm90a && (size_t)dev.smem_optin >= kStagedGemmSmemBytes;  // the largest tiling
 #else
   (void)dev;
   return false;
 #endif
 }
 
-cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceInfo& dev, cudaStream_t stream) {
+cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceCaps& dev, cudaStream_t stream) {
   if (g.M == 0 || g.N == 0) return cudaSuccess;
   if (!gemm_tf32x3_available(dev)) return cudaErrorInvalidDeviceFunction;
   // One block an SM (the ring takes most of its shared memory), each looping

@@ -1,13 +1,13 @@
 // C = A @ W^T (+ bias) (+ residual) in fp32 accuracy on Hopper's tensor cores,
 // for A in fp32 and W stored split: two planes, hi then lo, of TF32 values
-// (tf32x3.cuh). The projections of the staged path.
+// (detail/tf32x3.cuh). The projections of the staged path.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "axis_kernels.h"
+#include "../../common/plan.h"  // DeviceCaps
 
 namespace fastaxial::cuda {
 
@@ -22,9 +22,11 @@ struct GemmArgs {
 };
 
 // True when this build has the kernel for the device (sm_90a code, built with
-// CUDA_ARCHITECTURES holding 90a) and the device gives it enough shared memory.
-bool gemm_tf32x3_available(const DeviceInfo& dev);
+// CUDA_ARCHITECTURES holding 90a, run on a compute-capability 9.0 GPU) and the
+// device gives it enough shared memory (kStagedGemmSmemBytes).
+bool gemm_tf32x3_available(const DeviceCaps& dev);
 
-cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceInfo& dev, cudaStream_t stream);
+// Launches the product on `stream` (a programmatic dependent, detail/launch.cuh).
+cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceCaps& dev, cudaStream_t stream);
 
 }  // namespace fastaxial::cuda
