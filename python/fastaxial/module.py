@@ -3,6 +3,7 @@
 import os
 import sys
 import warnings
+from operator import getitem
 
 import torch
 
@@ -13,6 +14,7 @@ __all__ = ["AxialAttention"]
 _OP = torch.ops.fastaxial.axial_attention.default
 _HAS_CPU, _HAS_CUDA = ops.has_kernel("cpu"), ops.has_kernel("cuda")
 _SUBMODULES = frozenset(m for m, _ in reference._WEIGHT_NAMES)
+_PARAM_NAMES = tuple(p for _, p in reference._WEIGHT_NAMES)
 
 
 class AxialAttention(reference.AxialAttentionReference):
@@ -32,17 +34,19 @@ class AxialAttention(reference.AxialAttentionReference):
     # costs about 0.6 us. The weights are read from their submodules'
     # parameter dicts, kept in _slots (built on first use, dropped when a
     # submodule is replaced), so a swapped or reloaded parameter is the one
-    # used.
+    # used. torch.compile traces the same path.
     def forward(self, x):
         mods = self._modules
         eps = mods["row_norm"].eps
         if (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and (x.is_cuda and _HAS_CUDA or x.is_cpu and _HAS_CPU)
                 and not (self.training and mods["dropout"].p > 0) and eps == mods["col_norm"].eps):
-            try:
-                weights = [d[n] for d, n in self.__dict__["_slots"]]
-            except KeyError:
-                weights = self._weights_slow_path()
-            return _OP(x, *weights, self.num_heads, eps)
+            slots = self.__dict__.get("_slots")
+            try:  # map() in C: no Python frame per weight
+                weights = map(getitem, slots, _PARAM_NAMES) if slots is not None else self._weights_slow_path()
+                return _OP(x, *weights, self.num_heads, eps)
+            except KeyError:  # a weight became parametrized after the slots were built
+                self.__dict__.pop("_slots", None)
+                return _OP(x, *self._weights_slow_path(), self.num_heads, eps)
         return self._reference_forward(x)
 
     def __setattr__(self, name, value):
@@ -58,11 +62,10 @@ class AxialAttention(reference.AxialAttentionReference):
     def _weights_slow_path(self):
         """The ten weights, building _slots where every weight is a plain parameter."""
         mods = self._modules
+        slots = tuple(mods[m]._parameters for m, _ in reference._WEIGHT_NAMES)
         try:
-            slots = tuple((mods[m]._parameters, p) for m, p in reference._WEIGHT_NAMES)
-            weights = [d[n] for d, n in slots]
+            weights = list(map(getitem, slots, _PARAM_NAMES))
         except KeyError:  # a parametrized weight (a property, not in _parameters)
-            self.__dict__.pop("_slots", None)
             return list(self.weights())
         self.__dict__["_slots"] = slots
         return weights

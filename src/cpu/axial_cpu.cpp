@@ -55,7 +55,10 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
   seq_per_block = std::min(seq_per_block, std::max<int64_t>(1, N / (4 * threads)));
   const int64_t num_blocks = (N + seq_per_block - 1) / seq_per_block;
 
-#pragma omp parallel
+  // No more threads than blocks: a team's start costs microseconds, more
+  // than a small pass's work.
+  const int team = (int)std::min<int64_t>(threads, num_blocks);
+#pragma omp parallel num_threads(team) if (team > 1)
   {
     Scratch t;
 #pragma omp for schedule(dynamic)

@@ -1,0 +1,148 @@
+"""The call path: what runs per module call (no Python below the module's forward),
+the operator's C++ autograd, the cached weights staying correct when a user swaps
+parameters, the fallback's messages, and the CUDA plan a forward reports."""
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fastaxial
+from conftest import make_pair, randomize_
+
+ATOL = RTOL = 1e-4
+_OPS_FILE = os.path.abspath(fastaxial.ops.__file__)
+
+
+def python_calls(fn):
+    """(file, function) of every Python function that runs inside fn()."""
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls.append((os.path.abspath(frame.f_code.co_filename), frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+def test_no_python_runs_below_the_module_forward(device, mode):
+    _, new = make_pair(32, 4, 5, 6, device, seed=1)
+    x = torch.randn(2, 5, 6, 32, device=device)
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": torch.enable_grad}[mode]
+    with ctx():
+        new(x)  # first call: builds the weight slots
+        calls = python_calls(lambda: new(x))
+    module_file = os.path.abspath(fastaxial.module.__file__)
+    ours = [c for c in calls if c[0] == module_file]
+    assert ours == [(module_file, "forward")], calls
+    # Besides it, only nn.Module's call wrapper and the operator handle's one-line
+    # __call__ (torch/_ops.py, into the C++ dispatcher) run: no Python autograd
+    # formula, nothing from fastaxial/ops.py or torch's custom-op machinery.
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    allowed = {os.path.join(torch_dir, "nn", "modules", "module.py"), os.path.join(torch_dir, "_ops.py")}
+    others = [c for c in calls[1:] if c[0] != module_file and c[0] not in allowed]  # [0]: the lambda
+    assert others == [], others
+    assert [c for c in calls if c[0] == os.path.join(torch_dir, "_ops.py")] == [
+        (os.path.join(torch_dir, "_ops.py"), "__call__")], calls
+
+
+def test_grad_mode_records_the_cpp_autograd_node(device):
+    _, new = make_pair(32, 4, 5, 6, device, seed=2)
+    out = new(torch.randn(2, 5, 6, 32, device=device))
+    assert "AxialAttentionFunction" in out.grad_fn.name()
+    with torch.no_grad():
+        assert new(torch.randn(2, 5, 6, 32, device=device)).grad_fn is None
+
+
+def test_frozen_weights_and_input_gradients(device):
+    """needs_input_grad is honoured: only what requires grad gets a gradient, and it is the reference's."""
+    ref, new = make_pair(32, 4, 5, 6, device, seed=3)
+    randomize_(ref, 3)
+    new.load_state_dict(ref.state_dict())
+    for m in (ref, new):
+        m.row_qkv.weight.requires_grad_(False)
+        m.col_norm.bias.requires_grad_(False)
+    x = torch.randn(2, 5, 6, 32, device=device, dtype=torch.float64).float()
+    x_ref, x_new = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(2, 5, 6, 32, device=device)
+    ref(x_ref).backward(g)
+    new(x_new).backward(g)
+    torch.testing.assert_close(x_new.grad, x_ref.grad, atol=ATOL, rtol=RTOL)
+    for (name, p), q in zip(ref.named_parameters(), new.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(q.grad, p.grad, atol=ATOL, rtol=RTOL, msg=name)
+        else:
+            assert q.grad is None, name
+
+
+def test_swapped_parameter_and_submodule_are_used(device):
+    ref, new = make_pair(32, 4, 5, 6, device, seed=4)
+    x = torch.randn(2, 5, 6, 32, device=device)
+    with torch.no_grad():
+        new(x)  # caches the weight slots
+        for m in (ref, new):  # a new Parameter object on a submodule
+            torch.manual_seed(7)
+            m.row_qkv.weight = nn.Parameter(torch.randn(96, 32, device=device) * 0.2)
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+        for m in (ref, new):  # a new submodule
+            torch.manual_seed(8)
+            m.col_out = nn.Linear(32, 32).to(device)
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+        ref.load_state_dict(randomize_(ref, 9).state_dict())
+        new.load_state_dict(ref.state_dict())  # copied in place
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+
+
+def test_parametrized_weight(device):
+    ref, new = make_pair(32, 4, 5, 6, device, seed=5)
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 0.5 * w
+
+    for m in (ref, new):
+        torch.nn.utils.parametrize.register_parametrization(m.row_out, "weight", Scale())
+    x = torch.randn(2, 5, 6, 32, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+
+
+def test_fallback_warning_points_at_the_callers_line(device):
+    _, new = make_pair(32, 4, 3, 3, device, seed=6)
+    new.col_norm.eps = 1e-3  # a case the fused op does not serve
+    fastaxial.module._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        new(torch.randn(1, 3, 3, 32, device=device))
+    assert len(caught) == 1
+    assert caught[0].filename == os.path.abspath(__file__), caught[0].filename
+
+
+def test_dtype_mismatch_is_one_clear_error(device):
+    _, new = make_pair(32, 4, 3, 3, device, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning before the error
+        with pytest.raises(TypeError, match=r"x is torch.float64 but the weights are torch.float32"):
+            new(torch.randn(1, 3, 3, 32, device=device, dtype=torch.float64))
+
+
+def test_describe_cuda_plan_names_each_pass():
+    if not (torch.cuda.is_available() and fastaxial.ops.has_kernel("cuda")):
+        pytest.skip("needs a CUDA device")
+    x = torch.randn(4, 32, 32, 64, device="cuda")
+    line = fastaxial.ops.describe_cuda_plan(x, 4)
+    assert line.startswith("row: ") and ", col: " in line and "workspace" in line, line
+    forced = os.environ.get("FASTAXIAL_CUDA_PATH")
+    if forced is None:  # the default problem runs on the fused kernel
+        assert "row: fused" in line and "col: fused" in line, line
+    else:
+        assert f"row: {forced}" in line, line
