@@ -56,5 +56,10 @@ int main() {
   std::printf("fastaxial consumer: out (%lld, %lld, %lld, %lld), sum %.6f, mean |out| %.6f, CUDA kernels %s\n",
               (long long)B, (long long)H, (long long)W, (long long)D, sum, sum_abs / out.size(),
               fastaxial::cuda_compiled() ? "built" : "not built");
+  // The CUDA plan of the same problem: which kernels would run, and the
+  // workspace to allocate (no device: the status says so).
+  fastaxial::CudaPlan plan;
+  const fastaxial::Status planned = fastaxial::plan_cuda(p, &plan);
+  std::printf("CUDA plan: %s\n", planned.ok() ? plan.describe().c_str() : planned.message.c_str());
   return std::isfinite(sum) ? 0 : 1;
 }
