@@ -1,14 +1,59 @@
 """fastaxial.bench: fastaxial against PyTorch on the same inputs and weights.
 
-    python -m fastaxial.bench [--shapes all|default] [--out DIR] [--iters N]
+    python -m fastaxial.bench [--shapes all|default|"B H W D heads;..."] [--out DIR] [--iters N]
+        [--protocols queued,synchronized,harness,host] [--harness-iters N] [--host-calls N]
 
 Contenders, all fp32 with TF32 off: fastaxial; the PyTorch eager reference;
 the same math with scaled_dot_product_attention; torch.compile of the
 reference; on CUDA, torch.compile with mode="reduce-overhead" (CUDA graphs).
-Each forward is timed alone between CUDA events, after a write of a 256 MB
-buffer that flushes L2, following a warm-up. Also measured in the same run:
-the device's fp32 matrix rate and copy bandwidth, which give each shape's
-floor (the larger of FLOPs / rate and bytes / bandwidth).
+
+A forward costs host time (Python, dispatch, launches) and GPU time, and
+the protocols differ in how much of the host's part they show. A user who
+waits for each result pays both; a loop that keeps the GPU fed pays the
+larger. One run measures them all (--protocols picks; queued always runs):
+
+queued: under no_grad, each forward between two CUDA events, after a write
+    of a 256 MB buffer that flushes L2; one synchronize at the end, so the
+    GPU never waits for the host. The host prepares the next forward while
+    the GPU runs the flush and the forwards queued before it: host time
+    shorter than that is hidden. It measures the GPU's time on a cold L2.
+synchronized: under no_grad, per forward: the same flush, synchronize,
+    start event, forward, end event, synchronize. The GPU sits idle when
+    the call begins, so the events also span the host's work up to the last
+    launch: the latency a caller that waits for each result sees.
+harness: how KernelBench's cuda_event timing times a drop-in module: grad
+    mode and training mode (the module as constructed: parameters that
+    require grad, an input that does not), and per forward: synchronize,
+    allocate a 256 MB tensor, fill it and free it, start event, forward,
+    end event, synchronize; mean and median of --harness-iters forwards
+    (KernelBench times 100) after warm-up. The fill is queued after the
+    synchronize, so it runs on the GPU while the host prepares the forward
+    (256 MB at a few TB/s: tens of µs); host time beyond the fill shows.
+    KernelBench also empties the allocator cache after warm-up and drops
+    its first trial, which refills it; here the warm-up leaves it filled.
+    A contender that fails in grad mode records its error instead of times.
+host: on the first shape, the host's time per call: --host-calls calls back
+    to back without synchronizing, only that loop timed by the host clock
+    (synchronizing before and after it, outside the timed region), median
+    over 7 repetitions. Rows: the fastaxial module under no_grad, under
+    inference_mode and in grad mode; the bare operator under no_grad; and
+    x.add(1.0) under no_grad, the unit of the ratios. On CUDA also
+    fastaxial's GPU time alone ("gpu_alone"): one forward captured in a CUDA
+    graph, 100 replays back to back between two events, median over 7
+    (no flush: input and weights stay in L2 between replays).
+
+On the CPU every protocol times each call by the host clock (nothing to
+flush or synchronize; harness there is grad and training mode without the
+fill), and host rows are measured the same way as on CUDA.
+
+In bench.json, per shape: "results" (queued, with the correctness check),
+"synchronized" and "harness", each {contender: {mean_us, median_us, iters}}
+(harness: {error} for a contender that failed); at the top: "host"
+(us_per_call and over_add per row) and, on CUDA, "gpu_alone".
+
+Also measured in the same run: the device's fp32 matrix rate and copy
+bandwidth, which give each shape's floor (the larger of FLOPs / rate and
+bytes / bandwidth).
 """
 
 import argparse
@@ -27,13 +72,25 @@ DEFAULT_SHAPE = (reference.BATCH, reference.HEIGHT, reference.WIDTH, reference.D
 SHAPES = [DEFAULT_SHAPE, (16, 32, 32, 64, 4), (8, 64, 64, 128, 8), (2, 128, 128, 256, 8),
           (1, 256, 256, 128, 4), (2, 48, 80, 96, 3)]
 
+PROTOCOLS = ("queued", "synchronized", "harness", "host")
+HARNESS_ITERS = 100  # KernelBench's timed trials per module
+HARNESS_CONTENDERS = ("fastaxial", "eager", "compile", "compile+cudagraph")  # the modules a harness would time
+HOST_REPEATS = 7
+GPU_REPLAYS = 100
+FLUSH_BYTES = 256 * 2**20
+ERROR_CHARS = 1000  # of a failed contender's error message, kept in the report
 
 ITERS_HELP = "timed forwards per contender (default 200 CUDA, 20 CPU)"
 
 
 def default_iters(device):
-    """Timed forwards per contender when none are asked for: fewer on the CPU, where each takes milliseconds."""
+    """Timed forwards per contender when none are asked for: fewer on the CPU, where each takes milliseconds.
+    Also the host rows' calls per repetition: on CUDA few enough launches that the launch queue never fills."""
     return 200 if device.type == "cuda" else 20
+
+
+def shape_dict(shape):
+    return dict(zip(("B", "H", "W", "D", "heads"), shape))
 
 
 def flops(B, H, W, D, heads):
@@ -53,46 +110,98 @@ def sdpa_core(q, k, v, dropout_p=0.0, training=False):
     return F.scaled_dot_product_attention(q, k, v)
 
 
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(times):
+    return {"mean_us": statistics.fmean(times), "median_us": statistics.median(times), "iters": len(times)}
+
+
+def _host_clock(fn, iters):
+    """µs of each of iters calls by the host clock: the CPU's protocols."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
 class Timer:
-    """Times one call at a time: CUDA events with L2 flushed before each, or a host clock on CPU."""
+    """Times one call at a time under the queued, synchronized or harness protocol (module docstring):
+    CUDA events on CUDA, a host clock on CPU. Each method warms up, then returns mean / median µs."""
 
     def __init__(self, device):
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.flush_buf = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+            self.flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.stop = torch.cuda.Event(enable_timing=True)
 
-    def __call__(self, fn, iters, warmup):
+    def queued(self, fn, iters, warmup):
         for _ in range(warmup):
             fn()
+        if not self.cuda:
+            return _stats(_host_clock(fn, iters))
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        stops = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for s, e in zip(starts, stops):
+            self.flush_buf.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize(self.device)
+        return _stats([s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops)])
+
+    def synchronized(self, fn, iters, warmup):
+        for _ in range(warmup):
+            fn()
+        if not self.cuda:
+            return _stats(_host_clock(fn, iters))
         times = []
-        if self.cuda:
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-            stops = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-            for s, e in zip(starts, stops):
-                self.flush_buf.zero_()
-                s.record()
-                fn()
-                e.record()
+        for _ in range(iters):
+            self.flush_buf.zero_()
             torch.cuda.synchronize(self.device)
-            times = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, stops)]
-        else:
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return {"mean_us": statistics.fmean(times), "median_us": statistics.median(times), "iters": iters}
+            times.append(self._events_around(fn))
+        return _stats(times)
+
+    def harness(self, fn, iters, warmup):
+        for _ in range(warmup):
+            fn()
+            _sync(self.device)
+        if not self.cuda:
+            return _stats(_host_clock(fn, iters))
+        times = []
+        for _ in range(iters):
+            torch.cuda.synchronize(self.device)
+            # KernelBench's L2 flush, queued behind the synchronize: a fresh 256 MB tensor, filled, freed.
+            scratch = torch.empty((32, 1024, 1024), dtype=torch.int64, device=self.device)
+            scratch.fill_(42)
+            del scratch
+            times.append(self._events_around(fn))
+        return _stats(times)
+
+    def _events_around(self, fn):
+        """µs between CUDA events recorded around one call, waiting for the device after it."""
+        self.start.record()
+        fn()
+        self.stop.record()
+        torch.cuda.synchronize(self.device)
+        return self.start.elapsed_time(self.stop) * 1e3
 
 
 def device_ceilings(device, timer):
     """Measured fp32 matrix rate (FLOP/s, TF32 off) and copy bandwidth (bytes read + written per s)."""
     n = 8192 if device.type == "cuda" else 1024
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    t = timer(lambda: torch.mm(a, b), iters=10, warmup=3)["median_us"] * 1e-6
+    t = timer.queued(lambda: torch.mm(a, b), iters=10, warmup=3)["median_us"] * 1e-6
     rate = 2 * n**3 / t
     count = (2**28 if device.type == "cuda" else 2**25)
     src, dst = torch.randn(count, device=device), torch.empty(count, device=device)
-    t = timer(lambda: dst.copy_(src), iters=20, warmup=3)["median_us"] * 1e-6
+    t = timer.queued(lambda: dst.copy_(src), iters=20, warmup=3)["median_us"] * 1e-6
     return {"fp32_flops_per_s": rate, "copy_bytes_per_s": 2 * 4 * count / t}
 
 
@@ -118,27 +227,125 @@ def contenders(ref, new, device, compile_=True):
     return out
 
 
-def bench_shape(shape, device, timer, iters, warmup, compile_=True, seed=0):
+def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=PROTOCOLS,
+                harness_iters=HARNESS_ITERS, seed=0):
+    """One shape: correctness and the queued protocol ("results") of every contender, and the
+    synchronized and harness protocols where asked for."""
     B, H, W, D, heads = shape
     torch.manual_seed(seed)
     ref = reference.AxialAttentionReference(D, heads, H, W).to(device).eval()
     torch.manual_seed(seed)
     new = AxialAttention(D, heads, H, W).to(device).eval()
     x = torch.randn(B, H, W, D, device=device)
-    rows = {}
+    rows, synchronized = {}, {}
     with torch.no_grad():
         expected = ref(x)
         for name, fn in contenders(ref, new, device, compile_).items():
             fn(x)
             got = fn(x).clone()  # second call: compiled graphs settle
             err = (got - expected).abs().max().item()
-            t = timer(lambda: fn(x), iters, warmup)
+            t = timer.queued(lambda: fn(x), iters, warmup)
             rows[name] = {**t, "max_abs_err": err,
                           "allclose_1e-4": bool(torch.allclose(got, expected, atol=1e-4, rtol=1e-4))}
+            if "synchronized" in protocols:
+                synchronized[name] = timer.synchronized(lambda: fn(x), iters, warmup)
             if name.startswith("compile"):
                 torch._dynamo.reset()  # drop compiled graphs before the next contender
-    return {"shape": dict(zip("B H W D heads".split(), shape)), "flops": flops(*shape),
-            "min_bytes": min_bytes(*shape), "results": rows}
+    out = {"shape": shape_dict(shape), "flops": flops(*shape),
+           "min_bytes": min_bytes(*shape), "results": rows}
+    if "synchronized" in protocols:
+        out["synchronized"] = synchronized
+    if "harness" in protocols:
+        # A harness builds the modules and leaves them in training mode (the same math: no dropout).
+        out["harness"] = harness_rows(ref.train(), new.train(), x, device, timer, harness_iters, warmup, compile_)
+    return out
+
+
+def harness_rows(ref, new, x, device, timer, iters, warmup, compile_):
+    """The harness protocol for each drop-in contender, in grad mode; one that fails records its error."""
+    rows = {}
+    with torch.enable_grad():
+        for name, fn in contenders(ref, new, device, compile_).items():
+            if name not in HARNESS_CONTENDERS:
+                continue
+            try:
+                rows[name] = timer.harness(lambda: fn(x), iters, warmup)
+            except Exception as e:  # a contender that cannot run in grad mode is a result, not a crash
+                rows[name] = {"error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}
+            finally:
+                if name.startswith("compile"):
+                    torch._dynamo.reset()
+    return rows
+
+
+def seeded_module(shape, device, seed=0):
+    """A fastaxial module in eval mode and an input x of a shape, from a seed."""
+    B, H, W, D, heads = shape
+    torch.manual_seed(seed)
+    return AxialAttention(D, heads, H, W).to(device).eval(), torch.randn(B, H, W, D, device=device)
+
+
+def back_to_back_us(fn, device, calls, repeats=HOST_REPEATS):
+    """Host µs per call: calls made back to back, only that loop on the host clock (the device is
+    synchronized before and after it, outside the timed region); median over repeats."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    _sync(device)
+    return statistics.median(samples)
+
+
+def host_rows(shape, device, calls):
+    """The host protocol: what the host spends per call, fastaxial's ways to be called against x.add(1.0)."""
+    module, x = seeded_module(shape, device)
+    weights, heads, eps = module.weights(), module.num_heads, module.row_norm.eps
+    modes_and_calls = {
+        "module_no_grad": (torch.no_grad, lambda: module(x)),
+        "module_inference_mode": (torch.inference_mode, lambda: module(x)),
+        "module_grad": (torch.enable_grad, lambda: module(x)),
+        "operator_no_grad": (torch.no_grad, lambda: torch.ops.fastaxial.axial_attention(x, *weights, heads, eps)),
+        "add_no_grad": (torch.no_grad, lambda: x.add(1.0)),
+    }
+    us = {}
+    for name, (mode, fn) in modes_and_calls.items():
+        with mode():
+            us[name] = back_to_back_us(fn, device, calls)
+    return {"shape": shape_dict(shape), "calls": calls, "repeats": HOST_REPEATS,
+            "us_per_call": us, "over_add": {k: v / us["add_no_grad"] for k, v in us.items() if k != "add_no_grad"}}
+
+
+def gpu_alone(shape, device, replays=GPU_REPLAYS, repeats=HOST_REPEATS):
+    """fastaxial's GPU time per forward with no host in the loop: one forward captured in a CUDA graph
+    (no_grad), replays back to back between two events; median over repeats. L2 stays warm."""
+    module, x = seeded_module(shape, device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        side = torch.cuda.Stream(device)  # warm-up on a side stream before capture, as torch.cuda.graphs asks
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                module(x)
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.cuda.graph(graph):
+            module(x)
+    graph.replay()  # the first replay uploads the graph
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        stop.record()
+        torch.cuda.synchronize(device)
+        samples.append(start.elapsed_time(stop) * 1e3 / replays)
+    return {"shape": shape_dict(shape), "us_per_forward": statistics.median(samples),
+            "replays": replays, "repeats": repeats}
 
 
 def add_floors(report):
@@ -153,23 +360,95 @@ def add_floors(report):
         s["speedup_vs"] = {k: v["mean_us"] / fa for k, v in s["results"].items() if k != "fastaxial"}
 
 
-def markdown(report):
+TITLES = {
+    "queued": "**Queued**: mean / median µs per forward under no_grad, each between CUDA events after an L2 flush "
+              "(a 256 MB write), one synchronize at the end: the GPU never waits for the host.",
+    "synchronized": "**Synchronized**: mean / median µs per forward under no_grad, L2 flushed and the device "
+                    "synchronized before each, synchronized after: the host's work on the call shows.",
+    "harness": "**Harness** (KernelBench's cuda_event timing): mean / median µs per forward in grad and training "
+               "mode; before each, synchronize, then a fresh 256 MB tensor filled and freed; synchronize after.",
+}
+HOST_LABELS = {"module_no_grad": "fastaxial module, no_grad",
+               "module_inference_mode": "fastaxial module, inference_mode",
+               "module_grad": "fastaxial module, grad mode",
+               "operator_no_grad": "torch.ops.fastaxial.axial_attention, no_grad",
+               "add_no_grad": "x.add(1.0), no_grad"}
+
+
+def shape_label(shape, sep=", "):
+    return "(" + sep.join(str(v) for v in shape.values()) + ")"
+
+
+def cell(row):
+    """A contender's mean / median µs, or 'error' where it failed."""
+    return f"{row['mean_us']:.1f} / {row['median_us']:.1f}" if "mean_us" in row else "error"
+
+
+def speedups(rows):
+    """Contender mean / fastaxial mean for every contender timed under a protocol (fastaxial's own is 1)."""
+    fa = rows.get("fastaxial", {}).get("mean_us")
+    return {k: v["mean_us"] / fa for k, v in rows.items() if fa and "mean_us" in v}
+
+
+def queued_table(report):
     names = list(report["shapes"][0]["results"])
-    lines = [f"Device: {report['device']}; fp32 matmul {report['ceilings']['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s, "
-             f"copy {report['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s (measured in this run). "
-             "Mean / median µs per forward, L2 flushed before each; speedup = contender mean / fastaxial mean.",
-             "",
+    lines = [TITLES["queued"] + " Speedup = contender mean / fastaxial mean.", "",
              "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | floor µs | fastaxial / floor | "
              "speedup vs fastest other | max abs err (fastaxial) |",
              "|---" * (len(names) + 5) + "|"]
     for s in report["shapes"]:
         r = s["results"]
-        shape = "(" + ", ".join(str(v) for v in s["shape"].values()) + ")"
-        cells = [f"{r[n]['mean_us']:.1f} / {r[n]['median_us']:.1f}" for n in names]
+        cells = [cell(r[n]) for n in names]
         fastest = min(s["speedup_vs"].values())
-        lines.append(f"| {shape} | " + " | ".join(cells) + f" | {s['floor_us']:.1f} ({s['floor_bound']}) | "
-                     f"{s['fastaxial_over_floor']:.1f}x | {fastest:.2f}x | {r['fastaxial']['max_abs_err']:.1e} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cells) + f" | {s['floor_us']:.1f} "
+                     f"({s['floor_bound']}) | {s['fastaxial_over_floor']:.1f}x | {fastest:.2f}x | "
+                     f"{r['fastaxial']['max_abs_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def protocol_table(report, key):
+    """The synchronized or harness table; failed contenders' errors listed below it."""
+    names = list(report["shapes"][0][key])
+    lines = [TITLES[key], "", "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | speedup vs fastest other |",
+             "|---" * (len(names) + 2) + "|"]
+    errors = []
+    for s in report["shapes"]:
+        rows = s[key]
+        others = [v for k, v in speedups(rows).items() if k != "fastaxial"]
+        fastest = f"{min(others):.2f}x" if others else "-"
+        lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cell(rows[n]) for n in names) + f" | {fastest} |")
+        errors += [f"- {shape_label(s['shape'])} {n}: {r['error'].splitlines()[0]}"
+                   for n, r in rows.items() if "error" in r]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def host_table(report):
+    """The host rows, and on CUDA fastaxial's GPU time alone for the same shape."""
+    h = report["host"]
+    lines = [f"**Host** time per call, shape {shape_label(h['shape'])}: {h['calls']} calls back to back without "
+             f"synchronizing, the loop timed by the host clock, median of {h['repeats']}.", "",
+             "| call | µs per call | / x.add(1.0) |", "|---|---|---|"]
+    for k, us in h["us_per_call"].items():
+        ratio = f"{h['over_add'][k]:.2f}x" if k in h["over_add"] else ""
+        lines.append(f"| {HOST_LABELS[k]} | {us:.1f} | {ratio} |")
+    g = report.get("gpu_alone")
+    if g:
+        lines.append(f"| fastaxial forward, GPU alone ({g['replays']} CUDA graph replays back to back, L2 warm) "
+                     f"| {g['us_per_forward']:.1f} | |")
+    return "\n".join(lines)
+
+
+def markdown(report):
+    c = report["ceilings"]
+    device = (f"Device: {report['device']}; fp32 matmul {c['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s, "
+              f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (measured in this run).")
+    if report["device"] == "CPU":
+        device += " On the CPU every protocol times each call by the host clock: no flush, nothing to synchronize."
+    parts = [device, queued_table(report)]
+    parts += [protocol_table(report, k) for k in ("synchronized", "harness") if k in report["shapes"][0]]
+    if "host" in report:
+        parts.append(host_table(report))
+    return "\n\n".join(parts) + "\n"
 
 
 def chart(report, path):
@@ -178,7 +457,7 @@ def chart(report, path):
     import matplotlib.pyplot as plt
 
     names = list(report["shapes"][0]["results"])
-    labels = ["(" + ",".join(str(v) for v in s["shape"].values()) + ")" for s in report["shapes"]]
+    labels = [shape_label(s["shape"], ",") for s in report["shapes"]]
     fig, ax = plt.subplots(figsize=(max(6, 2 * len(labels)), 4))
     width = 0.8 / len(names)
     for i, n in enumerate(names):
@@ -194,16 +473,26 @@ def chart(report, path):
     plt.close(fig)
 
 
-def run(shapes, device, iters, warmup, compile_=True, out=None, log=print):
+def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=PROTOCOLS,
+        harness_iters=HARNESS_ITERS, host_calls=None):
+    """Benchmarks every shape under the protocols asked for (queued always), writes bench.json, bench.md
+    and bench.png to out when given, and returns the report."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     timer = Timer(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    report = {"device": name, "torch": torch.__version__, "ceilings": device_ceilings(device, timer), "shapes": []}
+    protocols = tuple(p for p in PROTOCOLS if p == "queued" or p in protocols)
+    report = {"device": name, "torch": torch.__version__, "protocols": list(protocols),
+              "ceilings": device_ceilings(device, timer), "shapes": []}
     for shape in shapes:
         log(f"[bench] shape {shape} on {name}")
-        report["shapes"].append(bench_shape(shape, device, timer, iters, warmup, compile_))
+        report["shapes"].append(bench_shape(shape, device, timer, iters, warmup, compile_, protocols, harness_iters))
     add_floors(report)
+    if "host" in protocols:
+        log(f"[bench] host time per call, shape {shapes[0]}")
+        report["host"] = host_rows(shapes[0], device, host_calls or default_iters(device))
+        if device.type == "cuda":
+            report["gpu_alone"] = gpu_alone(shapes[0], device)
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -220,21 +509,36 @@ def parse_shape(text):
     return v
 
 
+def parse_protocols(text):
+    names = set(text.replace(",", " ").split())
+    if names - set(PROTOCOLS):
+        raise argparse.ArgumentTypeError(f"unknown protocol(s) {', '.join(sorted(names - set(PROTOCOLS)))}; "
+                                         f"choose from {', '.join(PROTOCOLS)}")
+    return tuple(p for p in PROTOCOLS if p in names)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m fastaxial.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="all", help="'all' (the six benchmark shapes), 'default', or "
                    "semicolon-separated 'B H W D heads' groups")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--iters", type=int, default=None, help=ITERS_HELP)
+    p.add_argument("--iters", type=int, default=None, help=ITERS_HELP + "; queued and synchronized")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
+    p.add_argument("--protocols", type=parse_protocols, default=PROTOCOLS,
+                   help=f"comma-separated, from {','.join(PROTOCOLS)} (default all; queued always runs)")
+    p.add_argument("--harness-iters", type=int, default=HARNESS_ITERS,
+                   help=f"timed forwards per contender under the harness protocol (default {HARNESS_ITERS})")
+    p.add_argument("--host-calls", type=int, default=None,
+                   help="back-to-back calls per host-time repetition (default 200 CUDA, 20 CPU)")
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     shapes = {"all": SHAPES, "default": [DEFAULT_SHAPE]}.get(a.shapes) or [parse_shape(s) for s in a.shapes.split(";")]
     iters = a.iters or default_iters(device)
-    report = run(shapes, device, iters, a.warmup, not a.no_compile, a.out)
+    report = run(shapes, device, iters, a.warmup, not a.no_compile, a.out, protocols=a.protocols,
+                 harness_iters=a.harness_iters, host_calls=a.host_calls)
     print(markdown(report))
     print(f"wrote {a.out}/bench.json, bench.md, bench.png")
 
