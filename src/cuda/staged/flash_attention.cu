@@ -1,0 +1,404 @@
+// The staged path's attention step, flash-style: for each sequence n and
+// head h,
+//   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h      q_h, k_h, v_h are (L, hd)
+// read from the (T, 3D) qkv rows the QKV product wrote and written into the
+// (T, D) o rows, with the per-row log-sum-exp on request (for a backward).
+//
+// Shape of the work. A block takes 64 queries (BM) of one (sequence, head):
+// the grid is (query tile, head, sequence), flattened with the query tile
+// fastest so that the blocks of one (sequence, head) run side by side and
+// share its keys and values in L2, and so that a single long sequence still
+// fills the device (L = 2048, 4 heads: 128 blocks). Each of the 4 warps owns
+// 16 query rows. The keys and values go through shared memory BN at a time,
+// double-buffered: the copy of tile j + 1 (cp.async) is in flight while tile
+// j is computed, one barrier per tile. Nothing of a whole sequence is held,
+// so shared memory does not grow with L.
+//
+// Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh):
+//   s (16, BN) = q (16, HDP) k^T (HDP, BN)       runs of two 8-deep steps
+//   online softmax on s in registers: running row max m and sum l (base 2:
+//   s is scaled by log2(e) / sqrt(hd), p = exp2(s - m))
+//   o (16, HDP) = o * exp2(m_old - m) + p (16, BN) v (BN, HDP)   runs of two
+//   8-key groups
+// P needs no trip through shared memory: with k permuted (k index t for key
+// 2t, t + 4 for key 2t + 1 inside each group of 8), a thread's C fragment of
+// s, (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), is its A fragment of
+// p for the product with v, whose B fragment is then v's rows 2t and 2t + 1
+// (keys) at column g (feature): two 4-byte loads from v stored as it comes,
+// key-major, at a row stride that puts them in 32 distinct banks.
+//
+// Head dims: the kernel is a template on a padded head dim HDP (8, 16, 32,
+// 48, 64, 96, 128, 192, 256); columns hd..HDP-1 of q, k and v are zero in
+// shared memory (they change no score, and the output columns they make are
+// not stored). Registers per thread: o is 16 x HDP over 32 lanes (HDP / 2
+// floats), s is 16 x BN (BN / 2 floats); BN shrinks as HDP grows (64 up to
+// HDP 64, 32 up to 128, 16 beyond) so that nothing spills, and q's fragments
+// are read from shared memory and split at each k-step rather than held.
+// q, k and v stay raw fp32 in shared memory (cp.async copies them as they
+// are) and are split into (hi, lo) as fragments are loaded.
+//
+// Global loads: 16-byte cp.async where every head slice is 16-byte aligned
+// (hd % 4 == 0 and qkv 16-byte aligned, hence D % 4 == 0), else 4-byte
+// cp.async per element (hd odd, say). Positions >= L are zero-filled by the
+// copies (a zero row of v times a zero probability stays zero; uninitialised
+// shared memory could hold NaNs), and their scores are -inf before the row
+// max; queries >= L are computed but not stored.
+#include "flash_attention.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/host.h"
+#include "../detail/launch.cuh"
+#include "../detail/tf32x3.cuh"
+
+namespace fastaxial::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBM = 16 * kWarps;  // queries a block
+constexpr int kMaxLen = 1 << 30;  // L below this: tile arithmetic in int
+
+// Shared memory of the kernel for padded head dim HDP, in floats:
+//   q: (kBM, HDP) at row stride ldk
+//   k: 2 stages of (BN, HDP) at row stride ldk
+//   v: 2 stages of (BN, HDP) at row stride ldv
+// q and k are read by 8-byte fragment loads (load_a_perm, load_bt_perm: a
+// half warp reads words 2t, 2t + 1 of rows g = 0..3), so ldk is 8 or 24 mod
+// 32 (common/smem_layout.h); v by 4-byte loads of rows 2t, 2t + 1 at column
+// g (t = 0..3, g = 0..7), distinct banks when 2 ldv is 8 or 24 mod 32: ldv =
+// HDP + 4 with HDP a multiple of 8. Both are multiples of 4 floats, so every
+// row starts 16-byte aligned for cp.async.
+template <int HDP>
+struct FlashTile {
+  static_assert(HDP % 8 == 0 && HDP >= 8 && HDP <= 256, "padded head dim");
+  static constexpr int BN = HDP <= 64 ? 64 : HDP <= 128 ? 32 : 16;  // keys a tile
+  static constexpr int ldk = float2_row_words(HDP);
+  static constexpr int ldv = HDP + 4;
+  static constexpr int q_floats = kBM * ldk;
+  static constexpr int k_floats = BN * ldk;  // one stage
+  static constexpr int v_floats = BN * ldv;  // one stage
+  static constexpr int floats = q_floats + 2 * k_floats + 2 * v_floats;
+  static constexpr size_t bytes = (size_t)floats * sizeof(float);
+  static_assert(ldk % 32 == 8 || ldk % 32 == 24, "q, k rows: conflict-free 8-byte fragment loads");
+  static_assert((2 * ldv) % 32 == 8 || (2 * ldv) % 32 == 24, "v rows: conflict-free 4-byte fragment loads");
+  static_assert(ldk % 4 == 0 && ldv % 4 == 0 && q_floats % 4 == 0 && k_floats % 4 == 0 && v_floats % 4 == 0,
+                "16-byte aligned rows and buffers");
+  static_assert(BN % 16 == 0, "P @ V takes the key groups in pairs");
+};
+
+// 4 bytes from global memory at src to shared memory at dst (a shared-space
+// address); with src_bytes = 0 nothing is read and the word is zeroed.
+__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const float* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// One block: queries q0 .. q0 + 63 of head h of sequence n, where blockIdx.x =
+// (n * heads + h) * q_tiles + query tile. kVec: the 16-byte copies (every
+// head slice 16-byte aligned).
+template <int HDP, bool kVec>
+__global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashArgs a, float scale_log2, int q_tiles) {
+  using Tile = FlashTile<HDP>;
+  constexpr int BN = Tile::BN, KS = HDP / 8, NT = BN / 8, ldk = Tile::ldk, ldv = Tile::ldv;
+  extern __shared__ float4 smem4[];
+  float* qs = reinterpret_cast<float*>(smem4);  // q is (kBM, HDP), row stride ldk
+  float* ks = qs + Tile::q_floats;              // k stage s at ks + s * k_floats: (BN, HDP), row stride ldk
+  float* vs = ks + 2 * Tile::k_floats;          // v stage s at vs + s * v_floats: (BN, HDP), row stride ldv
+
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+  const int hd = a.D / a.heads, L = (int)a.pos.len;
+  const int qt = (int)(blockIdx.x % (unsigned)q_tiles);
+  const int64_t item = blockIdx.x / (unsigned)q_tiles;  // n * heads + h
+  const int h = (int)(item % a.heads);
+  const int64_t n = item / a.heads;
+  const int q0 = qt * kBM;
+
+  // Columns hd..HDP-1 of every buffer are zero for the whole block: the
+  // copies below never write them. Shared memory only, so before the wait.
+  if (hd < HDP) {
+    const int pad = HDP - hd;
+    constexpr int rows = kBM + 4 * BN;  // q, then k's two stages, then v's (contiguous)
+    for (int e = tid; e < rows * pad; e += kThreads) {
+      const int r = e / pad, c = hd + e % pad;
+      float* p = r < kBM + 2 * BN ? qs + r * ldk : vs + (r - kBM - 2 * BN) * ldv;  // q and k share ldk
+      p[c] = 0.0f;
+    }
+  }
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t seq = a.pos.offset(n, 0);  // row of position 0 (one 64-bit division a block)
+  const int64_t ps = a.pos.pos_stride;
+  const int64_t row_words = 3 * (int64_t)a.D;
+  const float* qg = a.qkv + (int64_t)h * hd;  // this head's q columns of row 0; k at + D, v at + 2D
+  const float* kg = qg + a.D;
+  const float* vg = qg + 2 * a.D;
+
+  // Rows p0 .. p0 + ROWS - 1 (positions) of a head slice at src into dst
+  // (row stride LD), columns 0..hd-1; positions >= L as zeros.
+  const auto copy_rows = [&](auto rows_c, auto ld_c, float* dst, const float* src, int p0) {
+    constexpr int ROWS = decltype(rows_c)::value, LD = decltype(ld_c)::value;
+    if constexpr (kVec) {
+      constexpr int C = HDP / 4;  // 16-byte chunks a row
+#pragma unroll 4
+      for (int e = tid; e < ROWS * C; e += kThreads) {
+        const int r = e / C, c = 4 * (e % C);
+        if (c >= hd) continue;  // hd % 4 == 0: chunks lie wholly inside or outside
+        const int l = p0 + r;
+        const bool valid = l < L;
+        const float* from = valid ? src + (seq + l * ps) * row_words + c : a.qkv;
+        copy_async16(smem_addr(dst + r * LD + c), from, valid ? 16 : 0);
+      }
+    } else {
+#pragma unroll 4
+      for (int e = tid; e < ROWS * HDP; e += kThreads) {
+        const int r = e / HDP, c = e % HDP;
+        if (c >= hd) continue;
+        const int l = p0 + r;
+        const bool valid = l < L;
+        const float* from = valid ? src + (seq + l * ps) * row_words + c : a.qkv;
+        copy_async4(smem_addr(dst + r * LD + c), from, valid ? 4 : 0);
+      }
+    }
+  };
+  using RowsQ = std::integral_constant<int, kBM>;
+  using RowsKV = std::integral_constant<int, BN>;
+  using LdK = std::integral_constant<int, ldk>;
+  using LdV = std::integral_constant<int, ldv>;
+
+  const int tiles = (L + BN - 1) / BN;
+  copy_rows(RowsQ(), LdK(), qs, qg, q0);
+  copy_rows(RowsKV(), LdK(), ks, kg, 0);
+  copy_rows(RowsKV(), LdV(), vs, vg, 0);
+  copy_async_commit();
+
+  // This thread's part of the warp's 16 rows: rows g (m0, l0; o[f][0..1]) and
+  // g + 8 (m1, l1; o[f][2..3]), columns 8f + 2t, 8f + 2t + 1 of o.
+  const bool active = q0 + 16 * warp < L;  // a warp whose rows are all >= L only copies
+  float o[KS][4];
+#pragma unroll
+  for (int f = 0; f < KS; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const float* qw = qs + 16 * warp * ldk;  // the warp's q rows (16, HDP)
+
+  for (int j = 0; j < tiles; ++j) {
+    copy_async_wait<0>();  // this thread's copies of tile j (and of q)
+    // Every thread's copies of tile j are in; and every warp is done with
+    // tile j - 1, whose stage the copy below overwrites.
+    __syncthreads();
+    if (j + 1 < tiles) {
+      const int st = (j + 1) & 1;
+      copy_rows(RowsKV(), LdK(), ks + st * Tile::k_floats, kg, (j + 1) * BN);
+      copy_rows(RowsKV(), LdV(), vs + st * Tile::v_floats, vg, (j + 1) * BN);
+      copy_async_commit();
+    }
+    if (!active) continue;
+    const float* kt = ks + (j & 1) * Tile::k_floats;  // k tile (BN, HDP)
+    const float* vt = vs + (j & 1) * Tile::v_floats;  // v tile (BN, HDP)
+
+    // s (16, BN) = q k^T: s[jn] is n-tile jn, keys 8 jn .. 8 jn + 7 of the
+    // tile; this thread holds keys 8 jn + 2t, + 1 of rows g and g + 8. Runs
+    // of two 8-deep steps per fresh accumulator (the first run is s itself).
+    float s[NT][4];
+    if constexpr (KS == 1) {
+      const FragA qa = load_a_perm(qw, ldk);
+#pragma unroll
+      for (int jn = 0; jn < NT; ++jn) three_products<true>(s[jn], qa, load_bt_perm(kt + 8 * jn * ldk, ldk));
+    } else {
+      static_assert(KS % 2 == 0, "runs of two steps");
+      // Features 0..15 straight into s, then the other runs each into a
+      // fresh accumulator added to s. At HDP 192 and 256 (o alone is 96 and
+      // 128 registers) the loop over runs stays rolled: unrolled, the loads
+      // hoisted ahead of their products spill.
+      {
+        const FragA qa0 = load_a_perm(qw, ldk), qa1 = load_a_perm(qw + 8, ldk);
+#pragma unroll
+        for (int jn = 0; jn < NT; ++jn) {
+          const float* kr = kt + 8 * jn * ldk;  // keys 8 jn .., features 0 ..
+          three_products<true>(s[jn], qa0, load_bt_perm(kr, ldk));
+          three_products<false>(s[jn], qa1, load_bt_perm(kr + 8, ldk));
+        }
+      }
+      constexpr int kUnroll = HDP > 128 ? 1 : KS;
+#pragma unroll kUnroll
+      for (int kk = 2; kk < KS; kk += 2) {
+        const FragA qa0 = load_a_perm(qw + 8 * kk, ldk), qa1 = load_a_perm(qw + 8 * kk + 8, ldk);
+#pragma unroll
+        for (int jn = 0; jn < NT; ++jn) {
+          const float* kr = kt + 8 * jn * ldk + 8 * kk;  // keys 8 jn .., features 8 kk ..
+          mma_3xtf32_x2(s[jn], qa0, load_bt_perm(kr, ldk), qa1, load_bt_perm(kr + 8, ldk));
+        }
+      }
+    }
+
+    // Scores in base 2, keys >= L at -inf (only the last tile has any), the
+    // tile's row maxima. Key 8 jn + 2t + e of the tile sits in s[jn][e]
+    // (row g) and s[jn][2 + e] (row g + 8).
+    const int key0 = j * BN;
+    const bool partial = key0 + BN > L;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x0 = s[jn][e] * scale_log2, x1 = s[jn][2 + e] * scale_log2;
+        if (partial && key0 + 8 * jn + 2 * t + e >= L) x0 = x1 = -INFINITY;
+        s[jn][e] = x0, s[jn][2 + e] = x1;
+        mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
+      }
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {  // a row's scores are spread over the 4 lanes of a quad
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, m));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, m));
+    }
+    // Key key0 < L is in every tile, so the new maxima are finite;
+    // exp2(-inf - finite) = 0 rescales the empty start.
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
+    m0 = mn0, m1 = mn1;
+    l0 *= c0, l1 *= c1;
+#pragma unroll
+    for (int f = 0; f < KS; ++f) o[f][0] *= c0, o[f][1] *= c0, o[f][2] *= c1, o[f][3] *= c1;
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[jn][e] = exp2f(s[jn][e] - m0);  // 2^-inf = 0 for masked keys
+        s[jn][2 + e] = exp2f(s[jn][2 + e] - m1);
+        l0 += s[jn][e], l1 += s[jn][2 + e];
+      }
+
+    // o += p v: key groups jn, jn + 1 into one fresh accumulator per output
+    // n-tile f. A fragment of p for group jn: (g, k t) = key 2t, (g, k t + 4)
+    // = key 2t + 1, i.e. s[jn][0], s[jn][2] (row g + 8), s[jn][1], s[jn][3].
+    // B fragment: (k t, n g) = v[key 8 jn + 2t][8f + g], (k t + 4, n g) =
+    // v[key 8 jn + 2t + 1][8f + g].
+#pragma unroll
+    for (int jn = 0; jn < NT; jn += 2) {
+      const FragA pa = make_a(s[jn][0], s[jn][2], s[jn][1], s[jn][3]);
+      const FragA pb = make_a(s[jn + 1][0], s[jn + 1][2], s[jn + 1][1], s[jn + 1][3]);
+      const float* v0 = vt + (8 * jn + 2 * t) * ldv + g;  // key 8 jn + 2t, feature g
+#pragma unroll
+      for (int f = 0; f < KS; ++f) {
+        const FragB b0 = make_b(v0[8 * f], v0[ldv + 8 * f]);
+        const FragB b1 = make_b(v0[8 * ldv + 8 * f], v0[9 * ldv + 8 * f]);
+        mma_3xtf32_x2(o[f], pa, b0, pb, b1);
+      }
+    }
+  }
+  if (!active) return;
+
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, m);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, m);
+  }
+  const int r0 = q0 + 16 * warp + g, r1 = r0 + 8;  // positions of rows g, g + 8
+  const bool in0 = r0 < L, in1 = r1 < L;
+  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  float* o0 = in0 ? a.o + (seq + (int64_t)r0 * ps) * a.D + (int64_t)h * hd : nullptr;  // this head's columns
+  float* o1 = in1 ? a.o + (seq + (int64_t)r1 * ps) * a.D + (int64_t)h * hd : nullptr;
+#pragma unroll
+  for (int f = 0; f < KS; ++f)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 8 * f + 2 * t + e;
+      if (c >= hd) continue;
+      if (in0) o0[c] = o[f][e] * inv0;
+      if (in1) o1[c] = o[f][2 + e] * inv1;
+    }
+  if (a.lse && t == 0) {
+    // Natural log: m is in base-2 units of the scaled score, m ln 2 =
+    // max_k(q . k) / sqrt(hd); l = sum_k exp2(s_k - m).
+    constexpr float kLn2 = 0.6931471805599453f;
+    float* lse = a.lse + item * L;
+    if (in0) lse[r0] = m0 * kLn2 + logf(l0);
+    if (in1) lse[r1] = m1 * kLn2 + logf(l1);
+  }
+}
+
+// The padded head dim that serves head_dim (0: none).
+int padded_head_dim(int64_t head_dim) {
+  if (head_dim < 1) return 0;
+  for (int p : {8, 16, 32, 48, 64, 96, 128, 192, 256})
+    if (head_dim <= p) return p;
+  return 0;
+}
+
+template <int HDP, bool kVec>
+cudaError_t launch_flash(const FlashArgs& a, float scale_log2, int q_tiles, int64_t blocks, const DeviceCaps& dev,
+                         cudaStream_t stream) {
+  constexpr auto kernel = flash_attention_kernel<HDP, kVec>;
+  constexpr size_t smem = FlashTile<HDP>::bytes;
+  if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
+  if constexpr (smem > 48 * 1024)
+    if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(kThreads), smem, stream, dev, a, scale_log2, q_tiles);
+}
+
+template <int HDP>
+cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, int q_tiles, int64_t blocks,
+                         const DeviceCaps& dev, cudaStream_t stream) {
+  return vec ? launch_flash<HDP, true>(a, scale_log2, q_tiles, blocks, dev, stream)
+             : launch_flash<HDP, false>(a, scale_log2, q_tiles, blocks, dev, stream);
+}
+
+}  // namespace
+
+bool flash_attention_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
+
+size_t flash_attention_smem_bytes(int64_t head_dim) {
+  switch (padded_head_dim(head_dim)) {
+    case 8: return FlashTile<8>::bytes;
+    case 16: return FlashTile<16>::bytes;
+    case 32: return FlashTile<32>::bytes;
+    case 48: return FlashTile<48>::bytes;
+    case 64: return FlashTile<64>::bytes;
+    case 96: return FlashTile<96>::bytes;
+    case 128: return FlashTile<128>::bytes;
+    case 192: return FlashTile<192>::bytes;
+    case 256: return FlashTile<256>::bytes;
+  }
+  return 0;
+}
+
+cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
+  if (a.heads <= 0 || a.D <= 0 || a.D % a.heads != 0 || a.pos.num_seq < 0 || a.pos.len < 0 ||
+      a.pos.len >= kMaxLen)
+    return cudaErrorInvalidValue;
+  const int hd = a.D / a.heads;
+  const int hdp = padded_head_dim(hd);
+  if (hdp == 0) return cudaErrorInvalidValue;
+  if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
+  const int q_tiles = (int)((a.pos.len + kBM - 1) / kBM);
+  if (a.pos.num_seq > INT32_MAX / ((int64_t)a.heads * q_tiles)) return cudaErrorInvalidValue;
+  const int64_t blocks = a.pos.num_seq * a.heads * q_tiles;  // <= 2^31 - 1, gridDim.x's limit
+  // 16-byte copies where every head slice of every row starts 16-byte
+  // aligned: row r's slice of head h begins hd h + r 3D (+ D, + 2D) floats
+  // after qkv, and hd % 4 == 0 makes D % 4 == 0 too.
+  const bool vec = hd % 4 == 0 && reinterpret_cast<uintptr_t>(a.qkv) % 16 == 0;
+  const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);  // log2(e) / sqrt(hd)
+  switch (hdp) {
+    case 8: return launch_flash<8>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 16: return launch_flash<16>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 32: return launch_flash<32>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 48: return launch_flash<48>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 64: return launch_flash<64>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 96: return launch_flash<96>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 128: return launch_flash<128>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 192: return launch_flash<192>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 256: return launch_flash<256>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace fastaxial::cuda

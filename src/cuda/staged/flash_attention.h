@@ -1,0 +1,47 @@
+// The staged path's attention step as a flash-style kernel (flash_attention.cu):
+// for every sequence n and head h of a pass,
+//   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
+// from the (T, 3D) qkv rows that the QKV product wrote, keys and values
+// streamed through shared memory in tiles, so any sequence length stays on
+// the tensor cores (3xTF32 mma.sync, fp32 accuracy, any sm_80+ GPU).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../common/axis.h"
+#include "../../common/plan.h"  // DeviceCaps
+
+namespace fastaxial::cuda {
+
+struct FlashArgs {
+  // Sequence n, position l -> row of qkv and o: offsets in rows, not floats
+  // (an axis view's strides divided by D, as the staged path's row_indices gives).
+  AxisView pos;
+  const float* qkv = nullptr;  // (T, 3D): row r is [q | k | v], head h at columns h*hd .. h*hd + hd - 1 of each part
+  float* o = nullptr;          // (T, D): head h written at columns h*hd .. h*hd + hd - 1 of each valid row
+  // (num_seq, heads, L) or null: lse[(n * heads + h) * L + l] =
+  //   log(sum_k exp(q_l . k_k / sqrt(hd)))   (natural log, of the scaled scores),
+  // computed as max_k(q_l . k_k) / sqrt(hd) + log(sum_k exp(q_l . k_k / sqrt(hd) - that max)).
+  float* lse = nullptr;
+  int D = 0, heads = 0;  // hd = D / heads
+};
+
+// True when the kernel serves this head_dim (1..256).
+bool flash_attention_supports(int64_t head_dim);
+
+// Shared memory the launch for this head_dim takes (the plan checks it
+// against the device); 0 where the head_dim is not supported.
+size_t flash_attention_smem_bytes(int64_t head_dim);
+
+// Launches the kernel on `stream`, a programmatic dependent of the stream's
+// previous kernel (detail/launch.cuh). Errors: cudaErrorInvalidValue for
+// sizes it does not serve (heads not dividing D, head_dim outside 1..256,
+// L >= 2^30, more than 2^31 - 1 blocks), cudaErrorInvalidConfiguration where
+// the device gives a block less shared memory than the head_dim needs. An
+// empty problem (no sequences or L = 0) launches nothing.
+cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream);
+
+}  // namespace fastaxial::cuda
