@@ -35,6 +35,7 @@ struct Problem {
   Shape shape;
   std::vector<float> x;
   AxisData row, col;
+  float eps = 1e-5f;  // LayerNorm epsilon: params() passes it, reference_forward() uses it
 };
 
 inline Problem random_problem(const Shape& s, uint32_t seed) {
@@ -47,7 +48,7 @@ inline Problem random_problem(const Shape& s, uint32_t seed) {
     for (float& e : v) e = shift + dist(rng);
     return v;
   };
-  Problem p{s, fill(s.B * s.H * s.W * s.D, normal, 0.0f), {}, {}};
+  Problem p{s, fill(s.B * s.H * s.W * s.D, normal, 0.0f), {}, {}, 1e-5f};
   for (AxisData* a : {&p.row, &p.col}) {
     std::uniform_real_distribution<float> small(-0.2f, 0.2f);
     a->norm_w = fill(s.D, small, 1.0f);  // near one, not one: the gain matters
@@ -59,9 +60,18 @@ inline Problem random_problem(const Shape& s, uint32_t seed) {
   return p;
 }
 
+// x = c + spread * N(0, 1) elementwise: a per-position variance of about
+// spread^2, which a large LayerNorm eps dominates.
+inline void set_input_near_constant(Problem* p, float c, float spread, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& e : p->x) e = c + spread * normal(rng);
+}
+
 inline AxialParams params(const Problem& p, float* out) {
   AxialParams a;
   a.batch = p.shape.B, a.height = p.shape.H, a.width = p.shape.W, a.dim = p.shape.D, a.heads = p.shape.heads;
+  a.eps = p.eps;
   a.x = p.x.data();
   a.out = out;
   a.row = p.row.view();
@@ -118,10 +128,11 @@ inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisDat
     }
 }
 
-inline std::vector<double> reference_forward(const Problem& p, double eps = 1e-5) {
+// The forward with the problem's eps (as float, the kernels' type, widened).
+inline std::vector<double> reference_forward(const Problem& p) {
   std::vector<double> y(p.x.begin(), p.x.end());
-  reference_axis(y, p.shape, p.row, true, eps);
-  reference_axis(y, p.shape, p.col, false, eps);
+  reference_axis(y, p.shape, p.row, true, p.eps);
+  reference_axis(y, p.shape, p.col, false, p.eps);
   return y;
 }
 

@@ -3,6 +3,10 @@
 
 #include <cmath>
 #include <limits>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "reference.h"
 
@@ -30,6 +34,66 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
                                            Shape{1, 4, 6, 256, 4}, Shape{3, 16, 16, 64, 4},
                                            Shape{1, 33, 17, 96, 3}, Shape{1, 7, 7, 64, 1}),
                          [](const auto& info) { return shape_name(info.param); });
+
+// LayerNorm eps other than the default 1e-5. Each case checks first that
+// its eps decides the result: the float64 forward with eps 1e-5 instead is
+// more than 100 times the tolerance away (in fact thousands of times: on x =
+// 3 + 1e-3 N(0, 1), each position's variance is ~1e-6, so LayerNorm divides
+// by sqrt(0.5) with eps 0.5 but by ~3.3e-3 with eps 1e-5, and the normalised
+// values, ~1.4e-3 against ~0.3, reach the output through both passes'
+// products at ~1e-1 against a tolerance of ~4e-4; on x ~ N(0, 1), eps 10 and
+// 1e-5 scale the normalised values by 0.3 and 1). So a kernel that ignored
+// p.eps would fail here.
+struct EpsCase {
+  Shape shape;
+  float eps;
+  bool near_constant;  // x = 3 + 1e-3 N(0, 1): eps dominates the variance
+};
+
+void PrintTo(const EpsCase& c, std::ostream* os) {
+  PrintTo(c.shape, os);
+  *os << " eps " << c.eps << (c.near_constant ? ", x near constant" : "");
+}
+
+// 0.5 -> "0p5", 10 -> "10": a test-name part.
+std::string eps_name(float eps) {
+  std::ostringstream os;
+  os << eps;
+  std::string n = os.str();
+  for (char& ch : n)
+    if (ch == '.') ch = 'p';
+  return n;
+}
+
+std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
+
+class CpuForwardEps : public ::testing::TestWithParam<EpsCase> {};
+
+TEST_P(CpuForwardEps, MatchesDoubleReference) {
+  const EpsCase c = GetParam();
+  Problem p = random_problem(c.shape, 4321u + static_cast<uint32_t>(c.shape.D + c.shape.H * 3));
+  if (c.near_constant) set_input_near_constant(&p, 3.0f, 1e-3f, 17u);
+  p.eps = 1e-5f;
+  const std::vector<double> ref_default_eps = reference_forward(p);
+  p.eps = c.eps;
+  const std::vector<double> ref = reference_forward(p);
+  ASSERT_GT(worst_ratio(to_float(ref_default_eps), ref, kAtol, kRtol), 100.0)
+      << "eps does not decide this case: a kernel that ignored it would pass";
+  std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
+  const Status st = forward_cpu(params(p, out.data()));
+  ASSERT_TRUE(st.ok()) << st.message;
+  EXPECT_LE(worst_ratio(out, ref, kAtol, kRtol), 1.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(LargeEps, CpuForwardEps,
+                         ::testing::Values(EpsCase{{2, 5, 9, 64, 8}, 0.5f, true}, EpsCase{{2, 5, 9, 64, 8}, 10.0f, false},
+                                           EpsCase{{1, 7, 6, 24, 2}, 0.5f, true},
+                                           EpsCase{{1, 33, 17, 96, 3}, 10.0f, true},
+                                           EpsCase{{1, 8, 3, 128, 4}, 0.5f, false}),
+                         [](const auto& info) {
+                           const EpsCase& c = info.param;
+                           return shape_name(c.shape) + "_eps" + eps_name(c.eps) + (c.near_constant ? "_near_constant" : "");
+                         });
 
 TEST(CpuForward, DifferentSeedsDifferentOutputs) {
   // Guards against a kernel that ignores its input.
@@ -103,12 +167,35 @@ TEST_F(BadArguments, SizeOverflow) {
   expect_invalid("overflows");
 }
 
+// The CUDA entry points check sizes before they look for a device, so these
+// run in every build, with or without a GPU.
 TEST(CudaEntryPoint, ValidatesBeforeAnythingElse) {
   const Problem p = random_problem({1, 2, 3, 8, 2}, 6);
   std::vector<float> out(p.x.size());
   AxialParams a = params(p, out.data());
   a.heads = 3;
-  EXPECT_EQ(forward_cuda(a, nullptr, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(forward_cuda(a, nullptr, 0, nullptr).code, StatusCode::kInvalidArgument);
+  CudaPlan plan;
+  EXPECT_EQ(plan_cuda(a, &plan).code, StatusCode::kInvalidArgument);
+  size_t bytes = 0;
+  EXPECT_EQ(cuda_workspace_bytes(a, &bytes).code, StatusCode::kInvalidArgument);
+}
+
+// A negative size is an error, not a workspace of ~1.8e19 bytes (a size_t
+// product of a negative int64).
+TEST(CudaEntryPoint, NegativeSizeIsInvalidNotAHugeWorkspace) {
+  const Problem p = random_problem({1, 2, 3, 8, 2}, 7);
+  for (int64_t AxialParams::*size : {&AxialParams::batch, &AxialParams::height, &AxialParams::width}) {
+    AxialParams a = params(p, nullptr);
+    a.*size = -1;
+    size_t bytes = 12345;
+    const Status s = cuda_workspace_bytes(a, &bytes);
+    EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << s.message;
+    EXPECT_NE(s.message.find("must be >= 0"), std::string::npos) << s.message;
+    EXPECT_EQ(bytes, 12345u) << "left untouched on error";
+    CudaPlan plan;
+    EXPECT_EQ(plan_cuda(a, &plan).code, StatusCode::kInvalidArgument);
+  }
 }
 
 }  // namespace

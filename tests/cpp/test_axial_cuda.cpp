@@ -1,13 +1,22 @@
 // CUDA forward vs the double-precision reference, on the GPU present
-// (skipped where there is none). Outputs are poisoned with NaN first.
+// (skipped where there is none). Outputs are poisoned with NaN first; each
+// forward gets exactly the workspace its plan asks for.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
+#include "../../src/common/plan.h"
+#include "../../src/cuda/staged/gemm.h"
 #include "reference.h"
 
 namespace fastaxial::test {
@@ -24,7 +33,30 @@ bool have_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-// Device copy of a vector, freed at scope exit.
+// An environment variable's value, "" when unset.
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+// The current device as the plan sees it (src/cuda/entry.cu reads it the
+// same way). sm90a: compute capability 9.0 and a build with sm_90a code,
+// which gemm_tf32x3_available() knows (the library's FASTAXIAL_WGMMA).
+DeviceCaps device_caps() {
+  DeviceCaps c;
+  if (cudaGetDevice(&c.device) != cudaSuccess) return c;
+  cudaDeviceGetAttribute(&c.sms, cudaDevAttrMultiProcessorCount, c.device);
+  cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c.device);
+  cudaDeviceGetAttribute(&c.cc_major, cudaDevAttrComputeCapabilityMajor, c.device);
+  cudaDeviceGetAttribute(&c.cc_minor, cudaDevAttrComputeCapabilityMinor, c.device);
+  DeviceCaps hopper = c;
+  hopper.sm90a = c.cc_major == 9 && c.cc_minor == 0;
+  c.sm90a = cuda::gemm_tf32x3_available(hopper);
+  return c;
+}
+
+// Device memory for `count` floats, freed at scope exit (also when an
+// assertion returns early).
 struct DeviceBuffer {
   float* ptr = nullptr;
   size_t n = 0;
@@ -32,9 +64,27 @@ struct DeviceBuffer {
     if (cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(float)) != cudaSuccess) ptr = nullptr;
   }
   explicit DeviceBuffer(const std::vector<float>& v) : DeviceBuffer(v.size()) {
-    if (ptr) cudaMemcpy(ptr, v.data(), n * sizeof(float), cudaMemcpyHostToDevice);
+    if (ptr && cudaMemcpy(ptr, v.data(), n * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) {
+      cudaFree(ptr);
+      ptr = nullptr;
+    }
   }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() { cudaFree(ptr); }
+};
+
+// A workspace of exactly `bytes` bytes (cudaMalloc: 256-byte aligned), freed
+// at scope exit.
+struct Workspace {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit Workspace(size_t n) : bytes(n) {
+    if (cudaMalloc(&ptr, std::max<size_t>(n, 1)) != cudaSuccess) ptr = nullptr;
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace() { cudaFree(ptr); }
 };
 
 // A problem's input and weights on the device, and its parameters pointing
@@ -57,21 +107,62 @@ struct DeviceProblem {
   }
 };
 
-class CudaForward : public ::testing::TestWithParam<Shape> {};
+// With FASTAXIAL_CUDA_PATH set, the forced family must serve every pass whose
+// shape it supports (fastaxial.h), and only those; FASTAXIAL_FUSED_WGMMA=0
+// turns the fused kernel's wgmma off. Checked from the shape alone (device
+// pointers are 256-byte aligned), so a forced run that quietly kept the
+// shape's own choice fails here.
+void expect_forced_families(const AxialParams& a, const CudaPlan& plan, const DeviceCaps& dev) {
+  const std::string forced = env("FASTAXIAL_CUDA_PATH");
+  const size_t smem = static_cast<size_t>(dev.smem_optin);
+  const bool tc = tensor_core_head(a.dim, a.heads);
+  for (const auto& [name, pass, len] : {std::tuple{"row", plan.row, a.width}, std::tuple{"col", plan.col, a.height}}) {
+    SCOPED_TRACE(std::string(name) + " pass, L = " + std::to_string(len));
+    if (forced == "generic") EXPECT_EQ(pass.family, KernelFamily::kGeneric);
+    if (forced == "fused") {
+      const bool fits = tc && fused_tile_count(len) > 0 && fused_smem_bytes(len, a.dim) <= smem;
+      EXPECT_EQ(pass.family == KernelFamily::kFused, fits);
+    }
+    if (forced == "staged") {
+      const bool fits = tc && staged_attention_smem_bytes(len, a.dim / a.heads) <= smem;
+      EXPECT_EQ(pass.family == KernelFamily::kStaged, fits);
+    }
+    if (env("FASTAXIAL_FUSED_WGMMA") == "0") EXPECT_FALSE(pass.wgmma);
+  }
+}
 
-TEST_P(CudaForward, MatchesDoubleReference) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const Shape s = GetParam();
-  const Problem p = random_problem(s, 99u + static_cast<uint32_t>(s.D + s.H * 5 + s.W * 11));
+// Plans a's forward into *plan; *ok says whether it may run. Skips the test
+// where the run forces the staged path on a device without it (plan_cuda's
+// kUnsupported); fails it on any other error.
+void plan_or_skip(const AxialParams& a, CudaPlan* plan, bool* ok) {
+  const Status s = plan_cuda(a, plan);
+  *ok = s.ok();
+  if (s.code == StatusCode::kUnsupported && env("FASTAXIAL_CUDA_PATH") == "staged") GTEST_SKIP() << s.message;
+  ASSERT_TRUE(s.ok()) << s.message;
+}
+
+// Runs p's forward on the device with exactly the workspace its plan asks
+// for, and checks it against the float64 reference (p.eps included).
+void check_forward(const Problem& p) {
   DeviceBuffer out(p.x.size());
   const DeviceProblem dp(p, out.ptr);
   ASSERT_TRUE(dp.ok() && out.ptr != nullptr);
   CUDA_OK(cudaMemset(out.ptr, 0xff, out.n * sizeof(float)));  // all-ones bits: NaN
   const AxialParams& a = dp.a;
-  ASSERT_GE(cuda_workspace_bytes(a), p.x.size() * sizeof(float));
-  DeviceBuffer ws(cuda_workspace_bytes(a) / sizeof(float));
+  CudaPlan plan;
+  bool planned = false;
+  plan_or_skip(a, &plan, &planned);
+  if (!planned) return;
+  SCOPED_TRACE(plan.describe());  // a failing shape says which kernels it ran
+  expect_forced_families(a, plan, device_caps());
+  size_t bytes = 0;
+  const Status sb = cuda_workspace_bytes(a, &bytes);
+  ASSERT_TRUE(sb.ok()) << sb.message;
+  ASSERT_EQ(bytes, plan.workspace_bytes);
+  ASSERT_GE(bytes, p.x.size() * sizeof(float));  // the row pass's output at least
+  Workspace ws(bytes);
   ASSERT_NE(ws.ptr, nullptr);
-  const Status st = forward_cuda(a, ws.ptr, nullptr);
+  const Status st = forward_cuda(a, plan, ws.ptr, ws.bytes, nullptr);
   ASSERT_TRUE(st.ok()) << st.message;
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> host(p.x.size());
@@ -80,32 +171,119 @@ TEST_P(CudaForward, MatchesDoubleReference) {
 }
 
 // Odd sizes, several key tiles (L > 64), head_dim 1 to 128; each kernel
-// family by its own choice (common/dispatch.h): fused (L <= 128; L = 100
-// pads 28 keys over four groups, head_dim 64 at L = 64), staged
-// (L = 130, 132, 140, 200, 257; dim 256 with L = 100), generic (head_dim
-// 12, 1, 128; L = 1024 with head_dim 16). 1 x 132 x 67: the staged attention
-// has more (column, head) items than an H200 holds blocks of it, so blocks
-// loop, each prefetching its next item during the current one.
-INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward,
-                         ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 1, 7, 16, 2}, Shape{1, 7, 1, 32, 4},
-                                           Shape{2, 5, 9, 64, 8}, Shape{1, 8, 3, 128, 4}, Shape{1, 4, 6, 256, 4},
-                                           Shape{4, 32, 32, 64, 4}, Shape{1, 33, 17, 96, 3},
-                                           Shape{1, 130, 3, 32, 2}, Shape{1, 3, 200, 12, 4},
-                                           Shape{1, 2, 5, 3, 3}, Shape{1, 3, 4, 128, 1},
-                                           Shape{1, 257, 2, 32, 2}, Shape{1, 2, 1024, 64, 4},
-                                           Shape{1, 3, 5, 1024, 8}, Shape{1, 100, 3, 256, 8},
-                                           Shape{2, 9, 200, 64, 2}, Shape{1, 140, 2, 72, 9},
-                                           Shape{1, 100, 2, 64, 2}, Shape{1, 64, 2, 128, 2},
-                                           Shape{1, 132, 67, 64, 2}, Shape{3, 40, 20, 64, 2},
-                                           Shape{2, 50, 64, 64, 4}),
+// family by its own choice (common/plan.cpp; ShapesCoverEveryFamily checks
+// it): fused (L <= 128; L = 100 pads 28 keys over four groups, head_dim 64
+// at L = 64), staged (L = 130, 132, 140, 200, 257; dim 256 with L = 100),
+// generic (head_dim 12, 1, 128; L = 1024 with head_dim 16). 1 x 132 x 67: the
+// staged attention has more (column, head) items than an H200 holds blocks
+// of it, so blocks loop, each prefetching its next item during the current one.
+const Shape kShapes[] = {{1, 1, 1, 8, 1},     {2, 1, 7, 16, 2},     {1, 7, 1, 32, 4},    {2, 5, 9, 64, 8},
+                         {1, 8, 3, 128, 4},   {1, 4, 6, 256, 4},    {4, 32, 32, 64, 4},  {1, 33, 17, 96, 3},
+                         {1, 130, 3, 32, 2},  {1, 3, 200, 12, 4},   {1, 2, 5, 3, 3},     {1, 3, 4, 128, 1},
+                         {1, 257, 2, 32, 2},  {1, 2, 1024, 64, 4},  {1, 3, 5, 1024, 8},  {1, 100, 3, 256, 8},
+                         {2, 9, 200, 64, 2},  {1, 140, 2, 72, 9},   {1, 100, 2, 64, 2},  {1, 64, 2, 128, 2},
+                         {1, 132, 67, 64, 2}, {3, 40, 20, 64, 2},   {2, 50, 64, 64, 4}};
+
+class CudaForward : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CudaForward, MatchesDoubleReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Shape s = GetParam();
+  check_forward(random_problem(s, 99u + static_cast<uint32_t>(s.D + s.H * 5 + s.W * 11)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward, ::testing::ValuesIn(kShapes),
                          [](const auto& info) { return shape_name(info.param); });
+
+// The shape list above runs every family by the plan's own choice, as its
+// comment says: fused (on mma.sync, and on wgmma where the device has it),
+// generic, and staged where the device has it. Without FASTAXIAL_CUDA_PATH.
+TEST(CudaForward, ShapesCoverEveryFamily) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!env("FASTAXIAL_CUDA_PATH").empty()) GTEST_SKIP() << "FASTAXIAL_CUDA_PATH is set";
+  const DeviceCaps dev = device_caps();
+  bool fused = false, fused_mma = false, fused_wgmma = false, staged = false, generic = false;
+  std::ostringstream plans;
+  for (const Shape& s : kShapes) {
+    AxialParams a;  // null pointers count as aligned, as cudaMalloc's are
+    a.batch = s.B, a.height = s.H, a.width = s.W, a.dim = s.D, a.heads = s.heads;
+    CudaPlan plan;
+    const Status st = plan_cuda(a, &plan);
+    ASSERT_TRUE(st.ok()) << shape_name(s) << ": " << st.message;
+    plans << shape_name(s) << ": " << plan.describe() << "\n";
+    for (const PassPlan& pass : {plan.row, plan.col}) {
+      fused |= pass.family == KernelFamily::kFused;
+      fused_mma |= pass.family == KernelFamily::kFused && !pass.wgmma;
+      fused_wgmma |= pass.family == KernelFamily::kFused && pass.wgmma;
+      staged |= pass.family == KernelFamily::kStaged;
+      generic |= pass.family == KernelFamily::kGeneric;
+    }
+  }
+  SCOPED_TRACE(plans.str());
+  EXPECT_TRUE(fused);
+  EXPECT_TRUE(fused_mma);
+  EXPECT_TRUE(generic);
+  EXPECT_EQ(staged, dev.sm90a) << "the staged path runs where the device and build have sm_90a";
+  EXPECT_EQ(fused_wgmma, dev.sm90a && env("FASTAXIAL_FUSED_WGMMA") != "0");
+}
+
+// LayerNorm eps other than the default 1e-5, on each family (by the shape's
+// choice here, and under each forced FASTAXIAL_CUDA_PATH in the variants
+// CMake registers): fused on wgmma (dim 64), fused on mma.sync (dims 96,
+// 128), generic (head_dim 12), staged (the column pass at L = 130). As on
+// the CPU (test_axial_cpu.cpp, CpuForwardEps), each case first checks that
+// its eps decides the result: the float64 forward with eps 1e-5 is more than
+// 100 times the tolerance away (on x = 3 + 1e-3 N(0, 1) the positions'
+// variance is ~1e-6, so LayerNorm divides by sqrt(0.5) with eps 0.5 and by
+// ~3.3e-3 with eps 1e-5; normalised values of ~1.4e-3 against ~0.3 reach the
+// output at ~1e-1 against a tolerance of ~4e-4). A kernel that used 1e-5
+// instead of p.eps would fail here.
+struct EpsCase {
+  Shape shape;
+  float eps;
+  bool near_constant;  // x = 3 + 1e-3 N(0, 1): eps dominates the variance
+};
+
+void PrintTo(const EpsCase& c, std::ostream* os) {
+  PrintTo(c.shape, os);
+  *os << " eps " << c.eps << (c.near_constant ? ", x near constant" : "");
+}
+
+class CudaForwardEps : public ::testing::TestWithParam<EpsCase> {};
+
+TEST_P(CudaForwardEps, MatchesDoubleReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const EpsCase c = GetParam();
+  Problem p = random_problem(c.shape, 4321u + static_cast<uint32_t>(c.shape.D + c.shape.H * 3));
+  if (c.near_constant) set_input_near_constant(&p, 3.0f, 1e-3f, 17u);
+  p.eps = 1e-5f;
+  const std::vector<double> ref_default = reference_forward(p);
+  p.eps = c.eps;
+  ASSERT_GT(worst_ratio(std::vector<float>(ref_default.begin(), ref_default.end()), reference_forward(p), 1e-4, 1e-4),
+            100.0)
+      << "eps does not decide this case: a kernel that ignored it would pass";
+  check_forward(p);
+}
+
+INSTANTIATE_TEST_SUITE_P(LargeEps, CudaForwardEps,
+                         ::testing::Values(EpsCase{{2, 5, 9, 64, 8}, 0.5f, true}, EpsCase{{2, 5, 9, 64, 8}, 10.0f, false},
+                                           EpsCase{{1, 7, 6, 24, 2}, 0.5f, true},
+                                           EpsCase{{1, 33, 17, 96, 3}, 10.0f, true},
+                                           EpsCase{{1, 8, 3, 128, 4}, 0.5f, false},
+                                           EpsCase{{1, 130, 3, 32, 2}, 0.5f, true},
+                                           EpsCase{{1, 130, 3, 32, 2}, 10.0f, false}),
+                         [](const auto& info) {
+                           const EpsCase& c = info.param;
+                           std::string eps = c.eps == 0.5f ? "0p5" : std::to_string(static_cast<int>(c.eps));
+                           return shape_name(c.shape) + "_eps" + eps + (c.near_constant ? "_near_constant" : "");
+                         });
 
 // Weights that the kernel just before a forward writes must be the ones it
 // uses, although that kernel may still run when the forward's first blocks
 // start: every kernel reads its inputs only after its dependency wait
-// (src/cuda/launch.cuh). A first forward writes its output into a second
-// one's Wqkv (both passes'), NaN until then, and the second runs right after
-// it on the same stream; ten times.
+// (src/cuda/detail/launch.cuh). A first forward writes its output into a
+// second one's Wqkv (both passes'), NaN until then, and the second runs right
+// after it on the same stream; ten times.
 TEST(CudaForward, UsesWeightsTheKernelBeforeWrote) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   Problem writer = random_problem({1, 12, 16, 64, 4}, 5);  // its output: 3 * 64 * 64 floats
@@ -116,7 +294,11 @@ TEST(CudaForward, UsesWeightsTheKernelBeforeWrote) {
   DeviceBuffer qkv(writer.x.size()), out(reader.x.size());
   DeviceProblem w(writer, qkv.ptr), r(reader, out.ptr);
   r.a.row.qkv_weight = r.a.col.qkv_weight = qkv.ptr;
-  DeviceBuffer ws_w(cuda_workspace_bytes(w.a) / sizeof(float)), ws_r(cuda_workspace_bytes(r.a) / sizeof(float));
+  size_t bytes_w = 0, bytes_r = 0;
+  const Status sw = cuda_workspace_bytes(w.a, &bytes_w), sr = cuda_workspace_bytes(r.a, &bytes_r);
+  if (sw.code == StatusCode::kUnsupported && env("FASTAXIAL_CUDA_PATH") == "staged") GTEST_SKIP() << sw.message;
+  ASSERT_TRUE(sw.ok() && sr.ok()) << sw.message << sr.message;
+  Workspace ws_w(bytes_w), ws_r(bytes_r);
   ASSERT_TRUE(w.ok() && r.ok() && qkv.ptr && out.ptr && ws_w.ptr && ws_r.ptr);
   cudaStream_t stream = nullptr;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -126,7 +308,8 @@ TEST(CudaForward, UsesWeightsTheKernelBeforeWrote) {
   for (int it = 0; it < 10; ++it) {
     CUDA_OK(cudaMemsetAsync(qkv.ptr, 0xff, qkv.n * sizeof(float), stream));
     CUDA_OK(cudaMemsetAsync(out.ptr, 0xff, out.n * sizeof(float), stream));
-    const Status first = forward_cuda(w.a, ws_w.ptr, stream), second = forward_cuda(r.a, ws_r.ptr, stream);
+    const Status first = forward_cuda(w.a, ws_w.ptr, ws_w.bytes, stream),
+                 second = forward_cuda(r.a, ws_r.ptr, ws_r.bytes, stream);
     ASSERT_TRUE(first.ok() && second.ok()) << first.message << second.message;
     CUDA_OK(cudaStreamSynchronize(stream));
     if (ref.empty()) {  // the writer is deterministic: its output is the reader's Wqkv every time
@@ -140,22 +323,105 @@ TEST(CudaForward, UsesWeightsTheKernelBeforeWrote) {
   }
 }
 
-TEST(CudaForward, RejectsMissingWorkspace) {
-  const Problem p = random_problem({1, 2, 3, 8, 2}, 7);
-  std::vector<float> out(p.x.size());
-  const Status s = forward_cuda(params(p, out.data()), nullptr, nullptr);
-  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message.find("workspace"), std::string::npos);
+// ---- the workspace and plan checks of forward_cuda -----------------------------------------
+
+// A problem on the device with its plan, for the rejection tests. Shapes: all
+// passes fused, and (on Hopper) a staged column pass with its larger workspace.
+class CudaForwardChecks : public ::testing::TestWithParam<Shape> {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+    problem = random_problem(GetParam(), 11);
+    out = std::make_unique<DeviceBuffer>(problem.x.size());
+    dp = std::make_unique<DeviceProblem>(problem, out->ptr);
+    ASSERT_TRUE(dp->ok() && out->ptr);
+    bool planned = false;
+    plan_or_skip(dp->a, &plan, &planned);
+    if (!planned) return;
+    ASSERT_GT(plan.workspace_bytes, 0u);
+  }
+
+  // Runs the plan's forward with `ws` and `bytes`, through both overloads;
+  // both must give `code`, and a message holding `needle`.
+  void expect_forward(void* ws, size_t bytes, StatusCode code, const std::string& needle) {
+    SCOPED_TRACE(plan.describe());
+    for (const Status& s : {forward_cuda(dp->a, plan, ws, bytes, nullptr), forward_cuda(dp->a, ws, bytes, nullptr)}) {
+      EXPECT_EQ(s.code, code) << s.message;
+      EXPECT_NE(s.message.find(needle), std::string::npos) << s.message;
+    }
+  }
+
+  Problem problem;
+  std::unique_ptr<DeviceBuffer> out;
+  std::unique_ptr<DeviceProblem> dp;
+  CudaPlan plan;
+};
+
+TEST_P(CudaForwardChecks, ExactWorkspaceRuns) {
+  Workspace ws(plan.workspace_bytes);
+  ASSERT_NE(ws.ptr, nullptr);
+  expect_forward(ws.ptr, ws.bytes, StatusCode::kOk, "");
+  CUDA_OK(cudaDeviceSynchronize());
 }
 
+TEST_P(CudaForwardChecks, RejectsWorkspaceOneByteShort) {
+  Workspace ws(plan.workspace_bytes);
+  ASSERT_NE(ws.ptr, nullptr);
+  expect_forward(ws.ptr, plan.workspace_bytes - 1, StatusCode::kInvalidArgument, "the plan needs");
+}
+
+TEST_P(CudaForwardChecks, RejectsMisalignedWorkspace) {
+  Workspace ws(plan.workspace_bytes + 256);  // room for the whole plan past the offset
+  ASSERT_NE(ws.ptr, nullptr);
+  expect_forward(static_cast<char*>(ws.ptr) + 4, plan.workspace_bytes, StatusCode::kInvalidArgument,
+                 "256-byte aligned");
+}
+
+TEST_P(CudaForwardChecks, RejectsMissingWorkspace) {
+  expect_forward(nullptr, plan.workspace_bytes, StatusCode::kInvalidArgument, "workspace is null");
+}
+
+// A plan for another problem (each size changed in turn) or another device
+// is rejected, even with a workspace large enough for either.
+TEST_P(CudaForwardChecks, RejectsAPlanForAnotherProblemOrDevice) {
+  for (int64_t AxialParams::*size : {&AxialParams::batch, &AxialParams::height, &AxialParams::width,
+                                     &AxialParams::dim, &AxialParams::heads}) {
+    AxialParams other = dp->a;
+    other.*size = other.*size == 1 ? 2 : other.*size / 2;  // dim / 2 stays divisible by heads / 2
+    CudaPlan other_plan;
+    const Status sp = plan_cuda(other, &other_plan);
+    ASSERT_TRUE(sp.ok()) << sp.message;
+    Workspace ws(std::max(plan.workspace_bytes, other_plan.workspace_bytes));
+    ASSERT_NE(ws.ptr, nullptr);
+    const Status s = forward_cuda(dp->a, other_plan, ws.ptr, ws.bytes, nullptr);
+    EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << other_plan.describe();
+    EXPECT_NE(s.message.find("another problem"), std::string::npos) << s.message;
+  }
+  CudaPlan elsewhere = plan;
+  elsewhere.device += 1;
+  Workspace ws(plan.workspace_bytes);
+  ASSERT_NE(ws.ptr, nullptr);
+  const Status s = forward_cuda(dp->a, elsewhere, ws.ptr, ws.bytes, nullptr);
+  EXPECT_EQ(s.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message.find("made for device"), std::string::npos) << s.message;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaForwardChecks, ::testing::Values(Shape{2, 6, 8, 64, 4}, Shape{1, 130, 4, 32, 2}),
+                         [](const auto& info) { return shape_name(info.param); });
+
 TEST(CudaForward, NoDeviceIsAReadableError) {
-  // Where no GPU is usable the entry point says so instead of launching blind.
+  // Where no GPU is usable the entry points say so instead of launching blind.
   if (have_gpu()) GTEST_SKIP() << "a CUDA device is present";
   const Problem p = random_problem({1, 2, 3, 8, 2}, 8);
   std::vector<float> out(p.x.size()), ws(p.x.size());
-  const Status s = forward_cuda(params(p, out.data()), ws.data(), nullptr);
-  EXPECT_EQ(s.code, StatusCode::kCudaError);
-  EXPECT_NE(s.message.find("cudaGetDevice"), std::string::npos) << s.message;
+  const AxialParams a = params(p, out.data());
+  CudaPlan plan;
+  size_t bytes = 0;
+  for (const Status& s : {plan_cuda(a, &plan), cuda_workspace_bytes(a, &bytes),
+                          forward_cuda(a, ws.data(), ws.size() * sizeof(float), nullptr)}) {
+    EXPECT_EQ(s.code, StatusCode::kUnsupported) << s.message;
+    EXPECT_NE(s.message.find("no usable CUDA device"), std::string::npos) << s.message;
+  }
 }
 
 }  // namespace

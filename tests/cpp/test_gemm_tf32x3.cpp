@@ -1,4 +1,4 @@
-// The staged path's product kernel (src/cuda/gemm_tf32x3.cu) on its own:
+// The staged path's product kernel (src/cuda/staged/gemm.cu) on its own:
 // C = A @ W^T + bias + residual from fp32 A and split W, against a float64 product
 // on the host, over tile edges in M, N and K. Skipped without a device that
 // runs it (compute capability 9.0 and an sm_90a build).
@@ -7,10 +7,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
-#include "../../src/cuda/gemm_tf32x3.h"
+#include "../../src/common/plan.h"
+#include "../../src/cuda/staged/gemm.h"
 
 namespace fastaxial::test {
 namespace {
@@ -39,17 +42,42 @@ struct Dims {
   int M, N, K;
 };
 
+// Device memory, freed at scope exit (also when an assertion returns early).
+struct CudaFree {
+  void operator()(float* p) const { cudaFree(p); }
+};
+using DevicePtr = std::unique_ptr<float, CudaFree>;
+
+// A device copy of v; null where allocation or copy fails.
+DevicePtr upload(const std::vector<float>& v) {
+  float* p = nullptr;
+  if (cudaMalloc(&p, v.size() * sizeof(float)) != cudaSuccess) return nullptr;
+  DevicePtr owned(p);
+  if (cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) return nullptr;
+  return owned;
+}
+
+// The current device as the library's plan sees it (src/cuda/entry.cu).
+// sm90a: compute capability 9.0; gemm_tf32x3_available() adds whether the
+// build has sm_90a code.
+void device_caps(DeviceCaps* dev) {
+  ASSERT_EQ(cudaGetDevice(&dev->device), cudaSuccess);
+  const std::pair<int*, cudaDeviceAttr> attrs[] = {{&dev->sms, cudaDevAttrMultiProcessorCount},
+                                                   {&dev->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
+                                                   {&dev->cc_major, cudaDevAttrComputeCapabilityMajor},
+                                                   {&dev->cc_minor, cudaDevAttrComputeCapabilityMinor}};
+  for (const auto& [value, attr] : attrs) ASSERT_EQ(cudaDeviceGetAttribute(value, attr, dev->device), cudaSuccess);
+  dev->sm90a = dev->cc_major == 9 && dev->cc_minor == 0;
+}
+
 class GemmTf32x3 : public ::testing::TestWithParam<Dims> {};
 
 TEST_P(GemmTf32x3, MatchesDoubleProduct) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
-  cuda::DeviceInfo dev;
-  ASSERT_EQ(cudaGetDevice(&dev.device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&dev.sms, cudaDevAttrMultiProcessorCount, dev.device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&dev.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev.device),
-            cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&dev.cc_major, cudaDevAttrComputeCapabilityMajor, dev.device), cudaSuccess);
+  DeviceCaps dev;
+  device_caps(&dev);
+  if (HasFatalFailure()) return;
   if (!cuda::gemm_tf32x3_available(dev)) GTEST_SKIP() << "needs compute capability 9.0 and an sm_90a build";
 
   const auto [M, N, K] = GetParam();
@@ -58,25 +86,18 @@ TEST_P(GemmTf32x3, MatchesDoubleProduct) {
   std::vector<float> a((size_t)M * K), w((size_t)N * K), bias(N), res((size_t)M * N);
   for (auto* v : {&a, &w, &bias, &res})
     for (float& x : *v) x = normal(rng);
-  const std::vector<float> ws = split_planes(w);
 
-  float *da, *dw, *db, *dr, *dc;
-  for (auto [ptr, n] : {std::pair{&da, a.size()}, {&dw, ws.size()}, {&db, bias.size()}, {&dr, res.size()},
-                        {&dc, res.size()}})
-    ASSERT_EQ(cudaMalloc(ptr, n * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(da, a.data(), a.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dw, ws.data(), ws.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(db, bias.data(), bias.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dr, res.data(), res.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dc, 0xff, res.size() * 4), cudaSuccess);  // NaN
+  const DevicePtr da = upload(a), dw = upload(split_planes(w)), db = upload(bias), dr = upload(res),
+                  dc = upload(std::vector<float>(res.size()));
+  ASSERT_TRUE(da && dw && db && dr && dc);
+  ASSERT_EQ(cudaMemset(dc.get(), 0xff, res.size() * 4), cudaSuccess);  // NaN
 
   cuda::GemmArgs g;
-  g.a = da, g.w = dw, g.bias = db, g.residual = dr, g.c = dc, g.M = M, g.N = N, g.K = K;
+  g.a = da.get(), g.w = dw.get(), g.bias = db.get(), g.residual = dr.get(), g.c = dc.get(), g.M = M, g.N = N, g.K = K;
   ASSERT_EQ(cuda::gemm_tf32x3(g, dev, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> c(res.size());
-  ASSERT_EQ(cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (float* p : {da, dw, db, dr, dc}) cudaFree(p);
+  ASSERT_EQ(cudaMemcpy(c.data(), dc.get(), c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
 
   // Bound: fp32-level error of the sum of |terms| (plain TF32 is ~1e-3 off).
   double worst = 0.0;
