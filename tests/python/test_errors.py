@@ -85,6 +85,15 @@ def test_module_wrong_last_dim(device):
         new(torch.randn(1, 3, 4, 16, device=device))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_module_input_dtype_other_than_the_weights(device, dtype):
+    # A TypeError naming both dtypes, before any fallback or operator call.
+    _, new = make_pair(32, 4, 3, 4, device)
+    x = torch.randn(1, 3, 4, 32, device=device).to(dtype)
+    with pytest.raises(TypeError, match=rf"x is {dtype}.*weights are torch.float32"):
+        new(x)
+
+
 def test_missing_operator_library_is_a_clear_import_error(tmp_path):
     import os
     import subprocess

@@ -1,5 +1,10 @@
-"""fastaxial.AxialAttention against the reference module, on every device present."""
+"""fastaxial.AxialAttention against the reference module, on every device present.
 
+Every comparison that claims to test the fused operator first makes sure the
+operator served the call (run_fused, no_fallback): a call that fell back to
+the reference math would compare the reference with itself and pass."""
+
+import contextlib
 import itertools
 import warnings
 
@@ -23,14 +28,41 @@ def rel_err(a, ref):
     return ((a.double() - ref).norm() / ref.norm()).item()
 
 
+FUSED_NODE = "AxialAttentionFunction"  # the operator's C++ autograd node: CppNode<...AxialAttentionFunction>
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """Fails on a fallback to the reference math: the module warns once per reason, so the
+    record of reasons already warned is cleared first and every warning is an error."""
+    fastaxial.module._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def run_fused(module, x):
+    """module(x), checked to have run the fused operator: no fallback warning, and (in grad
+    mode, which this turns on) the output's autograd node is the operator's. Returns the
+    output detached."""
+    assert isinstance(module, fastaxial.AxialAttention)
+    with no_fallback(), torch.enable_grad():
+        out = module(x)
+    assert out.grad_fn is not None and FUSED_NODE in out.grad_fn.name(), out.grad_fn
+    if x.is_cuda:
+        plan = fastaxial.ops.describe_cuda_plan(x, module.num_heads)
+        assert plan.startswith("row: ") and "workspace" in plan, plan
+    return out.detach()
+
+
 def check_against_reference(B, H, W, D, heads, device, seed):
     ref, new = make_pair(D, heads, H, W, device, seed=seed)
     randomize_(ref, seed)
     new.load_state_dict(ref.state_dict())
     x = torch.randn(B, H, W, D, device=device)
+    got = run_fused(new, x)
     with torch.no_grad():
         expected = ref(x)
-        got = new(x)
         exact = ref.double()(x.double())
     assert got.shape == (B, H, W, D) and got.dtype == torch.float32
     assert torch.isfinite(got).all()
@@ -43,8 +75,9 @@ def test_default_problem(device):
     torch.manual_seed(123)
     ref, new = make_pair(*fastaxial.reference.get_init_inputs(), device)
     (x,) = [t.to(device) for t in fastaxial.reference.get_inputs()]
+    got = run_fused(new, x)
     with torch.no_grad():
-        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("B,H,W,D,heads", SHAPES, ids=lambda v: str(v))
@@ -58,10 +91,9 @@ def test_grad_mode_uses_fused_forward_and_matches_gradients(device):
     new.load_state_dict(ref.state_dict())
     x = torch.randn(2, 5, 6, 32, device=device, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback warning: the fused op serves this call
+    with no_fallback():  # the fused op serves this call
         out = new(x2)
-    assert "fastaxial_axial_attention" in out.grad_fn.name()  # the fused op's autograd node
+    assert FUSED_NODE in out.grad_fn.name()  # the fused op's autograd node
     expected = ref(x)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
     g = torch.randn_like(expected)
@@ -76,14 +108,14 @@ def test_non_contiguous_input(device):
     ref, new = make_pair(32, 2, 6, 5, device, seed=4)
     x = torch.randn(2, 5, 6, 32, device=device).transpose(1, 2)  # (2, 6, 5, 32), strided
     assert not x.is_contiguous()
+    got = run_fused(new, x)
     with torch.no_grad():
-        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
 
 
 def test_empty_batch(device):
     _, new = make_pair(32, 2, 4, 4, device)
-    with torch.no_grad():
-        out = new(torch.randn(0, 4, 4, 32, device=device))
+    out = run_fused(new, torch.randn(0, 4, 4, 32, device=device))
     assert out.shape == (0, 4, 4, 32)
 
 
@@ -93,7 +125,7 @@ def test_inference_mode(device):
     randomize_(ref, 6)
     new.load_state_dict(ref.state_dict())
     x = torch.randn(2, 5, 6, 32, device=device)
-    with torch.inference_mode():
+    with torch.inference_mode(), no_fallback():
         got = new(x)
     assert got.is_inference() and got.grad_fn is None
     with torch.no_grad():
@@ -125,17 +157,21 @@ def test_dropout_in_training_falls_back_with_one_warning(device):
     new.train()
     x = torch.randn(1, 4, 4, 32, device=device)
     fastaxial.module._warned.clear()
-    with pytest.warns(UserWarning, match="dropout"):
-        new(x)
+    with pytest.warns(UserWarning, match="dropout") as record:
+        out = new(x)
+    assert FUSED_NODE not in out.grad_fn.name()  # the reference math ran
+    assert record[0].filename == __file__  # the warning points at the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         new(x)  # warns once only
     new.eval()  # dropout inactive: the fused path serves, matching the reference
     ref, _ = make_pair(32, 2, 4, 4, device, dropout=0.5)
-    ref.load_state_dict(new.state_dict())
+    randomize_(ref, 13)
+    new.load_state_dict(ref.state_dict())
     ref.eval()
+    got = run_fused(new, x)
     with torch.no_grad():
-        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
 
 
 def test_float64_falls_back_to_reference(device):
@@ -145,15 +181,24 @@ def test_float64_falls_back_to_reference(device):
     fastaxial.module._warned.clear()
     with pytest.warns(UserWarning, match="dtype"), torch.no_grad():
         got = new(x)
+    # The fallback is the reference math itself (the operator takes float32 only).
+    assert got.dtype == torch.float64
     torch.testing.assert_close(got, ref(x).detach())
 
 
 def test_torch_compile_fullgraph(device):
+    from torch._inductor.utils import run_and_get_code
+
     ref, new = make_pair(32, 4, 5, 7, device, seed=6)
+    randomize_(ref, 6)
+    new.load_state_dict(ref.state_dict())
     compiled = torch.compile(new, fullgraph=True)
     x = torch.randn(2, 5, 7, 32, device=device)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), ref(x), atol=ATOL, rtol=RTOL)
+        got, code = run_and_get_code(compiled, x)
+        # The compiled graph calls the operator (not a trace of the reference math).
+        assert any("fastaxial.axial_attention" in c for c in code), code
+        torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
 
 
 def test_opcheck(device):
@@ -234,12 +279,43 @@ def test_torch_compile_reduce_overhead():
             torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)
 
 
+# A LayerNorm eps other than 1e-5 (equal on both axes) reaches the kernels. On x = 3 +
+# 1e-3 N(0, 1) each position's variance is ~1e-6: eps 0.5 dominates it, and the result
+# with eps 1e-5 instead is ~1e-1 away (checked below), far past the tolerance.
+@pytest.mark.parametrize("eps", [0.5, 10.0])
+def test_layernorm_eps_reaches_the_kernel(eps, device):
+    ref, new = make_pair(64, 4, 6, 9, device, seed=14)
+    randomize_(ref, 14)
+    for m in (ref, new):
+        m.row_norm.eps = m.col_norm.eps = eps
+    new.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(14)
+    x = (3.0 + 1e-3 * torch.randn(2, 6, 9, 64, generator=g)).to(device)
+    got = run_fused(new, x)
+    with torch.no_grad():
+        exact = ref.double()(x.double())
+        weights = [w.double() for w in ref.weights()]
+        default_eps = fastaxial.reference.axial_attention(x.double(), *weights, ref.num_heads, 1e-5)
+    assert (default_eps - exact).abs().max() > 100 * (ATOL + RTOL * exact.abs().max())  # eps decides it
+    torch.testing.assert_close(got.double(), exact, atol=ATOL, rtol=RTOL)
+
+
 def test_unequal_layernorm_eps_falls_back(device):
     ref, new = make_pair(32, 2, 3, 4, device, seed=12)
     for m in (ref, new):
         m.col_norm.eps = 1e-3
     x = torch.randn(1, 3, 4, 32, device=device)
     fastaxial.module._warned.clear()
-    with pytest.warns(UserWarning, match="different eps"), torch.no_grad():
+    with pytest.warns(UserWarning, match="different eps"):
         got = new(x)
-    torch.testing.assert_close(got, ref(x).detach(), atol=ATOL, rtol=RTOL)
+    assert FUSED_NODE not in got.grad_fn.name()  # the operator takes one eps: the reference math ran
+    torch.testing.assert_close(got, ref(x))  # the same math: equal to rounding
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device")
+def test_describe_cuda_plan():
+    x = torch.randn(2, 8, 8, 64, device="cuda")
+    plan = fastaxial.ops.describe_cuda_plan(x, 4)
+    assert plan == torch.ops.fastaxial.describe_cuda_plan(x, 4)
+    assert plan.startswith("row: ") and ", col: " in plan and "workspace" in plan, plan
+    assert "(B 2, H 8, W 8, D 64, heads 4" in plan, plan
