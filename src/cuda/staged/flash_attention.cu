@@ -278,10 +278,11 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashAr
       }
 
     // o += p v: key groups jn, jn + 1 into one fresh accumulator per output
-    // n-tile f. A fragment of p for group jn: (g, k t) = key 2t, (g, k t + 4)
-    // = key 2t + 1, i.e. s[jn][0], s[jn][2] (row g + 8), s[jn][1], s[jn][3].
-    // B fragment: (k t, n g) = v[key 8 jn + 2t][8f + g], (k t + 4, n g) =
-    // v[key 8 jn + 2t + 1][8f + g].
+    // n-tile f (features 8f .. 8f + 7). A fragment of p for group jn, k index
+    // t standing for key 2t and t + 4 for key 2t + 1: (g, t) = p(g, 2t) =
+    // s[jn][0], (g + 8, t) = s[jn][2], (g, t + 4) = p(g, 2t + 1) = s[jn][1],
+    // (g + 8, t + 4) = s[jn][3]. B fragment: (t, g) = v[key 8 jn + 2t][8f + g],
+    // (t + 4, g) = v[key 8 jn + 2t + 1][8f + g].
 #pragma unroll
     for (int jn = 0; jn < NT; jn += 2) {
       const FragA pa = make_a(s[jn][0], s[jn][2], s[jn][1], s[jn][3]);
