@@ -16,9 +16,36 @@ def library_path():
     path = Path(env) if env else Path(__file__).with_name("_C.so")
     if not path.exists():
         raise ImportError(
-            f"fastaxial: the operator library {path} is missing; build it with scripts/setup "
-            "(or point FASTAXIAL_LIBRARY at a built _C.so)")
+            f"fastaxial: the operator library {path} is missing; in a checkout, build it with "
+            "scripts/setup (or point FASTAXIAL_LIBRARY at a built _C.so); pip install builds it")
     return path
+
+
+def _check_build(path):
+    """Refuses a library built against another torch: its C++ symbols would not resolve, or worse."""
+    info_path = path.with_name("_build_info.py")
+    if not info_path.exists():  # a library built without its record (FASTAXIAL_LIBRARY elsewhere)
+        return
+    import runpy
+
+    info = runpy.run_path(str(info_path))
+    built, have = info["TORCH_VERSION"], str(torch.__version__)
+    built_cuda, have_cuda = info["TORCH_CUDA"], torch.version.cuda or ""
+    same_torch = built.split("+")[0] == have.split("+")[0]
+    # CUDA kernels call the CUDA runtime of torch's own CUDA major version.
+    same_cuda = not info["CUDA_KERNELS"] or built_cuda.split(".")[0] == have_cuda.split(".")[0]
+    if same_torch and same_cuda:
+        return
+    def describe(version, cuda):
+        return f"torch {version} ({'CUDA ' + cuda if cuda else 'CPU only'})"
+    wanted = built.split("+")[0]
+    raise ImportError(
+        f"fastaxial: its operator library {path} was built against {describe(built, built_cuda)}, "
+        f"but this Python has {describe(have, have_cuda)}. A PyTorch C++ extension only loads under "
+        f"the torch it was built against. Either install that torch (pip install torch=={wanted}"
+        + (f", a CUDA {built_cuda} build" if info["CUDA_KERNELS"] else "")
+        + "), or rebuild fastaxial against this one: pip install --no-build-isolation --no-deps "
+        "--force-reinstall <fastaxial checkout or git URL>, or scripts/setup in a checkout.")
 
 
 def _load():
@@ -35,7 +62,9 @@ def _load():
         ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
     except OSError:
         pass
-    torch.ops.load_library(str(library_path()))
+    path = library_path()
+    _check_build(path)
+    torch.ops.load_library(str(path))
 
 
 _load()
