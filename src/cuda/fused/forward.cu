@@ -48,6 +48,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/plan.h"
 #include "../../common/smem_layout.h"
@@ -197,7 +198,7 @@ __device__ void load_params(float* params, const TcArgs& a) {
 // kPieces pieces stay in registers between the two passes and the store (one
 // read of shared memory, loops unrolled); longer rows are read again in each.
 template <int LP, int NT, class Store>
-__device__ void layer_norm(const float* x, int ldq, const float* params, const TcArgs& a, int L, Store store) {
+__device__ void layer_norm_tile(const float* x, int ldq, const float* params, const TcArgs& a, int L, Store store) {
   constexpr int kPieces = 4;  // a lane's float4 pieces held in registers: dims up to 128
   const int part = threadIdx.x % 8, chunks = a.D / 4;
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -347,7 +348,7 @@ __device__ void attend_tile(const float* q, const float* k, int ldq, const float
 // there) and the sequence its B operand, N = positions. A warpgroup's product
 // is then 24 asynchronous instructions instead of each warp's chain of
 // mma.sync, fragment loads and splits, whose latency bounded the mma.sync
-// products (docs/perf-notes.md, v24). Three warpgroups a block: each takes
+// products (docs/perf-notes.md). Three warpgroups a block: each takes
 // 64-row tiles of [q | k | v]^T, and two of them half the positions each of
 // the output product.
 
@@ -457,230 +458,361 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// kWg: the projections on wgmma (dim 64, HD < 64, MT <= 4; sm_90a), else on mma.sync.
-template <int MT, int HD, bool kWg>
-__global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(const TcArgs a) {
-  constexpr int NWARPS = kWarps<kWg>, NT = 32 * NWARPS;
-  constexpr int LP = 16 * MT;
-  constexpr int MI = MT % 2 == 0 ? 2 : 1;  // 16-row tiles per warp in the projections
-  constexpr int kQkvNI = 3, kOutNI = 1;    // 8-column tiles per warp item (3D / 8 is a multiple of 3)
-  // kWg: the QKV product in units of (64-row tile, NQ positions), three
-  // units (L <= 32) or six (accumulators for 64 positions would not fit),
-  // dealt round robin to the three warpgroups; the output product by two
-  // warpgroups of NO positions each.
-  constexpr int NQ = LP <= 32 ? LP : LP / 2, kUnits = 3 * (LP / NQ), NO = LP / 2;
-  static_assert(!kWg || MT <= 4, "wgmma products take N <= 32");
-  const int D = a.D, L = (int)a.view.len;
-  const FusedLayout lay(LP, D);
+// ---- The kernel's steps -----------------------------------------------------
+// The kernel is one sequence of steps for both product variants: load the
+// tile, layer_norm, project_qkv, attend, project_out (which stores dst).
+// FusedBlock holds what every step reads, computed once at the kernel's top
+// and passed to each step; MmaSteps and WgmmaSteps are the two variants of
+// the steps, holding only the registers that one sequence carries from step
+// to step (weights and residual rows in flight). The two stay apart: arrays
+// indexed in unrolled loops keep the object holding them in memory until the
+// loops are unrolled, and with it any scalar beside them, whose offsets
+// would then be computed in 64 bits and away from where they are used.
+
+// The block's dynamic shared memory; the wgmma variant's swizzled B operand
+// starts on a 1024-byte boundary (the launch adds the room).
+template <bool kWg>
+__device__ __forceinline__ float* fused_smem() {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  // The swizzled B operand starts on a 1024-byte boundary (the launch adds the room).
   if constexpr (kWg) {
     const uint32_t raw = shared_address(smem4), aligned = (raw + 1023u) & ~1023u;
     smem += (aligned - raw) / sizeof(float);
   }
-  float* xs = smem;                   // (LP, ldx) LayerNorm(x), then o: split pairs, or kWg's B operand
-  float* q = smem + lay.q_offset();   // (LP, ldq) x as it arrives, then queries (all heads)
-  float* k = smem + lay.k_offset();   // (LP, ldq) keys
-  float* vt = smem + lay.vt_offset();  // (D, ldv) values, transposed
-  float* params = smem + lay.params_offset();  // LayerNorm weight, bias; output bias
-  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const int row_tiles = MT / MI;
-  const int qkv_items = row_tiles * (3 * D / (8 * kQkvNI)), out_items = row_tiles * (D / (8 * kOutNI));
-  const auto qkv_w = [&](int item) { return a.w.qkv_weight + (int64_t)(8 * kQkvNI * (item / row_tiles)) * D; };
-  const auto out_w = [&](int item) { return a.w.out_weight + (int64_t)(8 * kOutNI * (item / row_tiles)) * D; };
+  return smem;
+}
+
+// kWg: the projections on wgmma (dim 64, HD < 64, MT <= 4; sm_90a), else on mma.sync.
+template <int MT, bool kWg>
+struct FusedBlock {
+  static constexpr int NWARPS = kWarps<kWg>;
+  static constexpr int LP = 16 * MT;
+  static constexpr int MI = MT % 2 == 0 ? 2 : 1;  // 16-row tiles per warp in the mma.sync projections
+  static constexpr int kQkvNI = 3, kOutNI = 1;    // 8-column tiles per warp item (3D / 8 is a multiple of 3)
+
+  const TcArgs& a;
+  int D, L;
+  FusedLayout lay;
+  float* xs;      // (LP, ldx) LayerNorm(x), then o: split pairs, or kWg's B operand
+  float* q;       // (LP, ldq) x as it arrives, then queries (all heads)
+  float* k;       // (LP, ldq) keys
+  float* vt;      // (D, ldv) values, transposed
+  float* params;  // LayerNorm weight, bias; output bias
+  int warp, g, t;
+  int row_tiles, qkv_items, out_items;  // mma.sync: warp items of the two products
   // kWg: this thread's rows f, f + 8 of each 64-row weight tile; B rows
-  // from position p0 on have the descriptor wg_desc(p0).
-  const int wg = warp / 4, f = 16 * (warp % 4) + g;
-  const WgOperand xo{xs, LP};
-  const uint32_t wg_lo = 256 * LP, wg_chunk = 128 * LP;
-  const auto wg_desc = [&](int p0) {
+  // from position p0 on have the descriptor desc(p0).
+  int wg, f;
+  WgOperand xo;
+  uint32_t wg_lo, wg_chunk;
+
+  __device__ __forceinline__ explicit FusedBlock(const TcArgs& a_) : a(a_), D(a_.D), L((int)a_.view.len), lay(LP, D) {
+    float* smem = fused_smem<kWg>();
+    xs = smem;
+    q = smem + lay.q_offset();
+    k = smem + lay.k_offset();
+    vt = smem + lay.vt_offset();
+    params = smem + lay.params_offset();
+    warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    row_tiles = MT / MI;
+    qkv_items = row_tiles * (3 * D / (8 * kQkvNI)), out_items = row_tiles * (D / (8 * kOutNI));
+    wg = warp / 4, f = 16 * (warp % 4) + g;
+    xo = WgOperand{xs, LP};
+    wg_lo = 256 * LP, wg_chunk = 128 * LP;
+  }
+
+  __device__ __forceinline__ const float* qkv_w(int item) const {
+    return a.w.qkv_weight + (int64_t)(8 * kQkvNI * (item / row_tiles)) * D;
+  }
+  __device__ __forceinline__ const float* out_w(int item) const {
+    return a.w.out_weight + (int64_t)(8 * kOutNI * (item / row_tiles)) * D;
+  }
+  // Output item: rows m0.. of 16 * MI, this thread's columns col, col + 1.
+  __device__ __forceinline__ int item_m0(int item) const { return 16 * MI * (item % row_tiles); }
+  __device__ __forceinline__ int item_col(int item) const { return 8 * kOutNI * (item / row_tiles) + 2 * t; }
+  __device__ __forceinline__ uint64_t desc(int p0) const {
 #if FASTAXIAL_SM90A_DEVICE
     return desc_sw128(shared_address(xs) + 128 * p0);
 #else
     (void)p0;
     return uint64_t{0};  // never launched (launch_fused)
 #endif
-  };
-  const auto wg_fence = [] {
-#if FASTAXIAL_SM90A_DEVICE
-    fence_async_smem();  // generic-proxy stores that wgmma reads next
-#endif
-  };
-  // QKV unit u: 64-row tile u / (LP / NQ), positions from NQ * (u % (LP / NQ)).
-  const auto unit_rows = [&](int u) { return a.w.qkv_weight + (64 * (u / (LP / NQ)) + f) * 64; };
-
-  prefetch_weights_l2<NT>(a);  // a hint, safe before the wait (detail/launch.cuh)
-  grid_dependency_wait();
-  allow_dependent_launch();
-  if (blockIdx.x < a.view.num_seq) {
-    load_params<NT>(params, a);
-    load_tile<NT>(q, lay.ldq, a, seq_offset(a.view, blockIdx.x), L);
   }
-  for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
-    const int64_t base = seq_offset(a.view, n);
-    WeightGroup<kQkvNI> gq;  // this warp's first QKV weights, in flight during the LayerNorm
-    WgRows wq[2];            // kWg: this thread's rows of its units' tiles, the first loaded now
-    if constexpr (kWg) load_rows(wq[0], unit_rows(wg));
-    else if (warp < qkv_items) load_weights(gq, qkv_w(warp), D, 0);
-    copy_async_wait<0>();
-    __syncthreads();
-    if constexpr (kWg) {
-      layer_norm<LP, NT>(q, lay.ldq, params, a, L, [&](int r, int c, float4 y) { xo.put_piece(r, c, y); });
-      wg_fence();
-    } else {
-      layer_norm<LP, NT>(q, lay.ldq, params, a, L, [&](int r, int c, float4 y) {
-        float4* out = reinterpret_cast<float4*>(xs + r * lay.ldx);
-        out[2 * c] = split_pairs(y.x, y.y);
-        out[2 * c + 1] = split_pairs(y.z, y.w);
-      });
-    }
-    __syncthreads();
+};
 
-    if constexpr (kWg) {
-      // [q | k | v]^T by units; a second unit's rows load during the first product.
-#pragma unroll
-      for (int i = 0; i < kUnits / 3; ++i) {
-        const int u = wg + 3 * i, m = u / (LP / NQ), n0 = NQ * (u % (LP / NQ));
-        if (i + 1 < kUnits / 3) load_rows(wq[i + 1], unit_rows(u + 3));
-        float c[NQ / 2];
-        wg_product<NQ>(c, wq[i], wg_desc(n0), wg_lo, wg_chunk);
-        // c[4j ..]: features f, f + 8 at positions p, p + 1 (accumulator layout, detail/wgmma.cuh).
-#pragma unroll
-        for (int j = 0; j < NQ / 8; ++j) {
-          const int p = n0 + 8 * j + 2 * t;
-          if (m == 2) {
-            *reinterpret_cast<float2*>(vt + f * lay.ldv + p) = make_float2(c[4 * j], c[4 * j + 1]);
-            *reinterpret_cast<float2*>(vt + (f + 8) * lay.ldv + p) = make_float2(c[4 * j + 2], c[4 * j + 3]);
-          } else {
-            float* dst = m == 0 ? q : k;
-            const float s = m == 0 ? a.q_scale : 1.0f;
-            dst[p * lay.ldq + f] = c[4 * j] * s;
-            dst[(p + 1) * lay.ldq + f] = c[4 * j + 1] * s;
-            dst[p * lay.ldq + f + 8] = c[4 * j + 2] * s;
-            dst[(p + 1) * lay.ldq + f + 8] = c[4 * j + 3] * s;
-          }
-        }
-      }
-    } else {
-      // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns; each
-      // 8-column part lies in one of q, k, v since 8 | D.
-      for (int item = warp; item < qkv_items; item += NWARPS) {
-        const int m0 = 16 * MI * (item % row_tiles), c0 = 8 * kQkvNI * (item / row_tiles);
-        float c[MI][kQkvNI][4];
-        warp_gemm<MI, kQkvNI>(c, xs + m0 * lay.ldx, lay.ldx, qkv_w(item), D, gq,
-                              item + NWARPS < qkv_items ? qkv_w(item + NWARPS) : nullptr);
-#pragma unroll
-        for (int j = 0; j < kQkvNI; ++j) {
-          const int col = c0 + 8 * j + 2 * t;  // this thread's 2 columns, in one of q, k, v
-#pragma unroll
-          for (int i = 0; i < MI; ++i)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int r = m0 + 16 * i + g + 8 * half;
-              const float c0v = c[i][j][2 * half], c1v = c[i][j][2 * half + 1];
-              if (col < D) {
-                *reinterpret_cast<float2*>(q + r * lay.ldq + col) = make_float2(c0v * a.q_scale, c1v * a.q_scale);
-              } else if (col < 2 * D) {
-                *reinterpret_cast<float2*>(k + r * lay.ldq + col - D) = make_float2(c0v, c1v);
-              } else {
-                vt[(col - 2 * D) * lay.ldv + r] = c0v;
-                vt[(col - 2 * D + 1) * lay.ldv + r] = c1v;
-              }
-            }
-        }
-      }
+// The steps on mma.sync (8 warps): both projections go by (16 MI-row,
+// 8 NI-column) tiles of the output, a warp item each, the warps taking items
+// in turn; the attention by (head, 16-query tile) items.
+template <int MT, int HD>
+struct MmaSteps {
+  using Block = FusedBlock<MT, false>;
+  static constexpr int NWARPS = Block::NWARPS, LP = Block::LP, MI = Block::MI;
+  static constexpr int kQkvNI = Block::kQkvNI, kOutNI = Block::kOutNI;
+  // go and res are zeroed where they are declared: a warp without an output
+  // item would otherwise carry them undefined through the sequence loop, and
+  // the register allocator kept more values live around them (it spilled).
+  WeightGroup<kQkvNI> gq;       // this warp's first QKV weights, in flight during the LayerNorm
+  WeightGroup<kOutNI> go = {};  // this warp's first output weights
+  float2 res[MI][2] = {};       // residual rows g, g + 8 of each 16-row tile, this thread's 2 columns
+
+  __device__ __forceinline__ void load_qkv_weights(const Block& b) {
+    if (b.warp < b.qkv_items) load_weights(gq, b.qkv_w(b.warp), b.D, 0);
+  }
+
+  // xs = LayerNorm(x) as split pairs.
+  template <int NT>
+  __device__ __forceinline__ void layer_norm(const Block& b) {
+    layer_norm_tile<LP, NT>(b.q, b.lay.ldq, b.params, b.a, b.L, [&](int r, int c, float4 y) {
+      float4* out = reinterpret_cast<float4*>(b.xs + r * b.lay.ldx);
+      out[2 * c] = split_pairs(y.x, y.y);
+      out[2 * c + 1] = split_pairs(y.z, y.w);
+    });
+  }
+
+  // [q | k | v] = xs @ Wqkv^T: tiles of 16 MI rows x 24 columns.
+  __device__ __forceinline__ void project_qkv(const Block& b) {
+    for (int item = b.warp; item < b.qkv_items; item += NWARPS) {
+      const int m0 = 16 * MI * (item % b.row_tiles), c0 = 8 * kQkvNI * (item / b.row_tiles);
+      float c[MI][kQkvNI][4];
+      warp_gemm<MI, kQkvNI>(c, b.xs + m0 * b.lay.ldx, b.lay.ldx, b.qkv_w(item), b.D, gq,
+                            item + NWARPS < b.qkv_items ? b.qkv_w(item + NWARPS) : nullptr);
+      store_qkv(b, c, m0, c0);
     }
-    // The warp's first output weights and residual rows: in flight during the
-    // attention where registers allow (the score tile grows with HD * MT),
-    // else loaded after it.
-    constexpr bool kEarlyOut = HD * MT <= 128;
-    WeightGroup<kOutNI> go;
-    float2 res[MI][2];  // residual rows g, g + 8 of each 16-row tile, this thread's 2 columns
-    WgRows wo;           // kWg: this thread's rows of Wout (warpgroups 0 and 1)
-    float wres[NO / 2];  // kWg: the residual at the output accumulator's places
-    const int o0 = NO * wg;  // kWg: the warpgroup's first output position
-    // Output item: rows m0.. of 16 * MI, this thread's columns col, col + 1.
-    const auto item_m0 = [&](int item) { return 16 * MI * (item % row_tiles); };
-    const auto item_col = [&](int item) { return 8 * kOutNI * (item / row_tiles) + 2 * t; };
-    const auto load_residual = [&](int item) {
-      const int m0 = item_m0(item), col = item_col(item);
+  }
+
+  // A warp item's tile (rows m0.., columns c0..) into q (scaled), k or vt;
+  // each 8-column part lies in one of q, k, v since 8 | D.
+  __device__ __forceinline__ void store_qkv(const Block& b, const float (&c)[MI][kQkvNI][4], int m0, int c0) const {
+    const int D = b.D, g = b.g;
+#pragma unroll
+    for (int j = 0; j < kQkvNI; ++j) {
+      const int col = c0 + 8 * j + 2 * b.t;  // this thread's 2 columns, in one of q, k, v
 #pragma unroll
       for (int i = 0; i < MI; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int r = m0 + 16 * i + g + 8 * half;
-          res[i][half] = r < L ? *reinterpret_cast<const float2*>(a.src + base + r * a.view.pos_stride + col)
-                               : make_float2(0.0f, 0.0f);
+          const float c0v = c[i][j][2 * half], c1v = c[i][j][2 * half + 1];
+          if (col < D) {
+            *reinterpret_cast<float2*>(b.q + r * b.lay.ldq + col) = make_float2(c0v * b.a.q_scale, c1v * b.a.q_scale);
+          } else if (col < 2 * D) {
+            *reinterpret_cast<float2*>(b.k + r * b.lay.ldq + col - D) = make_float2(c0v, c1v);
+          } else {
+            b.vt[(col - 2 * D) * b.lay.ldv + r] = c0v;
+            b.vt[(col - 2 * D + 1) * b.lay.ldv + r] = c1v;
+          }
         }
-    };
-    const auto load_out = [&] {
-      if constexpr (kWg) {
-        if (wg >= 2) return;
-        load_rows(wo, a.w.out_weight + f * 64);
-#pragma unroll
-        for (int i = 0; i < NO / 2; ++i) {
-          const int p = o0 + 8 * (i / 4) + 2 * t + i % 2, feature = f + 8 * (i % 4 / 2);
-          wres[i] = p < L ? a.src[base + p * a.view.pos_stride + feature] : 0.0f;
-        }
-      } else if (warp < out_items) {
-        load_weights(go, out_w(warp), D, 0);
-        load_residual(warp);
-      }
-    };
-    if (kEarlyOut) load_out();
-    __syncthreads();
+    }
+  }
 
-    for (int item = warp; item < a.heads * MT; item += NWARPS) {
-      if constexpr (kWg) {
-        attend_tile<MT, HD>(q, k, lay.ldq, vt, lay.ldv, item / MT, item % MT, L, [&](int r, int c, float x, float y) {
-          xo.put(xo.at(r, c), x);
-          xo.put(xo.at(r, c + 1), y);
-        });
+  // The residual rows of output item `item` into res.
+  __device__ __forceinline__ void load_residual(const Block& b, int64_t base, int item) {
+    const int m0 = b.item_m0(item), col = b.item_col(item);
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = m0 + 16 * i + b.g + 8 * half;
+        res[i][half] = r < b.L ? *reinterpret_cast<const float2*>(b.a.src + base + r * b.a.view.pos_stride + col)
+                               : make_float2(0.0f, 0.0f);
+      }
+  }
+
+  // The warp's first output weights and residual rows.
+  __device__ __forceinline__ void load_out(const Block& b, int64_t base) {
+    if (b.warp < b.out_items) {
+      load_weights(go, b.out_w(b.warp), b.D, 0);
+      load_residual(b, base, b.warp);
+    }
+  }
+
+  // o = softmax(q_h k_h^T * scale) v_h per (head, query tile) into xs as split pairs.
+  __device__ __forceinline__ void attend(const Block& b) const {
+    for (int item = b.warp; item < b.a.heads * MT; item += NWARPS) {
+      attend_tile<MT, HD>(b.q, b.k, b.lay.ldq, b.vt, b.lay.ldv, item / MT, item % MT, b.L,
+                          [&](int r, int c, float x, float y) {
+                            *reinterpret_cast<float4*>(b.xs + r * b.lay.ldx + 2 * c) = split_pairs(x, y);
+                          });
+    }
+  }
+
+  // dst = src + o @ Wout^T + bout, rows < L only: tiles of 16 MI rows x 8 columns.
+  __device__ __forceinline__ void project_out(const Block& b, int64_t base) {
+    for (int item = b.warp; item < b.out_items; item += NWARPS) {
+      const int m0 = b.item_m0(item), col = b.item_col(item);
+      if (item != b.warp) load_residual(b, base, item);  // overlaps the product
+      float c[MI][kOutNI][4];
+      warp_gemm<MI, kOutNI>(c, b.xs + m0 * b.lay.ldx, b.lay.ldx, b.out_w(item), b.D, go,
+                            item + NWARPS < b.out_items ? b.out_w(item + NWARPS) : nullptr);
+      store_out(b, base, c, m0, col);
+    }
+  }
+
+  // Rows m0.. (those below L) of dst = res + c + bout, this thread's columns col, col + 1.
+  __device__ __forceinline__ void store_out(const Block& b, int64_t base, const float (&c)[MI][kOutNI][4], int m0, int col) const {
+    const float2 bias = *reinterpret_cast<const float2*>(b.params + 2 * b.D + col);
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = m0 + 16 * i + b.g + 8 * half;
+        if (r >= b.L) continue;
+        *reinterpret_cast<float2*>(b.a.dst + base + r * b.a.view.pos_stride + col) = make_float2(
+            res[i][half].x + c[i][0][2 * half] + bias.x, res[i][half].y + c[i][0][2 * half + 1] + bias.y);
+      }
+  }
+};
+
+// The steps on wgmma (three warpgroups): the weights are the A operand, xs
+// and later o the B operand (WgOperand); the attention as on mma.sync.
+template <int MT, int HD>
+struct WgmmaSteps {
+  using Block = FusedBlock<MT, true>;
+  static constexpr int NWARPS = Block::NWARPS, LP = Block::LP;
+  // The QKV product in units of (64-row tile, NQ positions), three units
+  // (L <= 32) or six (accumulators for 64 positions would not fit), dealt
+  // round robin to the three warpgroups; the output product by two
+  // warpgroups of NO positions each.
+  static constexpr int NQ = LP <= 32 ? LP : LP / 2, kUnits = 3 * (LP / NQ), NO = LP / 2;
+  static_assert(MT <= 4, "wgmma products take N <= 32");
+  // Zeroed where they are declared: the warpgroup without an output product
+  // would otherwise carry them undefined through the sequence loop, and the
+  // register allocator kept more values live around them (it spilled more).
+  WgRows wq[2] = {};        // this thread's rows of its units' tiles, the first loaded before the LayerNorm
+  WgRows wo = {};           // this thread's rows of Wout (warpgroups 0 and 1)
+  float wres[NO / 2] = {};  // the residual at the output accumulator's places
+
+  // QKV unit u: 64-row tile u / (LP / NQ), positions from NQ * (u % (LP / NQ)).
+  static __device__ __forceinline__ const float* unit_rows(const Block& b, int u) {
+    return b.a.w.qkv_weight + (64 * (u / (LP / NQ)) + b.f) * 64;
+  }
+
+  // Makes the generic-proxy stores into xs visible to wgmma, which reads them next.
+  static __device__ __forceinline__ void fence() {
+#if FASTAXIAL_SM90A_DEVICE
+    fence_async_smem();
+#endif
+  }
+
+  __device__ __forceinline__ void load_qkv_weights(const Block& b) { load_rows(wq[0], unit_rows(b, b.wg)); }
+
+  // xs = LayerNorm(x) as the B operand.
+  template <int NT>
+  __device__ __forceinline__ void layer_norm(const Block& b) {
+    layer_norm_tile<LP, NT>(b.q, b.lay.ldq, b.params, b.a, b.L,
+                                          [&](int r, int c, float4 y) { b.xo.put_piece(r, c, y); });
+    fence();
+  }
+
+  // [q | k | v]^T = Wqkv @ xs^T by units; a second unit's rows load during the first product.
+  __device__ __forceinline__ void project_qkv(const Block& b) {
+#pragma unroll
+    for (int i = 0; i < kUnits / 3; ++i) {
+      const int u = b.wg + 3 * i, m = u / (LP / NQ), n0 = NQ * (u % (LP / NQ));
+      if (i + 1 < kUnits / 3) load_rows(wq[i + 1], unit_rows(b, u + 3));
+      float c[NQ / 2];
+      wg_product<NQ>(c, wq[i], b.desc(n0), b.wg_lo, b.wg_chunk);
+      store_qkv(b, c, m, n0);
+    }
+  }
+
+  // A unit's product (features f, f + 8 of tile m, positions n0..) into q (scaled), k or vt.
+  __device__ __forceinline__ void store_qkv(const Block& b, const float (&c)[NQ / 2], int m, int n0) const {
+    const int f = b.f;
+    // c[4j ..]: features f, f + 8 at positions p, p + 1 (accumulator layout, detail/wgmma.cuh).
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+      const int p = n0 + 8 * j + 2 * b.t;
+      if (m == 2) {
+        *reinterpret_cast<float2*>(b.vt + f * b.lay.ldv + p) = make_float2(c[4 * j], c[4 * j + 1]);
+        *reinterpret_cast<float2*>(b.vt + (f + 8) * b.lay.ldv + p) = make_float2(c[4 * j + 2], c[4 * j + 3]);
       } else {
-        attend_tile<MT, HD>(q, k, lay.ldq, vt, lay.ldv, item / MT, item % MT, L, [&](int r, int c, float x, float y) {
-          *reinterpret_cast<float4*>(xs + r * lay.ldx + 2 * c) = split_pairs(x, y);
-        });
+        float* dst = m == 0 ? b.q : b.k;
+        const float s = m == 0 ? b.a.q_scale : 1.0f;
+        dst[p * b.lay.ldq + f] = c[4 * j] * s;
+        dst[(p + 1) * b.lay.ldq + f] = c[4 * j + 1] * s;
+        dst[p * b.lay.ldq + f + 8] = c[4 * j + 2] * s;
+        dst[(p + 1) * b.lay.ldq + f + 8] = c[4 * j + 3] * s;
       }
     }
-    if (kWg) wg_fence();
-    if (!kEarlyOut) load_out();
+  }
+
+  // This thread's rows of Wout and its residual (warpgroups 0 and 1).
+  __device__ __forceinline__ void load_out(const Block& b, int64_t base) {
+    if (b.wg >= 2) return;
+    const int o0 = NO * b.wg;  // the warpgroup's first output position
+    load_rows(wo, b.a.w.out_weight + b.f * 64);
+#pragma unroll
+    for (int i = 0; i < NO / 2; ++i) {
+      const int p = o0 + 8 * (i / 4) + 2 * b.t + i % 2, feature = b.f + 8 * (i % 4 / 2);
+      wres[i] = p < b.L ? b.a.src[base + p * b.a.view.pos_stride + feature] : 0.0f;
+    }
+  }
+
+  // o = softmax(q_h k_h^T * scale) v_h per (head, query tile) into xs as the B operand.
+  __device__ __forceinline__ void attend(const Block& b) const {
+    for (int item = b.warp; item < b.a.heads * MT; item += NWARPS) {
+      attend_tile<MT, HD>(b.q, b.k, b.lay.ldq, b.vt, b.lay.ldv, item / MT, item % MT, b.L,
+                          [&](int r, int c, float x, float y) {
+                            b.xo.put(b.xo.at(r, c), x);
+                            b.xo.put(b.xo.at(r, c + 1), y);
+                          });
+    }
+    fence();
+  }
+
+  // dst = src + (Wout @ o^T)^T + bout, positions < L only: NO positions a warpgroup.
+  __device__ __forceinline__ void project_out(const Block& b, int64_t base) {
+    if (b.wg >= 2) return;
+    const int f = b.f, o0 = NO * b.wg;
+    float c[NO / 2];
+    wg_product<NO>(c, wo, b.desc(o0), b.wg_lo, b.wg_chunk);
+    const float bias[2] = {b.params[2 * b.D + f], b.params[2 * b.D + f + 8]};
+#pragma unroll
+    for (int i = 0; i < NO / 2; ++i) {
+      const int p = o0 + 8 * (i / 4) + 2 * b.t + i % 2, half = i % 4 / 2;
+      if (p < b.L) b.a.dst[base + p * b.a.view.pos_stride + f + 8 * half] = wres[i] + c[i] + bias[half];
+    }
+  }
+};
+
+template <int MT, int HD, bool kWg>
+using FusedSteps = std::conditional_t<kWg, WgmmaSteps<MT, HD>, MmaSteps<MT, HD>>;
+
+template <int MT, int HD, bool kWg>
+__global__ void __launch_bounds__(32 * kWarps<kWg>, 1) fused_forward_kernel(const TcArgs a) {
+  constexpr int NT = 32 * kWarps<kWg>;
+  // The warp's first output weights and residual rows: in flight during the
+  // attention where registers allow (the score tile grows with HD * MT),
+  // else loaded after it.
+  constexpr bool kEarlyOut = HD * MT <= 128;
+  const FusedBlock<MT, kWg> b(a);
+
+  prefetch_weights_l2<NT>(a);  // a hint, safe before the wait (detail/launch.cuh)
+  grid_dependency_wait();
+  allow_dependent_launch();
+  if (blockIdx.x < a.view.num_seq) {
+    load_params<NT>(b.params, a);
+    load_tile<NT>(b.q, b.lay.ldq, a, seq_offset(a.view, blockIdx.x), b.L);
+  }
+  for (int64_t n = blockIdx.x; n < a.view.num_seq; n += gridDim.x) {
+    const int64_t base = seq_offset(a.view, n);
+    FusedSteps<MT, HD, kWg> step;  // registers carried from step to step
+    step.load_qkv_weights(b);      // in flight during the LayerNorm
+    copy_async_wait<0>();
+    __syncthreads();
+    step.template layer_norm<NT>(b);
+    __syncthreads();
+    step.project_qkv(b);
+    if (kEarlyOut) step.load_out(b, base);
+    __syncthreads();
+    step.attend(b);
+    if (!kEarlyOut) step.load_out(b, base);
     __syncthreads();
     // q is free from here on: the block's next sequence arrives there during
     // this one's output product.
-    if (n + gridDim.x < a.view.num_seq) load_tile<NT>(q, lay.ldq, a, seq_offset(a.view, n + gridDim.x), L);
-
-    // dst = src + o @ Wout^T + bout, rows < L only.
-    if constexpr (kWg) {
-      if (wg < 2) {
-        float c[NO / 2];
-        wg_product<NO>(c, wo, wg_desc(o0), wg_lo, wg_chunk);
-        const float bias[2] = {params[2 * D + f], params[2 * D + f + 8]};
-#pragma unroll
-        for (int i = 0; i < NO / 2; ++i) {
-          const int p = o0 + 8 * (i / 4) + 2 * t + i % 2, half = i % 4 / 2;
-          if (p < L) a.dst[base + p * a.view.pos_stride + f + 8 * half] = wres[i] + c[i] + bias[half];
-        }
-      }
-    } else {
-      for (int item = warp; item < out_items; item += NWARPS) {
-        const int m0 = item_m0(item), col = item_col(item);
-        if (item != warp) load_residual(item);  // overlaps the product
-        float c[MI][kOutNI][4];
-        warp_gemm<MI, kOutNI>(c, xs + m0 * lay.ldx, lay.ldx, out_w(item), D, go,
-                              item + NWARPS < out_items ? out_w(item + NWARPS) : nullptr);
-        const float2 bias = *reinterpret_cast<const float2*>(params + 2 * D + col);
-#pragma unroll
-        for (int i = 0; i < MI; ++i)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = m0 + 16 * i + g + 8 * half;
-            if (r >= L) continue;
-            *reinterpret_cast<float2*>(a.dst + base + r * a.view.pos_stride + col) = make_float2(
-                res[i][half].x + c[i][0][2 * half] + bias.x, res[i][half].y + c[i][0][2 * half + 1] + bias.y);
-          }
-      }
-    }
+    if (n + gridDim.x < a.view.num_seq) load_tile<NT>(b.q, b.lay.ldq, a, seq_offset(a.view, n + gridDim.x), b.L);
+    step.project_out(b, base);
     // No barrier here: the next sequence's LayerNorm writes xs after the
     // barrier that follows its tile's arrival, which every warp reaches after
     // its output product.
@@ -689,7 +821,7 @@ __global__ void __launch_bounds__(32 * kWarps<kWg>, 1) axis_tensor_core_kernel(c
 
 template <int MT, int HD, bool kWg>
 cudaError_t launch(const TcArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
-  constexpr auto kernel = axis_tensor_core_kernel<MT, HD, kWg>;
+  constexpr auto kernel = fused_forward_kernel<MT, HD, kWg>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const size_t smem = fused_smem_bytes(a.view.len, a.D) + (kWg ? kFusedWgmmaSmemExtra : 0);  // FusedLayout of 16 MT rows
   if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
@@ -761,7 +893,7 @@ Status launch_fused(const AxisView& view, const AxialParams& p, const AxisWeight
     case 32: e = launch_tiles<32>(a, mt, wgmma, dev, stream); break;
     case 64: e = launch_tiles<64>(a, mt, wgmma, dev, stream); break;
   }
-  if (e != cudaSuccess) return cuda_error(e, "axis_tensor_core_kernel launch");
+  if (e != cudaSuccess) return cuda_error(e, "fused_forward_kernel launch");
   return Status::Ok();
 }
 
