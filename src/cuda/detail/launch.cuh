@@ -1,7 +1,7 @@
 // Kernel launches chained by programmatic dependent launch (PDL, Hopper,
 // sm_90): a forward is 2 to 8 kernels in a row on one stream, and between two
 // plain launches the GPU sits idle for the next grid's launch and block start
-// (about 1.5 us each on the H200). Launched with programmatic stream
+// (measured in docs/perf-notes.md). Launched with programmatic stream
 // serialization, the next kernel is set up while the current one runs and
 // its blocks take the multiprocessors as the current one's leave.
 //

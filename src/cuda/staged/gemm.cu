@@ -20,7 +20,7 @@
 // 4-byte loads) and splits it itself, so the kernels before the product
 // write A once, unsplit (the LayerNorm and the attention output moved two
 // planes before), and the ring carries one A plane. The products ran no
-// faster for it (docs/perf-notes.md, v23a): what bounds them is each warp's
+// faster for it (docs/perf-notes.md): what bounds them is each warp's
 // own instruction stream between its wgmma runs (copies, fragment loads and
 // splits, the fp32 adds), which is why each thread's copies are set up once
 // per tile rather than per k-step.
