@@ -122,13 +122,122 @@ __device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], 
   wgmma_3xtf32_run<BN>(t, f, b, Tl::kWTile >> 4);
 }
 
+// The ring's producer: the next k-step to load (its tile's copies, k index
+// and stage), advanced in order over the block's tiles.
+template <int WG, int BN>
+struct StageLoader {
+  using Tl = Tiling<WG, BN>;
+  const GemmArgs& p;
+  uint32_t base;    // the ring, as a shared address
+  int ntiles, ktiles;
+  int64_t w_plane;  // W's lo plane, after its hi plane
+  int64_t tile_index;
+  int kt, stage;
+  TileCopies a_copies, w_copies;
+
+  __device__ __forceinline__ StageLoader(const GemmArgs& p_, uint32_t base_, int ntiles_, int ktiles_)
+      : p(p_), base(base_), ntiles(ntiles_), ktiles(ktiles_), w_plane((int64_t)p_.N * p_.K),
+        tile_index(blockIdx.x), kt(0), stage(0) {
+    start_tile();
+  }
+  __device__ __forceinline__ void start_tile() {
+    a_copies = tile_copies<Tl::BM, Tl::kThreads>(p.a, tile_index / ntiles * Tl::BM, p.M, p.K);
+    w_copies = tile_copies<BN, Tl::kThreads>(p.w, tile_index % ntiles * BN, p.N, p.K);
+  }
+  __device__ __forceinline__ void load_next() {
+    const uint32_t s = base + stage * Tl::kStageBytes;
+    const int k0 = kt * BK;
+    load_tile<Tl::BM, Tl::kThreads>(s, a_copies, p.a, 0, k0, p.K);
+    load_tile<BN, Tl::kThreads>(s + Tl::kATile, w_copies, p.w, 0, k0, p.K);
+    load_tile<BN, Tl::kThreads>(s + Tl::kATile + Tl::kWTile, w_copies, p.w, w_plane, k0, p.K);
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+    if (++kt == ktiles) {
+      kt = 0;
+      tile_index += gridDim.x;
+      start_tile();
+    }
+  }
+};
+
+// One k-step on the stage at s (a_tile: its A plane as a pointer): two runs,
+// A (steps 0-1 of the stage, into t0) and B (steps 2-3, into t1). Both
+// block-wide barriers of a k-step have a run in flight, so the tensor cores
+// wait only for the add of t1 between k-steps: the refill of the previous
+// k-step's stage (refill: there is one) goes out while A runs, the next
+// k-step's copies are waited for while B runs; B's A fragments are loaded
+// while A runs. Nothing is in flight across a loop turn (ptxas would wait
+// there anyway). A run's fragments stay untouched until the wait that
+// completes it.
+template <int WG, int BN>
+__device__ __forceinline__ void k_step(float (&c)[BN / 2], float (&t0)[BN / 2], float (&t1)[BN / 2], FragA (&f0)[2],
+                                       FragA (&f1)[2], uint32_t s, const float* a_tile, int wg, bool refill,
+                                       StageLoader<WG, BN>& loader) {
+  load_a(f0, a_tile, wg, 0);
+  run_products<WG, BN>(t0, f0, s, 0);
+  load_a(f1, a_tile, wg, 2);
+  __syncthreads();  // every product of the previous k-step has completed: its stage may be refilled
+  if (refill) loader.load_next();
+  copy_async_commit();
+  run_products<WG, BN>(t1, f1, s, 2);
+  wgmma_wait<1>();
+  fence_frags(f0);
+  add_to(c, t0);
+  copy_async_wait<kStages - 2>();
+  fence_async_smem();
+  __syncthreads();  // the next k-step is in for all
+  wgmma_wait<0>();
+  fence_frags(f1);
+  add_to(c, t1);
+}
+
+// C's tile at (m0, n0) = c + bias + residual, rows < M and columns < N.
+// Accumulator layout: warp w of the warpgroup holds rows 16 w + g and
+// 16 w + g + 8; c[4 j .. 4 j + 3] are columns 8 j + 2t, 8 j + 2t + 1 of each.
+// Bias and residual are all loaded before the first store: c may alias
+// neither as far as the compiler knows, so loads after a store would wait
+// for it, one global round trip per pair. The residual goes to t0, which
+// is free here.
+template <int BN>
+__device__ __forceinline__ void store_tile(const GemmArgs& p, float (&c)[BN / 2], float (&t0)[BN / 2], int64_t m0,
+                                           int n0, int wg) {
+  const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
+  const int64_t row0 = m0 + wg * 64 + warp * 16 + g;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = n0 + 8 * j + 2 * tq;
+    const float2 b = p.bias && col < p.N ? *reinterpret_cast<const float2*>(p.bias + col) : make_float2(0.0f, 0.0f);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = row0 + 8 * half;
+      const int i = 4 * j + 2 * half;
+      const float2 r = p.residual && col < p.N && row < p.M
+                           ? *reinterpret_cast<const float2*>(p.residual + row * p.N + col)
+                           : make_float2(0.0f, 0.0f);
+      c[i] += b.x, c[i + 1] += b.y;
+      t0[i] = r.x, t0[i + 1] = r.y;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = n0 + 8 * j + 2 * tq;
+    if (col >= p.N) continue;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t row = row0 + 8 * half;
+      if (row >= p.M) continue;
+      const int i = 4 * j + 2 * half;
+      *reinterpret_cast<float2*>(p.c + row * p.N + col) = make_float2(c[i] + t0[i], c[i + 1] + t0[i + 1]);
+    }
+  }
+}
+
 #endif  // FASTAXIAL_SM90A_DEVICE
 
 template <int WG, int BN>
 __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kernel(const GemmArgs p) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tl = Tiling<WG, BN>;
-  constexpr int BM = Tl::BM, kThreads = Tl::kThreads, kStageBytes = Tl::kStageBytes;
+  constexpr int BM = Tl::BM, kStageBytes = Tl::kStageBytes;
   grid_dependency_wait();
   allow_dependent_launch();
   extern __shared__ float4 smem4[];
@@ -146,31 +255,7 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
   const int wg = threadIdx.x / 128;
   const int ktiles = (p.K + BK - 1) / BK;
   const int64_t iters = (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * ktiles;
-  const int64_t w_plane = (int64_t)p.N * p.K;  // W's lo plane, after its hi plane
-
-  // The next k-step to load: its tile (first row and column), k index and
-  // stage, advanced in order.
-  int64_t load_tile_index = blockIdx.x;
-  int load_kt = 0, load_stage = 0;
-  TileCopies a_copies, w_copies;
-  const auto start_tile = [&]() {
-    a_copies = tile_copies<BM, kThreads>(p.a, load_tile_index / ntiles * BM, p.M, p.K);
-    w_copies = tile_copies<BN, kThreads>(p.w, load_tile_index % ntiles * BN, p.N, p.K);
-  };
-  start_tile();
-  const auto load_next = [&]() {
-    const uint32_t s = base + load_stage * kStageBytes;
-    const int k0 = load_kt * BK;
-    load_tile<BM, kThreads>(s, a_copies, p.a, 0, k0, p.K);
-    load_tile<BN, kThreads>(s + Tl::kATile, w_copies, p.w, 0, k0, p.K);
-    load_tile<BN, kThreads>(s + Tl::kATile + Tl::kWTile, w_copies, p.w, w_plane, k0, p.K);
-    load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
-    if (++load_kt == ktiles) {
-      load_kt = 0;
-      load_tile_index += gridDim.x;
-      start_tile();
-    }
-  };
+  StageLoader<WG, BN> loader(p, base, ntiles, ktiles);
 
   constexpr int kAcc = BN / 2;  // accumulators a thread
   float c[kAcc], t0[kAcc], t1[kAcc];
@@ -180,17 +265,9 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < iters) load_next();
+    if (s < iters) loader.load_next();
     copy_async_commit();
   }
-  // Each k-step is two runs, A (steps 0-1 of the stage, into t0) and B
-  // (steps 2-3, into t1). Both block-wide barriers of a k-step have a run in
-  // flight, so the tensor cores wait only for the add of t1 between k-steps:
-  // the refill of the previous k-step's stage goes out while A runs, the
-  // next k-step's copies are waited for while B runs; B's A fragments are
-  // loaded while A runs. Nothing is in flight across a loop turn (ptxas
-  // would wait there anyway). A run's fragments stay untouched until the
-  // wait that completes it.
   copy_async_wait<kStages - 2>();
   // cp.async wrote the tile through the generic proxy; wgmma reads it through the async one.
   fence_async_smem();
@@ -199,65 +276,11 @@ __global__ void __launch_bounds__(Tiling<WG, BN>::kThreads, 1) gemm_tf32x3_kerne
   int stage = 0;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     for (int kt = 0; kt < ktiles; ++kt, ++it) {
-      const uint32_t s = base + stage * kStageBytes;
-      const float* a_tile = base_ptr + stage * (kStageBytes / 4);
-      load_a(f0, a_tile, wg, 0);
-      run_products<WG, BN>(t0, f0, s, 0);
-      load_a(f1, a_tile, wg, 2);
-      __syncthreads();  // every product of the previous k-step has completed: its stage may be refilled
-      if (it + kStages - 1 < iters) load_next();
-      copy_async_commit();
-      run_products<WG, BN>(t1, f1, s, 2);
-      wgmma_wait<1>();
-      fence_frags(f0);
-      add_to(c, t0);
-      copy_async_wait<kStages - 2>();
-      fence_async_smem();
-      __syncthreads();  // k-step it + 1 is in for all
-      wgmma_wait<0>();
-      fence_frags(f1);
-      add_to(c, t1);
+      k_step<WG, BN>(c, t0, t1, f0, f1, base + stage * kStageBytes, base_ptr + stage * (kStageBytes / 4), wg,
+                     it + kStages - 1 < iters, loader);
       stage = stage + 1 == kStages ? 0 : stage + 1;
     }
-
-    const int64_t m0 = tile / ntiles * BM;
-    const int n0 = (int)(tile % ntiles) * BN;
-    // Accumulator layout: warp w of the warpgroup holds rows 16 w + g and
-    // 16 w + g + 8; c[4 j .. 4 j + 3] are columns 8 j + 2t, 8 j + 2t + 1 of each.
-    // Bias and residual are all loaded before the first store: c may alias
-    // neither as far as the compiler knows, so loads after a store would wait
-    // for it, one global round trip per pair. The residual goes to t0, which
-    // is free here.
-    const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, tq = threadIdx.x % 4;
-    const int64_t row0 = m0 + wg * 64 + warp * 16 + g;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = n0 + 8 * j + 2 * tq;
-      const float2 b =
-          p.bias && col < p.N ? *reinterpret_cast<const float2*>(p.bias + col) : make_float2(0.0f, 0.0f);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t row = row0 + 8 * half;
-        const int i = 4 * j + 2 * half;
-        const float2 r = p.residual && col < p.N && row < p.M
-                             ? *reinterpret_cast<const float2*>(p.residual + row * p.N + col)
-                             : make_float2(0.0f, 0.0f);
-        c[i] += b.x, c[i + 1] += b.y;
-        t0[i] = r.x, t0[i + 1] = r.y;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int col = n0 + 8 * j + 2 * tq;
-      if (col >= p.N) continue;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t row = row0 + 8 * half;
-        if (row >= p.M) continue;
-        const int i = 4 * j + 2 * half;
-        *reinterpret_cast<float2*>(p.c + row * p.N + col) = make_float2(c[i] + t0[i], c[i + 1] + t0[i + 1]);
-      }
-    }
+    store_tile<BN>(p, c, t0, tile / ntiles * BM, (int)(tile % ntiles) * BN, wg);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) c[i] = 0.0f;
   }
