@@ -177,27 +177,97 @@ __device__ void gemm_smem_w(const float* A, int lda, int M, const float* W, int 
   __syncthreads();
 }
 
+// The block's shared memory for tiles of T positions.
+template <int T>
+struct GenericSmem {
+  int ldx;       // rows of o and xn
+  // Key rows are padded to D + 1 floats: the score loop reads one key row per
+  // lane, and an unpadded stride (a multiple of 32 banks) would serialise the warp.
+  int ldk;
+  float* o;      // (T, ldx) attention output accumulator
+  float* xn;     // (T, ldx) normalised positions
+  float* stage;  // weight staging for gemm_smem_w
+  float* q;      // (T, D) queries, all heads
+  float* k;      // (T, ldk) keys, all heads
+  float* v;      // (T, D) values, all heads
+  float* s;      // (T, T) scores, then probabilities
+  float* m;      // (T, heads) running max
+  float* l;      // (T, heads) running sum
+  float* corr;   // (T) rescale of the accumulator
+
+  __device__ __forceinline__ GenericSmem(int D, int heads) : ldx(round4(D)), ldk(D + 1) {
+    extern __shared__ float4 smem4[];
+    o = reinterpret_cast<float*>(smem4);
+    xn = o + T * ldx;
+    stage = xn + T * ldx;
+    q = stage + kStageFloats;
+    k = q + T * D;
+    v = k + T * ldk;
+    s = v + T * D;
+    m = s + T * T;
+    l = m + T * heads;
+    corr = l + T * heads;
+  }
+};
+
+// Head h of the query tile (qrows rows) against the key tile in k and v
+// (krows rows): s = q_h k_h^T / sqrt(hd), the online softmax's running max
+// and sum updated, o_h = o_h * corr + p v_h.
+template <int T>
+__device__ __forceinline__ void attend_head(const GenericSmem<T>& sm, const AxisArgs& a, int h, int qrows,
+                                            int krows) {
+  const int D = a.D, hd = a.hd, heads = a.heads, hc = h * hd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* s = sm.s;
+  // s = q_h k_h^T / sqrt(hd)
+  for (int e = threadIdx.x; e < qrows * krows; e += kThreads) {
+    const int i = e / krows, j = e % krows;
+    const float* qi = sm.q + i * D + hc;
+    const float* kj = sm.k + j * sm.ldk + hc;
+    float acc = 0.0f;
+    for (int c = 0; c < hd; ++c) acc = fmaf(qi[c], kj[c], acc);
+    s[i * T + j] = acc * a.scale;
+  }
+  __syncthreads();
+  // online softmax, a warp per query
+  for (int i = warp; i < qrows; i += kWarps) {
+    float mx = -INFINITY;
+    for (int j = lane; j < krows; j += 32) mx = fmaxf(mx, s[i * T + j]);
+    mx = warp_max(mx);
+    const float m_old = sm.m[i * heads + h], m_new = fmaxf(m_old, mx);
+    float sum = 0.0f;
+    for (int j = lane; j < krows; j += 32) {
+      const float p = expf(s[i * T + j] - m_new);
+      s[i * T + j] = p;
+      sum += p;
+    }
+    sum = warp_sum(sum);
+    __syncwarp();  // every lane has read m_old before lane 0 replaces it
+    if (lane == 0) {
+      const float c = expf(m_old - m_new);  // 0 on the first tile
+      sm.corr[i] = c;
+      sm.l[i * heads + h] = sm.l[i * heads + h] * c + sum;
+      sm.m[i * heads + h] = m_new;
+    }
+  }
+  __syncthreads();
+  // o_h = o_h * corr + p v_h
+  for (int e = threadIdx.x; e < qrows * hd; e += kThreads) {
+    const int i = e / hd, c = e % hd;
+    float acc = 0.0f;
+    for (int j = 0; j < krows; ++j) acc = fmaf(s[i * T + j], sm.v[j * D + hc + c], acc);
+    sm.o[i * sm.ldx + hc + c] = fmaf(sm.o[i * sm.ldx + hc + c], sm.corr[i], acc);
+  }
+  __syncthreads();
+}
+
 template <int T>
 __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisArgs a) {
   constexpr int R = T >= kRowGroups ? T / kRowGroups : 1;  // gemm rows per thread
-  extern __shared__ float4 smem4[];
-  float* smem = reinterpret_cast<float*>(smem4);
   const int D = a.D, hd = a.hd, heads = a.heads;
-  const int ldx = round4(D);            // rows of o and xn
-  // Key rows are padded to D + 1 floats: the score loop reads one key row per
-  // lane, and an unpadded stride (a multiple of 32 banks) would serialise the warp.
-  const int ldk = D + 1;
-  float* o = smem;                      // (T, ldx) attention output accumulator
-  float* xn = o + T * ldx;              // (T, ldx) normalised positions
-  float* stage = xn + T * ldx;          // weight staging for gemm_smem_w
-  float* q = stage + kStageFloats;      // (T, D) queries, all heads
-  float* k = q + T * D;                 // (T, ldk) keys, all heads
-  float* v = k + T * ldk;               // (T, D) values, all heads
-  float* s = v + T * D;                 // (T, T) scores, then probabilities
-  float* m = s + T * T;                 // (T, heads) running max
-  float* l = m + T * heads;             // (T, heads) running sum
-  float* corr = l + T * heads;          // (T) rescale of the accumulator
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const GenericSmem<T> sm(D, heads);
+  const int ldx = sm.ldx, ldk = sm.ldk;
+  float *o = sm.o, *xn = sm.xn, *q = sm.q, *k = sm.k, *v = sm.v;
   const int64_t L = a.view.len;
   grid_dependency_wait();
   allow_dependent_launch();
@@ -210,15 +280,15 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
     // [q | k | v] of the block's own positions in one product: its query tile
     // is also the first key tile it visits.
     layer_norm_tile<T>(xn, ldx, a, n, q0, qrows);
-    gemm_smem_w<R>(xn, ldx, qrows, a.w.qkv_weight, 3 * D, D, stage, [&](int r, int c, float val) {
+    gemm_smem_w<R>(xn, ldx, qrows, a.w.qkv_weight, 3 * D, D, sm.stage, [&](int r, int c, float val) {
       if (c < D) q[r * D + c] = val;
       else if (c < 2 * D) k[r * ldk + c - D] = val;
       else v[r * D + c - 2 * D] = val;
     });
     for (int e = threadIdx.x; e < T * ldx; e += kThreads) o[e] = 0.0f;
     for (int e = threadIdx.x; e < T * heads; e += kThreads) {
-      m[e] = -INFINITY;
-      l[e] = 0.0f;
+      sm.m[e] = -INFINITY;
+      sm.l[e] = 0.0f;
     }
 
     // Key tiles in the order q0, q0 + T, ... wrapping around; the softmax is online.
@@ -228,64 +298,22 @@ __global__ void __launch_bounds__(kThreads, 1) axis_attention_kernel(const AxisA
       if (t > 0) {
         // [k | v] = LayerNorm(x_k) [Wk | Wv]^T: rows D..3D of Wqkv, contiguous.
         layer_norm_tile<T>(xn, ldx, a, n, k0, krows);
-        gemm_smem_w<R>(xn, ldx, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, stage,
+        gemm_smem_w<R>(xn, ldx, krows, a.w.qkv_weight + (int64_t)D * D, 2 * D, D, sm.stage,
                        [&](int r, int c, float val) {
                          if (c < D) k[r * ldk + c] = val;
                          else v[r * D + c - D] = val;
                        });
       }
-      for (int h = 0; h < heads; ++h) {
-        const int hc = h * hd;
-        // s = q_h k_h^T / sqrt(hd)
-        for (int e = threadIdx.x; e < qrows * krows; e += kThreads) {
-          const int i = e / krows, j = e % krows;
-          const float* qi = q + i * D + hc;
-          const float* kj = k + j * ldk + hc;
-          float acc = 0.0f;
-          for (int c = 0; c < hd; ++c) acc = fmaf(qi[c], kj[c], acc);
-          s[i * T + j] = acc * a.scale;
-        }
-        __syncthreads();
-        // online softmax, a warp per query
-        for (int i = warp; i < qrows; i += kWarps) {
-          float mx = -INFINITY;
-          for (int j = lane; j < krows; j += 32) mx = fmaxf(mx, s[i * T + j]);
-          mx = warp_max(mx);
-          const float m_old = m[i * heads + h], m_new = fmaxf(m_old, mx);
-          float sum = 0.0f;
-          for (int j = lane; j < krows; j += 32) {
-            const float p = expf(s[i * T + j] - m_new);
-            s[i * T + j] = p;
-            sum += p;
-          }
-          sum = warp_sum(sum);
-          __syncwarp();  // every lane has read m_old before lane 0 replaces it
-          if (lane == 0) {
-            const float c = expf(m_old - m_new);  // 0 on the first tile
-            corr[i] = c;
-            l[i * heads + h] = l[i * heads + h] * c + sum;
-            m[i * heads + h] = m_new;
-          }
-        }
-        __syncthreads();
-        // o_h = o_h * corr + p v_h
-        for (int e = threadIdx.x; e < qrows * hd; e += kThreads) {
-          const int i = e / hd, c = e % hd;
-          float acc = 0.0f;
-          for (int j = 0; j < krows; ++j) acc = fmaf(s[i * T + j], v[j * D + hc + c], acc);
-          o[i * ldx + hc + c] = fmaf(o[i * ldx + hc + c], corr[i], acc);
-        }
-        __syncthreads();
-      }
+      for (int h = 0; h < heads; ++h) attend_head<T>(sm, a, h, qrows, krows);
     }
     for (int e = threadIdx.x; e < qrows * D; e += kThreads) {
       const int i = e / D, c = e % D;
-      o[i * ldx + c] /= l[i * heads + c / hd];
+      o[i * ldx + c] /= sm.l[i * heads + c / hd];
     }
     __syncthreads();
 
     // dst = src + o Wout^T + bout
-    gemm_smem_w<R>(o, ldx, qrows, a.w.out_weight, D, D, stage, [&](int r, int c, float val) {
+    gemm_smem_w<R>(o, ldx, qrows, a.w.out_weight, D, D, sm.stage, [&](int r, int c, float val) {
       const int64_t off = a.view.offset(n, q0 + r) + c;
       a.dst[off] = a.src[off] + val + a.w.out_bias[c];
     });
