@@ -80,7 +80,8 @@ bool cuda_compiled();
 //             tensor cores;
 //   kStaged:  LayerNorm, QKV product, attention and output product as
 //             separate tensor-core kernels over all positions, with q, k, v
-//             in the workspace (Hopper, an sm_90a build);
+//             in the workspace (Hopper, an sm_90a build); any length, head
+//             dims up to 256, dims a multiple of 8;
 //   kGeneric: FFMA, any shape.
 enum class KernelFamily { kFused, kStaged, kGeneric };
 const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
@@ -88,6 +89,8 @@ const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
 struct PassPlan {
   KernelFamily family = KernelFamily::kGeneric;
   bool wgmma = false;  // kFused only: the projections on Hopper's wgmma (else mma.sync)
+  bool flash = false;  // kStaged only: attention by query tiles with keys streamed (else a
+                       // block per (sequence, head) holding all its keys)
 };
 
 struct CudaPlan {

@@ -78,6 +78,7 @@ std::string CudaPlan::describe() const {
   const auto pass = [&](const char* name, const PassPlan& p) {
     s << name << ": " << to_string(p.family);
     if (p.family == KernelFamily::kFused) s << (p.wgmma ? " (wgmma)" : " (mma.sync)");
+    if (p.family == KernelFamily::kStaged) s << (p.flash ? " (flash attention)" : " (whole-sequence attention)");
   };
   pass("row", row);
   s << ", ";
@@ -129,6 +130,8 @@ bool tensor_core_head(int64_t dim, int64_t heads) {
   return dim % 8 == 0 && (hd == 8 || hd == 16 || hd == 32 || hd == 64);
 }
 
+bool staged_head(int64_t dim, int64_t heads) { return dim % 8 == 0 && dim / heads <= kFlashMaxHeadDim; }
+
 int fused_tile_count(int64_t len) {
   for (int mt : {1, 2, 3, 4, 5, 6, 8})
     if (16 * mt >= len) return mt;
@@ -166,7 +169,14 @@ Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned,
   const bool tc = tensor_core_head(dim, heads) && aligned;
   const int tiles = fused_tile_count(view.len);
   const bool fused = tc && tiles > 0 && fused_smem_bytes(view.len, dim) <= smem && view.num_seq <= INT32_MAX;
-  const bool staged = tc && staged_device && staged_attention_smem_bytes(view.len, dim / heads) <= smem;
+  // The staged path's attention: its own kernel, a block per (sequence,
+  // head) holding all the head's keys and values, where they fit and the
+  // items fill the device twice over; elsewhere the flash kernel, blocks per
+  // query tile with the keys streamed, which serves any length (its largest
+  // tiling fits any device with the staged path: smem_layout.h).
+  const bool staged = staged_head(dim, heads) && aligned && staged_device;
+  const bool own_attention = tc && staged_attention_smem_bytes(view.len, dim / heads) <= smem &&
+                             view.num_seq * heads >= 2 * (int64_t)dev.sms;
 
   KernelFamily family = KernelFamily::kGeneric;
   if (options.forced == ForcedFamily::kFused && fused) {
@@ -180,6 +190,7 @@ Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned,
       family = KernelFamily::kStaged;
   }
   pass->family = family;
+  pass->flash = family == KernelFamily::kStaged && !own_attention;
   // The fused kernel's projections on wgmma: dim 64 with heads of less than
   // 64 (one head of 64 keeps more attention state than a thread of three
   // warpgroups has registers for), up to 64 positions.

@@ -51,8 +51,13 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------
 
-// Head dims the tensor-core families serve (dim a multiple of 8 too).
+// Head dims the fused kernel and the staged path's own attention kernel
+// serve: 8, 16, 32, 64, with dim a multiple of 8.
 bool tensor_core_head(int64_t dim, int64_t heads);
+
+// Heads the staged path serves: its products need dim a multiple of 8, its
+// flash attention kernel takes head dims up to 256.
+bool staged_head(int64_t dim, int64_t heads);
 
 // The fused kernel's 16-position tiles for a sequence of length L (0: L is
 // too long for it), and its shared memory for that L and dim D.

@@ -18,7 +18,7 @@ FASTAXIAL_HOST_DEVICE constexpr int pair_row_words(int words) { return words + (
 // g = 0..3 per half warp): 8 or 24 mod 32 words apart. `words` is a multiple of 8.
 FASTAXIAL_HOST_DEVICE constexpr int float2_row_words(int words) { return words % 16 == 0 ? words + 8 : words; }
 
-// The fused kernel (axis_tensor_core.cu) for one sequence padded to lp rows
+// The fused kernel (cuda/fused/forward.cu) for one sequence padded to lp rows
 // (a multiple of 16) of dim d:
 //   xs: (lp, ldx) LayerNorm(x), later the attention output, as split pairs
 //   q, k: (lp, ldq) fp32 (q also holds the x tile as it arrives)
@@ -35,7 +35,7 @@ struct FusedLayout {
   FASTAXIAL_HOST_DEVICE constexpr int64_t floats() const { return params_offset() + 3 * (int64_t)d; }
 };
 
-// The staged attention kernel (axis_staged.cu), one head of head_dim hd over
+// The staged path's whole-sequence attention kernel (cuda/staged/forward.cu), one head of head_dim hd over
 // a sequence padded to lp rows: keys (lp, ldk) and transposed values (hd, ldv),
 // both split pairs.
 struct StagedAttentionLayout {
@@ -52,5 +52,12 @@ constexpr size_t kFusedWgmmaSmemExtra = 1024;
 // 128 x 32 A tile and two 128 x 32 W planes, + 1024 to align): a device
 // that cannot give a block this much has no staged path.
 constexpr size_t kStagedGemmSmemBytes = 4 * (16384 + 2 * 16384) + 1024;
+
+// The staged path's flash attention kernel (staged/flash_attention.cu): head
+// dims up to 256, its largest tiling taking this much shared memory, less
+// than the staged GEMM's, so a device with the staged path fits every one.
+constexpr int kFlashMaxHeadDim = 256;
+constexpr size_t kFlashMaxSmemBytes = 134656;
+static_assert(kFlashMaxSmemBytes <= kStagedGemmSmemBytes, "the staged path's devices fit every flash tiling");
 
 }  // namespace fastaxial

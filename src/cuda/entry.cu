@@ -120,7 +120,7 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
       case KernelFamily::kFused:
         return cuda::launch_fused(view, p, w, src, dst, pp.wgmma, dev, stream);
       case KernelFamily::kStaged: {
-        const Status s = cuda::launch_staged(view, p, w, src, dst, scratch, split, splits, dev, stream);
+        const Status s = cuda::launch_staged(view, p, w, src, dst, scratch, split, splits, pp.flash, dev, stream);
         splits.count = 0;  // split once, by the first staged pass
         return s;
       }

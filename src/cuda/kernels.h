@@ -50,8 +50,10 @@ struct WeightSplits {
 // The staged path. `scratch` holds 4 T D floats (T = the pass's positions);
 // `split` holds the pass's weights as planes, written by `split_now` in this
 // launch or by an earlier pass's.
+// flash: the attention step on the flash kernel (staged/flash_attention.cu),
+// the plan's choice; else on the staged path's whole-sequence kernel.
 Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
-                     float* scratch, const StagedWeights& split, const WeightSplits& split_now,
+                     float* scratch, const StagedWeights& split, const WeightSplits& split_now, bool flash,
                      const DeviceCaps& dev, cudaStream_t stream);
 
 // The generic kernel.

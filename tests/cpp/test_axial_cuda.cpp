@@ -123,10 +123,7 @@ void expect_forced_families(const AxialParams& a, const CudaPlan& plan, const De
       const bool fits = tc && fused_tile_count(len) > 0 && fused_smem_bytes(len, a.dim) <= smem;
       EXPECT_EQ(pass.family == KernelFamily::kFused, fits);
     }
-    if (forced == "staged") {
-      const bool fits = tc && staged_attention_smem_bytes(len, a.dim / a.heads) <= smem;
-      EXPECT_EQ(pass.family == KernelFamily::kStaged, fits);
-    }
+    if (forced == "staged") EXPECT_EQ(pass.family == KernelFamily::kStaged, staged_head(a.dim, a.heads));
     if (env("FASTAXIAL_FUSED_WGMMA") == "0") EXPECT_FALSE(pass.wgmma);
   }
 }
@@ -174,7 +171,9 @@ void check_forward(const Problem& p) {
 // family by its own choice (common/plan.cpp; ShapesCoverEveryFamily checks
 // it): fused (L <= 128; L = 100 pads 28 keys over four groups, head_dim 64
 // at L = 64), staged (L = 130, 132, 140, 200, 257; dim 256 with L = 100),
-// generic (head_dim 12, 1, 128; L = 1024 with head_dim 16). 1 x 132 x 67: the
+// staged with flash attention (L = 1024 and 2048 with head_dim 16; head dims
+// 24, 40, 48, 96, 128 and 256; few (sequence, head) items), generic (dim not
+// a multiple of 8: head_dim 3, 1; head_dim 260). 1 x 132 x 67: the
 // staged attention has more (column, head) items than an H200 holds blocks
 // of it, so blocks loop, each prefetching its next item during the current one.
 const Shape kShapes[] = {{1, 1, 1, 8, 1},     {2, 1, 7, 16, 2},     {1, 7, 1, 32, 4},    {2, 5, 9, 64, 8},
@@ -182,7 +181,9 @@ const Shape kShapes[] = {{1, 1, 1, 8, 1},     {2, 1, 7, 16, 2},     {1, 7, 1, 32
                          {1, 130, 3, 32, 2},  {1, 3, 200, 12, 4},   {1, 2, 5, 3, 3},     {1, 3, 4, 128, 1},
                          {1, 257, 2, 32, 2},  {1, 2, 1024, 64, 4},  {1, 3, 5, 1024, 8},  {1, 100, 3, 256, 8},
                          {2, 9, 200, 64, 2},  {1, 140, 2, 72, 9},   {1, 100, 2, 64, 2},  {1, 64, 2, 128, 2},
-                         {1, 132, 67, 64, 2}, {3, 40, 20, 64, 2},   {2, 50, 64, 64, 4}};
+                         {1, 132, 67, 64, 2}, {3, 40, 20, 64, 2},   {2, 50, 64, 64, 4},  {1, 2, 2048, 64, 4},
+                         {1, 4, 8, 192, 4},   {1, 3, 5, 160, 4},    {2, 9, 7, 96, 4},    {1, 5, 70, 96, 1},
+                         {1, 8, 8, 512, 4},   {1, 3, 4, 512, 2},    {1, 3, 2, 520, 2}};
 
 class CudaForward : public ::testing::TestWithParam<Shape> {};
 

@@ -87,9 +87,12 @@ TEST(Plan, PicksTheFamilyByShapeAndDevice) {
       {100, 256, 8, 1, KernelFamily::kStaged, "the same at L = 100"},
       {256, 128, 4, 256, KernelFamily::kStaged, "L = 256 is past the fused kernel"},
       {129, 64, 4, 2, KernelFamily::kStaged, "L = 129"},
-      {1024, 64, 4, 2, KernelFamily::kGeneric, "keys and values of L = 1024 exceed shared memory"},
+      {1024, 64, 4, 2, KernelFamily::kStaged, "L = 1024: flash attention streams the keys"},
       {20, 12, 4, 3, KernelFamily::kGeneric, "head_dim 3"},
-      {5, 1024, 8, 3, KernelFamily::kGeneric, "head_dim 128"},
+      {5, 1024, 8, 3, KernelFamily::kStaged, "head_dim 128: flash attention"},
+      {32, 192, 4, 128, KernelFamily::kStaged, "head_dim 48"},
+      {64, 512, 2, 64, KernelFamily::kStaged, "head_dim 256"},
+      {8, 520, 2, 64, KernelFamily::kGeneric, "head_dim 260: past the flash kernel"},
       {9, 72, 9, 3, KernelFamily::kFused, "head_dim 8"},
       {7, 60, 3, 3, KernelFamily::kGeneric, "dim not a multiple of 8"},
   };  for (const Case& c : cases)
@@ -122,6 +125,29 @@ TEST(Plan, NarrowsToWhatTheDeviceAndPointersAllow) {
   PlanOptions staged;
   staged.forced = ForcedFamily::kStaged;
   EXPECT_EQ(row_pass(256, 128, 4, 256, h200(), staged, false).family, KernelFamily::kGeneric);
+}
+
+// The staged path's attention: its own whole-sequence kernel where the
+// head's keys fit shared memory and the (sequence, head) items fill the
+// device twice; the flash kernel elsewhere.
+TEST(Plan, StagedAttentionKernel) {
+  const auto flash = [](int64_t len, int64_t dim, int64_t heads, int64_t num_seq) {
+    const PassPlan pass = row_pass(len, dim, heads, num_seq, h200());
+    EXPECT_EQ(pass.family, KernelFamily::kStaged) << "L " << len << ", dim " << dim;
+    return pass.flash;
+  };
+  EXPECT_FALSE(flash(128, 256, 8, 256)) << "(2, 128, 128, 256, 8): 2048 items";
+  EXPECT_FALSE(flash(256, 128, 4, 256)) << "(1, 256, 256, 128, 4)";
+  EXPECT_FALSE(flash(80, 96, 3, 96)) << "(2, 48, 80, 96, 3) rows: 288 items";
+  EXPECT_FALSE(flash(512, 64, 4, 512)) << "L = 512, head_dim 16: the keys fit";
+  EXPECT_TRUE(flash(2048, 64, 4, 8)) << "L = 2048: the keys do not fit";
+  EXPECT_TRUE(flash(1024, 256, 8, 32)) << "L = 1024, head_dim 32";
+  EXPECT_TRUE(flash(256, 128, 4, 2)) << "8 items on 132 SMs";
+  EXPECT_TRUE(flash(64, 512, 4, 128)) << "head_dim 128";
+  EXPECT_TRUE(flash(32, 192, 4, 256)) << "head_dim 48";
+  EXPECT_FALSE(row_pass(32, 64, 4, 128, h200()).flash) << "fused: no flash flag";
+  // Without sm_90a code no staged path: head dims off the fused list go generic.
+  EXPECT_EQ(row_pass(64, 512, 4, 128, ptx_only()).family, KernelFamily::kGeneric);
 }
 
 TEST(Plan, FusedWgmmaWhereItApplies) {
@@ -268,7 +294,7 @@ TEST(Plan, DescribesItself) {
   const CudaPlan plan = plan_of(problem(1, 256, 4, 64, 4), h200());
   const std::string d = plan.describe();
   EXPECT_NE(d.find("row: fused (wgmma)"), std::string::npos) << d;
-  EXPECT_NE(d.find("col: staged"), std::string::npos) << d;
+  EXPECT_NE(d.find("col: staged (flash attention)"), std::string::npos) << d;
   EXPECT_NE(d.find("workspace " + std::to_string(plan.workspace_bytes) + " B"), std::string::npos) << d;
   EXPECT_STREQ(to_string(KernelFamily::kGeneric), "generic");
 }

@@ -330,6 +330,7 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashAr
 // The padded head dim that serves head_dim (0: none).
 int padded_head_dim(int64_t head_dim) {
   if (head_dim < 1) return 0;
+  static_assert(kFlashMaxHeadDim == 256, "the largest padded head dim below");
   for (int p : {8, 16, 32, 48, 64, 96, 128, 192, 256})
     if (head_dim <= p) return p;
   return 0;
@@ -354,6 +355,12 @@ cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, int q_t
 }
 
 }  // namespace
+
+// The plan (common/plan.cpp) sends a pass here by smem_layout.h's bounds.
+static_assert(FlashTile<256>::bytes == kFlashMaxSmemBytes && FlashTile<192>::bytes <= kFlashMaxSmemBytes &&
+                  FlashTile<128>::bytes <= kFlashMaxSmemBytes && FlashTile<96>::bytes <= kFlashMaxSmemBytes &&
+                  FlashTile<64>::bytes <= kFlashMaxSmemBytes,
+              "smem_layout.h's kFlashMaxSmemBytes is the largest tiling");
 
 bool flash_attention_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
 

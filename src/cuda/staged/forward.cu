@@ -46,6 +46,7 @@
 #include "../detail/tf32x3.cuh"
 #include "../detail/warp_ops.cuh"
 #include "../kernels.h"
+#include "flash_attention.h"
 #include "gemm.h"
 
 namespace fastaxial::cuda {
@@ -434,7 +435,7 @@ AxisView row_indices(const AxisView& v, int64_t D) {
 }  // namespace
 
 Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
-                     float* scratch, const StagedWeights& split, const WeightSplits& split_now,
+                     float* scratch, const StagedWeights& split, const WeightSplits& split_now, bool flash,
                      const DeviceCaps& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len;
@@ -459,20 +460,28 @@ Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeigh
   g.a = xs, g.w = split.qkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
   if (cudaError_t e = gemm_tf32x3(g, dev, stream); e != cudaSuccess) return cuda_error(e, "QKV gemm_tf32x3 launch");
 
-  AttnArgs a;
-  a.pos = row_indices(view, D);
-  a.D = D, a.heads = (int)p.heads;
-  const int hd = (int)(p.dim / p.heads);
-  a.scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
-  a.qkv = qkv, a.o = xs;
   cudaError_t e = cudaErrorInvalidValue;
-  switch (hd) {
-    case 8: e = launch_attention<8>(a, dev, stream); break;
-    case 16: e = launch_attention<16>(a, dev, stream); break;
-    case 32: e = launch_attention<32>(a, dev, stream); break;
-    case 64: e = launch_attention<64>(a, dev, stream); break;
+  if (flash) {
+    FlashArgs f;
+    f.pos = row_indices(view, D);
+    f.qkv = qkv, f.o = xs;
+    f.D = D, f.heads = (int)p.heads;
+    e = flash_attention(f, dev, stream);
+  } else {
+    AttnArgs a;
+    a.pos = row_indices(view, D);
+    a.D = D, a.heads = (int)p.heads;
+    const int hd = (int)(p.dim / p.heads);
+    a.scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
+    a.qkv = qkv, a.o = xs;
+    switch (hd) {
+      case 8: e = launch_attention<8>(a, dev, stream); break;
+      case 16: e = launch_attention<16>(a, dev, stream); break;
+      case 32: e = launch_attention<32>(a, dev, stream); break;
+      case 64: e = launch_attention<64>(a, dev, stream); break;
+    }
   }
-  if (e != cudaSuccess) return cuda_error(e, "staged attention_kernel launch");
+  if (e != cudaSuccess) return cuda_error(e, flash ? "flash_attention_kernel launch" : "staged attention_kernel launch");
 
   g.a = xs, g.w = split.out, g.bias = w.out_bias, g.residual = src, g.c = dst, g.N = D;
   if (cudaError_t e2 = gemm_tf32x3(g, dev, stream); e2 != cudaSuccess)
