@@ -46,15 +46,19 @@ using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
 
+const c10::TypedOperatorHandle<OpSignature>& op() {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
+  return handle;
+}
+
 // The operator's kernels below autograd (CPU, CUDA, fake).
 at::Tensor call_below_autograd(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
                                const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
   const at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+  return op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
 }
 
 class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFunction> {
@@ -91,7 +95,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
   }
 };
 
-at::Tensor axial_attention_autograd(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
+at::Tensor axial_attention_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
                                     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                     const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                     const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
@@ -99,7 +103,9 @@ at::Tensor axial_attention_autograd(const at::Tensor& x, const at::Tensor& rnw, 
                       (x.requires_grad() || rnw.requires_grad() || rnb.requires_grad() || rqkv.requires_grad() ||
                        rout.requires_grad() || rob.requires_grad() || cnw.requires_grad() || cnb.requires_grad() ||
                        cqkv.requires_grad() || cout.requires_grad() || cob.requires_grad());
-  if (!record) return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+  if (!record)  // straight to the device kernel, with the dispatch keys already computed
+    return op().redispatch(keys & c10::after_autograd_keyset, x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout,
+                           cob, heads, eps);
   return AxialAttentionFunction::apply(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
 }
 

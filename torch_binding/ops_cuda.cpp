@@ -1,8 +1,8 @@
 // CUDA kernels of the fastaxial operators: on x's device and PyTorch's
 // current stream, with the workspace the plan asks for from PyTorch's
 // caching allocator. No host synchronisation.
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -24,9 +24,11 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
   CudaPlan plan;
   Status s = plan_cuda(p, &plan);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(plan.workspace_bytes)}, c.x.options().dtype(at::kByte));
-  s = forward_cuda(p, plan, workspace.data_ptr(), plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
+  // Straight from the caching allocator (no tensor around it): returned to
+  // the cache at the end of this call, reusable by work queued after it on
+  // this stream, as a temporary tensor's memory would be.
+  const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(plan.workspace_bytes);
+  s = forward_cuda(p, plan, workspace.get(), plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
   return out;
 }
