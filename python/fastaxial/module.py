@@ -7,11 +7,22 @@ from operator import getitem
 
 import torch
 
+from torch.nn.modules import module as _nn
+
 from . import ops, reference
 
 __all__ = ["AxialAttention"]
 
-_OP = torch.ops.fastaxial.axial_attention.default
+_OVERLOAD = torch.ops.fastaxial.axial_attention.default
+# The operator's C++ entry itself, one Python frame (OpOverload.__call__)
+# shorter per call; torch.compile traces the OpOverload in its place.
+_OP = _OVERLOAD._op
+
+
+@torch.compiler.substitute_in_graph(_OP, skip_signature_check=True)
+def _op_traced(*args):
+    return _OVERLOAD(*args)
+
 _HAS_CPU, _HAS_CUDA = ops.has_kernel("cpu"), ops.has_kernel("cuda")
 _SUBMODULES = frozenset(m for m, _ in reference._WEIGHT_NAMES)
 _PARAM_NAMES = tuple(p for _, p in reference._WEIGHT_NAMES)
@@ -48,6 +59,18 @@ class AxialAttention(reference.AxialAttentionReference):
                 self.__dict__.pop("_slots", None)
                 return _OP(x, *self._weights_slow_path(), self.num_heads, eps)
         return self._reference_forward(x)
+
+    def __call__(self, *args, **kwargs):
+        # nn.Module.__call__ without its two Python frames where it would go
+        # straight to forward anyway: no hooks of this module or global ones,
+        # not compiled with Module.compile(), not traced by torch.jit.
+        d = self.__dict__
+        if (d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"] or d["_backward_hooks"]
+                or _nn._global_forward_pre_hooks or _nn._global_forward_hooks or _nn._global_backward_pre_hooks
+                or _nn._global_backward_hooks or d.get("_compiled_call_impl") is not None
+                or torch._C._get_tracing_state()):
+            return _nn.Module.__call__(self, *args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
