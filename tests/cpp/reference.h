@@ -26,6 +26,18 @@ inline void PrintTo(const Shape& s, std::ostream* os) {
   *os << "(B=" << s.B << ", H=" << s.H << ", W=" << s.W << ", D=" << s.D << ", heads=" << s.heads << ")";
 }
 
+// A LayerNorm eps case of the kernel tests (CpuForwardEps, CudaForwardEps).
+struct EpsCase {
+  Shape shape;
+  float eps;
+  bool near_constant;  // x = 3 + 1e-3 N(0, 1): eps dominates the variance
+};
+
+inline void PrintTo(const EpsCase& c, std::ostream* os) {
+  PrintTo(c.shape, os);
+  *os << " eps " << c.eps << (c.near_constant ? ", x near constant" : "");
+}
+
 struct AxisData {
   std::vector<float> norm_w, norm_b, qkv_w, out_w, out_b;
   AxisWeights view() const { return {norm_w.data(), norm_b.data(), qkv_w.data(), out_w.data(), out_b.data()}; }

@@ -44,16 +44,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
 // products at ~1e-1 against a tolerance of ~4e-4; on x ~ N(0, 1), eps 10 and
 // 1e-5 scale the normalised values by 0.3 and 1). So a kernel that ignored
 // p.eps would fail here.
-struct EpsCase {
-  Shape shape;
-  float eps;
-  bool near_constant;  // x = 3 + 1e-3 N(0, 1): eps dominates the variance
-};
-
-void PrintTo(const EpsCase& c, std::ostream* os) {
-  PrintTo(c.shape, os);
-  *os << " eps " << c.eps << (c.near_constant ? ", x near constant" : "");
-}
 
 // 0.5 -> "0p5", 10 -> "10": a test-name part.
 std::string eps_name(float eps) {

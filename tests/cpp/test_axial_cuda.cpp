@@ -17,21 +17,11 @@
 
 #include "../../src/common/plan.h"
 #include "../../src/cuda/staged/gemm.h"
+#include "cuda_test_util.h"
 #include "reference.h"
 
 namespace fastaxial::test {
 namespace {
-
-#define CUDA_OK(call)                                                        \
-  do {                                                                       \
-    const cudaError_t e_ = (call);                                           \
-    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorString(e_);   \
-  } while (0)
-
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 // An environment variable's value, "" when unset.
 std::string env(const char* name) {
@@ -39,19 +29,12 @@ std::string env(const char* name) {
   return v ? v : "";
 }
 
-// The current device as the plan sees it (src/cuda/entry.cu reads it the
-// same way). sm90a: compute capability 9.0 and a build with sm_90a code,
-// which gemm_tf32x3_available() knows (the library's FASTAXIAL_WGMMA).
+// The current device as the plan sees it: sm90a also needs a build with
+// sm_90a code, which gemm_tf32x3_available() knows (the library's FASTAXIAL_WGMMA).
 DeviceCaps device_caps() {
   DeviceCaps c;
-  if (cudaGetDevice(&c.device) != cudaSuccess) return c;
-  cudaDeviceGetAttribute(&c.sms, cudaDevAttrMultiProcessorCount, c.device);
-  cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, c.device);
-  cudaDeviceGetAttribute(&c.cc_major, cudaDevAttrComputeCapabilityMajor, c.device);
-  cudaDeviceGetAttribute(&c.cc_minor, cudaDevAttrComputeCapabilityMinor, c.device);
-  DeviceCaps hopper = c;
-  hopper.sm90a = c.cc_major == 9 && c.cc_minor == 0;
-  c.sm90a = cuda::gemm_tf32x3_available(hopper);
+  if (!read_device_caps(&c)) return c;
+  c.sm90a = cuda::gemm_tf32x3_available(c);
   return c;
 }
 
@@ -239,16 +222,6 @@ TEST(CudaForward, ShapesCoverEveryFamily) {
 // ~3.3e-3 with eps 1e-5; normalised values of ~1.4e-3 against ~0.3 reach the
 // output at ~1e-1 against a tolerance of ~4e-4). A kernel that used 1e-5
 // instead of p.eps would fail here.
-struct EpsCase {
-  Shape shape;
-  float eps;
-  bool near_constant;  // x = 3 + 1e-3 N(0, 1): eps dominates the variance
-};
-
-void PrintTo(const EpsCase& c, std::ostream* os) {
-  PrintTo(c.shape, os);
-  *os << " eps " << c.eps << (c.near_constant ? ", x near constant" : "");
-}
 
 class CudaForwardEps : public ::testing::TestWithParam<EpsCase> {};
 

@@ -22,33 +22,10 @@
 #include "../../src/common/axis.h"
 #include "../../src/common/plan.h"
 #include "../../src/cuda/staged/flash_attention.h"
+#include "cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {
-
-// Device memory, freed at scope exit (also when an assertion returns early).
-struct CudaFree {
-  void operator()(float* p) const { cudaFree(p); }
-};
-using DevicePtr = std::unique_ptr<float, CudaFree>;
-
-// count floats of device memory; null where allocation fails.
-DevicePtr device_alloc(size_t count) {
-  float* p = nullptr;
-  if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(float)) != cudaSuccess) return nullptr;
-  return DevicePtr(p);
-}
-
-// The current device as the library's plan sees it (src/cuda/entry.cu).
-void device_caps(DeviceCaps* dev) {
-  ASSERT_EQ(cudaGetDevice(&dev->device), cudaSuccess);
-  const std::pair<int*, cudaDeviceAttr> attrs[] = {{&dev->sms, cudaDevAttrMultiProcessorCount},
-                                                   {&dev->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
-                                                   {&dev->cc_major, cudaDevAttrComputeCapabilityMajor},
-                                                   {&dev->cc_minor, cudaDevAttrComputeCapabilityMinor}};
-  for (const auto& [value, attr] : attrs) ASSERT_EQ(cudaDeviceGetAttribute(value, attr, dev->device), cudaSuccess);
-  dev->sm90a = dev->cc_major == 9 && dev->cc_minor == 0;
-}
 
 constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
 constexpr int64_t kGuardRows = 3;          // rows of o past the T the views address
@@ -88,7 +65,7 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
   DeviceCaps dev;
-  device_caps(&dev);
+  ASSERT_TRUE(read_device_caps(&dev));
   if (HasFatalFailure()) return;
   if (dev.cc_major < 8) GTEST_SKIP() << "needs compute capability 8.0 or later (mma.sync tf32)";
   const Case c = GetParam();

@@ -14,6 +14,7 @@
 
 #include "../../src/common/plan.h"
 #include "../../src/cuda/staged/gemm.h"
+#include "cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {
@@ -42,32 +43,12 @@ struct Dims {
   int M, N, K;
 };
 
-// Device memory, freed at scope exit (also when an assertion returns early).
-struct CudaFree {
-  void operator()(float* p) const { cudaFree(p); }
-};
-using DevicePtr = std::unique_ptr<float, CudaFree>;
-
 // A device copy of v; null where allocation or copy fails.
 DevicePtr upload(const std::vector<float>& v) {
-  float* p = nullptr;
-  if (cudaMalloc(&p, v.size() * sizeof(float)) != cudaSuccess) return nullptr;
-  DevicePtr owned(p);
-  if (cudaMemcpy(p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) return nullptr;
+  DevicePtr owned = device_alloc(v.size());
+  if (!owned || cudaMemcpy(owned.get(), v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess)
+    return nullptr;
   return owned;
-}
-
-// The current device as the library's plan sees it (src/cuda/entry.cu).
-// sm90a: compute capability 9.0; gemm_tf32x3_available() adds whether the
-// build has sm_90a code.
-void device_caps(DeviceCaps* dev) {
-  ASSERT_EQ(cudaGetDevice(&dev->device), cudaSuccess);
-  const std::pair<int*, cudaDeviceAttr> attrs[] = {{&dev->sms, cudaDevAttrMultiProcessorCount},
-                                                   {&dev->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin},
-                                                   {&dev->cc_major, cudaDevAttrComputeCapabilityMajor},
-                                                   {&dev->cc_minor, cudaDevAttrComputeCapabilityMinor}};
-  for (const auto& [value, attr] : attrs) ASSERT_EQ(cudaDeviceGetAttribute(value, attr, dev->device), cudaSuccess);
-  dev->sm90a = dev->cc_major == 9 && dev->cc_minor == 0;
 }
 
 class GemmTf32x3 : public ::testing::TestWithParam<Dims> {};
@@ -76,7 +57,7 @@ TEST_P(GemmTf32x3, MatchesDoubleProduct) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
   DeviceCaps dev;
-  device_caps(&dev);
+  ASSERT_TRUE(read_device_caps(&dev));
   if (HasFatalFailure()) return;
   if (!cuda::gemm_tf32x3_available(dev)) GTEST_SKIP() << "needs compute capability 9.0 and an sm_90a build";
 
