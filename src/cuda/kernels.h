@@ -9,9 +9,11 @@
 //   product on the tensor cores with the 3xTF32 split; the projections on
 //   mma.sync, or on wgmma (sm_90a) where the plan says so.
 // - staged/forward.cu: LayerNorm, the QKV product (staged/gemm.cu),
-//   attention and the output product as separate tensor-core kernels over
-//   all positions, intermediates in the workspace; long sequences and wide
-//   dims, on an sm_90a build and a compute-capability 9.0 device.
+//   attention (whole-sequence, or flash: staged/flash_attention.cu) and the
+//   output product as separate tensor-core kernels over all positions,
+//   intermediates in the workspace; long sequences, wide dims and head dims
+//   off the fused kernel's list, on an sm_90a build and a compute-capability
+//   9.0 device.
 // - generic/forward.cu: any shape; tiles of queries, online softmax over key
 //   tiles, FFMA products.
 // Every launch is a programmatic dependent of the one before it where the
