@@ -65,6 +65,33 @@ Status validate(const AxialParams& p);
 // CPU forward. Threads over sequences with OpenMP.
 Status forward_cpu(const AxialParams& p);
 
+// ---- CPU backward --------------------------------------------------------------------------
+// The gradients of a loss with respect to forward_cpu's input and its ten weights, given the
+// gradient with respect to its output. Nothing of the forward is kept: the backward recomputes
+// what it needs (the row pass's output, each pass's LayerNorm, q, k, v and softmax), so it takes
+// the same AxialParams as the forward. fp32 throughout, like the forward.
+
+// Gradients of one axis's five weights; a null pointer: that gradient is not wanted (and costs nothing).
+struct AxisGrads {
+  float* norm_weight = nullptr;  // (D)
+  float* norm_bias = nullptr;    // (D)
+  float* qkv_weight = nullptr;   // (3D, D)
+  float* out_weight = nullptr;   // (D, D)
+  float* out_bias = nullptr;     // (D)
+};
+struct AxialGrads {
+  const float* grad_out = nullptr;  // (B, H, W, D): the gradient of the loss with respect to the forward's output
+  float* grad_x = nullptr;          // (B, H, W, D), or null
+  AxisGrads row, col;
+};
+// CPU backward of forward_cpu(p): writes (does not accumulate) every non-null gradient of g. p.out is not read (may be null).
+// Deterministic: the same inputs and thread count give bitwise identical gradients (weight gradients are summed per block of
+// sequences in a fixed order, never by atomics or in thread-arrival order).
+// (The blocking depends on the shape alone, so in fact the thread count does not change the result either.)
+// grad_x may be grad_out itself (overwritten in place) but not x; no gradient may overlap an input or another gradient.
+// An empty problem (B H W = 0) writes zeros into the wanted weight gradients.
+Status backward_cpu(const AxialParams& p, const AxialGrads& g);
+
 // True when this build contains the CUDA kernels.
 bool cuda_compiled();
 

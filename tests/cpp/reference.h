@@ -2,6 +2,7 @@
 // written straight from the definition (no shared code with src/).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <ostream>
@@ -156,6 +157,171 @@ inline double worst_ratio(const std::vector<float>& out, const std::vector<doubl
     worst = std::isnan(r) ? INFINITY : std::max(worst, r);
   }
   return worst;
+}
+
+// ---- backward ------------------------------------------------------------------------------
+// The gradients of the forward, by the chain rule written out loop by loop in Real (double
+// for the reference; float gives the plainest fp32 evaluation of the same formulas, a yardstick
+// for what fp32 rounding alone costs). Checked against finite differences of reference_forward.
+
+template <typename Real>
+struct RefAxisGrads {
+  std::vector<Real> norm_w, norm_b, qkv_w, out_w, out_b;
+};
+
+template <typename Real>
+struct RefGrads {
+  std::vector<Real> x;
+  RefAxisGrads<Real> row, col;
+};
+
+// One axis in Real on the (B, H, W, D) tensor in. along_w: rows, else columns. If out: writes
+// in + the pass's branch there. If dout: the pass's backward, the gradient of its input into din
+// and its weight gradients added into gw.
+template <typename Real>
+inline void reference_axis_pass(const std::vector<Real>& in, const Shape& s, const AxisData& w, bool along_w, Real eps,
+                                std::vector<Real>* out, const std::vector<Real>* dout, std::vector<Real>* din,
+                                RefAxisGrads<Real>* gw) {
+  const int64_t D = s.D, hd = D / s.heads, L = along_w ? s.W : s.H, other = along_w ? s.H : s.W, nh = s.heads;
+  const Real sq = std::sqrt(static_cast<Real>(hd));
+  auto at = [&](int64_t b, int64_t o, int64_t l) {
+    const int64_t h = along_w ? o : l, ww = along_w ? l : o;
+    return ((b * s.H + h) * s.W + ww) * D;
+  };
+  std::vector<Real> xhat(L * D), rstd(L), y(L * D), qkv(L * 3 * D), P(nh * L * L), att(L * D);
+  std::vector<Real> g(L * D), datt(L * D), dqkv(L * 3 * D), dp(L), dy(L * D);
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t o = 0; o < other; ++o) {
+      // forward
+      for (int64_t l = 0; l < L; ++l) {
+        const Real* x = &in[at(b, o, l)];
+        Real mean = 0, var = 0;
+        for (int64_t c = 0; c < D; ++c) mean += x[c];
+        mean /= D;
+        for (int64_t c = 0; c < D; ++c) var += (x[c] - mean) * (x[c] - mean);
+        var /= D;
+        rstd[l] = 1 / std::sqrt(var + eps);
+        for (int64_t c = 0; c < D; ++c) {
+          xhat[l * D + c] = (x[c] - mean) * rstd[l];
+          y[l * D + c] = xhat[l * D + c] * Real(w.norm_w[c]) + Real(w.norm_b[c]);
+        }
+        for (int64_t j = 0; j < 3 * D; ++j) {
+          Real acc = 0;
+          for (int64_t c = 0; c < D; ++c) acc += y[l * D + c] * Real(w.qkv_w[j * D + c]);
+          qkv[l * 3 * D + j] = acc;
+        }
+      }
+      auto Q = [&](int64_t i, int64_t h, int64_t c) -> Real& { return qkv[i * 3 * D + h * hd + c]; };
+      auto K = [&](int64_t i, int64_t h, int64_t c) -> Real& { return qkv[i * 3 * D + D + h * hd + c]; };
+      auto V = [&](int64_t i, int64_t h, int64_t c) -> Real& { return qkv[i * 3 * D + 2 * D + h * hd + c]; };
+      for (int64_t h = 0; h < nh; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          Real* p = &P[(h * L + i) * L];
+          Real mx = -INFINITY, sum = 0;
+          for (int64_t j = 0; j < L; ++j) {
+            Real dot = 0;
+            for (int64_t c = 0; c < hd; ++c) dot += Q(i, h, c) * K(j, h, c);
+            p[j] = dot / sq;
+            mx = std::max(mx, p[j]);
+          }
+          for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
+          for (int64_t j = 0; j < L; ++j) p[j] /= sum;
+          for (int64_t c = 0; c < hd; ++c) {
+            Real acc = 0;
+            for (int64_t j = 0; j < L; ++j) acc += p[j] * V(j, h, c);
+            att[i * D + h * hd + c] = acc;
+          }
+        }
+      if (out)
+        for (int64_t l = 0; l < L; ++l)
+          for (int64_t j = 0; j < D; ++j) {
+            Real acc = Real(w.out_b[j]);
+            for (int64_t c = 0; c < D; ++c) acc += att[l * D + c] * Real(w.out_w[j * D + c]);
+            (*out)[at(b, o, l) + j] = in[at(b, o, l) + j] + acc;
+          }
+      if (!dout) continue;
+      // backward: output projection
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t j = 0; j < D; ++j) g[l * D + j] = (*dout)[at(b, o, l) + j];
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t j = 0; j < D; ++j) {
+          gw->out_b[j] += g[l * D + j];
+          for (int64_t c = 0; c < D; ++c) gw->out_w[j * D + c] += g[l * D + j] * att[l * D + c];
+        }
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t c = 0; c < D; ++c) {
+          Real acc = 0;
+          for (int64_t j = 0; j < D; ++j) acc += g[l * D + j] * Real(w.out_w[j * D + c]);
+          datt[l * D + c] = acc;
+        }
+      // attention, per head
+      std::fill(dqkv.begin(), dqkv.end(), Real(0));
+      for (int64_t h = 0; h < nh; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          const Real* p = &P[(h * L + i) * L];
+          Real delta = 0;  // sum_j p_ij dp_ij = sum_c datt_ic att_ic
+          for (int64_t j = 0; j < L; ++j) {
+            Real acc = 0;
+            for (int64_t c = 0; c < hd; ++c) acc += datt[i * D + h * hd + c] * V(j, h, c);
+            dp[j] = acc;
+            delta += p[j] * acc;
+          }
+          for (int64_t j = 0; j < L; ++j) {
+            for (int64_t c = 0; c < hd; ++c) dqkv[j * 3 * D + 2 * D + h * hd + c] += p[j] * datt[i * D + h * hd + c];
+            const Real ds = p[j] * (dp[j] - delta) / sq;  // d of the score q_i k_j
+            for (int64_t c = 0; c < hd; ++c) {
+              dqkv[i * 3 * D + h * hd + c] += ds * K(j, h, c);
+              dqkv[j * 3 * D + D + h * hd + c] += ds * Q(i, h, c);
+            }
+          }
+        }
+      // QKV projection and LayerNorm
+      for (int64_t l = 0; l < L; ++l) {
+        for (int64_t r = 0; r < 3 * D; ++r)
+          for (int64_t c = 0; c < D; ++c) gw->qkv_w[r * D + c] += dqkv[l * 3 * D + r] * y[l * D + c];
+        Real m1 = 0, m2 = 0;
+        for (int64_t c = 0; c < D; ++c) {
+          Real acc = 0;
+          for (int64_t r = 0; r < 3 * D; ++r) acc += dqkv[l * 3 * D + r] * Real(w.qkv_w[r * D + c]);
+          dy[l * D + c] = acc;
+          gw->norm_w[c] += acc * xhat[l * D + c];
+          gw->norm_b[c] += acc;
+          const Real dxhat = acc * Real(w.norm_w[c]);
+          m1 += dxhat;
+          m2 += dxhat * xhat[l * D + c];
+        }
+        m1 /= D;
+        m2 /= D;
+        for (int64_t c = 0; c < D; ++c) {
+          const Real dxhat = dy[l * D + c] * Real(w.norm_w[c]);
+          (*din)[at(b, o, l) + c] = g[l * D + c] + rstd[l] * (dxhat - m1 - xhat[l * D + c] * m2);
+        }
+      }
+    }
+}
+
+// All eleven gradients of sum(grad_out * forward(p)), in Real.
+template <typename Real>
+inline RefGrads<Real> reference_backward_as(const Problem& p, const std::vector<double>& grad_out) {
+  const Shape& s = p.shape;
+  const int64_t D = s.D;
+  const Real eps = static_cast<Real>(p.eps);
+  const std::vector<Real> x(p.x.begin(), p.x.end()), dout(grad_out.begin(), grad_out.end());
+  std::vector<Real> x1(x.size()), dx1(x.size());
+  RefGrads<Real> g;
+  g.x.resize(x.size());
+  for (RefAxisGrads<Real>* a : {&g.row, &g.col}) {
+    a->norm_w.assign(D, 0), a->norm_b.assign(D, 0), a->qkv_w.assign(3 * D * D, 0);
+    a->out_w.assign(D * D, 0), a->out_b.assign(D, 0);
+  }
+  reference_axis_pass<Real>(x, s, p.row, true, eps, &x1, nullptr, nullptr, nullptr);
+  reference_axis_pass<Real>(x1, s, p.col, false, eps, nullptr, &dout, &dx1, &g.col);
+  reference_axis_pass<Real>(x, s, p.row, true, eps, nullptr, &dx1, &g.x, &g.row);
+  return g;
+}
+
+inline RefGrads<double> reference_backward(const Problem& p, const std::vector<double>& grad_out) {
+  return reference_backward_as<double>(p, grad_out);
 }
 
 }  // namespace fastaxial::test

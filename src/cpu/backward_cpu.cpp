@@ -1,0 +1,334 @@
+// CPU backward of axial attention: the gradients of forward_cpu's input and ten weights.
+//
+// The forward is x1 = x + RowPass(x), out = x1 + ColPass(x1), a pass on each sequence
+// (L, D) being  y = LayerNorm(x), qkv = y Wqkv^T, o_h = softmax(q_h k_h^T / sqrt(hd)) v_h,
+// x + concat(o_h) Wout^T + bout. The backward runs it in reverse:
+//   1. the row pass's forward again, for x1 (the column pass's input);
+//   2. the column pass backward on x1 with dOut = grad_out, giving dx1 = dOut + dLN;
+//   3. the row pass backward on x with dOut = dx1, giving grad_x.
+// Nothing of the forward is stored: each pass backward recomputes, per block of sequences,
+// LayerNorm, qkv and per sequence and head the scores and softmax, the way the forward does
+// (one QKV product per block; max-subtracted exp), then, with P = softmax and O = P V:
+//   dbout = colsum(dOut), dWout = dOut^T O, dO = dOut Wout,
+//   per head dV = P^T dO_h, dP = dO_h V^T, dS = P o (dP - rowsum(dO_h o O_h)),
+//            dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd),
+//   dWqkv = [dQ|dK|dV]^T y, dy = [dQ|dK|dV] Wqkv, dg = colsum(dy o xhat), db = colsum(dy),
+//   dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
+// Recomputing the scores costs one (L, L, hd) product per head more than keeping P would,
+// but keeps memory per thread at one block's worth and one (L, L) matrix, as in the forward.
+//
+// Weight gradients are sums over every position. For determinism without atomics the
+// sequences are cut into at most kMaxChunks chunks of consecutive blocks; one thread walks
+// a chunk's blocks in order, adding into the chunk's own partial (4D^2 + 3D floats), and
+// after the parallel loop each weight element sums the chunks' partials in chunk order.
+// Block and chunk sizes depend on the shape alone, not on the thread count, so the result
+// does not depend on how many threads run it or which thread takes which chunk.
+//
+// Memory beyond the gradients: x1 (B H W D floats); dx1 (B H W D) only when grad_x is null
+// but row weight gradients are wanted (otherwise dx1 lives in grad_x, and the row pass
+// backward runs in place there); the chunk partials (at most kMaxChunks (4D^2 + 3D) floats,
+// reused by both passes); and per thread one block's scratch.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "../common/axis.h"
+#include "../common/plan.h"  // validate_sizes
+#include "fastaxial/fastaxial.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace fastaxial {
+namespace {
+
+using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMap = Eigen::Map<const Mat>;
+using MatMap = Eigen::Map<Mat>;
+using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
+using VecMap = Eigen::Map<Eigen::RowVectorXf>;
+
+constexpr int64_t kMaxChunks = 64;    // weight-gradient partials per pass
+constexpr int64_t kTargetBlocks = 32; // blocks per pass when the sequences allow
+
+Status invalid(const std::string& what) { return {StatusCode::kInvalidArgument, what}; }
+
+// How a pass cuts its N sequences: blocks of seq_per_block sequences (about 128 rows for
+// the products, yet kTargetBlocks blocks where N allows), grouped into chunks.
+struct Blocking {
+  int64_t seq_per_block, num_blocks, num_chunks;
+  int64_t chunk_begin(int64_t c) const { return c * num_blocks / num_chunks; }
+};
+
+Blocking blocking(const AxisView& v) {
+  Blocking b;
+  b.seq_per_block = std::max<int64_t>(1, std::min<int64_t>(128 / std::max<int64_t>(v.len, 1), v.num_seq / kTargetBlocks));
+  b.num_blocks = (v.num_seq + b.seq_per_block - 1) / b.seq_per_block;
+  b.num_chunks = std::min(b.num_blocks, kMaxChunks);
+  return b;
+}
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Per-thread scratch of one block.
+struct Scratch {
+  Mat x, xhat, y, qkv, o, g, dO, dqkv, dy, s, dp;
+  Eigen::VectorXf rstd, delta;
+};
+
+// Gathers the block's rows of src into t.x and LayerNorms them: t.xhat (normalised), t.y (affine), t.rstd.
+void gather_norm(const AxisView& v, int64_t n0, int64_t ns, int64_t D, float eps, const AxisWeights& w,
+                 const float* src, Scratch& t) {
+  const int64_t L = v.len, rows = ns * L;
+  const ConstVec gamma(w.norm_weight, D), beta(w.norm_bias, D);
+  t.x.resize(rows, D);
+  t.xhat.resize(rows, D);
+  t.y.resize(rows, D);
+  t.rstd.resize(rows);
+  for (int64_t s = 0; s < ns; ++s)
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t r = s * L + l;
+      t.x.row(r) = ConstVec(src + v.offset(n0 + s, l), D);
+      const float mean = t.x.row(r).mean();
+      const float var = (t.x.row(r).array() - mean).square().sum() / static_cast<float>(D);
+      const float rstd = 1.0f / std::sqrt(var + eps);
+      t.rstd(r) = rstd;
+      t.xhat.row(r) = ((t.x.row(r).array() - mean) * rstd).matrix();
+      t.y.row(r) = (t.xhat.row(r).array() * gamma.array() + beta.array()).matrix();
+    }
+}
+
+// softmax(scale * t.s) row by row, in place, max-subtracted as in the forward.
+void softmax_rows(Mat& s, float scale) {
+  for (int64_t i = 0; i < s.rows(); ++i) {
+    auto row = s.row(i).array();
+    row = ((row - row.maxCoeff()) * scale).exp();
+    row /= row.sum();
+  }
+}
+
+// The row pass's forward, src -> dst (x -> x1), block by block as forward_cpu does it.
+void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
+                  float* dst) {
+  const int64_t L = v.len, N = v.num_seq, hd = D / heads;
+  if (N == 0 || L == 0) return;
+  const ConstMap wqkv(w.qkv_weight, 3 * D, D), wout(w.out_weight, D, D);
+  const ConstVec bout(w.out_bias, D);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const Blocking bk = blocking(v);
+  const int team = (int)std::min<int64_t>(max_threads(), bk.num_blocks);
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    Scratch t;
+#pragma omp for schedule(dynamic)
+    for (int64_t blk = 0; blk < bk.num_blocks; ++blk) {
+      const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
+      gather_norm(v, n0, ns, D, eps, w, src, t);
+      t.qkv.noalias() = t.y * wqkv.transpose();
+      t.o.resize(rows, D);
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t h = 0; h < heads; ++h) {
+          t.s.noalias() = t.qkv.block(s * L, h * hd, L, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
+          softmax_rows(t.s, scale);
+          t.o.block(s * L, h * hd, L, hd).noalias() = t.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+        }
+      t.x.noalias() += t.o * wout.transpose();
+      t.x.rowwise() += bout;
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
+    }
+  }
+}
+
+// Where a chunk's partial weight gradients lie in its slice of the partials buffer.
+struct PartialLayout {
+  int64_t qkv, out, g, b, bout, size;
+  explicit PartialLayout(int64_t D)
+      : qkv(0), out(3 * D * D), g(4 * D * D), b(4 * D * D + D), bout(4 * D * D + 2 * D), size(4 * D * D + 3 * D) {}
+};
+
+// One pass backward. src: the pass's input; dout: the gradient of its output; dsrc (or null):
+// where the gradient of its input goes (may equal dout: each block reads its rows of dout
+// before it writes them, and blocks hold disjoint sequences). Weight gradients into gw.
+void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
+                   const float* dout, float* dsrc, const AxisGrads& gw, std::vector<float>& partials) {
+  const int64_t L = v.len, N = v.num_seq, hd = D / heads;
+  const bool want_qkv = gw.qkv_weight, want_out = gw.out_weight, want_bout = gw.out_bias;
+  const bool want_g = gw.norm_weight, want_b = gw.norm_bias, want_dx = dsrc != nullptr;
+  const bool want_dy = want_dx || want_g || want_b;        // the gradient of LayerNorm's output
+  const bool want_dqkv = want_dy || want_qkv;              // the attention backward
+  const bool want_o = want_dqkv || want_out;               // the attention output (delta needs it)
+  const bool any_weight = want_qkv || want_out || want_bout || want_g || want_b;
+  if (!want_o && !want_bout) return;
+
+  const ConstMap wqkv(w.qkv_weight, 3 * D, D), wout(w.out_weight, D, D);
+  const ConstVec gamma(w.norm_weight, D);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const Blocking bk = blocking(v);
+  const PartialLayout lay(D);
+  if (any_weight) partials.assign(bk.num_chunks * lay.size, 0.0f);
+
+  const int team = (int)std::min<int64_t>(max_threads(), bk.num_chunks);
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    Scratch t;
+#pragma omp for schedule(dynamic)
+    for (int64_t c = 0; c < bk.num_chunks; ++c) {
+      float* part = any_weight ? partials.data() + c * lay.size : nullptr;
+      for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
+        const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
+        // The gradient of the block's outputs, (rows, D).
+        t.g.resize(rows, D);
+        for (int64_t s = 0; s < ns; ++s)
+          for (int64_t l = 0; l < L; ++l) t.g.row(s * L + l) = ConstVec(dout + v.offset(n0 + s, l), D);
+        // Column sums row by row, each element in row order: Eigen's colwise().sum() into a
+        // Map picks scalar or packet code by the destination's alignment, and the two add in
+        // different orders, which would make the result depend on where malloc put the partials.
+        if (want_bout)
+          for (int64_t r = 0; r < rows; ++r) VecMap(part + lay.bout, D) += t.g.row(r);
+        if (!want_o) continue;
+
+        gather_norm(v, n0, ns, D, eps, w, src, t);
+        t.qkv.noalias() = t.y * wqkv.transpose();
+        t.o.resize(rows, D);
+        if (want_dqkv) {
+          t.dO.noalias() = t.g * wout;  // (rows, D)
+          t.dqkv.resize(rows, 3 * D);
+        }
+        for (int64_t s = 0; s < ns; ++s)
+          for (int64_t h = 0; h < heads; ++h) {
+            const auto q = t.qkv.block(s * L, h * hd, L, hd);
+            const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
+            const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+            auto o = t.o.block(s * L, h * hd, L, hd);
+            t.s.noalias() = q * k.transpose();
+            softmax_rows(t.s, scale);  // P
+            o.noalias() = t.s * val;
+            if (!want_dqkv) continue;
+            const auto dO = t.dO.block(s * L, h * hd, L, hd);
+            t.delta = (dO.array() * o.array()).rowwise().sum();               // rowsum(dO_h o O_h)
+            t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = t.s.transpose() * dO;  // dV = P^T dO
+            t.dp.noalias() = dO * val.transpose();                            // dP = dO V^T
+            // dS (of the scaled scores) times the scale: both dQ and dK carry it.
+            t.dp = ((t.dp.colwise() - t.delta).array() * t.s.array() * scale).matrix();
+            t.dqkv.block(s * L, h * hd, L, hd).noalias() = t.dp * k;                  // dQ
+            t.dqkv.block(s * L, D + h * hd, L, hd).noalias() = t.dp.transpose() * q;  // dK
+          }
+        if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
+        if (!want_dqkv) continue;
+        if (want_qkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
+        if (!want_dy) continue;
+        t.dy.noalias() = t.dqkv * wqkv;  // (rows, D)
+        for (int64_t r = 0; r < rows; ++r) {
+          if (want_g) VecMap(part + lay.g, D) += (t.dy.row(r).array() * t.xhat.row(r).array()).matrix();
+          if (want_b) VecMap(part + lay.b, D) += t.dy.row(r);
+        }
+        if (!want_dx) continue;
+        // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
+        const float inv_d = 1.0f / static_cast<float>(D);
+        for (int64_t r = 0; r < rows; ++r) {
+          auto dxhat = t.dy.row(r);
+          dxhat.array() *= gamma.array();
+          const float m1 = dxhat.sum() * inv_d;
+          const float m2 = dxhat.dot(t.xhat.row(r)) * inv_d;
+          t.g.row(r).array() += t.rstd(r) * (dxhat.array() - m1 - t.xhat.row(r).array() * m2);
+        }
+        for (int64_t s = 0; s < ns; ++s)
+          for (int64_t l = 0; l < L; ++l) VecMap(dsrc + v.offset(n0 + s, l), D) = t.g.row(s * L + l);
+      }
+    }
+  }
+  if (!any_weight) return;
+
+  // Each wanted element: the chunks' partials summed in chunk order.
+  auto reduce = [&](float* dst, int64_t off, int64_t n) {
+    if (dst == nullptr) return;
+    const int64_t chunks = bk.num_chunks, stride = lay.size;
+    const float* base = partials.data() + off;
+    const int rteam = (int)std::min<int64_t>(max_threads(), std::max<int64_t>(1, n * chunks / 65536));
+#pragma omp parallel for num_threads(rteam) if (rteam > 1) schedule(static)
+    for (int64_t e = 0; e < n; ++e) {
+      float acc = base[e];
+      for (int64_t c = 1; c < chunks; ++c) acc += base[c * stride + e];
+      dst[e] = acc;
+    }
+  };
+  reduce(gw.qkv_weight, lay.qkv, 3 * D * D);
+  reduce(gw.out_weight, lay.out, D * D);
+  reduce(gw.norm_weight, lay.g, D);
+  reduce(gw.norm_bias, lay.b, D);
+  reduce(gw.out_bias, lay.bout, D);
+}
+
+Status check_axis(const AxisWeights& w, const char* axis) {
+  const std::pair<const void*, const char*> ptrs[] = {
+      {w.norm_weight, "norm_weight"}, {w.norm_bias, "norm_bias"}, {w.qkv_weight, "qkv_weight"},
+      {w.out_weight, "out_weight"},   {w.out_bias, "out_bias"}};
+  for (const auto& [ptr, name] : ptrs)
+    if (ptr == nullptr) return invalid(std::string(axis) + "." + name + " is null");
+  return Status::Ok();
+}
+
+bool any(const AxisGrads& a) {
+  return a.norm_weight || a.norm_bias || a.qkv_weight || a.out_weight || a.out_bias;
+}
+
+void zero_weights(const AxisGrads& a, int64_t D) {
+  const std::pair<float*, int64_t> outs[] = {
+      {a.norm_weight, D}, {a.norm_bias, D}, {a.qkv_weight, 3 * D * D}, {a.out_weight, D * D}, {a.out_bias, D}};
+  for (const auto& [ptr, n] : outs)
+    if (ptr) std::fill(ptr, ptr + n, 0.0f);
+}
+
+}  // namespace
+
+Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
+  if (Status s = validate_sizes(p); !s.ok()) return s;
+  const int64_t T = p.batch * p.height * p.width, D = p.dim;
+  if (T == 0) {  // no position: every weight gradient is an empty sum
+    zero_weights(g.row, D);
+    zero_weights(g.col, D);
+    return Status::Ok();
+  }
+  if (p.x == nullptr) return invalid("x is null");
+  if (g.grad_out == nullptr) return invalid("grad_out is null");
+  if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
+  if (Status s = check_axis(p.row, "row"); !s.ok()) return s;
+  if (Status s = check_axis(p.col, "col"); !s.ok()) return s;
+
+  const bool want_row = g.grad_x != nullptr || any(g.row);
+  if (!want_row && !any(g.col)) return Status::Ok();
+
+  const AxisView rv = row_view(p), cv = col_view(p);
+  std::unique_ptr<float[]> x1(new float[T * D]);
+  forward_pass(rv, D, p.heads, p.eps, p.row, p.x, x1.get());
+
+  // dx1: in grad_x when there is one (the row pass backward then runs in place there).
+  std::unique_ptr<float[]> dx1_scratch;
+  float* dx1 = nullptr;
+  if (want_row) {
+    dx1 = g.grad_x;
+    if (dx1 == nullptr) {
+      dx1_scratch.reset(new float[T * D]);
+      dx1 = dx1_scratch.get();
+    }
+  }
+  std::vector<float> partials;
+  backward_pass(cv, D, p.heads, p.eps, p.col, x1.get(), g.grad_out, dx1, g.col, partials);
+  x1.reset();
+  if (want_row) backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials);
+  return Status::Ok();
+}
+
+}  // namespace fastaxial
