@@ -1,7 +1,9 @@
 // Defines the operators once: axial_attention, with its CPU, CUDA and
 // Autograd kernels in ops_cpu.cpp, ops_cuda.cpp and ops_autograd.cpp and its
-// fake kernel in python/fastaxial/ops.py; and describe_cuda_plan, which says
-// which CUDA kernels a forward of x would run (ops_cuda.cpp).
+// fake kernel in python/fastaxial/ops.py; axial_attention_backward, its fused
+// backward (CPU so far; on CUDA the autograd kernel differentiates the
+// reference math); and describe_cuda_plan, which says which CUDA kernels a
+// forward of x would run (ops_cuda.cpp).
 #include "ops.h"
 
 #include <torch/library.h>
@@ -55,6 +57,16 @@ Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at
 }
 
 AxialParams Call::params(at::Tensor& out) const {
+  AxialParams p = params();
+  p.out = out.data_ptr<float>();
+  return p;
+}
+
+std::array<const at::Tensor*, 11> Call::inputs() const {
+  return {&x, &row[0], &row[1], &row[2], &row[3], &row[4], &col[0], &col[1], &col[2], &col[3], &col[4]};
+}
+
+AxialParams Call::params() const {
   AxialParams p;
   p.batch = x.size(0);
   p.height = x.size(1);
@@ -63,7 +75,6 @@ AxialParams Call::params(at::Tensor& out) const {
   p.heads = heads;
   p.eps = static_cast<float>(eps);
   p.x = x.data_ptr<float>();
-  p.out = out.data_ptr<float>();
   auto weights = [](const std::array<at::Tensor, 5>& w) {
     return AxisWeights{w[0].data_ptr<float>(), w[1].data_ptr<float>(), w[2].data_ptr<float>(),
                        w[3].data_ptr<float>(), w[4].data_ptr<float>()};
@@ -81,5 +92,12 @@ TORCH_LIBRARY(fastaxial, m) {
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05) "
       "-> Tensor");
+  // The gradients of axial_attention for the inputs output_mask selects (x, then the ten weights),
+  // in that order. CPU kernel in ops_cpu.cpp; its autograd kernel refuses double backward.
+  m.def(
+      "axial_attention_backward(Tensor grad_out, Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, "
+      "Tensor row_qkv_weight, Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, "
+      "Tensor col_norm_bias, Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, "
+      "float eps, bool[11] output_mask) -> Tensor[]");
   m.def("describe_cuda_plan(Tensor x, int num_heads) -> str");
 }

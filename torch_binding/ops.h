@@ -20,6 +20,10 @@ struct Call {
 
   // Params for writing into `out`, a contiguous tensor shaped like x.
   AxialParams params(at::Tensor& out) const;
+  // Params without an output (the backward reads x and the weights only).
+  AxialParams params() const;
+  // x and the ten weights, in the schema's order.
+  std::array<const at::Tensor*, 11> inputs() const;
 };
 
 Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at::Tensor& row_norm_bias,

@@ -2,14 +2,18 @@
 // runs per call: under no_grad, or where nothing requires grad, it calls the
 // device kernel straight away; in grad mode it records one node that saves
 // x and the ten weights.
-// The backward recomputes the forward with the reference math in ATen ops
-// (python/fastaxial/reference.py, the same function) and differentiates it.
+// The backward: on the CPU the fused operator axial_attention_backward; on
+// CUDA, until its fused kernels exist, the forward recomputed with the
+// reference math in ATen ops (python/fastaxial/reference.py, the same
+// function) and differentiated. A second-order gradient is refused.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
+#include <vector>
 
 #include "ops.h"
 
@@ -46,6 +50,18 @@ using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
 
+using BackwardSignature = std::vector<at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    int64_t, double, std::array<bool, 11>);
+
+const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("fastaxial::axial_attention_backward", "")
+                                 .typed<BackwardSignature>();
+  return handle;
+}
+
 const c10::TypedOperatorHandle<OpSignature>& op() {
   static const auto handle =
       c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
@@ -77,6 +93,19 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
     const variable_list saved = ctx->get_saved_variables();
     const int64_t heads = ctx->saved_data["heads"].toInt();
     const double eps = ctx->saved_data["eps"].toDouble();
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "fastaxial::axial_attention: double backward (create_graph=True) is not supported");
+    if (saved[0].is_cpu()) {
+      std::array<bool, kTensors> mask;
+      for (int i = 0; i < kTensors; ++i) mask[i] = ctx->needs_input_grad(i);
+      const std::vector<at::Tensor> grads =
+          backward_op().call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
+                             saved[7], saved[8], saved[9], saved[10], heads, eps, mask);
+      variable_list result(kTensors + 2);  // undefined: no gradient (and none for heads, eps)
+      for (int i = 0, j = 0; i < kTensors; ++i)
+        if (mask[i]) result[i] = grads[j++];
+      return result;
+    }
     variable_list leaves, wanted;
     for (int i = 0; i < kTensors; ++i) {
       leaves.push_back(saved[i].detach().requires_grad_(ctx->needs_input_grad(i)));

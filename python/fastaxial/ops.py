@@ -1,6 +1,7 @@
 """The fused operator torch.ops.fastaxial.axial_attention: loads the compiled
-library (which registers its CPU, CUDA and autograd kernels in C++) and adds,
-from Python, its fake kernel (shapes for torch.compile)."""
+library (which registers its CPU, CUDA and autograd kernels in C++, and the
+backward operator) and adds, from Python, their fake kernels (shapes for
+torch.compile)."""
 
 import os
 from pathlib import Path
@@ -95,6 +96,13 @@ def _(x, *args):
     torch._check(x.dim() == 4, lambda: f"fastaxial.axial_attention: x must have 4 dimensions, got {x.dim()}")
     torch._check(x.dtype == torch.float32, lambda: f"fastaxial.axial_attention: x must be float32, got {x.dtype}")
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.register_fake("fastaxial::axial_attention_backward")
+def _(grad_out, x, *rest):
+    *weights, num_heads, eps, output_mask = rest
+    return [torch.empty_like(t, memory_format=torch.contiguous_format)
+            for t, wanted in zip((x, *weights), output_mask) if wanted]
 
 
 def describe_cuda_plan(x, num_heads):
