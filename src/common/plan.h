@@ -17,6 +17,7 @@
 
 #include "axis.h"
 #include "fastaxial/fastaxial.h"
+#include "validate.h"  // validate_sizes: what make_plan needs of p
 
 namespace fastaxial {
 
@@ -43,10 +44,7 @@ Status parse_plan_options(const char* cuda_path, const char* fused_wgmma, PlanOp
 // The process's options, read from the environment once.
 Status env_plan_options(PlanOptions* options);
 
-// validate() without the pointer checks: what a plan needs of p.
-Status validate_sizes(const AxialParams& p);
-
-// The plan of p on dev; p must have passed validate_sizes().
+// The plan of p on dev; p must have passed validate_sizes() (validate.h).
 Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan);
 
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------

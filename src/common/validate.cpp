@@ -1,6 +1,6 @@
 // Argument checks shared by the CPU and CUDA entry points.
 #include "fastaxial/fastaxial.h"
-#include "plan.h"  // validate_sizes
+#include "validate.h"
 
 #include <limits>
 #include <sstream>
@@ -44,14 +44,20 @@ Status validate_sizes(const AxialParams& p) {
   return Status::Ok();
 }
 
-Status validate(const AxialParams& p) {
+Status validate_inputs(const AxialParams& p) {
   if (Status s = validate_sizes(p); !s.ok()) return s;
-  if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to read or write
+  if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to read
   if (p.x == nullptr) return invalid("x is null");
-  if (p.out == nullptr) return invalid("out is null");
-  if (p.out == p.x) return invalid("out must not alias x");
   if (Status s = check_axis(p.row, "row"); !s.ok()) return s;
   return check_axis(p.col, "col");
+}
+
+Status validate(const AxialParams& p) {
+  if (Status s = validate_inputs(p); !s.ok()) return s;
+  if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to write
+  if (p.out == nullptr) return invalid("out is null");
+  if (p.out == p.x) return invalid("out must not alias x");
+  return Status::Ok();
 }
 
 }  // namespace fastaxial

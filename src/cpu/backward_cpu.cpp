@@ -37,7 +37,7 @@
 #include <Eigen/Core>
 
 #include "../common/axis.h"
-#include "../common/plan.h"  // validate_sizes
+#include "../common/validate.h"
 #include "fastaxial/fastaxial.h"
 
 #ifdef _OPENMP
@@ -271,15 +271,6 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   reduce(gw.out_bias, lay.bout, D);
 }
 
-Status check_axis(const AxisWeights& w, const char* axis) {
-  const std::pair<const void*, const char*> ptrs[] = {
-      {w.norm_weight, "norm_weight"}, {w.norm_bias, "norm_bias"}, {w.qkv_weight, "qkv_weight"},
-      {w.out_weight, "out_weight"},   {w.out_bias, "out_bias"}};
-  for (const auto& [ptr, name] : ptrs)
-    if (ptr == nullptr) return invalid(std::string(axis) + "." + name + " is null");
-  return Status::Ok();
-}
-
 bool any(const AxisGrads& a) {
   return a.norm_weight || a.norm_bias || a.qkv_weight || a.out_weight || a.out_bias;
 }
@@ -294,18 +285,15 @@ void zero_weights(const AxisGrads& a, int64_t D) {
 }  // namespace
 
 Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
-  if (Status s = validate_sizes(p); !s.ok()) return s;
+  if (Status s = validate_inputs(p); !s.ok()) return s;
   const int64_t T = p.batch * p.height * p.width, D = p.dim;
   if (T == 0) {  // no position: every weight gradient is an empty sum
     zero_weights(g.row, D);
     zero_weights(g.col, D);
     return Status::Ok();
   }
-  if (p.x == nullptr) return invalid("x is null");
   if (g.grad_out == nullptr) return invalid("grad_out is null");
   if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
-  if (Status s = check_axis(p.row, "row"); !s.ok()) return s;
-  if (Status s = check_axis(p.col, "col"); !s.ok()) return s;
 
   const bool want_row = g.grad_x != nullptr || any(g.row);
   if (!want_row && !any(g.col)) return Status::Ok();

@@ -1,5 +1,5 @@
 // Entry points of a build without CUDA: they say so instead of failing to link.
-#include "../common/plan.h"  // validate_sizes
+#include "../common/validate.h"
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial {
