@@ -159,6 +159,35 @@ inline double worst_ratio(const std::vector<float>& out, const std::vector<doubl
   return worst;
 }
 
+// An eps case's problem: random (its seed from the shape), x near constant
+// where the case asks, p.eps = c.eps.
+inline Problem eps_problem(const EpsCase& c) {
+  Problem p = random_problem(c.shape, 4321u + static_cast<uint32_t>(c.shape.D + c.shape.H * 3));
+  if (c.near_constant) set_input_near_constant(&p, 3.0f, 1e-3f, 17u);
+  p.eps = c.eps;
+  return p;
+}
+
+// How far p's eps moves the result: worst_ratio of the float64 forward with
+// the default eps 1e-5 against the one with p.eps. Over 100, a kernel that
+// ignored p.eps would fail the case.
+inline double eps_effect(Problem p, double atol, double rtol) {
+  const std::vector<double> with_eps = reference_forward(p);
+  p.eps = 1e-5f;
+  const std::vector<double> with_default = reference_forward(p);
+  return worst_ratio(std::vector<float>(with_default.begin(), with_default.end()), with_eps, atol, rtol);
+}
+
+// A test name: shape, eps (0.5 -> "0p5"), and whether x is near constant.
+inline std::string eps_case_name(const EpsCase& c) {
+  std::string eps = std::to_string(c.eps);
+  eps.erase(eps.find_last_not_of('0') + 1);
+  if (eps.back() == '.') eps.pop_back();
+  for (char& ch : eps)
+    if (ch == '.') ch = 'p';
+  return shape_name(c.shape) + "_eps" + eps + (c.near_constant ? "_near_constant" : "");
+}
+
 // ---- backward ------------------------------------------------------------------------------
 // The gradients of the forward, by the chain rule written out loop by loop in Real (double
 // for the reference; float gives the plainest fp32 evaluation of the same formulas, a yardstick

@@ -4,7 +4,6 @@
 #include <cmath>
 #include <limits>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -45,30 +44,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
 // 1e-5 scale the normalised values by 0.3 and 1). So a kernel that ignored
 // p.eps would fail here.
 
-// 0.5 -> "0p5", 10 -> "10": a test-name part.
-std::string eps_name(float eps) {
-  std::ostringstream os;
-  os << eps;
-  std::string n = os.str();
-  for (char& ch : n)
-    if (ch == '.') ch = 'p';
-  return n;
-}
-
-std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
-
 class CpuForwardEps : public ::testing::TestWithParam<EpsCase> {};
 
 TEST_P(CpuForwardEps, MatchesDoubleReference) {
-  const EpsCase c = GetParam();
-  Problem p = random_problem(c.shape, 4321u + static_cast<uint32_t>(c.shape.D + c.shape.H * 3));
-  if (c.near_constant) set_input_near_constant(&p, 3.0f, 1e-3f, 17u);
-  p.eps = 1e-5f;
-  const std::vector<double> ref_default_eps = reference_forward(p);
-  p.eps = c.eps;
+  const Problem p = eps_problem(GetParam());
+  ASSERT_GT(eps_effect(p, kAtol, kRtol), 100.0) << "eps does not decide this case: a kernel that ignored it would pass";
   const std::vector<double> ref = reference_forward(p);
-  ASSERT_GT(worst_ratio(to_float(ref_default_eps), ref, kAtol, kRtol), 100.0)
-      << "eps does not decide this case: a kernel that ignored it would pass";
   std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
   const Status st = forward_cpu(params(p, out.data()));
   ASSERT_TRUE(st.ok()) << st.message;
@@ -80,10 +61,7 @@ INSTANTIATE_TEST_SUITE_P(LargeEps, CpuForwardEps,
                                            EpsCase{{1, 7, 6, 24, 2}, 0.5f, true},
                                            EpsCase{{1, 33, 17, 96, 3}, 10.0f, true},
                                            EpsCase{{1, 8, 3, 128, 4}, 0.5f, false}),
-                         [](const auto& info) {
-                           const EpsCase& c = info.param;
-                           return shape_name(c.shape) + "_eps" + eps_name(c.eps) + (c.near_constant ? "_near_constant" : "");
-                         });
+                         [](const auto& info) { return eps_case_name(info.param); });
 
 TEST(CpuForward, DifferentSeedsDifferentOutputs) {
   // Guards against a kernel that ignores its input.

@@ -227,15 +227,8 @@ class CudaForwardEps : public ::testing::TestWithParam<EpsCase> {};
 
 TEST_P(CudaForwardEps, MatchesDoubleReference) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  const EpsCase c = GetParam();
-  Problem p = random_problem(c.shape, 4321u + static_cast<uint32_t>(c.shape.D + c.shape.H * 3));
-  if (c.near_constant) set_input_near_constant(&p, 3.0f, 1e-3f, 17u);
-  p.eps = 1e-5f;
-  const std::vector<double> ref_default = reference_forward(p);
-  p.eps = c.eps;
-  ASSERT_GT(worst_ratio(std::vector<float>(ref_default.begin(), ref_default.end()), reference_forward(p), 1e-4, 1e-4),
-            100.0)
-      << "eps does not decide this case: a kernel that ignored it would pass";
+  const Problem p = eps_problem(GetParam());
+  ASSERT_GT(eps_effect(p, 1e-4, 1e-4), 100.0) << "eps does not decide this case: a kernel that ignored it would pass";
   check_forward(p);
 }
 
@@ -246,11 +239,7 @@ INSTANTIATE_TEST_SUITE_P(LargeEps, CudaForwardEps,
                                            EpsCase{{1, 8, 3, 128, 4}, 0.5f, false},
                                            EpsCase{{1, 130, 3, 32, 2}, 0.5f, true},
                                            EpsCase{{1, 130, 3, 32, 2}, 10.0f, false}),
-                         [](const auto& info) {
-                           const EpsCase& c = info.param;
-                           std::string eps = c.eps == 0.5f ? "0p5" : std::to_string(static_cast<int>(c.eps));
-                           return shape_name(c.shape) + "_eps" + eps + (c.near_constant ? "_near_constant" : "");
-                         });
+                         [](const auto& info) { return eps_case_name(info.param); });
 
 // Weights that the kernel just before a forward writes must be the ones it
 // uses, although that kernel may still run when the forward's first blocks
