@@ -1,7 +1,8 @@
 """fastaxial.bench: fastaxial against PyTorch on the same inputs and weights.
 
     python -m fastaxial.bench [--shapes all|default|"B H W D heads;..."] [--out DIR] [--iters N]
-        [--protocols queued,synchronized,harness,host] [--harness-iters N] [--host-calls N]
+        [--protocols queued,synchronized,harness,host,training] [--harness-iters N] [--host-calls N]
+        [--training-iters N]
 
 Contenders, all fp32 with TF32 off: fastaxial; the PyTorch eager reference;
 the same math with scaled_dot_product_attention; torch.compile of the
@@ -10,7 +11,8 @@ reference; on CUDA, torch.compile with mode="reduce-overhead" (CUDA graphs).
 A forward costs host time (Python, dispatch, launches) and GPU time, and
 the protocols differ in how much of the host's part they show. A user who
 waits for each result pays both; a loop that keeps the GPU fed pays the
-larger. One run measures them all (--protocols picks; queued always runs):
+larger. One run measures them all (--protocols picks; queued always runs;
+training only when asked for):
 
 queued: under no_grad, each forward between two CUDA events, after a write
     of a 256 MB buffer that flushes L2; one synchronize at the end, so the
@@ -42,14 +44,41 @@ host: on the first shape, the host's time per call: --host-calls calls back
     graph, 100 replays back to back between two events, median over 7
     (no flush: input and weights stay in L2 between replays).
 
+training: a training step per shape and contender (fastaxial, eager,
+    sdpa, compile, compile+cudagraph): the module in training mode, its
+    parameters requiring grad, x not; the ten gradients set to None, the
+    forward, then out.backward(g) with a fixed random g. Timed under the
+    synchronized and the queued protocols above (--training-iters steps
+    each, after --warmup); on CUDA also the step's peak memory: the
+    allocator's peak during one step minus what was allocated before it,
+    and its ratio to eager's (compile+cudagraph's buffers live in its CUDA
+    graph pool, reserved at capture: its figure counts only what a replayed
+    step allocates outside that pool). Then
+    one step with x requiring grad: the max abs error of each gradient
+    (x and the ten weights) against the reference module evaluated in
+    float64 with the same weights, x and g; eager's row is fp32 PyTorch's
+    own error, and every other row gives its ratio to it per gradient.
+    A contender that fails records its error. Also, on the default
+    problem: fastaxial and eager built with dropout 0.1 in training mode
+    (fastaxial then runs the reference math), µs per step synchronized,
+    against the same modules without dropout. Not in the default set: it
+    compiles forward and backward per shape, twice each (x not requiring
+    grad, then requiring it).
+
 On the CPU every protocol times each call by the host clock (nothing to
 flush or synchronize; harness there is grad and training mode without the
-fill), and host rows are measured the same way as on CUDA.
+fill), and host rows are measured the same way as on CUDA; the training
+step's peak memory is None there.
 
 In bench.json, per shape: "results" (queued, with the correctness check),
 "synchronized" and "harness", each {contender: {mean_us, median_us, iters}}
-(harness: {error} for a contender that failed); at the top: "host"
-(us_per_call and over_add per row) and, on CUDA, "gpu_alone".
+(harness: {error} for a contender that failed); "training" where asked for:
+{iters, wall_s, grad_abs_max (the float64 gradients' largest magnitudes),
+contenders: {contender: {synchronized, queued, peak_bytes, peak_over_eager,
+grad_max_abs_err, grad_err_over_eager}}} (and {error} for a contender that
+failed, beside whatever it measured before failing); at the top: "host"
+(us_per_call and over_add per row), on CUDA "gpu_alone", and with training
+"training_dropout".
 
 Also measured in the same run: the device's fp32 matrix rate and copy
 bandwidth, which give each shape's floor (the larger of FLOPs / rate and
@@ -57,9 +86,11 @@ bytes / bandwidth).
 """
 
 import argparse
+import copy
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -72,7 +103,8 @@ DEFAULT_SHAPE = (reference.BATCH, reference.HEIGHT, reference.WIDTH, reference.D
 SHAPES = [DEFAULT_SHAPE, (16, 32, 32, 64, 4), (8, 64, 64, 128, 8), (2, 128, 128, 256, 8),
           (1, 256, 256, 128, 4), (2, 48, 80, 96, 3)]
 
-PROTOCOLS = ("queued", "synchronized", "harness", "host")
+PROTOCOLS = ("queued", "synchronized", "harness", "host", "training")
+DEFAULT_PROTOCOLS = ("queued", "synchronized", "harness", "host")  # training only when asked for
 HARNESS_ITERS = 100  # KernelBench's timed trials per module
 HARNESS_CONTENDERS = ("fastaxial", "eager", "compile", "compile+cudagraph")  # the modules a harness would time
 HOST_REPEATS = 7
@@ -81,12 +113,20 @@ FLUSH_BYTES = 256 * 2**20
 ERROR_CHARS = 1000  # of a failed contender's error message, kept in the report
 
 ITERS_HELP = "timed forwards per contender (default 200 CUDA, 20 CPU)"
+TRAINING_DROPOUT = 0.1
+GRAD_NAMES = ("x",) + tuple(f"{m}.{p}" for m, p in reference._WEIGHT_NAMES)  # x, then the op's weight order
 
 
 def default_iters(device):
     """Timed forwards per contender when none are asked for: fewer on the CPU, where each takes milliseconds.
     Also the host rows' calls per repetition: on CUDA few enough launches that the launch queue never fills."""
     return 200 if device.type == "cuda" else 20
+
+
+def default_training_iters(device):
+    """Timed training steps per contender and protocol: on the H200 the six shapes' steps then take seconds
+    (their compiles take longer); on the CPU a step of the default problem takes a tenth of a second or more."""
+    return 30 if device.type == "cuda" else 10
 
 
 def shape_dict(shape):
@@ -227,10 +267,10 @@ def contenders(ref, new, device, compile_=True):
     return out
 
 
-def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=PROTOCOLS,
-                harness_iters=HARNESS_ITERS, seed=0):
+def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=DEFAULT_PROTOCOLS,
+                harness_iters=HARNESS_ITERS, seed=0, training_iters=None):
     """One shape: correctness and the queued protocol ("results") of every contender, and the
-    synchronized and harness protocols where asked for."""
+    synchronized, harness and training protocols where asked for."""
     B, H, W, D, heads = shape
     torch.manual_seed(seed)
     ref = reference.AxialAttentionReference(D, heads, H, W).to(device).eval()
@@ -258,6 +298,11 @@ def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=PR
     if "harness" in protocols:
         # A harness builds the modules and leaves them in training mode (the same math: no dropout).
         out["harness"] = harness_rows(ref.train(), new.train(), x, device, timer, harness_iters, warmup, compile_)
+    if "training" in protocols:
+        gen = torch.Generator(device).manual_seed(seed + 1)
+        g = torch.randn(x.shape, generator=gen, device=device)  # the fixed output gradient
+        out["training"] = training_rows(ref.train(), new.train(), x, g, device, timer,
+                                        training_iters or default_training_iters(device), warmup, compile_)
     return out
 
 
@@ -276,6 +321,118 @@ def harness_rows(ref, new, x, device, timer, iters, warmup, compile_):
                 if name.startswith("compile"):
                     torch._dynamo.reset()
     return rows
+
+
+def _clear_grads(weights):
+    for w in weights:
+        w.grad = None
+
+
+def training_step(fn, weights, x, g):
+    """One training step of a contender: its weights' gradients set to None, the forward on x, out.backward(g)."""
+    def step():
+        _clear_grads(weights)
+        fn(x).backward(g)
+    return step
+
+
+def float64_grads(ref, x, g):
+    """The gradients of x and the ten weights by the reference module evaluated in float64 (same weights, x, g)."""
+    ref64 = copy.deepcopy(ref).double()
+    x64 = x.detach().double().requires_grad_()
+    with torch.enable_grad():
+        ref64(x64).backward(g.double())
+    return [x64.grad] + [w.grad for w in ref64.weights()]
+
+
+def step_peak_bytes(step, weights, device):
+    """The allocator's peak during one step minus what was allocated before it (gradients None); None on CPU."""
+    if device.type != "cuda":
+        return None
+    _clear_grads(weights)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def grad_errors(fn, weights, x, g, exact):
+    """Max abs error of each gradient (x's, then the weights') of one step with x requiring grad, against exact."""
+    _clear_grads(weights)
+    xg = x.detach().clone().requires_grad_()
+    fn(xg).backward(g)
+    got = [xg.grad] + [w.grad for w in weights]
+    errs = {n: None if a is None else (a.double() - e).abs().max().item() for n, a, e in zip(GRAD_NAMES, got, exact)}
+    _clear_grads(weights)
+    return errs
+
+
+def training_rows(ref, new, x, g, device, timer, iters, warmup, compile_):
+    """The training protocol on one shape (module docstring): per contender, µs per step synchronized and
+    queued, the step's peak memory, and each gradient's error against float64. ref and new: the same weights,
+    in training mode without dropout. A contender that fails records its error beside what it measured."""
+    t0 = time.perf_counter()
+    exact = float64_grads(ref, x, g)
+    x = x.detach().requires_grad_(False)
+    rows = {}
+    with torch.enable_grad():
+        for name, fn in contenders(ref, new, device, compile_).items():
+            weights = (new if name == "fastaxial" else ref).weights()
+            step = training_step(fn, weights, x, g)
+            row = rows[name] = {}
+            try:
+                for _ in range(3):  # compiled contenders compile forward and backward, CUDA graphs record
+                    step()
+                _sync(device)
+                row["peak_bytes"] = step_peak_bytes(step, weights, device)
+                row["synchronized"] = timer.synchronized(step, iters, warmup)
+                row["queued"] = timer.queued(step, iters, warmup)
+                row["grad_max_abs_err"] = grad_errors(fn, weights, x, g, exact)
+            except Exception as e:  # a contender that cannot train is a result, not a crash
+                row["error"] = f"{type(e).__name__}: {e}"[:ERROR_CHARS]
+            finally:
+                _clear_grads(weights)
+                if name.startswith("compile"):
+                    torch._dynamo.reset()
+    eager = rows.get("eager", {})
+    for row in rows.values():
+        peak, eager_peak = row.get("peak_bytes"), eager.get("peak_bytes")
+        row["peak_over_eager"] = peak / eager_peak if peak is not None and eager_peak else None
+        if "grad_max_abs_err" in row and "grad_max_abs_err" in eager:
+            row["grad_err_over_eager"] = {
+                n: e / eager["grad_max_abs_err"][n] if e is not None and eager["grad_max_abs_err"][n] else None
+                for n, e in row["grad_max_abs_err"].items()}
+    return {"iters": iters, "wall_s": time.perf_counter() - t0,
+            "grad_abs_max": {n: e.abs().max().item() for n, e in zip(GRAD_NAMES, exact)}, "contenders": rows}
+
+
+def training_dropout_rows(shape, device, timer, iters, warmup, dropout=TRAINING_DROPOUT, seed=0):
+    """On one shape (the default problem): fastaxial and eager built with dropout in training mode, µs per
+    training step synchronized, against the same modules built without it. fastaxial with dropout active
+    runs the reference math (the module's documented fallback; its one warning is silenced here)."""
+    B, H, W, D, heads = shape
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    x = torch.randn(B, H, W, D, generator=gen, device=device)
+    g = torch.randn(B, H, W, D, generator=gen, device=device)
+    rows = {}
+    with torch.enable_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fastaxial.AxialAttention: dropout")
+        for name, cls in (("fastaxial", AxialAttention), ("eager", reference.AxialAttentionReference)):
+            row = rows[name] = {}
+            for key, p in (("no_dropout", 0.0), ("dropout", dropout)):
+                torch.manual_seed(seed)
+                module = cls(D, heads, H, W, dropout=p).to(device).train()
+                step = training_step(module, module.weights(), x, g)
+                try:
+                    row[key] = timer.synchronized(step, iters, warmup)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"[:ERROR_CHARS]
+                    break
+            if "dropout" in row and "no_dropout" in row:
+                row["over_no_dropout"] = row["dropout"]["mean_us"] / row["no_dropout"]["mean_us"]
+    return {"shape": shape_dict(shape), "dropout": dropout, "iters": iters, "rows": rows}
 
 
 def seeded_module(shape, device, seed=0):
@@ -367,6 +524,17 @@ TITLES = {
                     "synchronized before each, synchronized after: the host's work on the call shows.",
     "harness": "**Harness** (KernelBench's cuda_event timing): mean / median µs per forward in grad and training "
                "mode; before each, synchronize, then a fresh 256 MB tensor filled and freed; synchronize after.",
+    "training": "**Training**: mean / median µs per training step (module in training mode, parameters requiring "
+                "grad, x not; gradients set to None, forward, backward of a fixed random output gradient), L2 "
+                "flushed and the device synchronized before each step, synchronized after.",
+    "training_queued": "**Training, queued**: mean / median µs per training step, each between CUDA events after "
+                       "an L2 flush, one synchronize at the end.",
+    "training_memory": "**Training, memory**: peak MB allocated during one step beyond what was allocated before "
+                       "it (gradients None), and its ratio to eager's.",
+    "training_grads": "**Training, gradients**: the largest max abs error of a contender's fp32 gradients (x's "
+                      "and the ten weights') against the reference evaluated in float64 with the same weights, x "
+                      "and output gradient; in brackets the worst ratio, gradient by gradient, to eager's (fp32 "
+                      "PyTorch's own) error.",
 }
 HOST_LABELS = {"module_no_grad": "fastaxial module, no_grad",
                "module_inference_mode": "fastaxial module, inference_mode",
@@ -408,18 +576,79 @@ def queued_table(report):
 
 def protocol_table(report, key):
     """The synchronized or harness table; failed contenders' errors listed below it."""
-    names = list(report["shapes"][0][key])
-    lines = [TITLES[key], "", "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | speedup vs fastest other |",
+    return timing_table(TITLES[key], report["shapes"], lambda s: s[key])
+
+
+def timing_table(title, shapes, rows_of):
+    """Mean / median µs per contender and shape, fastaxial's speedup vs the fastest other; errors below."""
+    names = list(rows_of(shapes[0]))
+    lines = [title, "", "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | speedup vs fastest other |",
              "|---" * (len(names) + 2) + "|"]
     errors = []
-    for s in report["shapes"]:
-        rows = s[key]
+    for s in shapes:
+        rows = rows_of(s)
         others = [v for k, v in speedups(rows).items() if k != "fastaxial"]
         fastest = f"{min(others):.2f}x" if others else "-"
-        lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cell(rows[n]) for n in names) + f" | {fastest} |")
+        lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cell(rows.get(n, {})) for n in names)
+                     + f" | {fastest} |")
         errors += [f"- {shape_label(s['shape'])} {n}: {r['error'].splitlines()[0]}"
                    for n, r in rows.items() if "error" in r]
     return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def _training_protocol(s, key):
+    """A shape's training rows under one protocol: {contender: stats}, or {error} where it failed before."""
+    rows = s["training"]["contenders"]
+    return {n: r[key] if key in r else {"error": r.get("error", "not measured")} for n, r in rows.items()}
+
+
+def _sci(v):
+    return "-" if v is None else f"{v:.1e}"
+
+
+def training_tables(report):
+    """The training protocol: steps synchronized (the speedups) and queued, peak memory, gradient errors,
+    and the dropout rows."""
+    shapes = report["shapes"]
+    names = list(shapes[0]["training"]["contenders"])
+    parts = [timing_table(TITLES["training"] + " Speedup = contender mean / fastaxial mean.", shapes,
+                          lambda s: _training_protocol(s, "synchronized")),
+             timing_table(TITLES["training_queued"], shapes, lambda s: _training_protocol(s, "queued"))]
+    header = ["| shape (B, H, W, D, heads) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    if report["device"] != "CPU":
+        note = (" compile+cudagraph's buffers live in its CUDA graph pool, reserved at capture: its figure "
+                "counts only what a replayed step allocates outside that pool." if "compile+cudagraph" in names else "")
+        lines = [TITLES["training_memory"] + note, ""] + header
+        for s in shapes:
+            cells = []
+            for n in names:
+                r = s["training"]["contenders"][n]
+                peak, ratio = r.get("peak_bytes"), r.get("peak_over_eager")
+                cells.append("-" if peak is None else f"{peak / 2**20:.1f}" + (f" ({ratio:.2f}x)" if ratio else ""))
+            lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    lines = [TITLES["training_grads"], ""] + header
+    for s in shapes:
+        cells = []
+        for n in names:
+            r = s["training"]["contenders"][n]
+            errs = [e for e in r.get("grad_max_abs_err", {}).values() if e is not None]
+            ratios = [v for v in r.get("grad_err_over_eager", {}).values() if v is not None]
+            c = _sci(max(errs)) if errs else "-"
+            cells.append(c + (f" ({max(ratios):.2f}x)" if ratios and n != "eager" else ""))
+        lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cells) + " |")
+    parts.append("\n".join(lines))
+    d = report.get("training_dropout")
+    if d:
+        lines = [f"**Training with dropout**, shape {shape_label(d['shape'])}: the modules built with dropout "
+                 f"{d['dropout']} in training mode, mean / median µs per step synchronized, against the same "
+                 f"modules without dropout. fastaxial with dropout active runs the reference PyTorch math.", "",
+                 "| module | dropout | no dropout | dropout / no dropout |", "|---|---|---|---|"]
+        for n, r in d["rows"].items():
+            ratio = f"{r['over_no_dropout']:.2f}x" if "over_no_dropout" in r else "error"
+            lines.append(f"| {n} | {cell(r.get('dropout', {}))} | {cell(r.get('no_dropout', {}))} | {ratio} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def host_table(report):
@@ -448,6 +677,8 @@ def markdown(report):
     parts += [protocol_table(report, k) for k in ("synchronized", "harness") if k in report["shapes"][0]]
     if "host" in report:
         parts.append(host_table(report))
+    if "training" in report["shapes"][0]:
+        parts.append(training_tables(report))
     return "\n\n".join(parts) + "\n"
 
 
@@ -456,25 +687,33 @@ def chart(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(report["shapes"][0]["results"])
-    labels = [shape_label(s["shape"], ",") for s in report["shapes"]]
-    fig, ax = plt.subplots(figsize=(max(6, 2 * len(labels)), 4))
-    width = 0.8 / len(names)
-    for i, n in enumerate(names):
-        ax.bar([j + i * width for j in range(len(labels))], [s["results"][n]["mean_us"] for s in report["shapes"]],
-               width, label=n)
-    ax.set_yscale("log")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=8)
-    ax.set_ylabel("µs per forward (mean, log scale)")
-    ax.set_title(f"fastaxial vs PyTorch, fp32, {report['device']}")
-    ax.legend(fontsize=8)
+    shapes = report["shapes"]
+    labels = [shape_label(s["shape"], ",") for s in shapes]
+    panels = [(lambda s: s["results"], "µs per forward (queued, mean, log scale)",
+               f"fastaxial vs PyTorch, fp32, {report['device']}")]
+    if "training" in shapes[0]:
+        panels.append((lambda s: _training_protocol(s, "synchronized"),
+                       "µs per training step (synchronized, mean, log scale)", "Training step: forward + backward"))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 2 * len(labels)), 4 * len(panels)), squeeze=False)
+    for ax, (rows_of, ylabel, title) in zip(axes[:, 0], panels):
+        names = list(rows_of(shapes[0]))
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            # A contender that failed on a shape gets no bar there.
+            heights = [rows_of(s).get(n, {}).get("mean_us", 0) for s in shapes]
+            ax.bar([j + i * width for j in range(len(labels))], heights, width, label=n)
+        ax.set_yscale("log")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=PROTOCOLS,
-        harness_iters=HARNESS_ITERS, host_calls=None):
+def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=DEFAULT_PROTOCOLS,
+        harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None):
     """Benchmarks every shape under the protocols asked for (queued always), writes bench.json, bench.md
     and bench.png to out when given, and returns the report."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -486,8 +725,15 @@ def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, proto
               "ceilings": device_ceilings(device, timer), "shapes": []}
     for shape in shapes:
         log(f"[bench] shape {shape} on {name}")
-        report["shapes"].append(bench_shape(shape, device, timer, iters, warmup, compile_, protocols, harness_iters))
+        report["shapes"].append(bench_shape(shape, device, timer, iters, warmup, compile_, protocols, harness_iters,
+                                            training_iters=training_iters))
+        if "training" in protocols:
+            log(f"[bench] training table, shape {shape}: {report['shapes'][-1]['training']['wall_s']:.1f} s")
     add_floors(report)
+    if "training" in protocols:
+        log(f"[bench] training with dropout {TRAINING_DROPOUT}, shape {DEFAULT_SHAPE}")
+        report["training_dropout"] = training_dropout_rows(
+            DEFAULT_SHAPE, device, timer, training_iters or default_training_iters(device), warmup)
     if "host" in protocols:
         log(f"[bench] host time per call, shape {shapes[0]}")
         report["host"] = host_rows(shapes[0], device, host_calls or default_iters(device))
@@ -526,19 +772,22 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=None, help=ITERS_HELP + "; queued and synchronized")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile contenders")
-    p.add_argument("--protocols", type=parse_protocols, default=PROTOCOLS,
-                   help=f"comma-separated, from {','.join(PROTOCOLS)} (default all; queued always runs)")
+    p.add_argument("--protocols", type=parse_protocols, default=DEFAULT_PROTOCOLS,
+                   help=f"comma-separated, from {','.join(PROTOCOLS)} (default {','.join(DEFAULT_PROTOCOLS)}; "
+                   "queued always runs)")
     p.add_argument("--harness-iters", type=int, default=HARNESS_ITERS,
                    help=f"timed forwards per contender under the harness protocol (default {HARNESS_ITERS})")
     p.add_argument("--host-calls", type=int, default=None,
                    help="back-to-back calls per host-time repetition (default 200 CUDA, 20 CPU)")
+    p.add_argument("--training-iters", type=int, default=None,
+                   help="timed training steps per contender, synchronized and queued each (default 30 CUDA, 10 CPU)")
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     shapes = {"all": SHAPES, "default": [DEFAULT_SHAPE]}.get(a.shapes) or [parse_shape(s) for s in a.shapes.split(";")]
     iters = a.iters or default_iters(device)
     report = run(shapes, device, iters, a.warmup, not a.no_compile, a.out, protocols=a.protocols,
-                 harness_iters=a.harness_iters, host_calls=a.host_calls)
+                 harness_iters=a.harness_iters, host_calls=a.host_calls, training_iters=a.training_iters)
     print(markdown(report))
     print(f"wrote {a.out}/bench.json, bench.md, bench.png")
 

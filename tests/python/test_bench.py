@@ -63,3 +63,89 @@ def test_main_job_on_cpu():
     assert lines[0].startswith("fastaxial (1, 4, 4, 16, 2) on CPU: correct"), lines[0]
     assert "| contender | queued µs | speedup | synchronized µs | speedup | harness µs | speedup |" in done.stdout
     assert "**Host**" in done.stdout
+
+
+# H != W, two sequences per axis: the training table's tiny problem.
+TRAIN_SHAPE = (2, 5, 6, 16, 2)
+
+
+def test_training_table(tmp_path):
+    report = bench.run([TRAIN_SHAPE], torch.device("cpu"), iters=1, warmup=1, compile_=False, out=tmp_path,
+                       log=lambda m: None, protocols=("training",), training_iters=2)
+    assert report["protocols"] == ["queued", "training"]
+    assert "synchronized" not in report["shapes"][0] and "host" not in report
+    t = report["shapes"][0]["training"]
+    rows = t["contenders"]
+    assert set(rows) == {"fastaxial", "eager", "sdpa"}  # without compile; compile+cudagraph is CUDA only
+    assert t["iters"] == 2 and positive(t["wall_s"])
+    assert set(t["grad_abs_max"]) == set(bench.GRAD_NAMES) and len(bench.GRAD_NAMES) == 11
+    for name, r in rows.items():
+        assert "error" not in r, (name, r)
+        for key in ("synchronized", "queued"):
+            assert positive(r[key]["mean_us"], r[key]["median_us"]) and r[key]["iters"] == 2, (name, key, r[key])
+        assert r["peak_bytes"] is None and r["peak_over_eager"] is None  # the allocator's peak: CUDA only
+        assert set(r["grad_max_abs_err"]) == set(r["grad_err_over_eager"]) == set(bench.GRAD_NAMES)
+
+    eager = rows["eager"]["grad_max_abs_err"]
+    for g in bench.GRAD_NAMES:
+        scale = t["grad_abs_max"][g]
+        assert positive(scale)
+        for name, r in rows.items():
+            # Every contender's fp32 gradients at fp32 accuracy against float64...
+            assert 0 <= r["grad_max_abs_err"][g] <= 1e-5 * scale, (name, g, r["grad_max_abs_err"][g], scale)
+        # ...and fastaxial's (the fused CPU backward) no worse than twice fp32 PyTorch's own error, plus a
+        # floor of one fp32 epsilon times the gradient's largest magnitude for errors that land near zero.
+        got = rows["fastaxial"]["grad_max_abs_err"][g]
+        assert got <= 2 * eager[g] + 2**-23 * scale, (g, got, eager[g], scale)
+        assert rows["eager"]["grad_err_over_eager"][g] == 1.0
+
+    d = report["training_dropout"]
+    assert d["shape"] == bench.shape_dict(bench.DEFAULT_SHAPE) and d["dropout"] == 0.1
+    assert set(d["rows"]) == {"fastaxial", "eager"}
+    for name, r in d["rows"].items():
+        assert "error" not in r, (name, r)
+        assert positive(r["dropout"]["mean_us"], r["no_dropout"]["mean_us"], r["over_no_dropout"]), (name, r)
+        assert math.isclose(r["over_no_dropout"], r["dropout"]["mean_us"] / r["no_dropout"]["mean_us"])
+
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    md = (tmp_path / "bench.md").read_text()
+    assert md == bench.markdown(report)
+    for title in ("**Training**", "**Training, queued**", "**Training, gradients**", "**Training with dropout**"):
+        assert title in md
+    assert "**Training, memory**" not in md  # nothing to report on the CPU
+    assert "| shape (B, H, W, D, heads) | fastaxial | eager | sdpa | speedup vs fastest other |" in md
+    assert "| (2, 5, 6, 16, 2) | " in md.split("**Training**")[1]
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_training_records_a_failing_contender(monkeypatch, tmp_path):
+    """A contender that cannot train (as compile+cudagraph may not) is a row with its error, not a crash."""
+    plain = bench.contenders
+
+    def with_a_broken_one(ref, new, device, compile_=True):
+        def broken(x):
+            raise RuntimeError("cannot train\nsecond line")
+        return {**plain(ref, new, device, compile_), "broken": broken}
+
+    monkeypatch.setattr(bench, "contenders", with_a_broken_one)
+    B, H, W, D, heads = TRAIN_SHAPE
+    torch.manual_seed(0)
+    ref = bench.reference.AxialAttentionReference(D, heads, H, W).train()
+    new = bench.AxialAttention(D, heads, H, W).train()
+    new.load_state_dict(ref.state_dict())
+    x, g = torch.randn(B, H, W, D), torch.randn(B, H, W, D)
+    t = bench.training_rows(ref, new, x, g, torch.device("cpu"), bench.Timer(torch.device("cpu")), iters=1,
+                            warmup=0, compile_=False)
+    rows = t["contenders"]
+    assert list(rows) == ["fastaxial", "eager", "sdpa", "broken"]
+    assert rows["broken"]["error"] == "RuntimeError: cannot train\nsecond line"
+    assert "synchronized" not in rows["broken"] and "grad_max_abs_err" not in rows["broken"]
+    assert all(w.grad is None for w in ref.weights() + new.weights())  # gradients left cleared
+    report = {"device": "CPU", "shapes": [{"shape": bench.shape_dict(TRAIN_SHAPE), "training": t}]}
+    md = bench.training_tables(report)
+    assert "- (2, 5, 6, 16, 2) broken: RuntimeError: cannot train" in md and "second line" not in md
+
+
+def test_training_is_asked_for_not_default():
+    assert "training" in bench.PROTOCOLS and "training" not in bench.DEFAULT_PROTOCOLS
+    assert bench.parse_protocols("training,queued") == ("queued", "training")
