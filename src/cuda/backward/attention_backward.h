@@ -1,0 +1,57 @@
+// The backward of one attention pass of the staged path (attention_backward.cu):
+// for every sequence n and head h, with q_h, k_h, v_h, o_h and d_o_h (L, hd)
+// and scale = 1 / sqrt(hd),
+//   S = scale q_h k_h^T,  P = exp(S - lse),  dP = d_o_h v_h^T,
+//   dS = P * (dP - delta),  delta = rowsum(d_o_h * o_h),
+//   dq_h = scale dS k_h,  dk_h = scale dS^T q_h,  dv_h = P^T d_o_h
+// from the forward's qkv rows, its output o and its log-sum-exp
+// (flash_attention with FlashArgs::lse), P recomputed tile by tile and never
+// stored. fp32 FFMA throughout, and deterministic: every output element is
+// summed by one thread in a fixed order (no atomics), so two calls give
+// bitwise identical results.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../common/axis.h"
+#include "../../common/plan.h"  // DeviceCaps
+
+namespace fastaxial::cuda {
+
+struct AttentionBackwardArgs {
+  // Sequence n, position l -> row of qkv, o, d_o and dqkv: offsets in rows,
+  // not floats (as FlashArgs::pos).
+  AxisView pos;
+  const float* qkv = nullptr;  // (T, 3D): row r is [q | k | v], head h at columns h*hd .. h*hd + hd - 1 of each part
+  const float* o = nullptr;    // (T, D): the forward's attention output (flash_attention's o)
+  const float* d_o = nullptr;  // (T, D): gradient of the loss with respect to o
+  const float* lse = nullptr;  // (num_seq, heads, L): flash_attention's lse (natural log, of the scaled scores)
+  float* delta = nullptr;      // (num_seq, heads, L) scratch the launcher fills: rowsum(d_o_h * o_h) per head
+  // (T, 3D) output, qkv's layout: [dq | dk | dv]. Every column of every row
+  // the view addresses is written (nothing accumulated into); other rows
+  // are left alone.
+  float* dqkv = nullptr;
+  int D = 0, heads = 0;  // hd = D / heads
+};
+
+// True when the kernels serve this head_dim (1..256).
+bool attention_backward_supports(int64_t head_dim);
+
+// The largest shared memory one of the launch's kernels takes for this
+// head_dim (the launch fails where the device gives a block less); 0 where
+// the head_dim is not supported.
+size_t attention_backward_smem_bytes(int64_t head_dim);
+
+// Launches three kernels on `stream`, each a programmatic dependent of the
+// one before it (detail/launch.cuh): delta, then dk and dv, then dq. Errors:
+// cudaErrorInvalidValue for sizes it does not serve (heads not dividing D,
+// head_dim outside 1..256, L >= 2^30, more than 2^31 - 1 blocks),
+// cudaErrorInvalidConfiguration where the device gives a block less shared
+// memory than the head_dim needs, else the launches' errors. An empty
+// problem (no sequences or L = 0) launches nothing.
+cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream);
+
+}  // namespace fastaxial::cuda

@@ -1,0 +1,415 @@
+// The attention backward (src/cuda/backward/attention_backward.cu) on its
+// own: dq, dk and dv of one attention pass against float64 on the host,
+// from random qkv and d_o, with o and lse from the forward's flash kernel as
+// the backward gets them. Views as the row and column passes give them,
+// lengths across the kernels' query and key tiles, head dims across their
+// padded sizes, aligned and misaligned tensors (16-byte and 4-byte copies);
+// two calls bitwise equal; the rules without a device. Skipped without one.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../../src/common/axis.h"
+#include "../../src/common/plan.h"
+#include "../../src/cuda/backward/attention_backward.h"
+#include "../../src/cuda/staged/flash_attention.h"
+#include "cuda_test_util.h"
+
+namespace fastaxial::test {
+namespace {
+
+constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
+constexpr int64_t kGuardRows = 3;          // rows of dqkv past the T the views address
+constexpr int64_t kGuardDelta = 67;        // delta elements past (num_seq, heads, L)
+
+bool is_poison(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u == kPoison;
+}
+
+struct Case {
+  int L, hd, heads;
+  bool col;      // the column pass's view of a (B, L, other) grid, else the row pass's of (B, other, L)
+  int B, other;  // batch, and the grid's extent along the other axis
+  int used;      // sequences the view covers (0: all of B * other); the other rows must stay untouched
+  int misalign;  // qkv, d_o and dqkv passed this many floats past a 16-byte boundary (the 4-byte copies)
+};
+
+std::string case_name(const Case& c) {
+  return "L" + std::to_string(c.L) + "_hd" + std::to_string(c.hd) + "_heads" + std::to_string(c.heads) +
+         (c.col ? "_col" : "_row") + "_B" + std::to_string(c.B) + "x" + std::to_string(c.other) +
+         (c.used ? "_used" + std::to_string(c.used) : "") +
+         (c.misalign ? "_misalign" + std::to_string(c.misalign) : "");
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
+
+// A case's sizes, its view in rows (as the staged path gives it to the
+// kernels) and its random inputs.
+struct Problem {
+  int64_t D = 0, T = 0, N = 0, L = 0, hd = 0, heads = 0;
+  AxisView view{};
+  std::vector<float> qkv, d_o;  // (T, 3D), (T, D)
+};
+
+Problem make_problem(const Case& c) {
+  Problem pr;
+  pr.D = (int64_t)c.hd * c.heads, pr.L = c.L, pr.hd = c.hd, pr.heads = c.heads;
+  AxialParams p;
+  p.batch = c.B, p.dim = pr.D, p.heads = c.heads;
+  p.height = c.col ? c.L : c.other;
+  p.width = c.col ? c.other : c.L;
+  const AxisView fv = c.col ? col_view(p) : row_view(p);
+  pr.view = {c.used ? c.used : fv.num_seq, fv.len, fv.inner, fv.seq_stride / pr.D, fv.pos_stride / pr.D,
+             fv.batch_stride / pr.D};
+  pr.T = p.batch * p.height * p.width, pr.N = pr.view.num_seq;
+  std::mt19937 rng(7654321u + 7919u * (uint32_t)(c.L * 3 + c.hd * 5 + c.heads * 7 + c.B * 11 + c.other * 13));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  pr.qkv.resize((size_t)(pr.T * 3 * pr.D));
+  pr.d_o.resize((size_t)(pr.T * pr.D));
+  for (float& x : pr.qkv) x = normal(rng);
+  for (float& x : pr.d_o) x = normal(rng);
+  return pr;
+}
+
+// The GPU's side of a case: o and lse from flash_attention, then
+// attention_backward into a dqkv filled with `fill` bytes; dqkv
+// ((T + kGuardRows) 3D) and delta (+ kGuardDelta) copied back.
+void run_gpu(const Problem& pr, int misalign, int fill, const DeviceCaps& dev, std::vector<float>* dqkv,
+             std::vector<float>* delta) {
+  const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
+  const size_t dqkv_n = (size_t)((T + kGuardRows) * 3 * D), delta_n = (size_t)(lse_n + kGuardDelta);
+  const DevicePtr qkv = device_alloc(pr.qkv.size() + misalign), d_o = device_alloc(pr.d_o.size() + misalign),
+                  o = device_alloc((size_t)(T * D)), lse = device_alloc((size_t)lse_n), dl = device_alloc(delta_n),
+                  dq = device_alloc(dqkv_n + misalign);
+  ASSERT_TRUE(qkv && d_o && o && lse && dl && dq);
+  float* qkv_at = qkv.get() + misalign;
+  float* d_o_at = d_o.get() + misalign;
+  float* dqkv_at = dq.get() + misalign;
+  CUDA_OK(cudaMemcpy(qkv_at, pr.qkv.data(), pr.qkv.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(d_o_at, pr.d_o.data(), pr.d_o.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(dqkv_at, fill, dqkv_n * sizeof(float)));
+  CUDA_OK(cudaMemset(dl.get(), 0xff, delta_n * sizeof(float)));
+
+  cuda::FlashArgs f;
+  f.pos = pr.view, f.qkv = qkv_at, f.o = o.get(), f.lse = lse.get(), f.D = (int)D, f.heads = (int)pr.heads;
+  CUDA_OK(cuda::flash_attention(f, dev, nullptr));
+  cuda::AttentionBackwardArgs a;
+  a.pos = pr.view, a.qkv = qkv_at, a.o = o.get(), a.d_o = d_o_at, a.lse = lse.get(), a.delta = dl.get();
+  a.dqkv = dqkv_at, a.D = (int)D, a.heads = (int)pr.heads;
+  CUDA_OK(cuda::attention_backward(a, dev, nullptr));
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  dqkv->resize(dqkv_n);
+  delta->resize(delta_n);
+  CUDA_OK(cudaMemcpy(dqkv->data(), dqkv_at, dqkv_n * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(delta->data(), dl.get(), delta_n * sizeof(float), cudaMemcpyDeviceToHost));
+}
+
+// How far each gradient element moves, to first order, per unit of error in
+// every lse entry (*_lse) and in every o entry (*_o) that the backward is
+// given: the forward's own error, which goes beyond plain fp32.
+struct Sensitivity {
+  std::vector<double> dq_lse, dq_o, dk_lse, dk_o, dv_lse;  // (L, hd) each
+  double mag = 0.0;                                        // max over (i, j) of scale sum_c |q_ic k_jc|
+};
+
+// dq, dk, dv (L, hd each) of one (sequence, head) in precision R, the
+// formulas as written, sums in order: q, k, v, g (= d_o) are (L, hd).
+// With sens (R = double), the sensitivities too.
+template <typename R>
+void head_grads(const float* q, const float* k, const float* v, const float* g, int64_t L, int64_t hd,
+                std::vector<R>* dq, std::vector<R>* dk, std::vector<R>* dv, Sensitivity* sens) {
+  const R scale = R(1) / std::sqrt(R(hd));
+  std::vector<R> P((size_t)(L * L)), dS((size_t)(L * L)), o((size_t)hd);
+  std::vector<double> s_lse, s_o;  // sensitivities of dS to lse and o
+  if (sens) s_lse.resize((size_t)(L * L)), s_o.resize((size_t)(L * L));
+  for (int64_t i = 0; i < L; ++i) {
+    const float* qi = q + i * hd;
+    const float* gi = g + i * hd;
+    R* Pi = P.data() + i * L;
+    R m = -std::numeric_limits<R>::infinity();
+    for (int64_t j = 0; j < L; ++j) {
+      R s = 0;
+      double a = 0.0;
+      for (int64_t c = 0; c < hd; ++c) {
+        s += R(qi[c]) * R(k[j * hd + c]);
+        if (sens) a += std::fabs((double)qi[c] * k[j * hd + c]);
+      }
+      Pi[j] = s * scale;
+      m = std::max(m, Pi[j]);
+      if (sens) sens->mag = std::max(sens->mag, a * (double)scale);
+    }
+    R sum = 0;
+    for (int64_t j = 0; j < L; ++j) sum += std::exp(Pi[j] - m);
+    const R lse = m + std::log(sum);
+    std::fill(o.begin(), o.end(), R(0));
+    for (int64_t j = 0; j < L; ++j) {
+      Pi[j] = std::exp(Pi[j] - lse);
+      for (int64_t c = 0; c < hd; ++c) o[c] += Pi[j] * R(v[j * hd + c]);
+    }
+    R delta = 0;
+    double g_abs = 0.0;
+    for (int64_t c = 0; c < hd; ++c) delta += R(gi[c]) * o[c], g_abs += std::fabs((double)gi[c]);
+    for (int64_t j = 0; j < L; ++j) {
+      R dp = 0;
+      for (int64_t c = 0; c < hd; ++c) dp += R(gi[c]) * R(v[j * hd + c]);
+      dS[i * L + j] = Pi[j] * (dp - delta);
+      if (sens) {
+        s_lse[i * L + j] = (double)Pi[j] * std::fabs((double)(dp - delta));  // P (1 + e): dS moves by e P (dp - delta)
+        s_o[i * L + j] = (double)Pi[j] * g_abs;                              // delta moves by up to e sum |g|
+      }
+    }
+  }
+  dq->assign((size_t)(L * hd), R(0));
+  dk->assign((size_t)(L * hd), R(0));
+  dv->assign((size_t)(L * hd), R(0));
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < L; ++j) {
+      const R p = P[i * L + j], ds = dS[i * L + j];
+      for (int64_t c = 0; c < hd; ++c) {
+        (*dv)[j * hd + c] += p * R(g[i * hd + c]);
+        (*dq)[i * hd + c] += ds * R(k[j * hd + c]);
+        (*dk)[j * hd + c] += ds * R(q[i * hd + c]);
+      }
+    }
+  for (R& x : *dq) x *= scale;
+  for (R& x : *dk) x *= scale;
+  if (!sens) return;
+  for (auto* s : {&sens->dq_lse, &sens->dq_o, &sens->dk_lse, &sens->dk_o, &sens->dv_lse})
+    s->assign((size_t)(L * hd), 0.0);
+  for (int64_t i = 0; i < L; ++i)
+    for (int64_t j = 0; j < L; ++j)
+      for (int64_t c = 0; c < hd; ++c) {
+        const double ka = std::fabs((double)k[j * hd + c]), qa = std::fabs((double)q[i * hd + c]);
+        sens->dv_lse[j * hd + c] += (double)P[i * L + j] * std::fabs((double)g[i * hd + c]);
+        sens->dq_lse[i * hd + c] += (double)scale * s_lse[i * L + j] * ka;
+        sens->dq_o[i * hd + c] += (double)scale * s_o[i * L + j] * ka;
+        sens->dk_lse[j * hd + c] += (double)scale * s_lse[i * L + j] * qa;
+        sens->dk_o[j * hd + c] += (double)scale * s_o[i * L + j] * qa;
+      }
+}
+
+// max |x - ref|, NaN counting as infinite.
+double worst_abs(double worst, double x, double ref) {
+  const double e = std::isnan(x) ? std::numeric_limits<double>::infinity() : std::fabs(x - ref);
+  return std::max(worst, e);
+}
+
+// The device as the kernels see it; false (with the reason in *why) where
+// the case cannot run here.
+bool device_for(int hd, DeviceCaps* dev, std::string* why) {
+  if (!have_gpu())
+    *why = "no CUDA device";
+  else if (!read_device_caps(dev))
+    *why = "device attribute query failed";
+  else if (dev->cc_major < 8)
+    *why = "needs compute capability 8.0 or later (the forward's mma.sync tf32)";
+  else if (std::max(cuda::flash_attention_smem_bytes(hd), cuda::attention_backward_smem_bytes(hd)) >
+           (size_t)dev->smem_optin)
+    *why = "head_dim " + std::to_string(hd) + " needs more shared memory than this device gives a block";
+  else
+    return true;
+  return false;
+}
+
+class AttentionBackward : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionBackward, MatchesDoubleReference) {
+  const Case c = GetParam();
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+  ASSERT_TRUE(cuda::attention_backward_supports(c.hd));
+  const Problem pr = make_problem(c);
+  std::vector<float> got, delta;
+  run_gpu(pr, c.misalign, 0xff, dev, &got, &delta);
+  if (HasFatalFailure()) return;
+
+  // Every element of dq, dk and dv against float64, beside the same
+  // formulas in plain fp32 on the host: the kernels' error may be at most
+  // twice the fp32 evaluation's, plus what the forward's o and lse bring
+  // beyond fp32 (test_flash_attention.cpp bounds them: lse within
+  // 1e-6 (1 + max scaled sum |q k|), o within 1e-6 max |v|, beyond twice
+  // fp32's error), carried through the backward's first-order sensitivities.
+  const int64_t D = pr.D, hd = pr.hd, L = pr.L;
+  const char* names[3] = {"dq", "dk", "dv"};
+  double worst[3] = {}, worst32[3] = {}, sens_lse[3] = {}, sens_o[3] = {}, mag = 0.0, vmax = 0.0;
+  std::vector<char> touched((size_t)(pr.T + kGuardRows), 0);
+  std::vector<float> q((size_t)(L * hd)), k((size_t)(L * hd)), v((size_t)(L * hd)), g((size_t)(L * hd));
+  std::vector<double> dq64, dk64, dv64;
+  std::vector<float> dq32, dk32, dv32;
+  Sensitivity sens;
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t h = 0; h < pr.heads; ++h) {
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t row = pr.view.offset(n, l);
+        touched[(size_t)row] = 1;
+        const float* r = pr.qkv.data() + row * 3 * D + h * hd;
+        for (int64_t i = 0; i < hd; ++i) {
+          q[l * hd + i] = r[i], k[l * hd + i] = r[D + i], v[l * hd + i] = r[2 * D + i];
+          g[l * hd + i] = pr.d_o[row * D + h * hd + i];
+          vmax = std::max(vmax, std::fabs((double)r[2 * D + i]));
+        }
+      }
+      head_grads<double>(q.data(), k.data(), v.data(), g.data(), L, hd, &dq64, &dk64, &dv64, &sens);
+      head_grads<float>(q.data(), k.data(), v.data(), g.data(), L, hd, &dq32, &dk32, &dv32, nullptr);
+      mag = std::max(mag, sens.mag);
+      const std::vector<double>* ref[3] = {&dq64, &dk64, &dv64};
+      const std::vector<float>* ref32[3] = {&dq32, &dk32, &dv32};
+      const std::vector<double>* s_lse[3] = {&sens.dq_lse, &sens.dk_lse, &sens.dv_lse};
+      const std::vector<double>* s_o[3] = {&sens.dq_o, &sens.dk_o, nullptr};
+      for (int part = 0; part < 3; ++part)
+        for (int64_t l = 0; l < L; ++l) {
+          const float* out = got.data() + pr.view.offset(n, l) * 3 * D + part * D + h * hd;
+          for (int64_t i = 0; i < hd; ++i) {
+            const size_t e = (size_t)(l * hd + i);
+            worst[part] = worst_abs(worst[part], out[i], (*ref[part])[e]);
+            worst32[part] = worst_abs(worst32[part], (*ref32[part])[e], (*ref[part])[e]);
+            sens_lse[part] = std::max(sens_lse[part], (*s_lse[part])[e]);
+            if (s_o[part]) sens_o[part] = std::max(sens_o[part], (*s_o[part])[e]);
+          }
+        }
+    }
+  for (int part = 0; part < 3; ++part) {
+    const double bound = 2.0 * worst32[part] + 1e-6 * (1.0 + mag) * sens_lse[part] + 1e-6 * vmax * sens_o[part];
+    EXPECT_LE(worst[part], bound) << names[part] << ": fp32 host error " << worst32[part] << ", sensitivity to lse "
+                                  << sens_lse[part] << " and to o " << sens_o[part] << ", max scaled sum |q k| " << mag
+                                  << ", max |v| " << vmax;
+  }
+
+  // Rows the view does not address (and the guard rows past T) untouched;
+  // delta past (N, heads, L) untouched.
+  int64_t written = 0;
+  for (int64_t r = 0; r < pr.T + kGuardRows; ++r) {
+    if (touched[(size_t)r]) continue;
+    for (int64_t i = 0; i < 3 * D; ++i) written += !is_poison(got[(size_t)(r * 3 * D + i)]);
+  }
+  EXPECT_EQ(written, 0) << "elements of rows outside the view written";
+  int64_t delta_written = 0;
+  for (size_t i = (size_t)(pr.N * pr.heads * L); i < delta.size(); ++i) delta_written += !is_poison(delta[i]);
+  EXPECT_EQ(delta_written, 0) << "delta written past (num_seq, heads, L)";
+}
+
+// L across the kernels' tiles (keys a block: 128 up to head_dim 48, 64 up to
+// 128, 32 beyond; queries a step 16 to 32; queries a dq block 128, 64 or
+// 32; keys a dq step 64 down to 16), head_dim across the padded sizes (8,
+// 16, 32, 48, 64, 96, 128, 192, 256), odd ones on the 4-byte copies, aligned
+// ones too where the tensors are misaligned; heads 1..4; row and column
+// views, some leaving sequences out so that stray writes land in rows that
+// must stay poison. The host reference costs about 10 N heads L^2 hd: a few
+// seconds in all.
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackward,
+                         ::testing::Values(Case{1, 3, 2, true, 2, 50, 0, 0}, Case{2, 1, 4, false, 3, 20, 0, 0},
+                                           Case{17, 8, 4, true, 2, 10, 0, 0}, Case{64, 16, 3, false, 1, 12, 9, 0},
+                                           Case{65, 24, 2, true, 1, 8, 5, 0}, Case{130, 32, 2, false, 2, 3, 0, 0},
+                                           Case{257, 64, 1, true, 1, 3, 2, 0}, Case{65, 96, 2, false, 2, 2, 0, 0},
+                                           Case{130, 128, 1, true, 1, 2, 0, 0}, Case{257, 256, 1, false, 1, 1, 0, 0},
+                                           Case{17, 256, 4, true, 2, 2, 0, 0}, Case{1030, 32, 2, false, 1, 1, 0, 0},
+                                           Case{64, 64, 4, false, 2, 4, 0, 1}, Case{130, 3, 3, true, 1, 4, 0, 0},
+                                           Case{2, 128, 2, true, 3, 5, 0, 2}, Case{257, 8, 2, true, 1, 4, 0, 0},
+                                           Case{65, 1, 1, false, 1, 16, 0, 0}, Case{17, 48, 3, false, 2, 5, 0, 3},
+                                           Case{130, 160, 1, false, 1, 2, 0, 0}, Case{64, 40, 2, true, 2, 3, 0, 0},
+                                           Case{1, 256, 1, false, 2, 10, 0, 0}, Case{257, 16, 4, false, 1, 2, 0, 0},
+                                           Case{65, 5, 4, true, 1, 6, 0, 1}, Case{1030, 3, 1, true, 1, 1, 0, 0},
+                                           Case{64, 96, 3, true, 1, 3, 0, 2}, Case{17, 192, 2, false, 1, 3, 0, 0}),
+                         [](const auto& info) { return case_name(info.param); });
+
+// Two calls on the same inputs give bitwise identical gradients, the second
+// into a buffer of zeros rather than NaNs (nothing is accumulated into it).
+class AttentionBackwardDeterminism : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
+  const Case c = GetParam();
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+  const Problem pr = make_problem(c);
+  std::vector<float> first, second, delta;
+  run_gpu(pr, c.misalign, 0xff, dev, &first, &delta);
+  if (HasFatalFailure()) return;
+  run_gpu(pr, c.misalign, 0x00, dev, &second, &delta);
+  if (HasFatalFailure()) return;
+  ASSERT_EQ(first.size(), second.size());
+  // Only the rows the view addresses: the others keep each buffer's fill.
+  int64_t differ = 0, rows = 0;
+  const int64_t W = 3 * pr.D;
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t l = 0; l < pr.L; ++l, ++rows) {
+      const size_t at = (size_t)(pr.view.offset(n, l) * W);
+      differ += std::memcmp(first.data() + at, second.data() + at, (size_t)W * sizeof(float)) != 0;
+    }
+  EXPECT_EQ(differ, 0) << "of " << rows << " rows differ between two calls";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardDeterminism,
+                         ::testing::Values(Case{1030, 64, 2, true, 1, 2, 0, 0}, Case{517, 128, 2, false, 1, 2, 0, 0},
+                                           Case{300, 5, 3, false, 2, 3, 0, 1}, Case{333, 256, 1, true, 1, 2, 0, 0}),
+                         [](const auto& info) { return case_name(info.param); });
+
+// An empty problem launches nothing: dqkv keeps its poison.
+TEST(AttentionBackwardEmpty, WritesNothing) {
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(8, &dev, &why)) GTEST_SKIP() << why;
+  const DevicePtr dqkv = device_alloc(3 * 16), dummy = device_alloc(16);
+  ASSERT_TRUE(dqkv && dummy);
+  CUDA_OK(cudaMemset(dqkv.get(), 0xff, 3 * 16 * sizeof(float)));
+  cuda::AttentionBackwardArgs a;
+  a.qkv = dummy.get(), a.o = dummy.get(), a.d_o = dummy.get(), a.lse = dummy.get(), a.delta = dummy.get();
+  a.dqkv = dqkv.get(), a.D = 16, a.heads = 2;
+  a.pos = {0, 5, 1, 5, 1, 5};  // no sequences
+  CUDA_OK(cuda::attention_backward(a, dev, nullptr));
+  a.pos = {3, 0, 1, 0, 1, 0};  // sequences of length 0
+  CUDA_OK(cuda::attention_backward(a, dev, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> out(3 * 16);
+  CUDA_OK(cudaMemcpy(out.data(), dqkv.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  for (float x : out) EXPECT_TRUE(is_poison(x));
+}
+
+// The host-side rules, without a device.
+TEST(AttentionBackwardRules, SupportedHeadDims) {
+  EXPECT_FALSE(cuda::attention_backward_supports(0));
+  EXPECT_FALSE(cuda::attention_backward_supports(257));
+  EXPECT_EQ(cuda::attention_backward_smem_bytes(0), 0u);
+  EXPECT_EQ(cuda::attention_backward_smem_bytes(257), 0u);
+  for (int64_t hd = 1; hd <= 256; ++hd) {
+    ASSERT_TRUE(cuda::attention_backward_supports(hd)) << hd;
+    const size_t bytes = cuda::attention_backward_smem_bytes(hd);
+    EXPECT_GT(bytes, 0u) << hd;
+    EXPECT_LE(bytes, 105u * 1024u) << hd;  // two blocks a multiprocessor on Hopper (228 KB)
+  }
+}
+
+TEST(AttentionBackwardRules, RejectsSizesItDoesNotServe) {
+  DeviceCaps dev;  // not reached: the checks come before any CUDA call
+  cuda::AttentionBackwardArgs a;
+  a.pos = {1, 4, 1, 4, 1, 4};
+  a.D = 12, a.heads = 5;  // heads do not divide D
+  EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+  a.D = 257 * 2, a.heads = 2;  // head_dim 257
+  EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+  a.D = 8, a.heads = 0;
+  EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+  a.D = 8, a.heads = 1, a.pos.len = int64_t{1} << 30;  // L too long
+  EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+  a.pos.len = -1;
+  EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+  a.pos.len = 4, a.pos.num_seq = 0;  // nothing to do: no launch
+  EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaSuccess);
+  a.pos.num_seq = 3, a.pos.len = 0;
+  EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace fastaxial::test
