@@ -1,11 +1,12 @@
 // Defines the operators once: axial_attention, with its CPU, CUDA and
 // Autograd kernels in ops_cpu.cpp, ops_cuda.cpp and ops_autograd.cpp and its
 // fake kernel in python/fastaxial/ops.py; axial_attention_backward, its fused
-// backward (CPU so far; on CUDA the autograd kernel differentiates the
-// reference math); and describe_cuda_plan, which says which CUDA kernels a
-// forward of x would run (ops_cuda.cpp).
+// backward (CPU and CUDA kernels beside the forward's, and a fake kernel);
+// and describe_cuda_plan, which says which CUDA kernels a forward of x would
+// run (ops_cuda.cpp).
 #include "ops.h"
 
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 namespace fastaxial::torch_binding {
@@ -56,6 +57,29 @@ Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at
   return c;
 }
 
+BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const std::array<bool, 11>& output_mask) {
+  TORCH_CHECK_VALUE(grad_out.sizes() == c.x.sizes(), "fastaxial.axial_attention_backward: grad_out must have x's "
+                    "shape ", c.x.sizes(), ", got ", grad_out.sizes());
+  TORCH_CHECK_TYPE(grad_out.scalar_type() == at::kFloat, "fastaxial.axial_attention_backward: grad_out must be "
+                   "float32, got ", grad_out.scalar_type());
+  TORCH_CHECK(grad_out.device() == c.x.device(), "fastaxial.axial_attention_backward: grad_out is on ",
+              grad_out.device(), " but x is on ", c.x.device());
+  BackwardCall b;
+  b.grad_out = grad_out.contiguous();
+  b.grads.grad_out = b.grad_out.data_ptr<float>();
+  float** slots[11] = {&b.grads.grad_x,         &b.grads.row.norm_weight, &b.grads.row.norm_bias,
+                       &b.grads.row.qkv_weight, &b.grads.row.out_weight,  &b.grads.row.out_bias,
+                       &b.grads.col.norm_weight, &b.grads.col.norm_bias,  &b.grads.col.qkv_weight,
+                       &b.grads.col.out_weight, &b.grads.col.out_bias};
+  const auto inputs = c.inputs();
+  for (int i = 0; i < 11; ++i)
+    if (output_mask[i]) {
+      b.outputs.push_back(at::empty_like(*inputs[i], at::MemoryFormat::Contiguous));
+      *slots[i] = b.outputs.back().data_ptr<float>();
+    }
+  return b;
+}
+
 AxialParams Call::params(at::Tensor& out) const {
   AxialParams p = params();
   p.out = out.data_ptr<float>();
@@ -93,7 +117,8 @@ TORCH_LIBRARY(fastaxial, m) {
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05) "
       "-> Tensor");
   // The gradients of axial_attention for the inputs output_mask selects (x, then the ten weights),
-  // in that order. CPU kernel in ops_cpu.cpp; its autograd kernel refuses double backward.
+  // in that order. CPU and CUDA kernels in ops_cpu.cpp and ops_cuda.cpp; the forward's autograd kernel
+  // calls it and refuses double backward.
   m.def(
       "axial_attention_backward(Tensor grad_out, Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, "
       "Tensor row_qkv_weight, Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, "

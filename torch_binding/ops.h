@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <vector>
 
 #include "fastaxial/fastaxial.h"
 
@@ -25,6 +26,16 @@ struct Call {
   // x and the ten weights, in the schema's order.
   std::array<const at::Tensor*, 11> inputs() const;
 };
+
+// The backward's checked gradient of the output and the gradients output_mask asks for
+// (x, then the ten weights), each a fresh contiguous tensor shaped like its input, with `grads`
+// pointing into them (unwanted ones null).
+struct BackwardCall {
+  at::Tensor grad_out;              // contiguous
+  std::vector<at::Tensor> outputs;  // the wanted gradients, in the schema's order
+  AxialGrads grads;
+};
+BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const std::array<bool, 11>& output_mask);
 
 Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at::Tensor& row_norm_bias,
                 const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight, const at::Tensor& row_out_bias,

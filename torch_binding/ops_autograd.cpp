@@ -2,9 +2,10 @@
 // runs per call: under no_grad, or where nothing requires grad, it calls the
 // device kernel straight away; in grad mode it records one node that saves
 // x and the ten weights.
-// The backward: on the CPU the fused operator axial_attention_backward; on
-// CUDA, until its fused kernels exist, the forward recomputed with the
-// reference math in ATen ops (python/fastaxial/reference.py, the same
+// The backward: the operator axial_attention_backward (its fused CPU and
+// CUDA kernels); on devices or head dims those do not serve (CUDA head dims
+// above kCudaBackwardMaxHeadDim, other devices), the forward recomputed with
+// the reference math in ATen ops (python/fastaxial/reference.py, the same
 // function) and differentiated. A second-order gradient is refused.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -95,7 +96,9 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
     const double eps = ctx->saved_data["eps"].toDouble();
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "fastaxial::axial_attention: double backward (create_graph=True) is not supported");
-    if (saved[0].is_cpu()) {
+    // The fused backward (CPU, or CUDA for head dims it serves); else the reference math, differentiated.
+    const int64_t head_dim = saved[0].size(3) / heads;
+    if (saved[0].is_cpu() || (saved[0].is_cuda() && head_dim <= kCudaBackwardMaxHeadDim && cuda_compiled())) {
       std::array<bool, kTensors> mask;
       for (int i = 0; i < kTensors; ++i) mask[i] = ctx->needs_input_grad(i);
       const std::vector<at::Tensor> grads =

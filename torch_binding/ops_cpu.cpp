@@ -29,28 +29,10 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
     double eps, std::array<bool, 11> output_mask) {
   const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes(), "fastaxial.axial_attention_backward: grad_out must have x's shape ",
-                    x.sizes(), ", got ", grad_out.sizes());
-  TORCH_CHECK_TYPE(grad_out.scalar_type() == at::kFloat, "fastaxial.axial_attention_backward: grad_out must be "
-                   "float32, got ", grad_out.scalar_type());
-  TORCH_CHECK(grad_out.device() == x.device(), "fastaxial.axial_attention_backward: grad_out is on ",
-              grad_out.device(), " but x is on ", x.device());
-  const at::Tensor go = grad_out.contiguous();
-  AxialGrads g;
-  g.grad_out = go.data_ptr<float>();
-  float** slots[11] = {&g.grad_x,          &g.row.norm_weight, &g.row.norm_bias, &g.row.qkv_weight,
-                       &g.row.out_weight,  &g.row.out_bias,    &g.col.norm_weight, &g.col.norm_bias,
-                       &g.col.qkv_weight,  &g.col.out_weight,  &g.col.out_bias};
-  const auto inputs = c.inputs();
-  std::vector<at::Tensor> grads;
-  for (int i = 0; i < 11; ++i)
-    if (output_mask[i]) {
-      grads.push_back(at::empty_like(*inputs[i], at::MemoryFormat::Contiguous));
-      *slots[i] = grads.back().data_ptr<float>();
-    }
-  const Status s = backward_cpu(c.params(), g);
+  BackwardCall b = prepare_backward(c, grad_out, output_mask);
+  const Status s = backward_cpu(c.params(), b.grads);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CPU): ", s.message);
-  return grads;
+  return b.outputs;
 }
 
 }  // namespace

@@ -57,12 +57,26 @@ struct AxialParams {
   float* out = nullptr;      // (B, H, W, D) output; may not alias x
   AxisWeights row;           // attention along W
   AxisWeights col;           // attention along H
+
+  // Attention dropout (nn.Dropout on the attention probabilities of both passes, as in
+  // training mode): each probability is zeroed with probability `dropout`, the kept ones
+  // scaled by 1 / (1 - dropout); dropout = 1 zeroes every attention branch. In [0, 1];
+  // 0 (the default) is no dropout, the exact code and results of a forward without it.
+  // The keep mask is a function of (seed, offset, element) alone (Philox4x32-10, defined
+  // in src/common/dropout.h), so the backward, given the same params, regenerates the
+  // forward's mask without storing it; the same (seed, offset) give the same mask on every
+  // call and thread count. Advance offset (or change seed) for a fresh mask. forward_cpu and
+  // backward_cpu apply it; the CUDA entry points refuse dropout > 0 (kUnsupported) for now.
+  float dropout = 0.0f;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
 };
 
 // Checks sizes and pointers; the entry points below call it first.
 Status validate(const AxialParams& p);
 
-// CPU forward. Threads over sequences with OpenMP.
+// CPU forward. Threads over sequences with OpenMP. With p.dropout > 0, attention dropout with the
+// mask of (p.seed, p.offset): the same params and thread count give bitwise the same output.
 Status forward_cpu(const AxialParams& p);
 
 // ---- CPU backward --------------------------------------------------------------------------
@@ -85,6 +99,7 @@ struct AxialGrads {
   AxisGrads row, col;
 };
 // CPU backward of forward_cpu(p): writes (does not accumulate) every non-null gradient of g. p.out is not read (may be null).
+// With p.dropout > 0 it draws the forward's dropout mask again from p.seed and p.offset: pass the forward's params.
 // Deterministic: the same inputs and thread count give bitwise identical gradients (weight gradients are summed per block of
 // sequences in a fixed order, never by atomics or in thread-arrival order).
 // (The blocking depends on the shape alone, so in fact the thread count does not change the result either.)
@@ -172,5 +187,66 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
 
 // Plans p, then runs it: the same as plan_cuda followed by the call above.
 Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_bytes, CUstream_st* stream);
+
+// ---- CUDA backward -------------------------------------------------------------------------
+// The gradients of forward_cuda's output, as backward_cpu gives them, on the GPU: plan, then
+// run with the workspace the plan asks for. Nothing of the forward is kept: the backward runs
+// the forward again for what it needs (each pass's LayerNorm, q, k, v, attention output and
+// softmax log-sum-exp, and the row pass's output), keeping those in the workspace, then goes
+// back through the column pass and the row pass. No L x L matrix is stored: the attention
+// backward recomputes the probabilities tile by tile from the saved log-sum-exp.
+//
+// Precision and order: fp32 throughout. The products (projections and their gradients, and
+// the projection weights' gradients, sums over all B H W positions) are cuBLAS fp32 GEMMs
+// (no TF32); the bias and LayerNorm gradients are column sums in a fixed order; the attention
+// backward is fp32 arithmetic. Deterministic: no floating-point atomics anywhere, so the same
+// inputs on the same GPU give bitwise identical gradients.
+
+// Largest head dim the CUDA backward serves (PyTorch's binding differentiates the reference
+// math for wider heads).
+constexpr int64_t kCudaBackwardMaxHeadDim = 256;
+
+struct CudaBackwardPlan {
+  static constexpr size_t kNone = ~size_t{0};
+
+  // One pass's saved forward, in bytes from the workspace's start (256-byte aligned each).
+  struct Pass {
+    size_t norm = 0;   // (T, D)  LayerNorm output (T = B H W positions)
+    size_t stats = 0;  // (T, 2)  LayerNorm mean and 1 / std per position
+    size_t qkv = 0;    // (T, 3D)
+    size_t attn = 0;   // (T, D)  attention output before the output projection
+    size_t lse = 0;    // (T, heads) softmax log-sum-exp, per (sequence, head, query)
+  };
+  Pass row, col;
+  size_t row_output = 0;       // (T, D) the row pass's output: the column pass's input
+  size_t grad_row_output = 0;  // (T, D) the loss's gradient with respect to it
+  size_t grad_attn = 0;        // (T, D) gradient of a pass's attention output, then LayerNorm scratch
+  size_t grad_qkv = 0;         // (T, 3D)
+  size_t grad_norm = 0;        // (T, D) gradient of a pass's LayerNorm output
+  size_t delta = 0;            // (T, heads) rowsum(dO o O) per head, of the attention backward
+  size_t column_partials = 0;  // (128, D) per-chunk column sums of the bias and LayerNorm weight gradients
+  size_t blas = 0;             // cuBLAS's workspace (its products' scratch)
+  size_t blas_bytes = 0;
+  size_t workspace_bytes = 0;  // the whole workspace
+
+  // What the plan was made for; backward_cuda rejects another problem or device.
+  int64_t batch = 0, height = 0, width = 0, dim = 0, heads = 0;
+  int device = -1;
+
+  std::string describe() const;
+};
+
+// Plans the backward of p on the current CUDA device (p validated first; pointers may be null).
+// kUnsupported for head dims above kCudaBackwardMaxHeadDim, on GPUs below compute capability
+// 8.0, and in a build without CUDA.
+Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan);
+
+// The backward of forward_cuda(p) on `stream`: writes (does not accumulate) every non-null
+// gradient of g, as backward_cpu does, with the same aliasing rules (grad_x may be grad_out).
+// All pointers are device pointers; `workspace` is 256-byte aligned and holds
+// `workspace_bytes` >= plan.workspace_bytes bytes. Launches only: no allocation, no
+// synchronisation, so it can be captured in a graph. p.out is not read.
+Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, void* workspace,
+                     size_t workspace_bytes, CUstream_st* stream);
 
 }  // namespace fastaxial

@@ -230,4 +230,49 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   return Status::Ok();
 }
 
+size_t backward_blas_bytes(const DeviceCaps& dev) { return (dev.cc_major >= 9 ? 32 : 4) << 20; }
+
+Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan) {
+  const int64_t hd = p.dim / p.heads;
+  if (hd > kCudaBackwardMaxHeadDim)
+    return {StatusCode::kUnsupported, "the CUDA backward serves head dims up to " +
+                                          std::to_string(kCudaBackwardMaxHeadDim) + ", got " + std::to_string(hd)};
+  if (dev.cc_major < 8)
+    return {StatusCode::kUnsupported, "the CUDA backward needs a GPU of compute capability 8.0 or newer, got " +
+                                          std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor)};
+  CudaBackwardPlan c;
+  c.batch = p.batch, c.height = p.height, c.width = p.width, c.dim = p.dim, c.heads = p.heads;
+  c.device = dev.device;
+  // Sizes in floats; validate_sizes bounds T D by int64, so only the byte counts can overflow.
+  const size_t T = (size_t)(p.batch * p.height * p.width), D = (size_t)p.dim, heads = (size_t)p.heads;
+  const size_t limit = ~size_t{0} / (4 * sizeof(float));
+  if (T > limit / std::max<size_t>(D, 1) || T > limit / heads) return invalid("the workspace size overflows size_t");
+  const size_t td = T * D * sizeof(float), th = T * heads * sizeof(float);
+  size_t end = 0;
+  bool fits = true;
+  for (CudaBackwardPlan::Pass* pass : {&c.row, &c.col}) {
+    fits = fits && append(&end, td, &pass->norm) && append(&end, 2 * T * sizeof(float), &pass->stats) &&
+           append(&end, 3 * td, &pass->qkv) && append(&end, td, &pass->attn) && append(&end, th, &pass->lse);
+  }
+  fits = fits && append(&end, td, &c.row_output) && append(&end, td, &c.grad_row_output) &&
+         append(&end, td, &c.grad_attn) && append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) &&
+         append(&end, th, &c.delta) &&
+         append(&end, kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
+  c.blas_bytes = backward_blas_bytes(dev);
+  fits = fits && append(&end, c.blas_bytes, &c.blas);
+  if (!fits) return invalid("the workspace size overflows size_t");
+  c.workspace_bytes = end;
+  *plan = c;
+  return Status::Ok();
+}
+
+std::string CudaBackwardPlan::describe() const {
+  std::ostringstream s;
+  s << "backward: forward recomputed (cuBLAS fp32 products, flash attention with log-sum-exp), then column and row "
+       "passes back (cuBLAS fp32 products, flash-style attention backward); workspace "
+    << workspace_bytes << " B, of which cuBLAS " << blas_bytes << " B (B " << batch << ", H " << height << ", W "
+    << width << ", D " << dim << ", heads " << heads << ", device " << device << ")";
+  return s.str();
+}
+
 }  // namespace fastaxial

@@ -47,6 +47,16 @@ Status env_plan_options(PlanOptions* options);
 // The plan of p on dev; p must have passed validate_sizes() (validate.h).
 Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan);
 
+// The plan of p's CUDA backward on dev (fastaxial.h's CudaBackwardPlan); p
+// must have passed validate_sizes().
+Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan);
+
+// Most chunks of rows a column sum of the backward adds separately (backward/column_sums.cu).
+constexpr int64_t kMaxColumnSumChunks = 128;
+
+// cuBLAS's workspace in a backward: its recommendation for Hopper (32 MiB), 4 MiB on older GPUs.
+size_t backward_blas_bytes(const DeviceCaps& dev);
+
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------
 
 // Head dims the fused kernel and the staged path's own attention kernel

@@ -2,6 +2,8 @@
 #include "fastaxial/fastaxial.h"
 #include "validate.h"
 
+#include <array>
+#include <cstdint>
 #include <limits>
 #include <sstream>
 
@@ -34,12 +36,39 @@ Status validate_sizes(const AxialParams& p) {
     return invalid(s.str());
   }
   if (!(p.eps >= 0.0f)) return invalid("eps must be >= 0");
+  if (!(p.dropout >= 0.0f && p.dropout <= 1.0f)) {  // NaN fails both
+    std::ostringstream s;
+    s << "dropout must be in [0, 1], got " << p.dropout;
+    return invalid(s.str());
+  }
+#if defined(FASTAXIAL_NO_RANDOM123)
+  if (p.dropout > 0.0f)
+    return {StatusCode::kUnsupported,
+            "this build has no attention dropout: it was built without Random123 (Debian: librandom123-dev); "
+            "install it and rebuild"};
+#endif
   // B*H*W*D must fit in int64 (every index below is 64-bit).
   const int64_t max = std::numeric_limits<int64_t>::max();
   int64_t n = p.dim;
   for (int64_t v : {p.width, p.height, p.batch}) {
     if (v != 0 && n > max / v) return invalid("B*H*W*D overflows int64");
     n *= v;
+  }
+  // The dropout mask numbers its elements in uint64 (common/dropout.h): B H heads W^2 of the
+  // row pass, then B W heads H^2 of the column pass, which must fit (only absurd grids fail).
+  if (p.dropout > 0.0f) {
+    const uint64_t umax = std::numeric_limits<uint64_t>::max();
+    uint64_t total = 0;
+    for (const auto& f : {std::array<int64_t, 4>{p.batch, p.height, p.width, p.width},
+                          std::array<int64_t, 4>{p.batch, p.width, p.height, p.height}}) {
+      uint64_t c = static_cast<uint64_t>(p.heads);
+      for (int64_t v : f) {
+        if (v != 0 && c > umax / static_cast<uint64_t>(v)) return invalid("the dropout mask's element count overflows uint64");
+        c *= static_cast<uint64_t>(v);
+      }
+      if (c > umax - total) return invalid("the dropout mask's element count overflows uint64");
+      total += c;
+    }
   }
   return Status::Ok();
 }

@@ -6,7 +6,7 @@
 
 namespace fastaxial {
 
-// Sizes, heads and eps alone: what a plan needs of p.
+// Sizes, heads, eps and dropout alone: what a plan needs of p.
 Status validate_sizes(const AxialParams& p);
 
 // validate_sizes, then, where there is a position, x and the ten weights

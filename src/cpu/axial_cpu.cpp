@@ -11,6 +11,10 @@
 // hand loops at these sizes and is header-only. Each sequence is read whole
 // before it is written and sequences are disjoint, so the column pass can run
 // in place on the row pass's output.
+//
+// Attention dropout (p.dropout > 0): each head's unnormalised probabilities are multiplied
+// by the mask's multipliers (0 or 1 / (1 - p), common/dropout.h) after their row sums are
+// taken, before the product with v. With p.dropout = 0 none of this code runs.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -18,6 +22,7 @@
 #include <Eigen/Core>
 
 #include "../common/axis.h"
+#include "../common/dropout.h"
 #include "fastaxial/fastaxial.h"
 
 #ifdef _OPENMP
@@ -33,12 +38,14 @@ using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
 
 struct Scratch {
   Mat x, y, qkv, o, s;
+  Mat m;  // dropout multipliers of one (sequence, head): (L, L)
   Eigen::VectorXf sum;  // softmax denominators, one per query
 };
 
-// One axis: src -> dst (dst may equal src). view says where sequences lie.
+// One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout
+// mask (null: none), pass: 0 rows, 1 columns.
 void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w,
-               const float* src, float* dst) {
+               const float* src, float* dst, const DropoutParams* drop, int pass) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
   const ConstMap wqkv(w.qkv_weight, 3 * D, D);  // (3D, D)
@@ -96,6 +103,11 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
             row = ((row - row.maxCoeff()) * scale).exp();
             t.sum(i) = row.sum();
           }
+          if (drop) {  // the sums are of the undropped probabilities: P = exp / sum, then P o M / (1 - p)
+            t.m.resize(L, L);  // row-major: the (pass, sequence, head)'s L^2 consecutive elements
+            dropout_row(*drop, dropout_element(*drop, pass, n0 + s, h, 0, 0), L * L, t.m.data());
+            t.s.array() *= t.m.array();
+          }
           auto o = t.o.block(s * L, h * hd, L, hd);
           o.noalias() = t.s * val;
           o.array().colwise() /= t.sum.array();
@@ -114,8 +126,10 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
 
 Status forward_cpu(const AxialParams& p) {
   if (Status s = validate(p); !s.ok()) return s;
-  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, p.out);
-  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, p.out, p.out);  // in place
+  const DropoutParams drop = make_dropout(p);
+  const DropoutParams* mask = p.dropout > 0.0f ? &drop : nullptr;  // null: no dropout
+  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, p.out, mask, 0);
+  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, p.out, p.out, mask, 1);  // in place
   return Status::Ok();
 }
 

@@ -14,6 +14,11 @@
 //            dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd),
 //   dWqkv = [dQ|dK|dV]^T y, dy = [dQ|dK|dV] Wqkv, dg = colsum(dy o xhat), db = colsum(dy),
 //   dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
+// With attention dropout (p.dropout > 0; common/dropout.h), M the keep mask and c = 1 / (1 - p):
+//   O = Pd V with Pd = P o M c;  dV = Pd^T dO_h,  dP = (dO_h V^T) o M c,  dS = P o (dP - rowsum(dO_h o O_h))
+// (rowsum(P o dP) = rowsum(Pd o dO_h V^T) = rowsum(dO_h o O_h): the same delta as without dropout).
+// The mask is drawn again from (seed, offset, element), the forward's: nothing of it is stored.
+// With p.dropout = 0 none of this code runs.
 // Recomputing the scores costs one (L, L, hd) product per head more than keeping P would,
 // but keeps memory per thread at one block's worth and one (L, L) matrix, as in the forward.
 //
@@ -37,6 +42,7 @@
 #include <Eigen/Core>
 
 #include "../common/axis.h"
+#include "../common/dropout.h"
 #include "../common/validate.h"
 #include "fastaxial/fastaxial.h"
 
@@ -84,6 +90,7 @@ int max_threads() {
 // Per-thread scratch of one block.
 struct Scratch {
   Mat x, xhat, y, qkv, o, g, dO, dqkv, dy, s, dp;
+  Mat m, pd;  // dropout: the (L, L) multipliers M c of one (sequence, head), and Pd = P o M c
   Eigen::VectorXf rstd, delta;
 };
 
@@ -109,6 +116,12 @@ void gather_norm(const AxisView& v, int64_t n0, int64_t ns, int64_t D, float eps
     }
 }
 
+// The dropout multipliers (0 or c) of sequence n, head h of `pass` into m, (L, L).
+void fill_mask(const DropoutParams& d, int pass, int64_t n, int64_t h, int64_t L, Mat& m) {
+  m.resize(L, L);  // row-major: the (pass, sequence, head)'s L^2 consecutive elements
+  dropout_row(d, dropout_element(d, pass, n, h, 0, 0), L * L, m.data());
+}
+
 // softmax(scale * t.s) row by row, in place, max-subtracted as in the forward.
 void softmax_rows(Mat& s, float scale) {
   for (int64_t i = 0; i < s.rows(); ++i) {
@@ -118,9 +131,10 @@ void softmax_rows(Mat& s, float scale) {
   }
 }
 
-// The row pass's forward, src -> dst (x -> x1), block by block as forward_cpu does it.
+// The row pass's forward, src -> dst (x -> x1), block by block as forward_cpu does it. drop: the
+// dropout mask (null: none), pass: 0 rows, 1 columns.
 void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
-                  float* dst) {
+                  float* dst, const DropoutParams* drop, int pass) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
   const ConstMap wqkv(w.qkv_weight, 3 * D, D), wout(w.out_weight, D, D);
@@ -141,6 +155,10 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
         for (int64_t h = 0; h < heads; ++h) {
           t.s.noalias() = t.qkv.block(s * L, h * hd, L, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
           softmax_rows(t.s, scale);
+          if (drop) {
+            fill_mask(*drop, pass, n0 + s, h, L, t.m);
+            t.s.array() *= t.m.array();  // Pd
+          }
           t.o.block(s * L, h * hd, L, hd).noalias() = t.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
         }
       t.x.noalias() += t.o * wout.transpose();
@@ -161,8 +179,10 @@ struct PartialLayout {
 // One pass backward. src: the pass's input; dout: the gradient of its output; dsrc (or null):
 // where the gradient of its input goes (may equal dout: each block reads its rows of dout
 // before it writes them, and blocks hold disjoint sequences). Weight gradients into gw.
+// drop: the dropout mask (null: none), pass: 0 rows, 1 columns.
 void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
-                   const float* dout, float* dsrc, const AxisGrads& gw, std::vector<float>& partials) {
+                   const float* dout, float* dsrc, const AxisGrads& gw, std::vector<float>& partials,
+                   const DropoutParams* drop, int pass) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   const bool want_qkv = gw.qkv_weight, want_out = gw.out_weight, want_bout = gw.out_bias;
   const bool want_g = gw.norm_weight, want_b = gw.norm_bias, want_dx = dsrc != nullptr;
@@ -214,12 +234,24 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
             auto o = t.o.block(s * L, h * hd, L, hd);
             t.s.noalias() = q * k.transpose();
             softmax_rows(t.s, scale);  // P
-            o.noalias() = t.s * val;
+            if (!drop) {
+              o.noalias() = t.s * val;
+            } else {
+              fill_mask(*drop, pass, n0 + s, h, L, t.m);
+              t.pd = (t.s.array() * t.m.array()).matrix();  // Pd = P o M c
+              o.noalias() = t.pd * val;
+            }
             if (!want_dqkv) continue;
             const auto dO = t.dO.block(s * L, h * hd, L, hd);
             t.delta = (dO.array() * o.array()).rowwise().sum();               // rowsum(dO_h o O_h)
-            t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = t.s.transpose() * dO;  // dV = P^T dO
-            t.dp.noalias() = dO * val.transpose();                            // dP = dO V^T
+            if (!drop) {
+              t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = t.s.transpose() * dO;  // dV = P^T dO
+              t.dp.noalias() = dO * val.transpose();                            // dP = dO V^T
+            } else {
+              t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = t.pd.transpose() * dO;  // dV = Pd^T dO
+              t.dp.noalias() = dO * val.transpose();                                        // dPd = dO V^T
+              t.dp.array() *= t.m.array();                                                  // dP = dPd o M c
+            }
             // dS (of the scaled scores) times the scale: both dQ and dK carry it.
             t.dp = ((t.dp.colwise() - t.delta).array() * t.s.array() * scale).matrix();
             t.dqkv.block(s * L, h * hd, L, hd).noalias() = t.dp * k;                  // dQ
@@ -300,7 +332,9 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
 
   const AxisView rv = row_view(p), cv = col_view(p);
   std::unique_ptr<float[]> x1(new float[T * D]);
-  forward_pass(rv, D, p.heads, p.eps, p.row, p.x, x1.get());
+  const DropoutParams drop = make_dropout(p);
+  const DropoutParams* mask = p.dropout > 0.0f ? &drop : nullptr;  // null: no dropout
+  forward_pass(rv, D, p.heads, p.eps, p.row, p.x, x1.get(), mask, 0);
 
   // dx1: in grad_x when there is one (the row pass backward then runs in place there).
   std::unique_ptr<float[]> dx1_scratch;
@@ -313,9 +347,9 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
     }
   }
   std::vector<float> partials;
-  backward_pass(cv, D, p.heads, p.eps, p.col, x1.get(), g.grad_out, dx1, g.col, partials);
+  backward_pass(cv, D, p.heads, p.eps, p.col, x1.get(), g.grad_out, dx1, g.col, partials, mask, 1);
   x1.reset();
-  if (want_row) backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials);
+  if (want_row) backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, mask, 0);
   return Status::Ok();
 }
 

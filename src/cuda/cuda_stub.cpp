@@ -22,4 +22,11 @@ Status forward_cuda(const AxialParams& p, const CudaPlan&, void*, size_t, CUstre
 
 Status forward_cuda(const AxialParams& p, void*, size_t, CUstream_st*) { return no_cuda(p); }
 
+Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan*) { return no_cuda(p, false); }
+
+Status backward_cuda(const AxialParams& p, const AxialGrads&, const CudaBackwardPlan&, void*, size_t, CUstream_st*) {
+  if (Status s = validate_inputs(p); !s.ok()) return s;
+  return {StatusCode::kUnsupported, "fastaxial was built without CUDA"};
+}
+
 }  // namespace fastaxial

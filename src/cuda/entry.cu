@@ -1,8 +1,9 @@
-// CUDA entry points of the core API. plan_cuda reads the current device's
-// capabilities (once per device) and hands them to the host-side plan
-// (common/plan.h); forward_cuda checks the plan and the workspace against
-// the call, then runs the row pass into the workspace and the column pass
-// into the output, each on the family the plan chose (kernels.h).
+// CUDA entry points of the core API's forward. plan_cuda reads the current
+// device's capabilities (once per device) and hands them to the host-side
+// plan (common/plan.h); forward_cuda checks the plan and the workspace
+// against the call, then runs the row pass into the workspace and the column
+// pass into the output, each on the family the plan chose (kernels.h). The
+// backward's entry points are in backward/backward.cu.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -12,10 +13,8 @@
 #include "kernels.h"
 
 namespace fastaxial {
-namespace {
+namespace cuda {
 
-// The current device's capabilities, read once per device: the attribute
-// queries cost microseconds per forward.
 Status current_device(DeviceCaps* caps) {
   constexpr int kMaxDevices = 64;
   struct Cached {
@@ -51,6 +50,12 @@ Status current_device(DeviceCaps* caps) {
   *caps = c;
   return Status::Ok();
 }
+
+}  // namespace cuda
+
+namespace {
+
+using cuda::current_device;
 
 Status check_plan(const AxialParams& p, const CudaPlan& plan, int device) {
   if (plan.batch != p.batch || plan.height != p.height || plan.width != p.width || plan.dim != p.dim ||
@@ -89,6 +94,7 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
   DeviceCaps dev;
   if (Status s = current_device(&dev); !s.ok()) return s;
   if (Status s = check_plan(p, plan, dev.device); !s.ok()) return s;
+  if (p.dropout > 0) return {StatusCode::kUnsupported, "attention dropout is not implemented on CUDA yet"};
   if (p.batch * p.height * p.width == 0) return Status::Ok();
   if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
   if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)

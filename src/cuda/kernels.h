@@ -29,6 +29,10 @@
 
 namespace fastaxial::cuda {
 
+// The current device's capabilities, read once per device (entry.cu): the
+// attribute queries cost microseconds a call.
+Status current_device(DeviceCaps* caps);
+
 // The fused kernel. wgmma: the projections on wgmma (the plan's choice);
 // kUnsupported where this build has no sm_90a code.
 Status launch_fused(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
 #include <ostream>
 #include <string>
 #include <random>
@@ -44,12 +46,34 @@ struct AxisData {
   AxisWeights view() const { return {norm_w.data(), norm_b.data(), qkv_w.data(), out_w.data(), out_b.data()}; }
 };
 
+// Attention dropout's keep mask as the references see it: keep(pass, n, h, i, j) says whether
+// the probability of query i, key j of head h in sequence n of pass 0 (rows: n = b H + h) or 1
+// (columns: n = b W + w) is kept. The references know nothing of how it is drawn: a test hands
+// them the kernels' own mask function (src/common/dropout.h), whose draws the kernels repeat.
+using KeepFn = std::function<bool(int pass, int64_t n, int64_t h, int64_t i, int64_t j)>;
+
 struct Problem {
   Shape shape;
   std::vector<float> x;
   AxisData row, col;
   float eps = 1e-5f;  // LayerNorm epsilon: params() passes it, reference_forward() uses it
+  // Attention dropout: params() passes dropout, seed and offset; the references apply `keep`
+  // (required when dropout > 0) and scale kept probabilities by 1 / (1 - dropout) (0 at 1).
+  float dropout = 0.0f;
+  uint64_t seed = 0, offset = 0;
+  KeepFn keep;
 };
+
+// The multiplier of a kept probability, 1 / (1 - p) (0 for p = 1), computed in double as the
+// definition says (common/dropout.h) and then given in Real.
+inline double reference_dropout_scale(float p) { return p >= 1.0f ? 0.0 : 1.0 / (1.0 - static_cast<double>(p)); }
+
+// Whether the references apply dropout to p; aborts on dropout without a mask function.
+inline bool reference_has_dropout(const Problem& p) {
+  if (!(p.dropout > 0.0f)) return false;
+  if (!p.keep) std::abort();  // a test bug: dropout > 0 with no mask to apply
+  return true;
+}
 
 inline Problem random_problem(const Shape& s, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -85,6 +109,9 @@ inline AxialParams params(const Problem& p, float* out) {
   AxialParams a;
   a.batch = p.shape.B, a.height = p.shape.H, a.width = p.shape.W, a.dim = p.shape.D, a.heads = p.shape.heads;
   a.eps = p.eps;
+  a.dropout = p.dropout;
+  a.seed = p.seed;
+  a.offset = p.offset;
   a.x = p.x.data();
   a.out = out;
   a.row = p.row.view();
@@ -92,8 +119,10 @@ inline AxialParams params(const Problem& p, float* out) {
   return a;
 }
 
-// One axis on y (B, H, W, D) in double, in place. along_w: rows, else columns.
-inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisData& w, bool along_w, double eps) {
+// One axis on y (B, H, W, D) in double, in place. along_w: rows, else columns. keep (null: no
+// dropout): the mask, kept probabilities times drop_scale.
+inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisData& w, bool along_w, double eps,
+                           const KeepFn* keep = nullptr, double drop_scale = 1.0) {
   const int64_t D = s.D, hd = D / s.heads, L = along_w ? s.W : s.H, other = along_w ? s.H : s.W;
   auto at = [&](int64_t b, int64_t o, int64_t l) {
     const int64_t h = along_w ? o : l, ww = along_w ? l : o;
@@ -126,6 +155,8 @@ inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisDat
             mx = std::max(mx, p[j]);
           }
           for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
+          if (keep)  // dropout after the softmax's sum: P o M / (1 - p)
+            for (int64_t j = 0; j < L; ++j) p[j] *= (*keep)(along_w ? 0 : 1, b * other + o, h, i, j) ? drop_scale : 0.0;
           for (int64_t c = 0; c < hd; ++c) {
             double acc = 0;
             for (int64_t j = 0; j < L; ++j) acc += p[j] * qkv[j * 3 * D + 2 * D + h * hd + c];
@@ -144,8 +175,10 @@ inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisDat
 // The forward with the problem's eps (as float, the kernels' type, widened).
 inline std::vector<double> reference_forward(const Problem& p) {
   std::vector<double> y(p.x.begin(), p.x.end());
-  reference_axis(y, p.shape, p.row, true, p.eps);
-  reference_axis(y, p.shape, p.col, false, p.eps);
+  const KeepFn* keep = reference_has_dropout(p) ? &p.keep : nullptr;
+  const double c = reference_dropout_scale(p.dropout);
+  reference_axis(y, p.shape, p.row, true, p.eps, keep, c);
+  reference_axis(y, p.shape, p.col, false, p.eps, keep, c);
   return y;
 }
 
@@ -206,11 +239,13 @@ struct RefGrads {
 
 // One axis in Real on the (B, H, W, D) tensor in. along_w: rows, else columns. If out: writes
 // in + the pass's branch there. If dout: the pass's backward, the gradient of its input into din
-// and its weight gradients added into gw.
+// and its weight gradients added into gw. keep (null: no dropout): the mask, kept probabilities
+// times drop_scale: O = Pd V with Pd = P o M c, dV = Pd^T dO, dP = (dO V^T) o M c,
+// dS = P o (dP - rowsum(P o dP)).
 template <typename Real>
 inline void reference_axis_pass(const std::vector<Real>& in, const Shape& s, const AxisData& w, bool along_w, Real eps,
                                 std::vector<Real>* out, const std::vector<Real>* dout, std::vector<Real>* din,
-                                RefAxisGrads<Real>* gw) {
+                                RefAxisGrads<Real>* gw, const KeepFn* keep = nullptr, Real drop_scale = 1) {
   const int64_t D = s.D, hd = D / s.heads, L = along_w ? s.W : s.H, other = along_w ? s.H : s.W, nh = s.heads;
   const Real sq = std::sqrt(static_cast<Real>(hd));
   auto at = [&](int64_t b, int64_t o, int64_t l) {
@@ -218,6 +253,7 @@ inline void reference_axis_pass(const std::vector<Real>& in, const Shape& s, con
     return ((b * s.H + h) * s.W + ww) * D;
   };
   std::vector<Real> xhat(L * D), rstd(L), y(L * D), qkv(L * 3 * D), P(nh * L * L), att(L * D);
+  std::vector<Real> M(keep ? nh * L * L : 0);  // dropout multipliers: 0 or drop_scale
   std::vector<Real> g(L * D), datt(L * D), dqkv(L * 3 * D), dp(L), dy(L * D);
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t o = 0; o < other; ++o) {
@@ -255,9 +291,12 @@ inline void reference_axis_pass(const std::vector<Real>& in, const Shape& s, con
           }
           for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
           for (int64_t j = 0; j < L; ++j) p[j] /= sum;
+          Real* m = keep ? &M[(h * L + i) * L] : nullptr;
+          if (m)
+            for (int64_t j = 0; j < L; ++j) m[j] = (*keep)(along_w ? 0 : 1, b * other + o, h, i, j) ? drop_scale : Real(0);
           for (int64_t c = 0; c < hd; ++c) {
             Real acc = 0;
-            for (int64_t j = 0; j < L; ++j) acc += p[j] * V(j, h, c);
+            for (int64_t j = 0; j < L; ++j) acc += (m ? p[j] * m[j] : p[j]) * V(j, h, c);
             att[i * D + h * hd + c] = acc;
           }
         }
@@ -288,15 +327,17 @@ inline void reference_axis_pass(const std::vector<Real>& in, const Shape& s, con
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t i = 0; i < L; ++i) {
           const Real* p = &P[(h * L + i) * L];
+          const Real* m = keep ? &M[(h * L + i) * L] : nullptr;
           Real delta = 0;  // sum_j p_ij dp_ij = sum_c datt_ic att_ic
           for (int64_t j = 0; j < L; ++j) {
             Real acc = 0;
             for (int64_t c = 0; c < hd; ++c) acc += datt[i * D + h * hd + c] * V(j, h, c);
-            dp[j] = acc;
-            delta += p[j] * acc;
+            dp[j] = m ? acc * m[j] : acc;
+            delta += p[j] * dp[j];
           }
           for (int64_t j = 0; j < L; ++j) {
-            for (int64_t c = 0; c < hd; ++c) dqkv[j * 3 * D + 2 * D + h * hd + c] += p[j] * datt[i * D + h * hd + c];
+            const Real pd = m ? p[j] * m[j] : p[j];  // the probability that multiplied v_j
+            for (int64_t c = 0; c < hd; ++c) dqkv[j * 3 * D + 2 * D + h * hd + c] += pd * datt[i * D + h * hd + c];
             const Real ds = p[j] * (dp[j] - delta) / sq;  // d of the score q_i k_j
             for (int64_t c = 0; c < hd; ++c) {
               dqkv[i * 3 * D + h * hd + c] += ds * K(j, h, c);
@@ -343,9 +384,11 @@ inline RefGrads<Real> reference_backward_as(const Problem& p, const std::vector<
     a->norm_w.assign(D, 0), a->norm_b.assign(D, 0), a->qkv_w.assign(3 * D * D, 0);
     a->out_w.assign(D * D, 0), a->out_b.assign(D, 0);
   }
-  reference_axis_pass<Real>(x, s, p.row, true, eps, &x1, nullptr, nullptr, nullptr);
-  reference_axis_pass<Real>(x1, s, p.col, false, eps, nullptr, &dout, &dx1, &g.col);
-  reference_axis_pass<Real>(x, s, p.row, true, eps, nullptr, &dx1, &g.x, &g.row);
+  const KeepFn* keep = reference_has_dropout(p) ? &p.keep : nullptr;
+  const Real c = static_cast<Real>(reference_dropout_scale(p.dropout));
+  reference_axis_pass<Real>(x, s, p.row, true, eps, &x1, nullptr, nullptr, nullptr, keep, c);
+  reference_axis_pass<Real>(x1, s, p.col, false, eps, nullptr, &dout, &dx1, &g.col, keep, c);
+  reference_axis_pass<Real>(x, s, p.row, true, eps, nullptr, &dx1, &g.x, &g.row, keep, c);
   return g;
 }
 

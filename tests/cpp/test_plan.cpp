@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "../../src/common/plan.h"
 #include "../../src/common/smem_layout.h"
@@ -312,6 +313,60 @@ TEST(Plan, InvalidSizesAreRejectedBeforeSizing) {
     EXPECT_EQ(bytes, 12345u) << "left as it was";
     EXPECT_EQ(validate_sizes(p).code, StatusCode::kInvalidArgument);
   }
+}
+
+// ---- the backward's plan -----------------------------------------------------------------------
+
+CudaBackwardPlan backward_plan_of(const AxialParams& p, const DeviceCaps& dev) {
+  CudaBackwardPlan plan;
+  const Status s = make_backward_plan(p, dev, &plan);
+  EXPECT_TRUE(s.ok()) << s.message;
+  return plan;
+}
+
+// Every region 256-byte aligned, of its size, inside the workspace, and overlapping no other.
+TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
+  for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(1, 7, 5, 9, 3), problem(2, 1, 2048, 16, 2)}) {
+    const CudaBackwardPlan c = backward_plan_of(p, h200());
+    const size_t T = (size_t)(p.batch * p.height * p.width), td = T * p.dim * 4, th = T * p.heads * 4;
+    struct Region {
+      size_t offset, bytes;
+      const char* name;
+    };
+    std::vector<Region> r;
+    for (const auto* pass : {&c.row, &c.col}) {
+      r.push_back({pass->norm, td, "norm"}), r.push_back({pass->stats, 2 * T * 4, "stats"});
+      r.push_back({pass->qkv, 3 * td, "qkv"}), r.push_back({pass->attn, td, "attn"});
+      r.push_back({pass->lse, th, "lse"});
+    }
+    r.push_back({c.row_output, td, "row_output"}), r.push_back({c.grad_row_output, td, "grad_row_output"});
+    r.push_back({c.grad_attn, td, "grad_attn"}), r.push_back({c.grad_qkv, 3 * td, "grad_qkv"});
+    r.push_back({c.grad_norm, td, "grad_norm"}), r.push_back({c.delta, th, "delta"});
+    r.push_back({c.column_partials, 128 * (size_t)p.dim * 4, "column_partials"}), r.push_back({c.blas, c.blas_bytes, "blas"});
+    EXPECT_EQ(c.blas_bytes, 32u << 20) << "cuBLAS's Hopper recommendation";
+    for (size_t i = 0; i < r.size(); ++i) {
+      EXPECT_EQ(r[i].offset % 256, 0u) << r[i].name;
+      EXPECT_LE(r[i].offset + r[i].bytes, c.workspace_bytes) << r[i].name;
+      for (size_t j = 0; j < i; ++j)
+        EXPECT_TRUE(r[i].offset >= r[j].offset + r[j].bytes || r[j].offset >= r[i].offset + r[i].bytes)
+            << r[i].name << " overlaps " << r[j].name;
+    }
+    EXPECT_NE(c.describe().find("workspace " + std::to_string(c.workspace_bytes) + " B"), std::string::npos);
+  }
+  EXPECT_EQ(backward_plan_of(problem(1, 4, 4, 8, 2), a100()).blas_bytes, 4u << 20);
+}
+
+TEST(BackwardPlan, SaysWhatItCannotServe) {
+  CudaBackwardPlan plan;
+  Status s = make_backward_plan(problem(1, 4, 4, 2 * (kCudaBackwardMaxHeadDim + 1), 2), h200(), &plan);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("head dims up to 256"), std::string::npos) << s.message;
+  EXPECT_TRUE(make_backward_plan(problem(1, 4, 4, 2 * kCudaBackwardMaxHeadDim, 2), h200(), &plan).ok());
+  DeviceCaps old = a100();
+  old.cc_major = 7;
+  s = make_backward_plan(problem(1, 4, 4, 8, 2), old, &plan);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("compute capability 8.0"), std::string::npos) << s.message;
 }
 
 }  // namespace

@@ -1,0 +1,238 @@
+// The CUDA backward of the axial forward (fastaxial.h: plan_backward_cuda,
+// backward_cuda). The forward is
+//   x1  = x  + Attn_row(LayerNorm_row(x))  @ Wo_row^T + bo_row    rows of (B, H, W, D)
+//   out = x1 + Attn_col(LayerNorm_col(x1)) @ Wo_col^T + bo_col    columns
+// and with T = B H W positions its backward is, per pass from the last:
+//   d_bo  = column sums of dy                         dy (T, D): gradient of the pass's output
+//   d_Wo  = dy^T o                                    o  (T, D): attention output
+//   d_o   = dy Wo
+//   dqkv  = attention backward of (qkv, o, lse, d_o)  (T, 3D), attention_backward.cu
+//   d_Wqkv = dqkv^T xn                                xn (T, D): LayerNorm output
+//   d_xn  = dqkv Wqkv
+//   d_gamma, d_beta = column sums of d_xn * xhat, d_xn
+//   d_src = dy + LayerNorm backward of d_xn           the residual and the branch
+// Why this shape: nothing of the forward is kept between the two calls, so
+// the backward first runs the forward again (LayerNorm with its statistics,
+// the QKV product, flash attention with its log-sum-exp, the row pass's
+// output product), keeping each pass's intermediates in the workspace. The
+// products are plain GEMMs over all T positions, which cuBLAS runs in fp32
+// near the GPU's FMA peak, and the projection weights' gradients are
+// products too, so no sum over positions needs atomics: cuBLAS's results are
+// bitwise reproducible, the column sums (column_sums.cu) and the attention
+// backward add in a fixed order, so the whole backward is deterministic.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../../common/plan.h"
+#include "../../common/validate.h"
+#include "../detail/host.h"
+#include "../kernels.h"
+#include "../staged/flash_attention.h"
+#include "attention_backward.h"
+#include "blas.h"
+#include "column_sums.h"
+#include "norm.h"
+
+namespace fastaxial {
+namespace {
+
+using cuda::cuda_error;
+
+Status invalid(const std::string& what) { return {StatusCode::kInvalidArgument, what}; }
+
+// Positions as rows of the (T, D) matrices: the view's strides in units of D.
+AxisView row_indices(const AxisView& v, int64_t D) {
+  return {v.num_seq, v.len, v.inner, v.seq_stride / D, v.pos_stride / D, v.batch_stride / D};
+}
+
+bool any(const AxisGrads& g) {
+  return g.norm_weight || g.norm_bias || g.qkv_weight || g.out_weight || g.out_bias;
+}
+
+// One pass's intermediates in the workspace.
+struct PassBuffers {
+  float* norm;   // (T, D)
+  float* stats;  // (T, 2)
+  float* qkv;    // (T, 3D)
+  float* attn;   // (T, D)
+  float* lse;    // (num_seq, heads, L)
+};
+
+class Backward {
+ public:
+  Backward(const AxialParams& p, const CudaBackwardPlan& plan, char* ws, const DeviceCaps& dev, cudaStream_t stream,
+           cublasHandle_t blas)
+      : p_(p), dev_(dev), stream_(stream), blas_(blas), T_(p.batch * p.height * p.width), D_((int)p.dim) {
+    const auto at = [ws](size_t offset) { return reinterpret_cast<float*>(ws + offset); };
+    const auto pass = [&](const CudaBackwardPlan::Pass& b) {
+      return PassBuffers{at(b.norm), at(b.stats), at(b.qkv), at(b.attn), at(b.lse)};
+    };
+    row_ = pass(plan.row), col_ = pass(plan.col);
+    x1_ = at(plan.row_output), d_x1_ = at(plan.grad_row_output), d_attn_ = at(plan.grad_attn);
+    d_qkv_ = at(plan.grad_qkv), d_norm_ = at(plan.grad_norm), delta_ = at(plan.delta);
+    partials_ = at(plan.column_partials);
+  }
+
+  Status run(const AxialGrads& g) {
+    const bool want_row = g.grad_x != nullptr || any(g.row);
+    // The forward again: the row pass's intermediates and output, then the column pass's.
+    if (Status s = forward_pass(row_view(p_), p_.row, p_.x, row_, want_row); !s.ok()) return s;
+    if (Status s = add_bias_status(cuda::add_bias(p_.x, p_.row.out_bias, T_, D_, x1_, dev_, stream_)); !s.ok())
+      return s;
+    if (Status s = cuda::gemm(blas_, false, true, T_, D_, D_, row_.attn, D_, p_.row.out_weight, D_, 1.0f, x1_, D_,
+                              "row output product");
+        !s.ok())
+      return s;
+    if (Status s = forward_pass(col_view(p_), p_.col, x1_, col_, true); !s.ok()) return s;
+    // Back through the column pass (into the gradient of x1), then the row pass (into grad_x).
+    if (Status s = backward_pass(col_view(p_), p_.col, x1_, col_, g.grad_out, want_row ? d_x1_ : nullptr, g.col);
+        !s.ok())
+      return s;
+    if (!want_row) return Status::Ok();
+    return backward_pass(row_view(p_), p_.row, p_.x, row_, d_x1_, g.grad_x, g.row);
+  }
+
+ private:
+  static Status add_bias_status(cudaError_t e) { return e == cudaSuccess ? Status::Ok() : cuda_error(e, "add_bias"); }
+
+  // xn = LayerNorm(src), qkv = xn Wqkv^T, attn (and lse where asked) = attention of qkv.
+  Status forward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b, bool lse) {
+    if (cudaError_t e = cuda::layer_norm_forward(src, w.norm_weight, w.norm_bias, p_.eps, T_, D_, b.norm, b.stats,
+                                                 dev_, stream_);
+        e != cudaSuccess)
+      return cuda_error(e, "layer_norm_forward launch");
+    if (Status s = cuda::gemm(blas_, false, true, T_, 3 * D_, D_, b.norm, D_, w.qkv_weight, D_, 0.0f, b.qkv, 3 * D_,
+                              "QKV product");
+        !s.ok())
+      return s;
+    cuda::FlashArgs f;
+    f.pos = row_indices(view, D_);
+    f.qkv = b.qkv, f.o = b.attn, f.lse = lse ? b.lse : nullptr;
+    f.D = D_, f.heads = (int)p_.heads;
+    if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "flash_attention launch");
+    return Status::Ok();
+  }
+
+  // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight
+  // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
+  Status backward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
+                       const float* dy, float* d_src, const AxisGrads& grads) {
+    if (grads.out_bias)
+      if (Status s = column_sums(dy, grads.out_bias, "out_bias gradient"); !s.ok()) return s;
+    if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
+      if (Status s = cuda::gemm(blas_, true, false, D_, D_, T_, dy, D_, b.attn, D_, 0.0f, grads.out_weight, D_,
+                                "out_weight gradient");
+          !s.ok())
+        return s;
+    if (d_src == nullptr && !grads.qkv_weight && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
+
+    // d_o (T, D) = dy Wo, then the attention backward into dqkv (T, 3D).
+    if (Status s = cuda::gemm(blas_, false, false, T_, D_, D_, dy, D_, w.out_weight, D_, 0.0f, d_attn_, D_,
+                              "attention output gradient");
+        !s.ok())
+      return s;
+    cuda::AttentionBackwardArgs a;
+    a.pos = row_indices(view, D_);
+    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
+    a.D = D_, a.heads = (int)p_.heads;
+    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "attention_backward launch");
+    if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
+      if (Status s = cuda::gemm(blas_, true, false, 3 * D_, D_, T_, d_qkv_, 3 * D_, b.norm, D_, 0.0f,
+                                grads.qkv_weight, D_, "qkv_weight gradient");
+          !s.ok())
+        return s;
+    if (d_src == nullptr && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
+
+    // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward; d_attn_ is free again and takes d_xn * xhat.
+    if (Status s = cuda::gemm(blas_, false, false, T_, D_, 3 * D_, d_qkv_, 3 * D_, w.qkv_weight, D_, 0.0f, d_norm_,
+                              D_, "LayerNorm output gradient");
+        !s.ok())
+      return s;
+    if (grads.norm_bias)
+      if (Status s = column_sums(d_norm_, grads.norm_bias, "norm_bias gradient"); !s.ok()) return s;
+    if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
+    float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
+    if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
+                                                  d_norm_xhat, dev_, stream_);
+        e != cudaSuccess)
+      return cuda_error(e, "layer_norm_backward launch");
+    if (grads.norm_weight) return column_sums(d_norm_xhat, grads.norm_weight, "norm_weight gradient");
+    return Status::Ok();
+  }
+
+  // sums (D) = the column sums of a (T, D).
+  Status column_sums(const float* a, float* sums, const char* what) {
+    if (cudaError_t e = cuda::column_sums(a, T_, D_, partials_, sums, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, what);
+    return Status::Ok();
+  }
+
+  const AxialParams& p_;
+  const DeviceCaps& dev_;
+  cudaStream_t stream_;
+  cublasHandle_t blas_;
+  int64_t T_;
+  int D_;
+  PassBuffers row_, col_;
+  float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
+};
+
+Status check_plan(const AxialParams& p, const CudaBackwardPlan& plan, int device) {
+  if (plan.batch != p.batch || plan.height != p.height || plan.width != p.width || plan.dim != p.dim ||
+      plan.heads != p.heads)
+    return invalid("the backward plan was made for another problem: " + plan.describe());
+  if (plan.device != device)
+    return invalid("the backward plan was made for device " + std::to_string(plan.device) +
+                   ", the current device is " + std::to_string(device));
+  return Status::Ok();
+}
+
+// Zeros in every wanted weight gradient: the gradients of an empty problem.
+Status zero_weight_grads(const AxialParams& p, const AxialGrads& g, cudaStream_t stream) {
+  const int64_t D = p.dim;
+  for (const AxisGrads* a : {&g.row, &g.col}) {
+    const std::pair<float*, int64_t> grads[] = {
+        {a->norm_weight, D}, {a->norm_bias, D}, {a->qkv_weight, 3 * D * D}, {a->out_weight, D * D}, {a->out_bias, D}};
+    for (const auto& [ptr, n] : grads)
+      if (ptr != nullptr)
+        if (cudaError_t e = cudaMemsetAsync(ptr, 0, n * sizeof(float), stream); e != cudaSuccess)
+          return cuda_error(e, "cudaMemsetAsync");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan) {
+  if (Status s = validate_sizes(p); !s.ok()) return s;
+  DeviceCaps dev;
+  if (Status s = cuda::current_device(&dev); !s.ok()) return s;
+  return make_backward_plan(p, dev, plan);
+}
+
+Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, void* workspace,
+                     size_t workspace_bytes, CUstream_st* stream) {
+  if (Status s = validate_inputs(p); !s.ok()) return s;
+  DeviceCaps dev;
+  if (Status s = cuda::current_device(&dev); !s.ok()) return s;
+  if (Status s = check_plan(p, plan, dev.device); !s.ok()) return s;
+  if (p.dropout > 0) return {StatusCode::kUnsupported, "attention dropout is not implemented on CUDA yet"};
+  if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
+  if (p.batch * p.height * p.width == 0) return zero_weight_grads(p, g, stream);
+  if (g.grad_out == nullptr) return invalid("grad_out is null");
+  if (g.grad_x == nullptr && !any(g.row) && !any(g.col)) return Status::Ok();
+  if (workspace == nullptr) return invalid("workspace is null");
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0) return invalid("workspace must be 256-byte aligned");
+  if (workspace_bytes < plan.workspace_bytes)
+    return invalid("workspace holds " + std::to_string(workspace_bytes) + " bytes; the backward plan needs " +
+                   std::to_string(plan.workspace_bytes));
+  char* ws = static_cast<char*>(workspace);
+  cublasHandle_t blas = nullptr;
+  if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
+  return Backward(p, plan, ws, dev, stream, blas).run(g);
+}
+
+}  // namespace fastaxial

@@ -1,0 +1,29 @@
+// The backward's products on cuBLAS, in fp32 (no TF32, no reduced-precision
+// reductions), for row-major matrices. cuBLAS is column-major: a row-major
+// (r, c) matrix is its column-major transpose, so C = op(A) op(B) is asked of
+// it as C^T = op(B)^T op(A)^T with the operands swapped.
+// Deterministic: cuBLAS gives bitwise identical results for the same call on
+// the same GPU, and these calls use no atomics mode.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "fastaxial/fastaxial.h"
+
+namespace fastaxial::cuda {
+
+// A cuBLAS handle for the current device and thread, bound to `stream` and to
+// `workspace` (the plan's region of `workspace_bytes`), in fp32 math.
+// Created on the first use in a thread and kept for the thread's life.
+Status blas_handle(cudaStream_t stream, void* workspace, size_t workspace_bytes, cublasHandle_t* handle);
+
+// Row-major C (M, N) = op(A) op(B) + beta C, op(A) (M, K), op(B) (K, N);
+// trans_a: A is stored (K, M), trans_b: B is stored (N, K); lda, ldb, ldc are
+// the row strides as stored.
+Status gemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
+            int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const char* what);
+
+}  // namespace fastaxial::cuda

@@ -1,0 +1,74 @@
+// Column sums in two launches (column_sums.h): a block per (32 columns,
+// chunk of rows) sums its chunk, 8 row lanes per column each taking every
+// 8th row and then added in lane order; one thread per column adds the
+// chunks. Both steps read consecutive columns with consecutive threads.
+#include "column_sums.h"
+
+#include <algorithm>
+
+#include "../detail/launch.cuh"
+
+namespace fastaxial::cuda {
+namespace {
+
+constexpr int kCols = 32, kRowLanes = 8;
+constexpr int64_t kMaxChunks = kMaxColumnSumChunks;  // the plan's partials region holds this many
+
+// partials[chunk][c] = sum of a[r][c] over the chunk's rows.
+__global__ void __launch_bounds__(kCols* kRowLanes)
+    chunk_sums_kernel(const float* __restrict__ a, int64_t M, int N, int64_t rows_per_chunk,
+                      float* __restrict__ partials) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  __shared__ float lane_sums[kRowLanes][kCols];
+  const int c = blockIdx.x * kCols + threadIdx.x;
+  const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
+  float sum = 0.0f;
+  if (c < N)
+    for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) sum += a[r * N + c];
+  lane_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < N) {
+    float total = 0.0f;
+    for (int l = 0; l < kRowLanes; ++l) total += lane_sums[l][threadIdx.x];
+    partials[blockIdx.y * (int64_t)N + c] = total;
+  }
+}
+
+// sums[c] = sum of partials[k][c] over the chunks k, in order.
+__global__ void chunk_total_kernel(const float* __restrict__ partials, int64_t chunks, int N,
+                                   float* __restrict__ sums) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= N) return;
+  float total = 0.0f;
+  for (int64_t k = 0; k < chunks; ++k) total += partials[k * N + c];
+  sums[c] = total;
+}
+
+int64_t rows_per_chunk(int64_t M) {
+  const int64_t chunks = std::min<int64_t>(kMaxChunks, std::max<int64_t>(1, (M + 63) / 64));
+  return std::max<int64_t>(1, (M + chunks - 1) / chunks);
+}
+
+}  // namespace
+
+int64_t column_sum_chunks(int64_t M) {
+  const int64_t per = rows_per_chunk(M);
+  return std::max<int64_t>(1, (M + per - 1) / per);
+}
+
+cudaError_t column_sums(const float* a, int64_t M, int N, float* partials, float* sums, const DeviceCaps& dev,
+                        cudaStream_t stream) {
+  if (N == 0) return cudaSuccess;
+  const int64_t per = rows_per_chunk(M), chunks = column_sum_chunks(M);
+  const dim3 grid((N + kCols - 1) / kCols, (unsigned)chunks);
+  if (cudaError_t e = launch_kernel<chunk_sums_kernel>(grid, dim3(kCols, kRowLanes), 0, stream, dev, a, M, N, per,
+                                                       partials);
+      e != cudaSuccess)
+    return e;
+  return launch_kernel<chunk_total_kernel>((N + 255) / 256, 256, 0, stream, dev, partials, chunks, N, sums);
+}
+
+}  // namespace fastaxial::cuda

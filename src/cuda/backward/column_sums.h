@@ -1,0 +1,23 @@
+// Column sums of a row-major (M, N) matrix over all M rows, in a fixed order
+// (column_sums.cu): the bias and LayerNorm weight gradients, which sum over
+// every position of the grid. Deterministic: the rows are cut into chunks that
+// depend on M alone, each chunk summed in row order, then the chunks' sums
+// added in chunk order; no atomics.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../common/plan.h"  // DeviceCaps
+
+namespace fastaxial::cuda {
+
+// Chunks of rows (at most kMaxColumnSumChunks): partials must hold column_sum_chunks(M) * N floats.
+int64_t column_sum_chunks(int64_t M);
+
+// sums (N) = sum over rows of a (M, N); partials is scratch (see above). M = 0 gives zeros.
+cudaError_t column_sums(const float* a, int64_t M, int N, float* partials, float* sums, const DeviceCaps& dev,
+                        cudaStream_t stream);
+
+}  // namespace fastaxial::cuda

@@ -1,0 +1,32 @@
+// The backward's per-position kernels (norm.cu): LayerNorm with its
+// statistics kept, LayerNorm's backward with the residual's gradient added,
+// and the bias-plus-residual start of an output product.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../common/plan.h"  // DeviceCaps
+
+namespace fastaxial::cuda {
+
+// For each of the T positions: out (T, D) = LayerNorm(src (T, D)) with gamma and beta, and
+// stats (T, 2) = (mean, 1 / sqrt(var + eps)).
+cudaError_t layer_norm_forward(const float* src, const float* gamma, const float* beta, float eps, int64_t T, int D,
+                               float* out, float* stats, const DeviceCaps& dev, cudaStream_t stream);
+
+// out (T, D) = x (T, D) + bias (D) on every row: the residual and bias that an output
+// product (beta = 1) then adds to.
+cudaError_t add_bias(const float* x, const float* bias, int64_t T, int D, float* out, const DeviceCaps& dev,
+                     cudaStream_t stream);
+
+// LayerNorm's backward with the residual: with xhat = (src - mean) * rstd and g = d_norm * gamma,
+//   d_src = d_res + rstd * (g - mean(g) - xhat * mean(g * xhat))     (T, D)
+// and, where d_norm_xhat is not null, d_norm_xhat = d_norm * xhat (T, D), whose column sums are
+// gamma's gradient (those of d_norm are beta's). d_src may be d_res, or null (d_norm_xhat alone).
+cudaError_t layer_norm_backward(const float* src, const float* stats, const float* gamma, const float* d_norm,
+                                const float* d_res, int64_t T, int D, float* d_src, float* d_norm_xhat,
+                                const DeviceCaps& dev, cudaStream_t stream);
+
+}  // namespace fastaxial::cuda

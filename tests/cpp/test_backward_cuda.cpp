@@ -1,0 +1,230 @@
+// CUDA backward: backward_cuda against the float64 reference backward (reference.h, itself
+// checked against finite differences in test_backward_cpu.cpp), on short and long axes and
+// head dims 1 to 256; null gradients, grad_x in place of grad_out, bitwise determinism, the
+// empty problem, and the plan's and workspace's checks.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "backward_util.h"
+#include "cuda_test_util.h"
+
+namespace fastaxial::test {
+namespace {
+
+// x, the ten weights and the gradients on the device.
+struct DeviceProblem {
+  std::vector<DevicePtr> bufs;
+
+  const float* upload(const std::vector<float>& h) {
+    bufs.push_back(device_alloc(h.size()));
+    if (!bufs.back()) return nullptr;
+    if (cudaMemcpy(bufs.back().get(), h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess)
+      return nullptr;
+    return bufs.back().get();
+  }
+  AxisWeights axis(const AxisData& w) {
+    return {upload(w.norm_w), upload(w.norm_b), upload(w.qkv_w), upload(w.out_w), upload(w.out_b)};
+  }
+  AxialParams params(const Problem& p) {
+    AxialParams a = test::params(p, nullptr);
+    a.x = upload(p.x);
+    a.row = axis(p.row);
+    a.col = axis(p.col);
+    return a;
+  }
+};
+
+// Runs backward_cuda with the gradients `host` asks for (its non-null... all poisoned buffers,
+// wanted ones) and copies every buffer back (unwanted ones keep their poison).
+Status run_backward(const AxialParams& dp, const std::vector<float>& gout, Grads* host,
+                    const std::vector<bool>& wanted = std::vector<bool>(11, true), bool grad_x_in_place = false) {
+  std::vector<DevicePtr> bufs;
+  auto list = host->all();
+  std::vector<float*> ptr;
+  for (size_t i = 0; i < list.size(); ++i) {
+    bufs.push_back(device_alloc(list[i].first->size()));
+    cudaMemcpy(bufs.back().get(), list[i].first->data(), list[i].first->size() * sizeof(float),
+               cudaMemcpyHostToDevice);
+    ptr.push_back(wanted[i] ? bufs.back().get() : nullptr);
+  }
+  DevicePtr d_gout = device_alloc(gout.size());
+  cudaMemcpy(d_gout.get(), gout.data(), gout.size() * sizeof(float), cudaMemcpyHostToDevice);
+  AxialGrads g;
+  g.grad_out = d_gout.get();
+  g.grad_x = grad_x_in_place ? d_gout.get() : ptr[0];
+  g.row = {ptr[1], ptr[2], ptr[3], ptr[4], ptr[5]};
+  g.col = {ptr[6], ptr[7], ptr[8], ptr[9], ptr[10]};
+  CudaBackwardPlan plan;
+  Status s = plan_backward_cuda(dp, &plan);
+  if (!s.ok()) return s;
+  DevicePtr ws = device_alloc(plan.workspace_bytes / sizeof(float) + 1);
+  s = backward_cuda(dp, g, plan, ws.get(), plan.workspace_bytes, nullptr);
+  if (!s.ok()) return s;
+  if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return {StatusCode::kCudaError, cudaGetErrorString(e)};
+  for (size_t i = 0; i < list.size(); ++i)
+    cudaMemcpy(list[i].first->data(), bufs[i].get(), list[i].first->size() * sizeof(float), cudaMemcpyDeviceToHost);
+  if (grad_x_in_place)
+    cudaMemcpy(host->x.data(), d_gout.get(), gout.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return {StatusCode::kCudaError, cudaGetErrorString(e)};
+  return Status::Ok();
+}
+
+// The bounds of test_backward_cpu.cpp (its comment says why), on the norm-relative error
+// ||g - ref|| / ||ref|| of each gradient: at most 1e-5, and at most 4 times (plus 1e-7) the
+// error of the plainest fp32 evaluation of the same formulas.
+constexpr double kRelTol = 1e-5;
+
+class CudaBackward : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(CudaBackward, MatchesDoubleReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const Shape s = GetParam();
+  const Problem p = random_problem(s, 911u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));
+  const std::vector<double> gout = random_grad(s.B * s.H * s.W * s.D, 37u + static_cast<uint32_t>(s.W));
+  const std::vector<float> gout_f(gout.begin(), gout.end());
+  DeviceProblem dev;
+  const AxialParams dp = dev.params(p);
+  Grads got(s);
+  const Status st = run_backward(dp, gout_f, &got);
+  ASSERT_TRUE(st.ok()) << st.message;
+
+  RefGrads<double> ref = reference_backward(p, gout);
+  RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
+  const auto refs = ref_list(ref);
+  const auto refs32 = ref_list(ref32);
+  const auto list = got.all();
+  for (size_t i = 0; i < list.size(); ++i) {
+    const double err = rel_err(*list[i].first, *refs[i]);
+    const double err32 = rel_err(*refs32[i], *refs[i]);
+    EXPECT_LE(err, kRelTol) << list[i].second << " (plain fp32: " << err32 << ")";
+    EXPECT_LE(err, 4 * err32 + 1e-7) << list[i].second << ": worse than plain fp32 (" << err32 << ")";
+    char note[64];
+    std::snprintf(note, sizeof note, "%.2e (fp32 loops %.2e)", err, err32);
+    RecordProperty(list[i].second, note);
+  }
+}
+
+// Shape{B, H, W, D, heads}: head dims 1, 3, 8, 16, 24, 32, 64, 128, 256; L from 1 to 1030
+// (H != W, so both passes' views are tested); odd dims (unaligned head slices); the default problem.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackward,
+                         ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 3, 5, 4, 4}, Shape{1, 7, 4, 6, 2},
+                                           Shape{2, 5, 9, 16, 2}, Shape{1, 6, 11, 32, 1}, Shape{3, 16, 16, 64, 4},
+                                           Shape{1, 9, 40, 128, 4}, Shape{2, 1, 13, 8, 1}, Shape{1, 5, 7, 9, 3},
+                                           Shape{1, 3, 257, 16, 2}, Shape{1, 2, 1030, 16, 1},
+                                           Shape{1, 3, 65, 128, 1}, Shape{1, 4, 6, 256, 1}, Shape{1, 4, 5, 72, 3},
+                                           Shape{4, 32, 32, 64, 4}),
+                         [](const auto& info) { return shape_name(info.param); });
+
+class CudaBackwardRuns : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  }
+  Shape s{2, 6, 9, 16, 2};
+  Problem p = random_problem(s, 4242);
+  std::vector<double> gout = random_grad(s.B * s.H * s.W * s.D, 11);
+  std::vector<float> gout_f = std::vector<float>(gout.begin(), gout.end());
+  DeviceProblem dev;
+  AxialParams dp = dev.params(p);
+
+  Grads run(const std::vector<bool>& wanted = std::vector<bool>(11, true), bool in_place = false) {
+    Grads r(s);
+    const Status st = run_backward(dp, gout_f, &r, wanted, in_place);
+    EXPECT_TRUE(st.ok()) << st.message;
+    return r;
+  }
+};
+
+TEST_F(CudaBackwardRuns, NullGradientsAreSkippedOthersUnchanged) {
+  Grads full = run();
+  for (auto& [buf, name] : full.all()) ASSERT_FALSE(std::isnan((*buf)[0])) << name;
+  // Order of Grads::all(): x, row (g, b, qkv, out, bout), col (g, b, qkv, out, bout).
+  const std::vector<std::vector<bool>> subsets = {
+      {1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1}, {0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0},
+      {0, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0}, {0, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1},
+      {0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}, {0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+  };
+  for (const auto& wanted : subsets) {
+    Grads part = run(wanted);
+    auto pl = part.all();
+    auto fl = full.all();
+    for (size_t i = 0; i < pl.size(); ++i) {
+      if (wanted[i])
+        EXPECT_TRUE(same_bits(*pl[i].first, *fl[i].first)) << pl[i].second << " differs from the full run";
+      else
+        EXPECT_TRUE(all_nan(*pl[i].first)) << pl[i].second << " was written";
+    }
+  }
+}
+
+TEST_F(CudaBackwardRuns, GradXMayBeGradOut) {
+  Grads full = run();
+  Grads r = run(std::vector<bool>(11, true), /*in_place=*/true);
+  EXPECT_TRUE(same_bits(r.x, full.x));
+  EXPECT_TRUE(same_bits(r.col.qkv_w, full.col.qkv_w));
+  EXPECT_TRUE(same_bits(r.row.qkv_w, full.row.qkv_w));
+}
+
+TEST_F(CudaBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
+  s = Shape{2, 48, 40, 64, 4};  // 3840 positions: the weight gradients sum over many
+  p = random_problem(s, 17);
+  gout = random_grad(s.B * s.H * s.W * s.D, 12);
+  gout_f.assign(gout.begin(), gout.end());
+  dp = dev.params(p);
+  Grads a = run(), b = run();
+  for (size_t i = 0; i < a.all().size(); ++i)
+    EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first)) << a.all()[i].second;
+}
+
+TEST_F(CudaBackwardRuns, EmptyProblemGivesZeroWeightGradients) {
+  s = Shape{0, 4, 5, 8, 2};
+  p = random_problem(s, 5);
+  gout_f.clear();
+  dp = dev.params(p);
+  Grads r = run();
+  for (auto& [buf, name] : r.all())
+    for (float v : *buf) ASSERT_EQ(v, 0.0f) << name;
+}
+
+TEST_F(CudaBackwardRuns, ChecksPlanAndWorkspace) {
+  CudaBackwardPlan plan;
+  ASSERT_TRUE(plan_backward_cuda(dp, &plan).ok());
+  EXPECT_NE(plan.describe().find("backward"), std::string::npos);
+  DevicePtr ws = device_alloc(plan.workspace_bytes / sizeof(float) + 64);
+  DevicePtr gx = device_alloc(gout_f.size()), go = device_alloc(gout_f.size());
+  AxialGrads g;
+  g.grad_out = go.get();
+  g.grad_x = gx.get();
+  auto expect_invalid = [&](const Status& st, const std::string& needle) {
+    EXPECT_EQ(st.code, StatusCode::kInvalidArgument) << st.message;
+    EXPECT_NE(st.message.find(needle), std::string::npos) << st.message;
+  };
+  expect_invalid(backward_cuda(dp, g, plan, ws.get(), plan.workspace_bytes - 1, nullptr), "workspace holds");
+  expect_invalid(backward_cuda(dp, g, plan, reinterpret_cast<char*>(ws.get()) + 4, plan.workspace_bytes, nullptr),
+                 "256-byte aligned");
+  expect_invalid(backward_cuda(dp, g, plan, nullptr, plan.workspace_bytes, nullptr), "workspace is null");
+  AxialParams other = dp;
+  other.width += 1;
+  expect_invalid(backward_cuda(other, g, plan, ws.get(), plan.workspace_bytes, nullptr), "another problem");
+  AxialGrads alias = g;
+  alias.grad_x = const_cast<float*>(dp.x);
+  expect_invalid(backward_cuda(dp, alias, plan, ws.get(), plan.workspace_bytes, nullptr), "alias");
+  AxialGrads no_gout = g;
+  no_gout.grad_out = nullptr;
+  expect_invalid(backward_cuda(dp, no_gout, plan, ws.get(), plan.workspace_bytes, nullptr), "grad_out is null");
+  // Head dims above the backward's largest: unsupported, said so.
+  AxialParams wide = dp;
+  wide.dim = 2 * (kCudaBackwardMaxHeadDim + 8), wide.heads = 2;
+  CudaBackwardPlan wide_plan;
+  const Status st = plan_backward_cuda(wide, &wide_plan);
+  EXPECT_EQ(st.code, StatusCode::kUnsupported) << st.message;
+  EXPECT_NE(st.message.find("head dims up to"), std::string::npos) << st.message;
+}
+
+}  // namespace
+}  // namespace fastaxial::test
