@@ -117,12 +117,21 @@ TORCH_LIBRARY(fastaxial, m) {
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05) "
       "-> Tensor");
   // The gradients of axial_attention for the inputs output_mask selects (x, then the ten weights),
-  // in that order. CPU and CUDA kernels in ops_cpu.cpp and ops_cuda.cpp; the forward's autograd kernel
+  // in that order; `saved`, where given, is axial_attention_training's (CUDA). CPU and CUDA kernels in ops_cpu.cpp and ops_cuda.cpp; the forward's autograd kernel
   // calls it and refuses double backward.
   m.def(
       "axial_attention_backward(Tensor grad_out, Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, "
       "Tensor row_qkv_weight, Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, "
       "Tensor col_norm_bias, Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, "
-      "float eps, bool[11] output_mask) -> Tensor[]");
+      "float eps, bool[11] output_mask, Tensor? saved=None) -> Tensor[]");
+  // The forward for training on CUDA: axial_attention's output, and what the backward reads instead of
+  // recomputing it (forward_cuda_training's `saved`: each pass's LayerNorm output and statistics, q, k,
+  // v, attention output and log-sum-exp, and the row pass's output, as one float32 buffer). The
+  // autograd kernel calls it in grad mode and passes `saved` to axial_attention_backward.
+  m.def(
+      "axial_attention_training(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
+      "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
+      "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps) "
+      "-> (Tensor, Tensor)");
   m.def("describe_cuda_plan(Tensor x, int num_heads) -> str");
 }

@@ -1,7 +1,8 @@
 // Autograd kernel of fastaxial::axial_attention, in C++ so that no Python
 // runs per call: under no_grad, or where nothing requires grad, it calls the
 // device kernel straight away; in grad mode it records one node that saves
-// x and the ten weights.
+// x and the ten weights (and, on CUDA, the training forward's intermediates:
+// axial_attention_training runs instead of the forward).
 // The backward: the operator axial_attention_backward (its fused CPU and
 // CUDA kernels); on devices or head dims those do not serve (CUDA head dims
 // above kCudaBackwardMaxHeadDim, other devices), the forward recomputed with
@@ -13,6 +14,8 @@
 #include <torch/library.h>
 
 #include <array>
+#include <optional>
+#include <tuple>
 #include <cmath>
 #include <vector>
 
@@ -54,7 +57,24 @@ using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 using BackwardSignature = std::vector<at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, double, std::array<bool, 11>);
+    int64_t, double, std::array<bool, 11>, const std::optional<at::Tensor>&);
+
+using TrainingSignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
+
+const c10::TypedOperatorHandle<TrainingSignature>& training_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("fastaxial::axial_attention_training", "")
+                                 .typed<TrainingSignature>();
+  return handle;
+}
+
+// Whether the fused CUDA training path (axial_attention_training, then axial_attention_backward with its
+// `saved`) serves x; else the backward differentiates the reference math.
+bool cuda_training(const at::Tensor& x, int64_t heads) {
+  return x.is_cuda() && cuda_compiled() && x.size(3) / heads <= kCudaBackwardMaxHeadDim;
+}
 
 const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -84,9 +104,16 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
                             const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                             const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                             const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
-    ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob});
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
+    if (cuda_training(x, heads)) {
+      // The training forward: the output, and the intermediates its backward reads instead of recomputing.
+      const at::AutoDispatchBelowADInplaceOrView below;
+      auto [out, saved] = training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+      ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, saved});
+      return out;
+    }
+    ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob});
     return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
   }
 
@@ -96,21 +123,23 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
     const double eps = ctx->saved_data["eps"].toDouble();
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "fastaxial::axial_attention: double backward (create_graph=True) is not supported");
-    // The fused backward (CPU, or CUDA for head dims it serves); else the reference math, differentiated.
-    const int64_t head_dim = saved[0].size(3) / heads;
-    if (saved[0].is_cpu() || (saved[0].is_cuda() && head_dim <= kCudaBackwardMaxHeadDim && cuda_compiled())) {
+    // The fused backward: on the CPU, or on CUDA from the training forward's saved intermediates;
+    // else the reference math, differentiated.
+    if (saved[0].is_cpu() || saved.size() > kTensors) {
       std::array<bool, kTensors> mask;
       for (int i = 0; i < kTensors; ++i) mask[i] = ctx->needs_input_grad(i);
+      const std::optional<at::Tensor> kept =
+          saved.size() > kTensors ? std::optional<at::Tensor>(saved[kTensors]) : std::nullopt;
       const std::vector<at::Tensor> grads =
           backward_op().call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
-                             saved[7], saved[8], saved[9], saved[10], heads, eps, mask);
+                             saved[7], saved[8], saved[9], saved[10], heads, eps, mask, kept);
       variable_list result(kTensors + 2);  // undefined: no gradient (and none for heads, eps)
       for (int i = 0, j = 0; i < kTensors; ++i)
         if (mask[i]) result[i] = grads[j++];
       return result;
     }
     variable_list leaves, wanted;
-    for (int i = 0; i < kTensors; ++i) {
+    for (int i = 0; i < kTensors; ++i) {  // (saved holds x and the ten weights alone here)
       leaves.push_back(saved[i].detach().requires_grad_(ctx->needs_input_grad(i)));
       if (ctx->needs_input_grad(i)) wanted.push_back(leaves.back());
     }

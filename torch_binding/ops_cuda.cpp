@@ -1,6 +1,7 @@
 // CUDA kernels of the fastaxial operators (forward and backward): on x's
 // device and PyTorch's current stream, with the workspace the plan asks for
 // from PyTorch's caching allocator. No host synchronisation.
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,6 +9,8 @@
 #include <torch/library.h>
 
 #include <array>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -36,23 +39,75 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
   return out;
 }
 
-// The gradients output_mask asks for, from backward_cuda with the workspace its plan asks for.
+CudaBackwardPlan training_plan(const AxialParams& p) {
+  CudaBackwardPlan plan;
+  const Status s = plan_backward_cuda(p, &plan);
+  TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
+  return plan;
+}
+
+// The workspace of a plan, straight from the caching allocator (returned to it when the call ends).
+c10::DataPtr training_workspace(const CudaBackwardPlan& plan) {
+  return c10::cuda::CUDACachingAllocator::get()->allocate(plan.workspace_bytes);
+}
+
+// out and saved from forward_cuda_training: saved is a float32 vector of the plan's saved bytes.
+void run_training_forward(const Call& c, const AxialParams& p, const CudaBackwardPlan& plan, const at::Tensor& saved) {
+  const c10::DataPtr workspace = training_workspace(plan);
+  const Status s = forward_cuda_training(p, plan, saved.data_ptr(), saved.numel() * sizeof(float), workspace.get(),
+                                         plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
+}
+
+at::Tensor empty_saved(const CudaBackwardPlan& plan, const at::Tensor& x) {
+  return at::empty({(int64_t)((plan.saved_bytes + sizeof(float) - 1) / sizeof(float))},
+                   x.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
+    const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
+    const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
+    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps) {
+  const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  const c10::cuda::CUDAGuard guard(c.x.device());
+  at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
+  const AxialParams p = c.params(out);
+  const CudaBackwardPlan plan = training_plan(p);
+  at::Tensor saved = empty_saved(plan, c.x);
+  if (out.numel() != 0) run_training_forward(c, p, plan, saved);
+  return {out, saved};
+}
+
+// The gradients output_mask asks for, from backward_cuda with `saved` (the training forward's,
+// or made here by running it) and the workspace the plan asks for.
 std::vector<at::Tensor> axial_attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
-    double eps, std::array<bool, 11> output_mask) {
+    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg) {
   const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
   const c10::cuda::CUDAGuard guard(c.x.device());
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
-  const AxialParams p = c.params();
-  CudaBackwardPlan plan;
-  Status s = plan_backward_cuda(p, &plan);
-  TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CUDA): ", s.message);
-  const bool empty = c.x.numel() == 0;  // an empty problem needs no workspace (its weight gradients are zeros)
+  AxialParams p = c.params();
+  const CudaBackwardPlan plan = training_plan(p);
+  const bool empty = c.x.numel() == 0;
+  at::Tensor saved;
+  if (saved_arg.has_value()) {
+    saved = *saved_arg;
+    TORCH_CHECK_VALUE(saved.scalar_type() == at::kFloat && saved.is_contiguous() && saved.device() == c.x.device() &&
+                          saved.numel() * sizeof(float) >= plan.saved_bytes,
+                      "fastaxial.axial_attention_backward (CUDA): `saved` must be axial_attention_training's for "
+                      "these inputs (a contiguous float32 tensor of at least ", plan.saved_bytes, " bytes on ",
+                      c.x.device(), ")");
+  } else if (!empty) {  // nothing kept: the training forward first, into a scratch output
+    saved = empty_saved(plan, c.x);
+    at::Tensor scratch_out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
+    run_training_forward(c, c.params(scratch_out), plan, saved);
+  }
   const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(empty ? 0 : plan.workspace_bytes);
-  s = backward_cuda(p, b.grads, plan, workspace.get(), empty ? 0 : plan.workspace_bytes,
-                    c10::cuda::getCurrentCUDAStream().stream());
+  const Status s = backward_cuda(p, b.grads, plan, empty ? nullptr : saved.data_ptr(),
+                                 empty ? 0 : saved.numel() * sizeof(float), workspace.get(),
+                                 empty ? 0 : plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CUDA): ", s.message);
   return b.outputs;
 }
@@ -77,5 +132,6 @@ std::string describe_cuda_plan(const at::Tensor& x, int64_t num_heads) {
 TORCH_LIBRARY_IMPL(fastaxial, CUDA, m) {
   m.impl("axial_attention", &fastaxial::torch_binding::axial_attention_cuda);
   m.impl("axial_attention_backward", &fastaxial::torch_binding::axial_attention_backward_cuda);
+  m.impl("axial_attention_training", &fastaxial::torch_binding::axial_attention_training_cuda);
   m.impl("describe_cuda_plan", &fastaxial::torch_binding::describe_cuda_plan);
 }

@@ -188,28 +188,29 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
 // Plans p, then runs it: the same as plan_cuda followed by the call above.
 Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_bytes, CUstream_st* stream);
 
-// ---- CUDA backward -------------------------------------------------------------------------
-// The gradients of forward_cuda's output, as backward_cpu gives them, on the GPU: plan, then
-// run with the workspace the plan asks for. Nothing of the forward is kept: the backward runs
-// the forward again for what it needs (each pass's LayerNorm, q, k, v, attention output and
-// softmax log-sum-exp, and the row pass's output), keeping those in the workspace, then goes
-// back through the column pass and the row pass. No L x L matrix is stored: the attention
-// backward recomputes the probabilities tile by tile from the saved log-sum-exp.
+// ---- CUDA training: a forward that keeps what the backward needs, and the backward --------
+// As backward_cpu gives them, on the GPU, in two calls that share one plan:
+//   forward_cuda_training(p, plan, saved, workspace)   p.out, and the forward's intermediates in
+//                                                      `saved`: each pass's LayerNorm output and
+//                                                      statistics, q, k, v, attention output and
+//                                                      softmax log-sum-exp, and the row pass's output
+//   backward_cuda(p, g, plan, saved, workspace)        the gradients, from `saved`
+// No L x L matrix is stored: the attention backward recomputes the probabilities tile by tile
+// from the saved log-sum-exp. A caller that kept nothing runs forward_cuda_training into a
+// scratch output first (the torch binding does this for a backward without a saved forward).
 //
 // Precision and order: fp32 throughout. The products (projections and their gradients, and
 // the projection weights' gradients, sums over all B H W positions) are cuBLAS fp32 GEMMs
 // (no TF32); the bias and LayerNorm gradients are column sums in a fixed order; the attention
-// backward is fp32 arithmetic. Deterministic: no floating-point atomics anywhere, so the same
-// inputs on the same GPU give bitwise identical gradients.
+// is fp32 arithmetic. Deterministic: no floating-point atomics anywhere, so the same inputs on
+// the same GPU give bitwise identical gradients.
 
-// Largest head dim the CUDA backward serves (PyTorch's binding differentiates the reference
-// math for wider heads).
+// Largest head dim the CUDA training path serves (PyTorch's binding differentiates the
+// reference math for wider heads).
 constexpr int64_t kCudaBackwardMaxHeadDim = 256;
 
 struct CudaBackwardPlan {
-  static constexpr size_t kNone = ~size_t{0};
-
-  // One pass's saved forward, in bytes from the workspace's start (256-byte aligned each).
+  // One pass's saved forward, in bytes from the start of `saved` (256-byte aligned each).
   struct Pass {
     size_t norm = 0;   // (T, D)  LayerNorm output (T = B H W positions)
     size_t stats = 0;  // (T, 2)  LayerNorm mean and 1 / std per position
@@ -218,8 +219,11 @@ struct CudaBackwardPlan {
     size_t lse = 0;    // (T, heads) softmax log-sum-exp, per (sequence, head, query)
   };
   Pass row, col;
-  size_t row_output = 0;       // (T, D) the row pass's output: the column pass's input
-  size_t grad_row_output = 0;  // (T, D) the loss's gradient with respect to it
+  size_t row_output = 0;   // (T, D) the row pass's output: the column pass's input
+  size_t saved_bytes = 0;  // the whole of `saved`
+
+  // The workspace (scratch of either call), in bytes from its start.
+  size_t grad_row_output = 0;  // (T, D) the loss's gradient with respect to the row pass's output
   size_t grad_attn = 0;        // (T, D) gradient of a pass's attention output, then LayerNorm scratch
   size_t grad_qkv = 0;         // (T, 3D)
   size_t grad_norm = 0;        // (T, D) gradient of a pass's LayerNorm output
@@ -229,24 +233,32 @@ struct CudaBackwardPlan {
   size_t blas_bytes = 0;
   size_t workspace_bytes = 0;  // the whole workspace
 
-  // What the plan was made for; backward_cuda rejects another problem or device.
+  // What the plan was made for; the two calls reject another problem or device.
   int64_t batch = 0, height = 0, width = 0, dim = 0, heads = 0;
   int device = -1;
 
   std::string describe() const;
 };
 
-// Plans the backward of p on the current CUDA device (p validated first; pointers may be null).
-// kUnsupported for head dims above kCudaBackwardMaxHeadDim, on GPUs below compute capability
-// 8.0, and in a build without CUDA.
+// Plans the training calls of p on the current CUDA device (p validated first; pointers may be
+// null). kUnsupported for head dims above kCudaBackwardMaxHeadDim, on GPUs below compute
+// capability 8.0, and in a build without CUDA.
 Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan);
 
-// The backward of forward_cuda(p) on `stream`: writes (does not accumulate) every non-null
-// gradient of g, as backward_cpu does, with the same aliasing rules (grad_x may be grad_out).
-// All pointers are device pointers; `workspace` is 256-byte aligned and holds
-// `workspace_bytes` >= plan.workspace_bytes bytes. Launches only: no allocation, no
-// synchronisation, so it can be captured in a graph. p.out is not read.
-Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, void* workspace,
-                     size_t workspace_bytes, CUstream_st* stream);
+// The bytes of `saved` for p (plan.saved_bytes; it depends on the sizes alone, not the device).
+Status cuda_saved_bytes(const AxialParams& p, size_t* bytes);
+
+// forward_cuda's output in p.out, and `saved` (saved_bytes >= plan.saved_bytes) filled for
+// backward_cuda. `saved` and `workspace` are 256-byte aligned device buffers; the workspace
+// holds workspace_bytes >= plan.workspace_bytes bytes. Launches only (no allocation, no
+// synchronisation), so it can be captured in a graph.
+Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,
+                             void* workspace, size_t workspace_bytes, CUstream_st* stream);
+
+// The backward of forward_cuda_training(p) on `stream`, from the `saved` it filled: writes (does
+// not accumulate) every non-null gradient of g, with backward_cpu's aliasing rules (grad_x may
+// be grad_out). p.out is not read. Launches only, as above.
+Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
+                     size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream);
 
 }  // namespace fastaxial

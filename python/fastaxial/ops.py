@@ -98,9 +98,29 @@ def _(x, *args):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def saved_floats(batch, height, width, dim, num_heads):
+    """Floats of axial_attention_training's `saved` for x (B, H, W, D): the layout of
+    make_backward_plan (src/common/plan.cpp), regions each starting 256-byte aligned: per pass,
+    the LayerNorm output (T, D), its statistics (T, 2), qkv (T, 3D), the attention output (T, D)
+    and the log-sum-exp (T, heads); then the row pass's output (T, D); T = B H W."""
+    t = batch * height * width
+    sizes = [t * dim, 2 * t, 3 * t * dim, t * dim, t * num_heads] * 2 + [t * dim]
+    end = 0
+    for floats in sizes:
+        end = (end + 255) // 256 * 256 + 4 * floats
+    return end // 4
+
+
+@torch.library.register_fake("fastaxial::axial_attention_training")
+def _(x, *args):
+    *weights, num_heads, eps = args
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out, x.new_empty(saved_floats(*x.shape, num_heads))
+
+
 @torch.library.register_fake("fastaxial::axial_attention_backward")
 def _(grad_out, x, *rest):
-    *weights, num_heads, eps, output_mask = rest
+    weights, (num_heads, eps, output_mask) = rest[:10], rest[10:13]  # then `saved`, where given
     return [torch.empty_like(t, memory_format=torch.contiguous_format)
             for t, wanted in zip((x, *weights), output_mask) if wanted]
 

@@ -248,15 +248,19 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   const size_t limit = ~size_t{0} / (4 * sizeof(float));
   if (T > limit / std::max<size_t>(D, 1) || T > limit / heads) return invalid("the workspace size overflows size_t");
   const size_t td = T * D * sizeof(float), th = T * heads * sizeof(float);
+  // The saved forward: the same layout whatever the device (cuda_saved_bytes).
   size_t end = 0;
   bool fits = true;
   for (CudaBackwardPlan::Pass* pass : {&c.row, &c.col}) {
     fits = fits && append(&end, td, &pass->norm) && append(&end, 2 * T * sizeof(float), &pass->stats) &&
            append(&end, 3 * td, &pass->qkv) && append(&end, td, &pass->attn) && append(&end, th, &pass->lse);
   }
-  fits = fits && append(&end, td, &c.row_output) && append(&end, td, &c.grad_row_output) &&
-         append(&end, td, &c.grad_attn) && append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) &&
-         append(&end, th, &c.delta) &&
+  fits = fits && append(&end, td, &c.row_output);
+  c.saved_bytes = end;
+  // The workspace.
+  end = 0;
+  fits = fits && append(&end, td, &c.grad_row_output) && append(&end, td, &c.grad_attn) &&
+         append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) && append(&end, th, &c.delta) &&
          append(&end, kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
   c.blas_bytes = backward_blas_bytes(dev);
   fits = fits && append(&end, c.blas_bytes, &c.blas);
@@ -266,11 +270,21 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   return Status::Ok();
 }
 
+Status cuda_saved_bytes(const AxialParams& p, size_t* bytes) {
+  if (Status s = validate_sizes(p); !s.ok()) return s;
+  DeviceCaps any;  // the saved layout does not depend on the device
+  any.cc_major = 9;
+  CudaBackwardPlan plan;
+  if (Status s = make_backward_plan(p, any, &plan); !s.ok()) return s;
+  *bytes = plan.saved_bytes;
+  return Status::Ok();
+}
+
 std::string CudaBackwardPlan::describe() const {
   std::ostringstream s;
-  s << "backward: forward recomputed (cuBLAS fp32 products, flash attention with log-sum-exp), then column and row "
-       "passes back (cuBLAS fp32 products, flash-style attention backward); workspace "
-    << workspace_bytes << " B, of which cuBLAS " << blas_bytes << " B (B " << batch << ", H " << height << ", W "
+  s << "training: the forward with its intermediates saved (cuBLAS fp32 products, flash attention with "
+       "log-sum-exp), then column and row passes back (cuBLAS fp32 products, flash-style attention backward); saved "
+    << saved_bytes << " B, workspace " << workspace_bytes << " B, of which cuBLAS " << blas_bytes << " B (B " << batch << ", H " << height << ", W "
     << width << ", D " << dim << ", heads " << heads << ", device " << device << ")";
   return s.str();
 }

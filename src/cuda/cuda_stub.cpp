@@ -24,7 +24,12 @@ Status forward_cuda(const AxialParams& p, void*, size_t, CUstream_st*) { return 
 
 Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan*) { return no_cuda(p, false); }
 
-Status backward_cuda(const AxialParams& p, const AxialGrads&, const CudaBackwardPlan&, void*, size_t, CUstream_st*) {
+Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan&, void*, size_t, void*, size_t, CUstream_st*) {
+  return no_cuda(p);
+}
+
+Status backward_cuda(const AxialParams& p, const AxialGrads&, const CudaBackwardPlan&, const void*, size_t, void*, size_t,
+                     CUstream_st*) {
   if (Status s = validate_inputs(p); !s.ok()) return s;
   return {StatusCode::kUnsupported, "fastaxial was built without CUDA"};
 }

@@ -1,7 +1,8 @@
-// CUDA backward: backward_cuda against the float64 reference backward (reference.h, itself
-// checked against finite differences in test_backward_cpu.cpp), on short and long axes and
-// head dims 1 to 256; null gradients, grad_x in place of grad_out, bitwise determinism, the
-// empty problem, and the plan's and workspace's checks.
+// CUDA training calls: forward_cuda_training's output against the float64 reference forward,
+// and backward_cuda from its saved intermediates against the float64 reference backward
+// (reference.h, itself checked against finite differences in test_backward_cpu.cpp), on short
+// and long axes and head dims 1 to 256; null gradients, grad_x in place of grad_out, bitwise
+// determinism, the empty problem, and the plan's, saved buffer's and workspace's checks.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -39,10 +40,12 @@ struct DeviceProblem {
   }
 };
 
-// Runs backward_cuda with the gradients `host` asks for (its non-null... all poisoned buffers,
-// wanted ones) and copies every buffer back (unwanted ones keep their poison).
+// Runs forward_cuda_training into a poisoned output (copied to *out where given), then
+// backward_cuda with the gradients `wanted` selects, into poisoned buffers, and copies every
+// buffer back (unwanted ones keep their poison).
 Status run_backward(const AxialParams& dp, const std::vector<float>& gout, Grads* host,
-                    const std::vector<bool>& wanted = std::vector<bool>(11, true), bool grad_x_in_place = false) {
+                    const std::vector<bool>& wanted = std::vector<bool>(11, true), bool grad_x_in_place = false,
+                    std::vector<float>* out = nullptr) {
   std::vector<DevicePtr> bufs;
   auto list = host->all();
   std::vector<float*> ptr;
@@ -63,8 +66,21 @@ Status run_backward(const AxialParams& dp, const std::vector<float>& gout, Grads
   Status s = plan_backward_cuda(dp, &plan);
   if (!s.ok()) return s;
   DevicePtr ws = device_alloc(plan.workspace_bytes / sizeof(float) + 1);
-  s = backward_cuda(dp, g, plan, ws.get(), plan.workspace_bytes, nullptr);
+  DevicePtr saved = device_alloc(plan.saved_bytes / sizeof(float) + 1);
+  const size_t n = gout.size();
+  DevicePtr d_out = device_alloc(n);
+  const std::vector<float> poison(n, kNaN);
+  cudaMemcpy(d_out.get(), poison.data(), n * sizeof(float), cudaMemcpyHostToDevice);
+  AxialParams fp = dp;
+  fp.out = d_out.get();
+  s = forward_cuda_training(fp, plan, saved.get(), plan.saved_bytes, ws.get(), plan.workspace_bytes, nullptr);
   if (!s.ok()) return s;
+  s = backward_cuda(dp, g, plan, saved.get(), plan.saved_bytes, ws.get(), plan.workspace_bytes, nullptr);
+  if (!s.ok()) return s;
+  if (out != nullptr) {
+    out->resize(n);
+    cudaMemcpy(out->data(), d_out.get(), n * sizeof(float), cudaMemcpyDeviceToHost);
+  }
   if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) return {StatusCode::kCudaError, cudaGetErrorString(e)};
   for (size_t i = 0; i < list.size(); ++i)
     cudaMemcpy(list[i].first->data(), bufs[i].get(), list[i].first->size() * sizeof(float), cudaMemcpyDeviceToHost);
@@ -90,8 +106,12 @@ TEST_P(CudaBackward, MatchesDoubleReference) {
   DeviceProblem dev;
   const AxialParams dp = dev.params(p);
   Grads got(s);
-  const Status st = run_backward(dp, gout_f, &got);
+  std::vector<float> out;
+  const Status st = run_backward(dp, gout_f, &got, std::vector<bool>(11, true), false, &out);
   ASSERT_TRUE(st.ok()) << st.message;
+  // The training forward's output, as the forward's tests bound it (test_axial_cuda.cpp: within
+  // atol = rtol = 1e-4 of float64, every element written).
+  EXPECT_LE(worst_ratio(out, reference_forward(p), 1e-4, 1e-4), 1.0) << "forward_cuda_training's output";
 
   RefGrads<double> ref = reference_backward(p, gout);
   RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
@@ -191,12 +211,16 @@ TEST_F(CudaBackwardRuns, EmptyProblemGivesZeroWeightGradients) {
     for (float v : *buf) ASSERT_EQ(v, 0.0f) << name;
 }
 
-TEST_F(CudaBackwardRuns, ChecksPlanAndWorkspace) {
+TEST_F(CudaBackwardRuns, ChecksPlanSavedAndWorkspace) {
   CudaBackwardPlan plan;
   ASSERT_TRUE(plan_backward_cuda(dp, &plan).ok());
-  EXPECT_NE(plan.describe().find("backward"), std::string::npos);
+  EXPECT_NE(plan.describe().find("saved " + std::to_string(plan.saved_bytes) + " B"), std::string::npos);
+  size_t saved_bytes = 0;
+  ASSERT_TRUE(cuda_saved_bytes(dp, &saved_bytes).ok());
+  EXPECT_EQ(saved_bytes, plan.saved_bytes);
   DevicePtr ws = device_alloc(plan.workspace_bytes / sizeof(float) + 64);
-  DevicePtr gx = device_alloc(gout_f.size()), go = device_alloc(gout_f.size());
+  DevicePtr saved = device_alloc(plan.saved_bytes / sizeof(float) + 64);
+  DevicePtr gx = device_alloc(gout_f.size()), go = device_alloc(gout_f.size()), out = device_alloc(gout_f.size());
   AxialGrads g;
   g.grad_out = go.get();
   g.grad_x = gx.get();
@@ -204,25 +228,40 @@ TEST_F(CudaBackwardRuns, ChecksPlanAndWorkspace) {
     EXPECT_EQ(st.code, StatusCode::kInvalidArgument) << st.message;
     EXPECT_NE(st.message.find(needle), std::string::npos) << st.message;
   };
-  expect_invalid(backward_cuda(dp, g, plan, ws.get(), plan.workspace_bytes - 1, nullptr), "workspace holds");
-  expect_invalid(backward_cuda(dp, g, plan, reinterpret_cast<char*>(ws.get()) + 4, plan.workspace_bytes, nullptr),
-                 "256-byte aligned");
-  expect_invalid(backward_cuda(dp, g, plan, nullptr, plan.workspace_bytes, nullptr), "workspace is null");
+  auto back = [&](const AxialParams& a, const AxialGrads& gr, void* sv, size_t sb, void* w, size_t wb) {
+    return backward_cuda(a, gr, plan, sv, sb, w, wb, nullptr);
+  };
+  const size_t sb = plan.saved_bytes, wb = plan.workspace_bytes;
+  expect_invalid(back(dp, g, saved.get(), sb, ws.get(), wb - 1), "workspace holds");
+  expect_invalid(back(dp, g, saved.get(), sb - 1, ws.get(), wb), "saved holds");
+  expect_invalid(back(dp, g, saved.get(), sb, reinterpret_cast<char*>(ws.get()) + 4, wb), "workspace must be 256-byte");
+  expect_invalid(back(dp, g, reinterpret_cast<char*>(saved.get()) + 4, sb, ws.get(), wb), "saved must be 256-byte");
+  expect_invalid(back(dp, g, saved.get(), sb, nullptr, wb), "workspace is null");
+  expect_invalid(back(dp, g, nullptr, sb, ws.get(), wb), "saved is null");
   AxialParams other = dp;
   other.width += 1;
-  expect_invalid(backward_cuda(other, g, plan, ws.get(), plan.workspace_bytes, nullptr), "another problem");
+  expect_invalid(back(other, g, saved.get(), sb, ws.get(), wb), "another problem");
   AxialGrads alias = g;
   alias.grad_x = const_cast<float*>(dp.x);
-  expect_invalid(backward_cuda(dp, alias, plan, ws.get(), plan.workspace_bytes, nullptr), "alias");
+  expect_invalid(back(dp, alias, saved.get(), sb, ws.get(), wb), "alias");
   AxialGrads no_gout = g;
   no_gout.grad_out = nullptr;
-  expect_invalid(backward_cuda(dp, no_gout, plan, ws.get(), plan.workspace_bytes, nullptr), "grad_out is null");
+  expect_invalid(back(dp, no_gout, saved.get(), sb, ws.get(), wb), "grad_out is null");
+  AxialParams fp = dp;
+  fp.out = out.get();
+  expect_invalid(forward_cuda_training(fp, plan, saved.get(), sb, ws.get(), wb - 1, nullptr), "workspace holds");
+  expect_invalid(forward_cuda_training(dp, plan, saved.get(), sb, ws.get(), wb, nullptr), "out is null");
+  AxialParams dropped = fp;
+  dropped.dropout = 0.1f;
+  EXPECT_EQ(forward_cuda_training(dropped, plan, saved.get(), sb, ws.get(), wb, nullptr).code,
+            StatusCode::kUnsupported);
   // Head dims above the backward's largest: unsupported, said so.
   AxialParams wide = dp;
   wide.dim = 2 * (kCudaBackwardMaxHeadDim + 8), wide.heads = 2;
   CudaBackwardPlan wide_plan;
   const Status st = plan_backward_cuda(wide, &wide_plan);
   EXPECT_EQ(st.code, StatusCode::kUnsupported) << st.message;
+  EXPECT_EQ(cuda_saved_bytes(wide, &saved_bytes).code, StatusCode::kUnsupported);
   EXPECT_NE(st.message.find("head dims up to"), std::string::npos) << st.message;
 }
 

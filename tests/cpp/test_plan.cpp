@@ -324,7 +324,8 @@ CudaBackwardPlan backward_plan_of(const AxialParams& p, const DeviceCaps& dev) {
   return plan;
 }
 
-// Every region 256-byte aligned, of its size, inside the workspace, and overlapping no other.
+// Every region 256-byte aligned, of its size, inside its buffer (saved or workspace), and
+// overlapping no other of that buffer.
 TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
   for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(1, 7, 5, 9, 3), problem(2, 1, 2048, 16, 2)}) {
     const CudaBackwardPlan c = backward_plan_of(p, h200());
@@ -333,25 +334,33 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
       size_t offset, bytes;
       const char* name;
     };
-    std::vector<Region> r;
+    std::vector<Region> saved, ws;
     for (const auto* pass : {&c.row, &c.col}) {
-      r.push_back({pass->norm, td, "norm"}), r.push_back({pass->stats, 2 * T * 4, "stats"});
-      r.push_back({pass->qkv, 3 * td, "qkv"}), r.push_back({pass->attn, td, "attn"});
-      r.push_back({pass->lse, th, "lse"});
+      saved.push_back({pass->norm, td, "norm"}), saved.push_back({pass->stats, 2 * T * 4, "stats"});
+      saved.push_back({pass->qkv, 3 * td, "qkv"}), saved.push_back({pass->attn, td, "attn"});
+      saved.push_back({pass->lse, th, "lse"});
     }
-    r.push_back({c.row_output, td, "row_output"}), r.push_back({c.grad_row_output, td, "grad_row_output"});
-    r.push_back({c.grad_attn, td, "grad_attn"}), r.push_back({c.grad_qkv, 3 * td, "grad_qkv"});
-    r.push_back({c.grad_norm, td, "grad_norm"}), r.push_back({c.delta, th, "delta"});
-    r.push_back({c.column_partials, 128 * (size_t)p.dim * 4, "column_partials"}), r.push_back({c.blas, c.blas_bytes, "blas"});
+    saved.push_back({c.row_output, td, "row_output"});
+    ws.push_back({c.grad_row_output, td, "grad_row_output"}), ws.push_back({c.grad_attn, td, "grad_attn"});
+    ws.push_back({c.grad_qkv, 3 * td, "grad_qkv"}), ws.push_back({c.grad_norm, td, "grad_norm"});
+    ws.push_back({c.delta, th, "delta"});
+    ws.push_back({c.column_partials, 128 * (size_t)p.dim * 4, "column_partials"});
+    ws.push_back({c.blas, c.blas_bytes, "blas"});
     EXPECT_EQ(c.blas_bytes, 32u << 20) << "cuBLAS's Hopper recommendation";
-    for (size_t i = 0; i < r.size(); ++i) {
-      EXPECT_EQ(r[i].offset % 256, 0u) << r[i].name;
-      EXPECT_LE(r[i].offset + r[i].bytes, c.workspace_bytes) << r[i].name;
-      for (size_t j = 0; j < i; ++j)
-        EXPECT_TRUE(r[i].offset >= r[j].offset + r[j].bytes || r[j].offset >= r[i].offset + r[i].bytes)
-            << r[i].name << " overlaps " << r[j].name;
+    for (const auto& [regions, total] : {std::pair{&saved, c.saved_bytes}, std::pair{&ws, c.workspace_bytes}}) {
+      const std::vector<Region>& r = *regions;
+      for (size_t i = 0; i < r.size(); ++i) {
+        EXPECT_EQ(r[i].offset % 256, 0u) << r[i].name;
+        EXPECT_LE(r[i].offset + r[i].bytes, total) << r[i].name;
+        for (size_t j = 0; j < i; ++j)
+          EXPECT_TRUE(r[i].offset >= r[j].offset + r[j].bytes || r[j].offset >= r[i].offset + r[i].bytes)
+              << r[i].name << " overlaps " << r[j].name;
+      }
     }
     EXPECT_NE(c.describe().find("workspace " + std::to_string(c.workspace_bytes) + " B"), std::string::npos);
+    size_t bytes = 0;
+    ASSERT_TRUE(cuda_saved_bytes(p, &bytes).ok());
+    EXPECT_EQ(bytes, c.saved_bytes) << "the saved layout does not depend on the device";
   }
   EXPECT_EQ(backward_plan_of(problem(1, 4, 4, 8, 2), a100()).blas_bytes, 4u << 20);
 }

@@ -171,3 +171,26 @@ def test_training_step_in_a_cuda_graph():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         moved = max(moved, (a - a0).abs().max().item())
     assert moved > 1e-2  # the replays trained: the comparison is not of untouched weights
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")
+def test_training_forward_keeps_what_the_backward_reads():
+    """axial_attention_training: the forward's output, and a `saved` of the size the fake kernel
+    says, from which the backward gives bitwise the gradients it gives when it runs the training
+    forward itself."""
+    ref, new = make_pair(24, 3, 7, 9, "cuda", seed=12)
+    x, g = torch.randn(2, 7, 9, 24, device="cuda"), torch.randn(2, 7, 9, 24, device="cuda")
+    w = [t.detach() for t in new.weights()]
+    out, saved = torch.ops.fastaxial.axial_attention_training(x, *w, 3, 1e-5)
+    ref64 = fastaxial.AxialAttentionReference(24, 3, 7, 9).double().cuda()
+    ref64.load_state_dict({k: v.double() for k, v in ref.state_dict().items()})
+    with torch.no_grad():
+        torch.testing.assert_close(out.double(), ref64(x.double()), atol=1e-4, rtol=1e-4)
+    assert saved.numel() == fastaxial.ops.saved_floats(2, 7, 9, 24, 3)
+    mask = [True] * 11
+    kept = BACKWARD(g, x, *w, 3, 1e-5, mask, saved)
+    again = BACKWARD(g, x, *w, 3, 1e-5, mask)
+    for a, b in zip(kept, again):
+        assert torch.equal(a, b)
+    torch.library.opcheck(torch.ops.fastaxial.axial_attention_training.default, (x, *w, 3, 1e-5))
+    torch.library.opcheck(BACKWARD, (g, x, *w, 3, 1e-5, mask, saved))

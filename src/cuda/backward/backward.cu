@@ -1,5 +1,5 @@
-// The CUDA backward of the axial forward (fastaxial.h: plan_backward_cuda,
-// backward_cuda). The forward is
+// The CUDA training calls (fastaxial.h: plan_backward_cuda,
+// forward_cuda_training, backward_cuda). The forward is
 //   x1  = x  + Attn_row(LayerNorm_row(x))  @ Wo_row^T + bo_row    rows of (B, H, W, D)
 //   out = x1 + Attn_col(LayerNorm_col(x1)) @ Wo_col^T + bo_col    columns
 // and with T = B H W positions its backward is, per pass from the last:
@@ -11,10 +11,10 @@
 //   d_xn  = dqkv Wqkv
 //   d_gamma, d_beta = column sums of d_xn * xhat, d_xn
 //   d_src = dy + LayerNorm backward of d_xn           the residual and the branch
-// Why this shape: nothing of the forward is kept between the two calls, so
-// the backward first runs the forward again (LayerNorm with its statistics,
-// the QKV product, flash attention with its log-sum-exp, the row pass's
-// output product), keeping each pass's intermediates in the workspace. The
+// Why this shape: the training forward runs each pass as LayerNorm (with its
+// statistics), the QKV product, flash attention (with its log-sum-exp) and
+// the output product, and keeps those intermediates (`saved`), so that the
+// backward recomputes nothing but the probabilities, tile by tile. The
 // products are plain GEMMs over all T positions, which cuBLAS runs in fp32
 // near the GPU's FMA peak, and the projection weights' gradients are
 // products too, so no sum over positions needs atomics: cuBLAS's results are
@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <tuple>
 
 #include "../../common/plan.h"
 #include "../../common/validate.h"
@@ -59,32 +60,30 @@ struct PassBuffers {
   float* lse;    // (num_seq, heads, L)
 };
 
-class Backward {
+class Training {
  public:
-  Backward(const AxialParams& p, const CudaBackwardPlan& plan, char* ws, const DeviceCaps& dev, cudaStream_t stream,
-           cublasHandle_t blas)
+  Training(const AxialParams& p, const CudaBackwardPlan& plan, char* saved, char* ws, const DeviceCaps& dev,
+           cudaStream_t stream, cublasHandle_t blas)
       : p_(p), dev_(dev), stream_(stream), blas_(blas), T_(p.batch * p.height * p.width), D_((int)p.dim) {
-    const auto at = [ws](size_t offset) { return reinterpret_cast<float*>(ws + offset); };
+    const auto in = [](char* base, size_t offset) { return reinterpret_cast<float*>(base + offset); };
     const auto pass = [&](const CudaBackwardPlan::Pass& b) {
-      return PassBuffers{at(b.norm), at(b.stats), at(b.qkv), at(b.attn), at(b.lse)};
+      return PassBuffers{in(saved, b.norm), in(saved, b.stats), in(saved, b.qkv), in(saved, b.attn), in(saved, b.lse)};
     };
-    row_ = pass(plan.row), col_ = pass(plan.col);
-    x1_ = at(plan.row_output), d_x1_ = at(plan.grad_row_output), d_attn_ = at(plan.grad_attn);
-    d_qkv_ = at(plan.grad_qkv), d_norm_ = at(plan.grad_norm), delta_ = at(plan.delta);
-    partials_ = at(plan.column_partials);
+    row_ = pass(plan.row), col_ = pass(plan.col), x1_ = in(saved, plan.row_output);
+    d_x1_ = in(ws, plan.grad_row_output), d_attn_ = in(ws, plan.grad_attn), d_qkv_ = in(ws, plan.grad_qkv);
+    d_norm_ = in(ws, plan.grad_norm), delta_ = in(ws, plan.delta), partials_ = in(ws, plan.column_partials);
   }
 
-  Status run(const AxialGrads& g) {
+  // out = the forward of x, each pass's intermediates kept.
+  Status forward(float* out) {
+    if (Status s = forward_pass(row_view(p_), p_.row, p_.x, row_); !s.ok()) return s;
+    if (Status s = output_product(p_.row, p_.x, row_, x1_); !s.ok()) return s;
+    if (Status s = forward_pass(col_view(p_), p_.col, x1_, col_); !s.ok()) return s;
+    return output_product(p_.col, x1_, col_, out);
+  }
+
+  Status backward(const AxialGrads& g) {
     const bool want_row = g.grad_x != nullptr || any(g.row);
-    // The forward again: the row pass's intermediates and output, then the column pass's.
-    if (Status s = forward_pass(row_view(p_), p_.row, p_.x, row_, want_row); !s.ok()) return s;
-    if (Status s = add_bias_status(cuda::add_bias(p_.x, p_.row.out_bias, T_, D_, x1_, dev_, stream_)); !s.ok())
-      return s;
-    if (Status s = cuda::gemm(blas_, false, true, T_, D_, D_, row_.attn, D_, p_.row.out_weight, D_, 1.0f, x1_, D_,
-                              "row output product");
-        !s.ok())
-      return s;
-    if (Status s = forward_pass(col_view(p_), p_.col, x1_, col_, true); !s.ok()) return s;
     // Back through the column pass (into the gradient of x1), then the row pass (into grad_x).
     if (Status s = backward_pass(col_view(p_), p_.col, x1_, col_, g.grad_out, want_row ? d_x1_ : nullptr, g.col);
         !s.ok())
@@ -94,10 +93,8 @@ class Backward {
   }
 
  private:
-  static Status add_bias_status(cudaError_t e) { return e == cudaSuccess ? Status::Ok() : cuda_error(e, "add_bias"); }
-
-  // xn = LayerNorm(src), qkv = xn Wqkv^T, attn (and lse where asked) = attention of qkv.
-  Status forward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b, bool lse) {
+  // xn = LayerNorm(src), qkv = xn Wqkv^T, attn and lse = attention of qkv.
+  Status forward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b) {
     if (cudaError_t e = cuda::layer_norm_forward(src, w.norm_weight, w.norm_bias, p_.eps, T_, D_, b.norm, b.stats,
                                                  dev_, stream_);
         e != cudaSuccess)
@@ -108,11 +105,18 @@ class Backward {
       return s;
     cuda::FlashArgs f;
     f.pos = row_indices(view, D_);
-    f.qkv = b.qkv, f.o = b.attn, f.lse = lse ? b.lse : nullptr;
+    f.qkv = b.qkv, f.o = b.attn, f.lse = b.lse;
     f.D = D_, f.heads = (int)p_.heads;
     if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "flash_attention launch");
     return Status::Ok();
+  }
+
+  // dst = src + attn Wo^T + bo.
+  Status output_product(const AxisWeights& w, const float* src, const PassBuffers& b, float* dst) {
+    if (cudaError_t e = cuda::add_bias(src, w.out_bias, T_, D_, dst, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "add_bias launch");
+    return cuda::gemm(blas_, false, true, T_, D_, D_, b.attn, D_, w.out_weight, D_, 1.0f, dst, D_, "output product");
   }
 
   // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight
@@ -204,6 +208,26 @@ Status zero_weight_grads(const AxialParams& p, const AxialGrads& g, cudaStream_t
   return Status::Ok();
 }
 
+// The checks both training calls make before launching anything.
+Status check_call(const AxialParams& p, const CudaBackwardPlan& plan, const void* saved, size_t saved_bytes,
+                  const void* workspace, size_t workspace_bytes, DeviceCaps* dev) {
+  if (Status s = validate_inputs(p); !s.ok()) return s;
+  if (Status s = cuda::current_device(dev); !s.ok()) return s;
+  if (Status s = check_plan(p, plan, dev->device); !s.ok()) return s;
+  if (p.dropout > 0) return {StatusCode::kUnsupported, "attention dropout is not implemented on CUDA yet"};
+  if (p.batch * p.height * p.width == 0) return Status::Ok();
+  for (const auto& [buf, bytes, need, name] :
+       {std::tuple{saved, saved_bytes, plan.saved_bytes, "saved"},
+        std::tuple{workspace, workspace_bytes, plan.workspace_bytes, "workspace"}}) {
+    if (buf == nullptr) return invalid(std::string(name) + " is null");
+    if (reinterpret_cast<uintptr_t>(buf) % 256 != 0) return invalid(std::string(name) + " must be 256-byte aligned");
+    if (bytes < need)
+      return invalid(std::string(name) + " holds " + std::to_string(bytes) + " bytes; the plan needs " +
+                     std::to_string(need));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan) {
@@ -213,26 +237,31 @@ Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan) {
   return make_backward_plan(p, dev, plan);
 }
 
-Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, void* workspace,
-                     size_t workspace_bytes, CUstream_st* stream) {
-  if (Status s = validate_inputs(p); !s.ok()) return s;
+Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,
+                             void* workspace, size_t workspace_bytes, CUstream_st* stream) {
+  if (Status s = validate(p); !s.ok()) return s;
   DeviceCaps dev;
-  if (Status s = cuda::current_device(&dev); !s.ok()) return s;
-  if (Status s = check_plan(p, plan, dev.device); !s.ok()) return s;
-  if (p.dropout > 0) return {StatusCode::kUnsupported, "attention dropout is not implemented on CUDA yet"};
+  if (Status s = check_call(p, plan, saved, saved_bytes, workspace, workspace_bytes, &dev); !s.ok()) return s;
+  if (p.batch * p.height * p.width == 0) return Status::Ok();
+  char* ws = static_cast<char*>(workspace);
+  cublasHandle_t blas = nullptr;
+  if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
+  return Training(p, plan, static_cast<char*>(saved), ws, dev, stream, blas).forward(p.out);
+}
+
+Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
+                     size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream) {
+  DeviceCaps dev;
+  if (Status s = check_call(p, plan, saved, saved_bytes, workspace, workspace_bytes, &dev); !s.ok()) return s;
   if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
   if (p.batch * p.height * p.width == 0) return zero_weight_grads(p, g, stream);
   if (g.grad_out == nullptr) return invalid("grad_out is null");
   if (g.grad_x == nullptr && !any(g.row) && !any(g.col)) return Status::Ok();
-  if (workspace == nullptr) return invalid("workspace is null");
-  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0) return invalid("workspace must be 256-byte aligned");
-  if (workspace_bytes < plan.workspace_bytes)
-    return invalid("workspace holds " + std::to_string(workspace_bytes) + " bytes; the backward plan needs " +
-                   std::to_string(plan.workspace_bytes));
   char* ws = static_cast<char*>(workspace);
   cublasHandle_t blas = nullptr;
   if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
-  return Backward(p, plan, ws, dev, stream, blas).run(g);
+  // The saved forward is only read: the const is cast away for the shared buffer layout.
+  return Training(p, plan, static_cast<char*>(const_cast<void*>(saved)), ws, dev, stream, blas).backward(g);
 }
 
 }  // namespace fastaxial
