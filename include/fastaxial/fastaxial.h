@@ -199,10 +199,12 @@ Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_byte
 // from the saved log-sum-exp. A caller that kept nothing runs forward_cuda_training into a
 // scratch output first (the torch binding does this for a backward without a saved forward).
 //
-// Precision and order: fp32 throughout. The products (projections and their gradients, and
-// the projection weights' gradients, sums over all B H W positions) are cuBLAS fp32 GEMMs
-// (no TF32); the bias and LayerNorm gradients are column sums in a fixed order; the attention
-// is fp32 arithmetic. Deterministic: no floating-point atomics anywhere, so the same inputs on
+// Precision and order: fp32 throughout. The projections and the activations' gradients through
+// them run on Hopper's tensor cores with 3xTF32 where the forward's staged path can (an sm_90a
+// build on a compute-capability 9.0 GPU, dim a multiple of 8), else as cuBLAS fp32 GEMMs; the
+// projection weights' gradients (sums over all B H W positions) are cuBLAS fp32 GEMMs (no
+// TF32); the bias and LayerNorm gradients are column sums in a fixed order; the attention is
+// fp32 arithmetic. Deterministic: no floating-point atomics anywhere, so the same inputs on
 // the same GPU give bitwise identical gradients.
 
 // Largest head dim the CUDA training path serves (PyTorch's binding differentiates the
@@ -210,6 +212,8 @@ Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_byte
 constexpr int64_t kCudaBackwardMaxHeadDim = 256;
 
 struct CudaBackwardPlan {
+  static constexpr size_t kNone = ~size_t{0};
+
   // One pass's saved forward, in bytes from the start of `saved` (256-byte aligned each).
   struct Pass {
     size_t norm = 0;   // (T, D)  LayerNorm output (T = B H W positions)
@@ -231,6 +235,10 @@ struct CudaBackwardPlan {
   size_t column_partials = 0;  // (128, D) per-chunk column sums of the bias and LayerNorm weight gradients
   size_t blas = 0;             // cuBLAS's workspace (its products' scratch)
   size_t blas_bytes = 0;
+  // Where the projections run on the tensor cores (3xTF32 wgmma), the weights as (hi, lo) TF32
+  // planes, per pass (row, then column) Wqkv, Wout, Wout^T, Wqkv^T: 16 D^2 floats a pass; else kNone.
+  bool tensor_core_products = false;
+  size_t weight_planes = kNone;
   size_t workspace_bytes = 0;  // the whole workspace
 
   // What the plan was made for; the two calls reject another problem or device.

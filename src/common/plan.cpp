@@ -264,6 +264,12 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
          append(&end, kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
   c.blas_bytes = backward_blas_bytes(dev);
   fits = fits && append(&end, c.blas_bytes, &c.blas);
+  // The staged path's product (staged/gemm.cu) where the device runs it and its N and K fit.
+  c.tensor_core_products = dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kStagedGemmSmemBytes && D % 8 == 0;
+  if (c.tensor_core_products) {
+    if (D > limit / D) return invalid("the workspace size overflows size_t");
+    fits = fits && append(&end, 2 * 16 * D * D * sizeof(float), &c.weight_planes);
+  }
   if (!fits) return invalid("the workspace size overflows size_t");
   c.workspace_bytes = end;
   *plan = c;
@@ -282,8 +288,9 @@ Status cuda_saved_bytes(const AxialParams& p, size_t* bytes) {
 
 std::string CudaBackwardPlan::describe() const {
   std::ostringstream s;
-  s << "training: the forward with its intermediates saved (cuBLAS fp32 products, flash attention with "
-       "log-sum-exp), then column and row passes back (cuBLAS fp32 products, flash-style attention backward); saved "
+  s << "training: the forward with its intermediates saved (" << (tensor_core_products ? "3xTF32 wgmma" : "cuBLAS fp32")
+    << " projections, flash attention with log-sum-exp), then column and row passes back (weight gradients as cuBLAS "
+       "fp32 products, flash-style attention backward); saved "
     << saved_bytes << " B, workspace " << workspace_bytes << " B, of which cuBLAS " << blas_bytes << " B (B " << batch << ", H " << height << ", W "
     << width << ", D " << dim << ", heads " << heads << ", device " << device << ")";
   return s.str();

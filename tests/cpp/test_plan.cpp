@@ -365,6 +365,23 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
   EXPECT_EQ(backward_plan_of(problem(1, 4, 4, 8, 2), a100()).blas_bytes, 4u << 20);
 }
 
+// The projections on the tensor cores where the staged path's product runs: sm_90a code and
+// dim a multiple of 8; the weights' planes then have their region, else none.
+TEST(BackwardPlan, TensorCoreProductsWhereTheStagedProductRuns) {
+  const CudaBackwardPlan h = backward_plan_of(problem(2, 8, 8, 64, 4), h200());
+  EXPECT_TRUE(h.tensor_core_products);
+  EXPECT_NE(h.weight_planes, CudaBackwardPlan::kNone);
+  EXPECT_LE(h.weight_planes + 32 * 64 * 64 * 4, h.workspace_bytes);
+  EXPECT_NE(h.describe().find("3xTF32 wgmma"), std::string::npos) << h.describe();
+  for (const auto& [p, dev] : {std::pair{problem(2, 8, 8, 9, 3), h200()}, std::pair{problem(2, 8, 8, 64, 4), a100()},
+                               std::pair{problem(2, 8, 8, 64, 4), ptx_only()}}) {
+    const CudaBackwardPlan c = backward_plan_of(p, dev);
+    EXPECT_FALSE(c.tensor_core_products) << c.describe();
+    EXPECT_EQ(c.weight_planes, CudaBackwardPlan::kNone);
+    EXPECT_NE(c.describe().find("cuBLAS fp32 projections"), std::string::npos) << c.describe();
+  }
+}
+
 TEST(BackwardPlan, SaysWhatItCannotServe) {
   CudaBackwardPlan plan;
   Status s = make_backward_plan(problem(1, 4, 4, 2 * (kCudaBackwardMaxHeadDim + 1), 2), h200(), &plan);

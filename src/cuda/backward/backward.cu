@@ -15,10 +15,13 @@
 // statistics), the QKV product, flash attention (with its log-sum-exp) and
 // the output product, and keeps those intermediates (`saved`), so that the
 // backward recomputes nothing but the probabilities, tile by tile. The
-// products are plain GEMMs over all T positions, which cuBLAS runs in fp32
-// near the GPU's FMA peak, and the projection weights' gradients are
-// products too, so no sum over positions needs atomics: cuBLAS's results are
-// bitwise reproducible, the column sums (column_sums.cu) and the attention
+// products are plain GEMMs over all T positions: the projections and the
+// activations' gradients through them on Hopper's tensor cores with 3xTF32
+// (the staged path's wgmma product, staged/gemm.cu, weights split into
+// planes once a call: weight_planes.cu), else cuBLAS fp32; the projection
+// weights' gradients, sums over all T positions (K = T), on cuBLAS fp32. So
+// no sum over positions needs atomics: cuBLAS's results are bitwise
+// reproducible, and the column sums (column_sums.cu) and the attention
 // backward add in a fixed order, so the whole backward is deterministic.
 #include <cuda_runtime.h>
 
@@ -30,10 +33,12 @@
 #include "../detail/host.h"
 #include "../kernels.h"
 #include "../staged/flash_attention.h"
+#include "../staged/gemm.h"
 #include "attention_backward.h"
 #include "blas.h"
 #include "column_sums.h"
 #include "norm.h"
+#include "weight_planes.h"
 
 namespace fastaxial {
 namespace {
@@ -72,35 +77,88 @@ class Training {
     row_ = pass(plan.row), col_ = pass(plan.col), x1_ = in(saved, plan.row_output);
     d_x1_ = in(ws, plan.grad_row_output), d_attn_ = in(ws, plan.grad_attn), d_qkv_ = in(ws, plan.grad_qkv);
     d_norm_ = in(ws, plan.grad_norm), delta_ = in(ws, plan.delta), partials_ = in(ws, plan.column_partials);
+    if (plan.tensor_core_products) {
+      const int64_t dd = (int64_t)D_ * D_;
+      for (int i = 0; i < 2; ++i) {
+        float* base = in(ws, plan.weight_planes) + i * 16 * dd;
+        planes_[i] = {base, base + 6 * dd, base + 8 * dd, base + 10 * dd};
+      }
+    }
   }
 
   // out = the forward of x, each pass's intermediates kept.
   Status forward(float* out) {
-    if (Status s = forward_pass(row_view(p_), p_.row, p_.x, row_); !s.ok()) return s;
-    if (Status s = output_product(p_.row, p_.x, row_, x1_); !s.ok()) return s;
-    if (Status s = forward_pass(col_view(p_), p_.col, x1_, col_); !s.ok()) return s;
-    return output_product(p_.col, x1_, col_, out);
+    if (Status s = split_planes(false); !s.ok()) return s;
+    if (Status s = forward_pass(row_view(p_), p_.row, p_.x, row_, planes_[0]); !s.ok()) return s;
+    if (Status s = output_product(p_.row, p_.x, row_, planes_[0], x1_); !s.ok()) return s;
+    if (Status s = forward_pass(col_view(p_), p_.col, x1_, col_, planes_[1]); !s.ok()) return s;
+    return output_product(p_.col, x1_, col_, planes_[1], out);
   }
 
   Status backward(const AxialGrads& g) {
+    if (Status s = split_planes(true); !s.ok()) return s;
     const bool want_row = g.grad_x != nullptr || any(g.row);
     // Back through the column pass (into the gradient of x1), then the row pass (into grad_x).
-    if (Status s = backward_pass(col_view(p_), p_.col, x1_, col_, g.grad_out, want_row ? d_x1_ : nullptr, g.col);
+    if (Status s = backward_pass(col_view(p_), p_.col, x1_, col_, planes_[1], g.grad_out, want_row ? d_x1_ : nullptr,
+                                 g.col);
         !s.ok())
       return s;
     if (!want_row) return Status::Ok();
-    return backward_pass(row_view(p_), p_.row, p_.x, row_, d_x1_, g.grad_x, g.row);
+    return backward_pass(row_view(p_), p_.row, p_.x, row_, planes_[0], d_x1_, g.grad_x, g.row);
   }
 
  private:
+  // One pass's weights as (hi, lo) planes for the tensor-core product; all null: cuBLAS.
+  struct Planes {
+    float *qkv = nullptr, *out = nullptr, *out_t = nullptr, *qkv_t = nullptr;
+  };
+
+  // The planes this call's products take: Wqkv and Wout of both passes (forward), or their
+  // transposes (backward).
+  Status split_planes(bool transposed) {
+    if (planes_[0].qkv == nullptr) return Status::Ok();
+    cuda::PlaneJobs jobs;
+    const AxisWeights* w[2] = {&p_.row, &p_.col};
+    for (int i = 0; i < 2; ++i) {
+      jobs.job[jobs.count++] = {w[i]->qkv_weight, transposed ? planes_[i].qkv_t : planes_[i].qkv,
+                                transposed ? D_ : 3 * D_, transposed ? 3 * D_ : D_, transposed};
+      jobs.job[jobs.count++] = {w[i]->out_weight, transposed ? planes_[i].out_t : planes_[i].out, D_, D_, transposed};
+    }
+    if (cudaError_t e = cuda::split_weight_planes(jobs, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "split_weight_planes launch");
+    return Status::Ok();
+  }
+
+  static bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+  // c (M, N) = a (M, K) W'^T (+ bias + residual, both or neither), W' = w (N, K), or with
+  // `transposed` W' = w^T, w (K, N). On the tensor cores from `planes` (W' split) where given and
+  // the activations are 16-byte aligned (the product's copies), else on cuBLAS.
+  Status product(const float* a, const float* w, const float* planes, bool transposed, int N, int K,
+                 const float* bias, const float* residual, float* c, const char* what) {
+    if (planes != nullptr && aligned16(a) && aligned16(c) && (residual == nullptr || aligned16(residual))) {
+      cuda::GemmArgs g;
+      g.a = a, g.w = planes, g.bias = bias, g.residual = residual, g.c = c, g.M = T_, g.N = N, g.K = K;
+      if (cudaError_t e = cuda::gemm_tf32x3(g, dev_, stream_); e != cudaSuccess) return cuda_error(e, what);
+      return Status::Ok();
+    }
+    float beta = 0.0f;
+    if (residual != nullptr) {  // c = residual + bias, then the product added to it
+      if (cudaError_t e = cuda::add_bias(residual, bias, T_, D_, c, dev_, stream_); e != cudaSuccess)
+        return cuda_error(e, "add_bias launch");
+      beta = 1.0f;
+    }
+    return cuda::gemm(blas_, false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
+  }
+
   // xn = LayerNorm(src), qkv = xn Wqkv^T, attn and lse = attention of qkv.
-  Status forward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b) {
+  Status forward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
+                      const Planes& planes) {
     if (cudaError_t e = cuda::layer_norm_forward(src, w.norm_weight, w.norm_bias, p_.eps, T_, D_, b.norm, b.stats,
                                                  dev_, stream_);
         e != cudaSuccess)
       return cuda_error(e, "layer_norm_forward launch");
-    if (Status s = cuda::gemm(blas_, false, true, T_, 3 * D_, D_, b.norm, D_, w.qkv_weight, D_, 0.0f, b.qkv, 3 * D_,
-                              "QKV product");
+    if (Status s = product(b.norm, w.qkv_weight, planes.qkv, false, 3 * D_, D_, nullptr, nullptr, b.qkv, "QKV product");
         !s.ok())
       return s;
     cuda::FlashArgs f;
@@ -113,16 +171,15 @@ class Training {
   }
 
   // dst = src + attn Wo^T + bo.
-  Status output_product(const AxisWeights& w, const float* src, const PassBuffers& b, float* dst) {
-    if (cudaError_t e = cuda::add_bias(src, w.out_bias, T_, D_, dst, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "add_bias launch");
-    return cuda::gemm(blas_, false, true, T_, D_, D_, b.attn, D_, w.out_weight, D_, 1.0f, dst, D_, "output product");
+  Status output_product(const AxisWeights& w, const float* src, const PassBuffers& b, const Planes& planes,
+                        float* dst) {
+    return product(b.attn, w.out_weight, planes.out, false, D_, D_, w.out_bias, src, dst, "output product");
   }
 
   // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight
   // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
   Status backward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
-                       const float* dy, float* d_src, const AxisGrads& grads) {
+                       const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
     if (grads.out_bias)
       if (Status s = column_sums(dy, grads.out_bias, "out_bias gradient"); !s.ok()) return s;
     if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
@@ -133,8 +190,8 @@ class Training {
     if (d_src == nullptr && !grads.qkv_weight && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
 
     // d_o (T, D) = dy Wo, then the attention backward into dqkv (T, 3D).
-    if (Status s = cuda::gemm(blas_, false, false, T_, D_, D_, dy, D_, w.out_weight, D_, 0.0f, d_attn_, D_,
-                              "attention output gradient");
+    if (Status s = product(dy, w.out_weight, planes.out_t, true, D_, D_, nullptr, nullptr, d_attn_,
+                           "attention output gradient");
         !s.ok())
       return s;
     cuda::AttentionBackwardArgs a;
@@ -151,8 +208,8 @@ class Training {
     if (d_src == nullptr && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
 
     // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward; d_attn_ is free again and takes d_xn * xhat.
-    if (Status s = cuda::gemm(blas_, false, false, T_, D_, 3 * D_, d_qkv_, 3 * D_, w.qkv_weight, D_, 0.0f, d_norm_,
-                              D_, "LayerNorm output gradient");
+    if (Status s = product(d_qkv_, w.qkv_weight, planes.qkv_t, true, D_, 3 * D_, nullptr, nullptr, d_norm_,
+                           "LayerNorm output gradient");
         !s.ok())
       return s;
     if (grads.norm_bias)
@@ -181,6 +238,7 @@ class Training {
   int64_t T_;
   int D_;
   PassBuffers row_, col_;
+  Planes planes_[2];  // row, column
   float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
 };
 
