@@ -257,7 +257,7 @@ Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan);
 Status cuda_saved_bytes(const AxialParams& p, size_t* bytes);
 
 // forward_cuda's output in p.out, and `saved` (saved_bytes >= plan.saved_bytes) filled for
-// backward_cuda. `saved` and `workspace` are 256-byte aligned device buffers; the workspace
+// backward_cuda (every one of its plan.saved_bytes bytes written: the alignment gaps with zeros). `saved` and `workspace` are 256-byte aligned device buffers; the workspace
 // holds workspace_bytes >= plan.workspace_bytes bytes. Launches only (no allocation, no
 // synchronisation), so it can be captured in a graph.
 Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,

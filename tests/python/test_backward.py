@@ -143,8 +143,10 @@ def test_training_step_in_a_cuda_graph():
     _, eager = make_pair(32, 4, 8, 6, "cuda", seed=11)
     x = torch.randn(2, 8, 6, 32, device="cuda")
     g = torch.randn(2, 8, 6, 32, device="cuda")
-    opt = torch.optim.SGD(new.parameters(), lr=0.1)
-    opt_eager = torch.optim.SGD(eager.parameters(), lr=0.1)
+    # A step size that keeps four steps of this summed loss finite (at 0.1 the weights blow up to
+    # NaN by the fourth step, eagerly as well as replayed).
+    opt = torch.optim.SGD(new.parameters(), lr=1e-3)
+    opt_eager = torch.optim.SGD(eager.parameters(), lr=1e-3)
 
     def step(module, optimizer):
         optimizer.zero_grad(set_to_none=False)
@@ -170,7 +172,7 @@ def test_training_step_in_a_cuda_graph():
     for a, b, a0 in zip(new.weights(), eager.weights(), initial):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         moved = max(moved, (a - a0).abs().max().item())
-    assert moved > 1e-2  # the replays trained: the comparison is not of untouched weights
+    assert moved > 1e-3  # the replays trained: the comparison is not of untouched weights
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")

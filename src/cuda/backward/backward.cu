@@ -27,6 +27,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "../../common/plan.h"
 #include "../../common/validate.h"
@@ -295,6 +296,25 @@ Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan) {
   return make_backward_plan(p, dev, plan);
 }
 
+// Zeros in the alignment gaps between the saved buffer's regions, so that every byte of it is
+// written (it is an operator's output: two calls on the same inputs give the same bytes).
+Status zero_saved_gaps(const AxialParams& p, const CudaBackwardPlan& plan, char* saved, cudaStream_t stream) {
+  const size_t T = (size_t)(p.batch * p.height * p.width), td = T * p.dim * sizeof(float);
+  const size_t th = T * p.heads * sizeof(float);
+  const std::pair<size_t, size_t> regions[] = {
+      {plan.row.norm, td}, {plan.row.stats, 2 * T * sizeof(float)}, {plan.row.qkv, 3 * td}, {plan.row.attn, td},
+      {plan.row.lse, th},  {plan.col.norm, td}, {plan.col.stats, 2 * T * sizeof(float)},   {plan.col.qkv, 3 * td},
+      {plan.col.attn, td}, {plan.col.lse, th},  {plan.row_output, td}};
+  size_t end = 0;  // regions lie in this order (plan.cpp)
+  for (const auto& [offset, bytes] : regions) {
+    if (offset > end)
+      if (cudaError_t e = cudaMemsetAsync(saved + end, 0, offset - end, stream); e != cudaSuccess)
+        return cuda_error(e, "cudaMemsetAsync");
+    end = offset + bytes;
+  }
+  return Status::Ok();
+}
+
 Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,
                              void* workspace, size_t workspace_bytes, CUstream_st* stream) {
   if (Status s = validate(p); !s.ok()) return s;
@@ -304,6 +324,7 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
   char* ws = static_cast<char*>(workspace);
   cublasHandle_t blas = nullptr;
   if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
+  if (Status s = zero_saved_gaps(p, plan, static_cast<char*>(saved), stream); !s.ok()) return s;
   return Training(p, plan, static_cast<char*>(saved), ws, dev, stream, blas).forward(p.out);
 }
 

@@ -1,12 +1,12 @@
 // Column sums in two launches (column_sums.h): a block per (32 columns,
 // chunk of rows) sums its chunk, 8 row lanes per column each taking every
-// 8th row and then added in lane order; one thread per column adds the
-// chunks. Both steps read consecutive columns with consecutive threads.
+// 8th row and then added in lane order; a warp per column adds the chunks.
 #include "column_sums.h"
 
 #include <algorithm>
 
 #include "../detail/launch.cuh"
+#include "../detail/warp_ops.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -24,8 +24,10 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
   const int c = blockIdx.x * kCols + threadIdx.x;
   const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
   float sum = 0.0f;
-  if (c < N)
+  if (c < N) {
+#pragma unroll 4
     for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) sum += a[r * N + c];
+  }
   lane_sums[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y == 0 && c < N) {
@@ -35,16 +37,19 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
   }
 }
 
-// sums[c] = sum of partials[k][c] over the chunks k, in order.
+// sums[c] = the sum of partials[k][c] over the chunks k: a warp per column, lane l adding chunks
+// l, l + 32, ... in order, then the lanes' sums by a fixed butterfly (the same tree every call).
+// A thread per column walking all chunks would wait out a memory latency per chunk.
 __global__ void chunk_total_kernel(const float* __restrict__ partials, int64_t chunks, int N,
                                    float* __restrict__ sums) {
   grid_dependency_wait();
   allow_dependent_launch();
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (c >= N) return;
   float total = 0.0f;
-  for (int64_t k = 0; k < chunks; ++k) total += partials[k * N + c];
-  sums[c] = total;
+  for (int64_t k = lane; k < chunks; k += 32) total += partials[k * N + c];
+  total = warp_sum(total);
+  if (lane == 0) sums[c] = total;
 }
 
 int64_t rows_per_chunk(int64_t M) {
@@ -68,7 +73,7 @@ cudaError_t column_sums(const float* a, int64_t M, int N, float* partials, float
                                                        partials);
       e != cudaSuccess)
     return e;
-  return launch_kernel<chunk_total_kernel>((N + 255) / 256, 256, 0, stream, dev, partials, chunks, N, sums);
+  return launch_kernel<chunk_total_kernel>((N + 7) / 8, 256, 0, stream, dev, partials, chunks, N, sums);
 }
 
 }  // namespace fastaxial::cuda

@@ -1,8 +1,8 @@
 // Column sums of a row-major (M, N) matrix over all M rows, in a fixed order
 // (column_sums.cu): the bias and LayerNorm weight gradients, which sum over
 // every position of the grid. Deterministic: the rows are cut into chunks that
-// depend on M alone, each chunk summed in row order, then the chunks' sums
-// added in chunk order; no atomics.
+// depend on M alone, each chunk summed in a fixed order, then the chunks'
+// sums added by a fixed tree; no atomics.
 #pragma once
 
 #include <cuda_runtime.h>
