@@ -261,7 +261,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   end = 0;
   fits = fits && append(&end, td, &c.grad_row_output) && append(&end, td, &c.grad_attn) &&
          append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) && append(&end, th, &c.delta) &&
-         append(&end, kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
+         append(&end, 3 * kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
   c.blas_bytes = backward_blas_bytes(dev);
   fits = fits && append(&end, c.blas_bytes, &c.blas);
   // The staged path's product (staged/gemm.cu) where the device runs it and its N and K fit.

@@ -51,7 +51,8 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 // must have passed validate_sizes().
 Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan);
 
-// Most chunks of rows a column sum of the backward adds separately (backward/column_sums.cu).
+// Most chunks of rows a column sum of the backward adds separately (backward/column_sums.cu); the
+// backward sums three matrices at once.
 constexpr int64_t kMaxColumnSumChunks = 128;
 
 // cuBLAS's workspace in a backward: its recommendation for Hopper (32 MiB), 4 MiB on older GPUs.

@@ -344,7 +344,7 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
     ws.push_back({c.grad_row_output, td, "grad_row_output"}), ws.push_back({c.grad_attn, td, "grad_attn"});
     ws.push_back({c.grad_qkv, 3 * td, "grad_qkv"}), ws.push_back({c.grad_norm, td, "grad_norm"});
     ws.push_back({c.delta, th, "delta"});
-    ws.push_back({c.column_partials, 128 * (size_t)p.dim * 4, "column_partials"});
+    ws.push_back({c.column_partials, 3 * 128 * (size_t)p.dim * 4, "column_partials"});
     ws.push_back({c.blas, c.blas_bytes, "blas"});
     EXPECT_EQ(c.blas_bytes, 32u << 20) << "cuBLAS's Hopper recommendation";
     for (const auto& [regions, total] : {std::pair{&saved, c.saved_bytes}, std::pair{&ws, c.workspace_bytes}}) {

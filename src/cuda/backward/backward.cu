@@ -181,8 +181,20 @@ class Training {
   // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
   Status backward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                        const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
-    if (grads.out_bias)
-      if (Status s = column_sums(dy, grads.out_bias, "out_bias gradient"); !s.ok()) return s;
+    // The pass's column sums (d_bo, d_beta, d_gamma) in one pair of launches at the end: their
+    // inputs (dy, d_xn, d_xn * xhat) all stay until then.
+    cuda::ColumnSumJobs sums;
+    if (grads.out_bias) sums.add(dy, grads.out_bias);
+    if (Status s = gradients_through(view, w, src, b, planes, dy, d_src, grads, &sums); !s.ok()) return s;
+    if (cudaError_t e = cuda::column_sums(sums, T_, D_, partials_, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "column_sums launch");
+    return Status::Ok();
+  }
+
+  // backward_pass's products and kernels, from d_Wo on; the column sums it needs go into *sums.
+  Status gradients_through(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
+                           const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads,
+                           cuda::ColumnSumJobs* sums) {
     if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
       if (Status s = cuda::gemm(blas_, true, false, D_, D_, T_, dy, D_, b.attn, D_, 0.0f, grads.out_weight, D_,
                                 "out_weight gradient");
@@ -213,22 +225,14 @@ class Training {
                            "LayerNorm output gradient");
         !s.ok())
       return s;
-    if (grads.norm_bias)
-      if (Status s = column_sums(d_norm_, grads.norm_bias, "norm_bias gradient"); !s.ok()) return s;
+    if (grads.norm_bias) sums->add(d_norm_, grads.norm_bias);
     if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
     float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
     if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
                                                   d_norm_xhat, dev_, stream_);
         e != cudaSuccess)
       return cuda_error(e, "layer_norm_backward launch");
-    if (grads.norm_weight) return column_sums(d_norm_xhat, grads.norm_weight, "norm_weight gradient");
-    return Status::Ok();
-  }
-
-  // sums (D) = the column sums of a (T, D).
-  Status column_sums(const float* a, float* sums, const char* what) {
-    if (cudaError_t e = cuda::column_sums(a, T_, D_, partials_, sums, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, what);
+    if (grads.norm_weight) sums->add(d_norm_xhat, grads.norm_weight);
     return Status::Ok();
   }
 

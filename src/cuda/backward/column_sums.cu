@@ -15,12 +15,15 @@ constexpr int kCols = 32, kRowLanes = 8;
 constexpr int64_t kMaxChunks = kMaxColumnSumChunks;  // the plan's partials region holds this many
 
 // partials[chunk][c] = sum of a[r][c] over the chunk's rows.
+// Job blockIdx.z's partials at partials + blockIdx.z * gridDim.y * N.
 __global__ void __launch_bounds__(kCols* kRowLanes)
-    chunk_sums_kernel(const float* __restrict__ a, int64_t M, int N, int64_t rows_per_chunk,
-                      float* __restrict__ partials) {
+    chunk_sums_kernel(const ColumnSumJobs jobs, int64_t M, int N, int64_t rows_per_chunk, float* __restrict__ partials) {
   grid_dependency_wait();
   allow_dependent_launch();
   __shared__ float lane_sums[kRowLanes][kCols];
+  // A constant index per job (a runtime one would copy the parameters to local memory).
+  const float* __restrict__ a = blockIdx.z == 0 ? jobs.a[0] : blockIdx.z == 1 ? jobs.a[1] : jobs.a[2];
+  partials += blockIdx.z * (int64_t)gridDim.y * N;
   const int c = blockIdx.x * kCols + threadIdx.x;
   const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
   float sum = 0.0f;
@@ -41,11 +44,13 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
 // l, l + 32, ... in order, then the lanes' sums by a fixed butterfly (the same tree every call).
 // A thread per column walking all chunks would wait out a memory latency per chunk.
 __global__ void chunk_total_kernel(const float* __restrict__ partials, int64_t chunks, int N,
-                                   float* __restrict__ sums) {
+                                   const ColumnSumJobs jobs) {
   grid_dependency_wait();
   allow_dependent_launch();
   const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (c >= N) return;
+  float* sums = blockIdx.y == 0 ? jobs.sums[0] : blockIdx.y == 1 ? jobs.sums[1] : jobs.sums[2];
+  partials += blockIdx.y * chunks * N;
   float total = 0.0f;
   for (int64_t k = lane; k < chunks; k += 32) total += partials[k * N + c];
   total = warp_sum(total);
@@ -64,16 +69,17 @@ int64_t column_sum_chunks(int64_t M) {
   return std::max<int64_t>(1, (M + per - 1) / per);
 }
 
-cudaError_t column_sums(const float* a, int64_t M, int N, float* partials, float* sums, const DeviceCaps& dev,
+cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, int N, float* partials, const DeviceCaps& dev,
                         cudaStream_t stream) {
-  if (N == 0) return cudaSuccess;
+  if (N == 0 || jobs.count == 0) return cudaSuccess;
   const int64_t per = rows_per_chunk(M), chunks = column_sum_chunks(M);
-  const dim3 grid((N + kCols - 1) / kCols, (unsigned)chunks);
-  if (cudaError_t e = launch_kernel<chunk_sums_kernel>(grid, dim3(kCols, kRowLanes), 0, stream, dev, a, M, N, per,
+  const dim3 grid((N + kCols - 1) / kCols, (unsigned)chunks, jobs.count);
+  if (cudaError_t e = launch_kernel<chunk_sums_kernel>(grid, dim3(kCols, kRowLanes), 0, stream, dev, jobs, M, N, per,
                                                        partials);
       e != cudaSuccess)
     return e;
-  return launch_kernel<chunk_total_kernel>((N + 7) / 8, 256, 0, stream, dev, partials, chunks, N, sums);
+  return launch_kernel<chunk_total_kernel>(dim3((N + 7) / 8, jobs.count), 256, 0, stream, dev, partials, chunks, N,
+                                           jobs);
 }
 
 }  // namespace fastaxial::cuda

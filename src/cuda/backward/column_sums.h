@@ -13,11 +13,22 @@
 
 namespace fastaxial::cuda {
 
-// Chunks of rows (at most kMaxColumnSumChunks): partials must hold column_sum_chunks(M) * N floats.
+// Up to three matrices of the same shape summed in the same two launches.
+struct ColumnSumJobs {
+  static constexpr int kMax = 3;
+  const float* a[kMax] = {};  // (M, N)
+  float* sums[kMax] = {};     // (N)
+  int count = 0;
+  void add(const float* matrix, float* out) { a[count] = matrix, sums[count++] = out; }
+};
+
+// Chunks of rows (at most kMaxColumnSumChunks): partials must hold
+// ColumnSumJobs::kMax * column_sum_chunks(M) * N floats.
 int64_t column_sum_chunks(int64_t M);
 
-// sums (N) = sum over rows of a (M, N); partials is scratch (see above). M = 0 gives zeros.
-cudaError_t column_sums(const float* a, int64_t M, int N, float* partials, float* sums, const DeviceCaps& dev,
+// sums[j] (N) = sum over rows of a[j] (M, N) for each job; partials is scratch (see above).
+// M = 0 gives zeros.
+cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, int N, float* partials, const DeviceCaps& dev,
                         cudaStream_t stream);
 
 }  // namespace fastaxial::cuda
