@@ -1,10 +1,12 @@
 // The attention backward (src/cuda/backward/attention_backward.cu) on its
 // own: dq, dk and dv of one attention pass against float64 on the host,
 // from random qkv and d_o, with o and lse from the forward's flash kernel as
-// the backward gets them. Views as the row and column passes give them,
-// lengths across the kernels' query and key tiles, head dims across their
-// padded sizes, aligned and misaligned tensors (16-byte and 4-byte copies);
-// two calls bitwise equal; the rules without a device. Skipped without one.
+// the backward gets them. Every case on both paths, the tensor cores (the
+// default) and the FFMA kernels (AttentionBackwardArgs::ffma), with the
+// same bounds. Views as the row and column passes give them, lengths across
+// the kernels' query and key tiles, head dims across their padded sizes,
+// aligned and misaligned tensors (16-byte and 4-byte copies); two calls
+// bitwise equal; the rules without a device. Skipped without one.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../../src/common/axis.h"
@@ -53,6 +56,16 @@ std::string case_name(const Case& c) {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
+// The kernels a case runs on: the tensor cores (the default) or the FFMA
+// kernels (AttentionBackwardArgs::ffma).
+enum class Path { kTensorCores, kFfma };
+
+using PathCase = std::tuple<Case, Path>;
+
+std::string path_case_name(const PathCase& pc) {
+  return case_name(std::get<0>(pc)) + (std::get<1>(pc) == Path::kFfma ? "_ffma" : "_tc");
+}
+
 // A case's sizes, its view in rows (as the staged path gives it to the
 // kernels) and its random inputs.
 struct Problem {
@@ -82,9 +95,9 @@ Problem make_problem(const Case& c) {
 }
 
 // The GPU's side of a case: o and lse from flash_attention, then
-// attention_backward into a dqkv filled with `fill` bytes; dqkv
+// attention_backward on `path` into a dqkv filled with `fill` bytes; dqkv
 // ((T + kGuardRows) 3D) and delta (+ kGuardDelta) copied back.
-void run_gpu(const Problem& pr, int misalign, int fill, const DeviceCaps& dev, std::vector<float>* dqkv,
+void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceCaps& dev, std::vector<float>* dqkv,
              std::vector<float>* delta) {
   const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
   const size_t dqkv_n = (size_t)((T + kGuardRows) * 3 * D), delta_n = (size_t)(lse_n + kGuardDelta);
@@ -106,6 +119,7 @@ void run_gpu(const Problem& pr, int misalign, int fill, const DeviceCaps& dev, s
   cuda::AttentionBackwardArgs a;
   a.pos = pr.view, a.qkv = qkv_at, a.o = o.get(), a.d_o = d_o_at, a.lse = lse.get(), a.delta = dl.get();
   a.dqkv = dqkv_at, a.D = (int)D, a.heads = (int)pr.heads;
+  a.ffma = path == Path::kFfma;
   CUDA_OK(cuda::attention_backward(a, dev, nullptr));
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
@@ -206,33 +220,33 @@ double worst_abs(double worst, double x, double ref) {
 }
 
 // The device as the kernels see it; false (with the reason in *why) where
-// the case cannot run here.
-bool device_for(int hd, DeviceCaps* dev, std::string* why) {
+// the case cannot run here on `path`.
+bool device_for(int hd, Path path, DeviceCaps* dev, std::string* why) {
   if (!have_gpu())
     *why = "no CUDA device";
   else if (!read_device_caps(dev))
     *why = "device attribute query failed";
   else if (dev->cc_major < 8)
     *why = "needs compute capability 8.0 or later (the forward's mma.sync tf32)";
-  else if (std::max(cuda::flash_attention_smem_bytes(hd), cuda::attention_backward_smem_bytes(hd)) >
-           (size_t)dev->smem_optin)
+  else if (std::max(cuda::flash_attention_smem_bytes(hd),
+                    cuda::attention_backward_smem_bytes(hd, path == Path::kFfma)) > (size_t)dev->smem_optin)
     *why = "head_dim " + std::to_string(hd) + " needs more shared memory than this device gives a block";
   else
     return true;
   return false;
 }
 
-class AttentionBackward : public ::testing::TestWithParam<Case> {};
+class AttentionBackward : public ::testing::TestWithParam<PathCase> {};
 
 TEST_P(AttentionBackward, MatchesDoubleReference) {
-  const Case c = GetParam();
+  const auto [c, path] = GetParam();
   DeviceCaps dev;
   std::string why;
-  if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+  if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
   ASSERT_TRUE(cuda::attention_backward_supports(c.hd));
   const Problem pr = make_problem(c);
   std::vector<float> got, delta;
-  run_gpu(pr, c.misalign, 0xff, dev, &got, &delta);
+  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta);
   if (HasFatalFailure()) return;
 
   // Every element of dq, dk and dv against float64, beside the same
@@ -300,44 +314,54 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
   EXPECT_EQ(delta_written, 0) << "delta written past (num_seq, heads, L)";
 }
 
-// L across the kernels' tiles (keys a block: 128 up to head_dim 48, 64 up to
-// 128, 32 beyond; queries a step 16 to 32; queries a dq block 128, 64 or
-// 32; keys a dq step 64 down to 16), head_dim across the padded sizes (8,
-// 16, 32, 48, 64, 96, 128, 192, 256), odd ones on the 4-byte copies, aligned
-// ones too where the tensors are misaligned; heads 1..4; row and column
-// views, some leaving sequences out so that stray writes land in rows that
-// must stay poison. The host reference costs about 10 N heads L^2 hd: a few
-// seconds in all.
+// L across the kernels' tiles (tensor cores: keys a block 16 a warp, up
+// to 64, 32 at head_dim 192 and 256; queries a step 32, 16 from head_dim
+// 48; queries a dq block 16 a warp, up to 64, 32 at head_dim 192 and 256;
+// keys a dq step 64, 32 from head_dim 32, 16 from 128. FFMA: keys a block
+// 128 up to head_dim 48, 64 up to 128, 32 beyond; queries a step 16 to 32;
+// queries a dq block 128, 64 or 32; keys a dq step 64 down to 16), head_dim
+// across the padded sizes (8, 16, 32, 48, 64, 96, 128, 192, 256), odd
+// ones on the 4-byte copies, aligned ones too where the tensors are
+// misaligned; heads 1..4; row and column views, some leaving sequences out
+// so that stray writes land in rows that must stay poison; small problems
+// (where the tensor-core launches take blocks of fewer warps) and large
+// ones. The host reference costs about 10 N heads L^2 hd: several seconds
+// in all.
+const Case kCases[] = {
+    Case{1, 3, 2, true, 2, 50, 0, 0}, Case{2, 1, 4, false, 3, 20, 0, 0}, Case{17, 8, 4, true, 2, 10, 0, 0},
+    Case{64, 16, 3, false, 1, 12, 9, 0}, Case{65, 24, 2, true, 1, 8, 5, 0}, Case{130, 32, 2, false, 2, 3, 0, 0},
+    Case{257, 64, 1, true, 1, 3, 2, 0}, Case{65, 96, 2, false, 2, 2, 0, 0}, Case{130, 128, 1, true, 1, 2, 0, 0},
+    Case{257, 256, 1, false, 1, 1, 0, 0}, Case{17, 256, 4, true, 2, 2, 0, 0}, Case{1030, 32, 2, false, 1, 1, 0, 0},
+    Case{64, 64, 4, false, 2, 4, 0, 1}, Case{130, 3, 3, true, 1, 4, 0, 0}, Case{2, 128, 2, true, 3, 5, 0, 2},
+    Case{257, 8, 2, true, 1, 4, 0, 0}, Case{65, 1, 1, false, 1, 16, 0, 0}, Case{17, 48, 3, false, 2, 5, 0, 3},
+    Case{130, 160, 1, false, 1, 2, 0, 0}, Case{64, 40, 2, true, 2, 3, 0, 0}, Case{1, 256, 1, false, 2, 10, 0, 0},
+    Case{257, 16, 4, false, 1, 2, 0, 0}, Case{65, 5, 4, true, 1, 6, 0, 1}, Case{1030, 3, 1, true, 1, 1, 0, 0},
+    Case{64, 96, 3, true, 1, 3, 0, 2}, Case{17, 192, 2, false, 1, 3, 0, 0},
+    // Enough (sequence, head) items that the tensor-core launches take
+    // their largest blocks (4 warps of rows; 2 where L = 32 needs no more).
+    Case{64, 16, 4, false, 2, 48, 0, 0}, Case{32, 32, 2, true, 2, 70, 0, 0}, Case{100, 64, 2, false, 2, 70, 0, 1},
+    Case{40, 200, 1, true, 1, 280, 0, 0}};
+
+const Path kPaths[] = {Path::kTensorCores, Path::kFfma};
+
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackward,
-                         ::testing::Values(Case{1, 3, 2, true, 2, 50, 0, 0}, Case{2, 1, 4, false, 3, 20, 0, 0},
-                                           Case{17, 8, 4, true, 2, 10, 0, 0}, Case{64, 16, 3, false, 1, 12, 9, 0},
-                                           Case{65, 24, 2, true, 1, 8, 5, 0}, Case{130, 32, 2, false, 2, 3, 0, 0},
-                                           Case{257, 64, 1, true, 1, 3, 2, 0}, Case{65, 96, 2, false, 2, 2, 0, 0},
-                                           Case{130, 128, 1, true, 1, 2, 0, 0}, Case{257, 256, 1, false, 1, 1, 0, 0},
-                                           Case{17, 256, 4, true, 2, 2, 0, 0}, Case{1030, 32, 2, false, 1, 1, 0, 0},
-                                           Case{64, 64, 4, false, 2, 4, 0, 1}, Case{130, 3, 3, true, 1, 4, 0, 0},
-                                           Case{2, 128, 2, true, 3, 5, 0, 2}, Case{257, 8, 2, true, 1, 4, 0, 0},
-                                           Case{65, 1, 1, false, 1, 16, 0, 0}, Case{17, 48, 3, false, 2, 5, 0, 3},
-                                           Case{130, 160, 1, false, 1, 2, 0, 0}, Case{64, 40, 2, true, 2, 3, 0, 0},
-                                           Case{1, 256, 1, false, 2, 10, 0, 0}, Case{257, 16, 4, false, 1, 2, 0, 0},
-                                           Case{65, 5, 4, true, 1, 6, 0, 1}, Case{1030, 3, 1, true, 1, 1, 0, 0},
-                                           Case{64, 96, 3, true, 1, 3, 0, 2}, Case{17, 192, 2, false, 1, 3, 0, 0}),
-                         [](const auto& info) { return case_name(info.param); });
+                         ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kPaths)),
+                         [](const auto& info) { return path_case_name(info.param); });
 
 // Two calls on the same inputs give bitwise identical gradients, the second
 // into a buffer of zeros rather than NaNs (nothing is accumulated into it).
-class AttentionBackwardDeterminism : public ::testing::TestWithParam<Case> {};
+class AttentionBackwardDeterminism : public ::testing::TestWithParam<PathCase> {};
 
 TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
-  const Case c = GetParam();
+  const auto [c, path] = GetParam();
   DeviceCaps dev;
   std::string why;
-  if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+  if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
   const Problem pr = make_problem(c);
   std::vector<float> first, second, delta;
-  run_gpu(pr, c.misalign, 0xff, dev, &first, &delta);
+  run_gpu(pr, c.misalign, path, 0xff, dev, &first, &delta);
   if (HasFatalFailure()) return;
-  run_gpu(pr, c.misalign, 0x00, dev, &second, &delta);
+  run_gpu(pr, c.misalign, path, 0x00, dev, &second, &delta);
   if (HasFatalFailure()) return;
   ASSERT_EQ(first.size(), second.size());
   // Only the rows the view addresses: the others keep each buffer's fill.
@@ -351,16 +375,37 @@ TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
   EXPECT_EQ(differ, 0) << "of " << rows << " rows differ between two calls";
 }
 
+const Case kDeterminismCases[] = {Case{1030, 64, 2, true, 1, 2, 0, 0}, Case{517, 128, 2, false, 1, 2, 0, 0},
+                                  Case{300, 5, 3, false, 2, 3, 0, 1}, Case{333, 256, 1, true, 1, 2, 0, 0}};
+
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardDeterminism,
-                         ::testing::Values(Case{1030, 64, 2, true, 1, 2, 0, 0}, Case{517, 128, 2, false, 1, 2, 0, 0},
-                                           Case{300, 5, 3, false, 2, 3, 0, 1}, Case{333, 256, 1, true, 1, 2, 0, 0}),
-                         [](const auto& info) { return case_name(info.param); });
+                         ::testing::Combine(::testing::ValuesIn(kDeterminismCases), ::testing::ValuesIn(kPaths)),
+                         [](const auto& info) { return path_case_name(info.param); });
+
+// The hook switches kernels: on one case the two paths' gradients differ
+// somewhere (their rounding does), so the suites above check two sets of
+// kernels, not one twice.
+TEST(AttentionBackwardPaths, FfmaHookTakesOtherKernels) {
+  const Case c{130, 32, 2, false, 1, 2, 0, 0};
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, Path::kTensorCores, &dev, &why) || !device_for(c.hd, Path::kFfma, &dev, &why))
+    GTEST_SKIP() << why;
+  const Problem pr = make_problem(c);
+  std::vector<float> tc, ffma, delta;
+  run_gpu(pr, c.misalign, Path::kTensorCores, 0x00, dev, &tc, &delta);
+  if (HasFatalFailure()) return;
+  run_gpu(pr, c.misalign, Path::kFfma, 0x00, dev, &ffma, &delta);
+  if (HasFatalFailure()) return;
+  ASSERT_EQ(tc.size(), ffma.size());
+  EXPECT_NE(std::memcmp(tc.data(), ffma.data(), tc.size() * sizeof(float)), 0);
+}
 
 // An empty problem launches nothing: dqkv keeps its poison.
 TEST(AttentionBackwardEmpty, WritesNothing) {
   DeviceCaps dev;
   std::string why;
-  if (!device_for(8, &dev, &why)) GTEST_SKIP() << why;
+  if (!device_for(8, Path::kTensorCores, &dev, &why)) GTEST_SKIP() << why;
   const DevicePtr dqkv = device_alloc(3 * 16), dummy = device_alloc(16);
   ASSERT_TRUE(dqkv && dummy);
   CUDA_OK(cudaMemset(dqkv.get(), 0xff, 3 * 16 * sizeof(float)));
@@ -370,6 +415,8 @@ TEST(AttentionBackwardEmpty, WritesNothing) {
   a.pos = {0, 5, 1, 5, 1, 5};  // no sequences
   CUDA_OK(cuda::attention_backward(a, dev, nullptr));
   a.pos = {3, 0, 1, 0, 1, 0};  // sequences of length 0
+  CUDA_OK(cuda::attention_backward(a, dev, nullptr));
+  a.ffma = true;
   CUDA_OK(cuda::attention_backward(a, dev, nullptr));
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> out(3 * 16);
@@ -381,13 +428,16 @@ TEST(AttentionBackwardEmpty, WritesNothing) {
 TEST(AttentionBackwardRules, SupportedHeadDims) {
   EXPECT_FALSE(cuda::attention_backward_supports(0));
   EXPECT_FALSE(cuda::attention_backward_supports(257));
-  EXPECT_EQ(cuda::attention_backward_smem_bytes(0), 0u);
-  EXPECT_EQ(cuda::attention_backward_smem_bytes(257), 0u);
-  for (int64_t hd = 1; hd <= 256; ++hd) {
-    ASSERT_TRUE(cuda::attention_backward_supports(hd)) << hd;
-    const size_t bytes = cuda::attention_backward_smem_bytes(hd);
-    EXPECT_GT(bytes, 0u) << hd;
-    EXPECT_LE(bytes, 105u * 1024u) << hd;  // two blocks a multiprocessor on Hopper (228 KB)
+  for (bool ffma : {false, true}) {
+    EXPECT_EQ(cuda::attention_backward_smem_bytes(0, ffma), 0u);
+    EXPECT_EQ(cuda::attention_backward_smem_bytes(257, ffma), 0u);
+    for (int64_t hd = 1; hd <= 256; ++hd) {
+      ASSERT_TRUE(cuda::attention_backward_supports(hd)) << hd;
+      const size_t bytes = cuda::attention_backward_smem_bytes(hd, ffma);
+      EXPECT_GT(bytes, 0u) << hd << (ffma ? " ffma" : " tc");
+      EXPECT_LE(bytes, 105u * 1024u) << hd
+                                     << (ffma ? " ffma" : " tc");  // two blocks a multiprocessor on Hopper (228 KB)
+    }
   }
 }
 

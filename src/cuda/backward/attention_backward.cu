@@ -10,42 +10,61 @@
 // never reach memory: P is recomputed from lse, tile by tile.
 //
 // Three kernels, each a programmatic dependent of the one before:
-// 1. delta: a thread per (position, head), its hd products in order.
-// 2. dk, dv: a block per (sequence, head, BN keys), keys and values held
-//    in shared memory, looping over the query tiles (BM queries) in order:
-//    S and dP (BM, BN), then P and dS through shared memory, then
-//    dv += P^T d_o and dk += dS^T q into registers.
-// 3. dq: a block per (sequence, head, BM queries), q and d_o held, looping
-//    over the key tiles in order: S, dP, dS as above, dq += dS k.
+// 1. delta: a warp per position, its lanes over the row's D floats (reads
+//    of consecutive floats), each head's products summed by a segmented
+//    scan across the lanes.
+// 2. dk, dv: a block per (sequence, head, key tile), keys and values held
+//    in shared memory, looping over the query tiles (BM queries) in order.
+// 3. dq: a block per (sequence, head, query tile), q and d_o held, looping
+//    over the key tiles (BN keys) in order.
 // dq could be summed in kernel 2 too, but only with atomics across its key
 // blocks, whose order varies from run to run; recomputing S and dP in a
 // kernel of its own keeps every output element a sum by one thread in a
 // fixed order (queries, or keys, ascending), so the result is bitwise
-// reproducible. 7 products of L^2 hd FMAs per (sequence, head), against 5
-// with atomics.
+// reproducible. 7 products of L^2 hd multiply-adds per (sequence, head),
+// against 5 with atomics.
 //
-// Arithmetic is plain fp32 FFMA (accuracy of an fp32 evaluation), with
-// register micro-tiles: in the score step a thread owns RM queries x RK keys
-// of S and dP (rows ly + 4r, keys lx + 8c of its warp's tile, lanes 4 x 8),
-// reading 16-byte runs of features from q, d_o, k and v rows in shared
-// memory: a quarter warp reads one query row (a broadcast) and 8
-// consecutive key rows, 4 * odd floats apart (HDP + 4), so 8 distinct bank
-// quads. In the gradient step a thread owns RR consecutive rows (keys for
-// dk, dv; queries for dq) and RC runs of 4 features, strided by LX lanes so
-// a quarter warp reads one contiguous run of a feature row; P and dS rows
-// (BN + 8 floats, 8 mod 16) take the score step's scalar stores, 4 rows of
-// 8 keys per warp, without conflicts.
+// Kernels 2 and 3 come twice. The default is the tensor cores (namespace
+// tc): every product on mma.sync m16n8k8 with the 3xTF32 split of
+// detail/tf32x3.cuh, fp32-accurate as the forward. A warp owns 16 rows of
+// the block's fixed side (keys in kernel 2, queries in kernel 3) and takes
+// the streamed side's whole tile:
+//   kernel 2, per query tile: S^T = k q^T and dP^T = v d_o^T (16 x BM),
+//     P^T and dS^T in place, then dv += P^T d_o and dk += dS^T q (16 x hd);
+//   kernel 3, per key tile: S = q k^T and dP = d_o v^T (16 x BN), P and
+//     dS in place, then dq += dS k (16 x hd).
+// Computing the transposed scores in kernel 2 is what keeps P and dS out
+// of shared memory: the C fragment of a score tile, k permuted (k index t
+// for column 2t, t + 4 for 2t + 1, as the forward's P V), is the A fragment
+// of the gradient product, whose B rows (queries or keys) are then read at
+// rows 2t, 2t + 1. Every operand stays raw fp32 in shared memory, as
+// cp.async copies it, at a row stride of hd_padded + 4 floats (4 mod 8):
+// the score products' 4-byte fragment loads (lanes (g, t) at g ld + t) and
+// the gradient products' (at 2t ld + g) both hit 32 distinct banks.
+// Products sum over k in runs of two 8-deep steps, each run in a fresh
+// accumulator added in fp32, as the forward. Registers set the tiles: a
+// kernel-2 warp holds dk and dv (16 x hd each) and its score tiles (16 x
+// BM, twice), so BM shrinks as hd grows, and at hd_padded 192 and 256 two
+// warps share each 16 keys, each computing the same scores and summing
+// half the features (redundant score products, against registers dk and
+// dv would not fit). Tiles and shared memory per head dim: KvTc, QTc. A
+// block has up to 4 warps of rows (a 64-row tile); the launch takes fewer
+// where the sequence is shorter, and where the grid (items x tiles) would
+// not cover the device twice: short sequences and small problems keep
+// every warp busy and spread over more multiprocessors.
 //
-// Head dims: a template on a padded head dim HDP (8, 16, 32, 48, 64, 96,
+// The FFMA kernels (namespace ffma) are the fallback where the
+// tensor-core tiles do not fit the device's shared memory, and a test hook
+// (AttentionBackwardArgs::ffma): fp32 FMAs with register micro-tiles, P
+// and dS through shared memory (comments there).
+//
+// Head dims: templates on a padded head dim HDP (8, 16, 32, 48, 64, 96,
 // 128, 192, 256, as the forward's flash kernel); columns hd..HDP-1 are zero
 // in shared memory (they add nothing to S or dP; their gradient columns are
-// not stored). Tiles shrink as HDP grows, so that the dk, dv accumulators
-// (2 RR x 4 RC floats a thread) fit in registers and shared memory stays
-// near 100 KB (Tiles below; bytes per kernel in the table's comment).
-// Global loads are cp.async copies, double-buffered (the next tile in
-// flight while this one is computed) where shared memory allows: 16 bytes
-// where every head slice is 16-byte aligned (hd % 4 == 0 and 16-byte
-// aligned qkv, d_o, dqkv), else 4 bytes an element (hd odd, say).
+// not stored). Global loads are cp.async copies, double-buffered (the next
+// tile in flight while this one is computed) where shared memory allows:
+// 16 bytes where every head slice is 16-byte aligned (hd % 4 == 0 and
+// 16-byte aligned qkv, d_o, dqkv), else 4 bytes an element (hd odd, say).
 // Positions >= L are zero-filled by the copies and masked (P = dS = 0), and
 // never read or written in global memory.
 #include "attention_backward.h"
@@ -59,13 +78,633 @@
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/tf32x3.cuh"
 
 namespace fastaxial::cuda {
 namespace {
 
+constexpr int kMaxLen = 1 << 30;  // L below this: positions and tile arithmetic in int
+
+// ---- shared by both paths ---------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const float* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 4 bytes from global memory at src to shared memory at dst (a shared-space
+// address); with src_bytes = 0 nothing is read and the word is zeroed.
+__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// One (sequence, head) and tile of the problem, as a block sees it:
+// blockIdx.x = (n * heads + h) * tiles + tile, the tile fastest so that the
+// blocks of one (sequence, head) run side by side and share its rows in L2.
+struct Head {
+  int64_t item;    // n * heads + h: the row of lse and delta
+  int64_t first;   // row (of qkv, o, d_o, dqkv) of position 0
+  int64_t stride;  // rows between neighbouring positions
+  int h, hd, L, tile;
+};
+
+__device__ __forceinline__ Head block_head(const AttentionBackwardArgs& a, int tiles) {
+  Head hp;
+  hp.tile = (int)(blockIdx.x % (unsigned)tiles);
+  hp.item = blockIdx.x / (unsigned)tiles;
+  hp.h = (int)(hp.item % a.heads);
+  hp.first = a.pos.offset(hp.item / a.heads, 0);
+  hp.stride = a.pos.pos_stride;
+  hp.hd = a.D / a.heads;
+  hp.L = (int)a.pos.len;
+  return hp;
+}
+
+// Zeroes columns hd..HDP-1 of `rows` rows at stride LD: padding the copies
+// never write, so it stays zero for the whole block. Shared memory only;
+// `threads`: the block's.
+template <int LD, int HDP>
+__device__ __forceinline__ void zero_padding(float* dst, int rows, int hd, int threads) {
+  const int pad = HDP - hd;
+  if (pad <= 0) return;
+  for (int e = threadIdx.x; e < rows * pad; e += threads) dst[(e / pad) * LD + hd + e % pad] = 0.0f;
+}
+
+// Positions p0 .. p0 + rows - 1 of one head slice into dst (rows, LD),
+// columns 0..hd-1, positions >= L as zeros. src: the slice's column 0 in
+// row 0 of a tensor of row_words floats a row (in bounds, so the zero-fill
+// copies may name it).
+template <int LD, int HDP, bool kVec>
+__device__ __forceinline__ void copy_rows(float* dst, const float* src, int64_t row_words, const Head& hp, int p0,
+                                          int rows, int threads) {
+  constexpr int W = kVec ? 4 : 1;  // floats a copy
+  constexpr int C = HDP / W;       // copies a row
+#pragma unroll 1
+  for (int e = threadIdx.x; e < rows * C; e += threads) {
+    const int r = e / C, c = W * (e % C);
+    if (c >= hp.hd) continue;  // kVec: hd % 4 == 0, so runs lie wholly inside or outside
+    const int l = p0 + r;
+    const bool valid = l < hp.L;
+    const float* from = valid ? src + (hp.first + (int64_t)l * hp.stride) * row_words + c : src;
+    if constexpr (kVec)
+      copy_async16(smem_addr(dst + r * LD + c), from, valid ? 16 : 0);
+    else
+      copy_async4(smem_addr(dst + r * LD + c), from, valid ? 4 : 0);
+  }
+}
+
+// Entries p0 .. p0 + n - 1 of one (sequence, head)'s lse or delta row src
+// into dst, positions >= L as zeros.
+__device__ __forceinline__ void copy_positions(float* dst, const float* src, int p0, int n, int L, int threads) {
+  for (int e = threadIdx.x; e < n; e += threads) {
+    const int l = p0 + e;
+    const bool valid = l < L;
+    copy_async4(smem_addr(dst + e), valid ? src + l : src, valid ? 4 : 0);
+  }
+}
+
+// ---- delta ---------------------------------------------------------------------------------------
+
+constexpr int kDeltaWarps = 8;
+
+// delta[(n heads + h) L + l] = d_o_h . o_h at position l of sequence n: a
+// warp per position (grid-stride), its lanes over the row in chunks of 32 W
+// floats (W = 4: float4 reads, where every row and head starts 16-byte
+// aligned), so a warp reads whole 128-byte lines. A lane's products (W of
+// one head) are summed in order, then an inclusive scan across the lanes,
+// segmented by head (shuffles in a fixed order: deterministic), leaves each
+// head's sum in the lane holding its last element, which writes it; a head
+// that runs past a chunk carries its partial sum into the next one's lane 0.
+template <bool kVec>
+__global__ void __launch_bounds__(32 * kDeltaWarps) delta_kernel(const AttentionBackwardArgs a) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  constexpr int W = kVec ? 4 : 1;
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x % 32, hd = a.D / a.heads;
+  const int64_t L = a.pos.len, rows = a.pos.num_seq * L;
+  for (int64_t w = (int64_t)blockIdx.x * kDeltaWarps + threadIdx.x / 32; w < rows;
+       w += (int64_t)gridDim.x * kDeltaWarps) {
+    const int64_t n = w / L, l = w % L;
+    const int64_t at = a.pos.offset(n, l) * a.D;
+    const float *x = a.d_o + at, *y = a.o + at;
+    float carry = 0.0f;  // the sum so far of the head that the last chunk ended inside
+    for (int c0 = 0; c0 < a.D; c0 += 32 * W) {
+      const int c = c0 + W * lane;  // this lane's first element
+      float s = 0.0f;
+      int head = a.heads;  // past the row: a segment of its own, never written
+      if (c < a.D) {
+        if constexpr (kVec) {
+          const float4 u = *reinterpret_cast<const float4*>(x + c), v = *reinterpret_cast<const float4*>(y + c);
+          s = fmaf(u.w, v.w, fmaf(u.z, v.z, fmaf(u.y, v.y, u.x * v.x)));
+        } else {
+          s = x[c] * y[c];
+        }
+        head = c / hd;
+      }
+      if (lane == 0 && c0 % hd != 0) s = carry + s;  // head `head` began in an earlier chunk
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const float up = __shfl_up_sync(kAll, s, d);
+        const int up_head = __shfl_up_sync(kAll, head, d);
+        if (lane >= d && up_head == head) s += up;
+      }
+      if (c < a.D && (c + W) % hd == 0) a.delta[(n * a.heads + head) * L + l] = s;  // the head's last element
+      carry = __shfl_sync(kAll, s, 31);
+    }
+  }
+}
+
+// ---- the tensor-core kernels -------------------------------------------------------------------
+
+namespace tc {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Row stride, in floats, of every operand in shared memory: 4 mod 8, so
+// that both fragment loads below hit 32 distinct banks (g ld + t for
+// g < 8, t < 4; 2t ld + g with 2 ld 8 or 24 mod 32), and a multiple of 4
+// (16-byte rows for cp.async).
+template <int HDP>
+constexpr int row_ld() {
+  static_assert(HDP % 8 == 0, "HDP + 4 is 4 mod 8");
+  return HDP + 4;
+}
+
+// The dk, dv kernel's tiles for padded head dim HDP: up to KW warps along
+// keys (16 keys each: up to BN = 16 KW keys a block; the launch takes
+// fewer, bn, for short sequences and small grids), FW warps along the
+// gradients' features (each 16 keys' dk and dv summed by FW warps, FP =
+// HDP / FW features each; all of them compute those keys' scores), BM
+// queries a step, ST stages of the query tiles (2: the next tile's copy
+// overlaps this one's work), min_blocks for __launch_bounds__ (the
+// register budget: 65536 / (32 warps min_blocks)). Registers a thread: dk
+// and dv FP, S^T and dP^T BM.
+//
+// Shared memory for a block of bn keys, in floats:
+//   k, v:                (bn, ld) each, the block's keys
+//   stage s: q, d_o      (BM, ld) each, one query tile
+//   stage s: lse, delta  (BM) each
+template <int HDP_, int KW_, int FW_, int BM_, int ST_, int MIN_BLOCKS_>
+struct KvTiling {
+  static constexpr int HDP = HDP_, KW = KW_, FW = FW_, BM = BM_, ST = ST_, min_blocks = MIN_BLOCKS_;
+  static constexpr int warps = KW * FW, threads = 32 * warps;
+  static constexpr int BN = 16 * KW, FP = HDP / FW, ld = row_ld<HDP>();
+  static constexpr int stage = 2 * BM * ld;  // q, then d_o
+  __host__ __device__ static constexpr int v(int bn) { return bn * ld; }
+  __host__ __device__ static constexpr int q(int bn) { return 2 * bn * ld; }
+  __host__ __device__ static constexpr int vec(int bn) { return q(bn) + ST * stage; }  // stage s: lse at + 2 BM s
+  __host__ __device__ static constexpr int floats(int bn) { return vec(bn) + ST * 2 * BM; }
+  static constexpr size_t bytes(int bn) { return (size_t)floats(bn) * sizeof(float); }
+  static_assert(FP % 8 == 0 && BM % 16 == 0 && (ST == 1 || ST == 2), "whole n-tiles, runs of two k-groups");
+  static_assert(ld % 4 == 0 && stage % 4 == 0 && BM % 4 == 0, "16-byte rows, 8-byte lse pairs");
+};
+
+// The dq kernel's tiles: up to QW warps of 16 queries (up to BM = 16 QW a
+// block; the launch takes fewer, bm, as above), BN keys a step, ST stages
+// of the key tiles, min_blocks as above. Registers a thread: dq HDP / 2, S
+// and dP BN.
+//
+// Shared memory for a block of bm queries, in floats:
+//   q, d_o:              (bm, ld) each, the block's queries
+//   stage s: k, v        (BN, ld) each, one key tile
+template <int HDP_, int QW_, int BN_, int ST_, int MIN_BLOCKS_>
+struct QTiling {
+  static constexpr int HDP = HDP_, QW = QW_, BN = BN_, ST = ST_, min_blocks = MIN_BLOCKS_;
+  static constexpr int warps = QW, threads = 32 * warps;
+  static constexpr int BM = 16 * QW, ld = row_ld<HDP>();
+  static constexpr int stage = 2 * BN * ld;  // k, then v
+  __host__ __device__ static constexpr int d_o(int bm) { return bm * ld; }
+  __host__ __device__ static constexpr int k(int bm) { return 2 * bm * ld; }
+  __host__ __device__ static constexpr int floats(int bm) { return k(bm) + ST * stage; }
+  static constexpr size_t bytes(int bm) { return (size_t)floats(bm) * sizeof(float); }
+  static_assert(BN % 16 == 0 && (ST == 1 || ST == 2), "runs of two k-groups");
+  static_assert(ld % 4 == 0 && stage % 4 == 0, "16-byte rows");
+};
+
+// Per padded head dim: the largest blocks, shared memory, and what a
+// Hopper multiprocessor holds (registers from ptxas -v, none spilled; 64K
+// registers and 228 KB of shared memory a multiprocessor).
+//   HDP | dk, dv: warps keys  BM  KB regs blocks | dq: warps queries  BN  KB regs blocks
+//     8 |          4x1   64  32  13  108      4 |          4      64  64  18  123      4
+//    16 |          4x1   64  32  20  125      4 |          4      64  64  30  128      4
+//    32 |          4x1   64  32  36  167      3 |          4      64  32  36  128      4
+//    48 |          4x1   64  16  39  159      3 |          4      64  32  52  128      4
+//    64 |          4x1   64  16  51  168      3 |          4      64  32  68  159      3
+//    96 |          4x1   64  16  75  247      2 |          4      64  32 100  199      2
+//   128 |          4x1   64  16  99  255      2 |          4      64  16  99  191      2
+//   192 |          2x2   32  16  98  247      2 |          2      32  16  98  246      2
+//   256 |          2x2   32  16  98  255      2 |          2      32  16  98  255      2
+// (warps KW x FW; 256: one stage). Up to HDP 64 the budgets keep 12-16
+// warps a multiprocessor; beyond, shared memory allows two blocks.
+template <int HDP>
+struct KvTc;
+template <int HDP>
+struct QTc;
+template <>
+struct KvTc<8> : KvTiling<8, 4, 1, 32, 2, 4> {};
+template <>
+struct KvTc<16> : KvTiling<16, 4, 1, 32, 2, 4> {};
+template <>
+struct KvTc<32> : KvTiling<32, 4, 1, 32, 2, 3> {};
+template <>
+struct KvTc<48> : KvTiling<48, 4, 1, 16, 2, 3> {};
+template <>
+struct KvTc<64> : KvTiling<64, 4, 1, 16, 2, 3> {};
+template <>
+struct KvTc<96> : KvTiling<96, 4, 1, 16, 2, 2> {};
+template <>
+struct KvTc<128> : KvTiling<128, 4, 1, 16, 2, 2> {};
+template <>
+struct KvTc<192> : KvTiling<192, 2, 2, 16, 2, 2> {};
+template <>
+struct KvTc<256> : KvTiling<256, 2, 2, 16, 1, 2> {};
+template <>
+struct QTc<8> : QTiling<8, 4, 64, 2, 4> {};
+template <>
+struct QTc<16> : QTiling<16, 4, 64, 2, 4> {};
+template <>
+struct QTc<32> : QTiling<32, 4, 32, 2, 4> {};
+template <>
+struct QTc<48> : QTiling<48, 4, 32, 2, 4> {};
+template <>
+struct QTc<64> : QTiling<64, 4, 32, 2, 3> {};
+template <>
+struct QTc<96> : QTiling<96, 4, 32, 2, 2> {};
+template <>
+struct QTc<128> : QTiling<128, 4, 16, 2, 2> {};
+template <>
+struct QTc<192> : QTiling<192, 2, 16, 2, 2> {};
+template <>
+struct QTc<256> : QTiling<256, 2, 16, 1, 2> {};
+
+// ---- fragments from fp32 rows in shared memory (PTX m16n8k8 .tf32 layouts, g = lane / 4, t = lane % 4)
+
+// A (16 x 8) = rows 0..15, elements 0..7 of the rows at p: (g, t), (g + 8,
+// t), (g, t + 4), (g + 8, t + 4).
+template <int LD>
+__device__ __forceinline__ FragA load_a_rows(const float* p, int g, int t) {
+  const float* r = p + g * LD + t;
+  return make_a(r[0], r[8 * LD], r[4], r[8 * LD + 4]);
+}
+
+// B (8 x 8) with B[k][n] = M[n][k]: rows (n) 0..7, elements (k) 0..7 of the
+// rows of M at p: (t, g), (t + 4, g).
+template <int LD>
+__device__ __forceinline__ FragB load_b_rows(const float* p, int g, int t) {
+  const float* r = p + g * LD + t;
+  return make_b(r[0], r[4]);
+}
+
+// B (8 x 8) with B[k][n] = M[k][n], k permuted as c_as_a: (t, g) is row 2t,
+// (t + 4, g) row 2t + 1, both at column g of the rows of M at p.
+template <int LD>
+__device__ __forceinline__ FragB load_b_cols(const float* p, int g, int t) {
+  const float* r = p + 2 * t * LD + g;
+  return make_b(r[0], r[LD]);
+}
+
+// A C fragment (16 x 8: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1))
+// as the A fragment of the next product, k permuted: (g, t) is column 2t,
+// (g, t + 4) column 2t + 1.
+__device__ __forceinline__ FragA c_as_a(const float (&c)[4]) { return make_a(c[0], c[2], c[1], c[3]); }
+
+// ---- the products ------------------------------------------------------------------------------
+
+// acc[j] (16 x 8) = rows 0..15 of a . rows 8j .. 8j + 7 of b, over HDP
+// features: S^T = k q^T (a the warp's keys, b the tile's queries), dP^T = v
+// d_o^T, or S = q k^T and dP = d_o v^T. Runs of two 8-deep k-steps, each in
+// a fresh accumulator added in fp32 (the first run is acc itself).
+template <int HDP, int NT, int LD>
+__device__ __forceinline__ void score_tiles(float (&acc)[NT][4], const float* a, const float* b, int g, int t) {
+  constexpr int KS = HDP / 8;
+  if constexpr (KS == 1) {
+    const FragA fa = load_a_rows<LD>(a, g, t);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) three_products<true>(acc[j], fa, load_b_rows<LD>(b + 8 * j * LD, g, t));
+  } else {
+    static_assert(KS % 2 == 0, "runs of two k-steps");
+    {
+      const FragA fa0 = load_a_rows<LD>(a, g, t), fa1 = load_a_rows<LD>(a + 8, g, t);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* bj = b + 8 * j * LD;
+        three_products<true>(acc[j], fa0, load_b_rows<LD>(bj, g, t));
+        three_products<false>(acc[j], fa1, load_b_rows<LD>(bj + 8, g, t));
+      }
+    }
+    // Rolled beyond HDP 32: unrolled, the loads hoisted ahead of their
+    // products take the kernels past their register budgets (dk and dv, or
+    // dq, stay live throughout) and into spills.
+    constexpr int kUnroll = HDP > 32 ? 1 : KS;
+#pragma unroll kUnroll
+    for (int kk = 2; kk < KS; kk += 2) {
+      const FragA fa0 = load_a_rows<LD>(a + 8 * kk, g, t), fa1 = load_a_rows<LD>(a + 8 * kk + 8, g, t);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* bj = b + 8 * j * LD + 8 * kk;
+        mma_3xtf32_x2(acc[j], fa0, load_b_rows<LD>(bj, g, t), fa1, load_b_rows<LD>(bj + 8, g, t));
+      }
+    }
+  }
+}
+
+// acc[f] (16 x 8) += C (16 x 8 NK) . rows 0 .. 8 NK - 1, columns 8f .. 8f +
+// 7 of b: c[j] is the C fragment of columns 8j .. 8j + 7 of the left
+// operand (P^T, dS^T or dS), its A fragment by c_as_a; b's rows (queries or
+// keys) are the k index, read as load_b_cols permutes it. dv += P^T d_o,
+// dk += dS^T q, dq += dS k. Runs of two k-groups, each in a fresh
+// accumulator added in fp32.
+template <int NK, int NF, int LD>
+__device__ __forceinline__ void grad_tiles(float (&acc)[NF][4], const float (&c)[NK][4], const float* b, int g, int t) {
+  static_assert(NK % 2 == 0, "runs of two k-groups");
+#pragma unroll
+  for (int j = 0; j < NK; j += 2) {
+    const FragA a0 = c_as_a(c[j]), a1 = c_as_a(c[j + 1]);
+    const float* bj = b + 8 * j * LD;  // rows 8j .. 8j + 15
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+      mma_3xtf32_x2(acc[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1, load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+  }
+}
+
+// In place on a warp's S^T and dP^T tiles (its 16 keys x 8 NQ queries): s
+// -> P^T = exp(scale s - lse), dp -> dS^T = P^T (dp - delta), lse and delta
+// per query (column 8j + 2t + e of c[j][e], e = 0, 1, and of c[j][2 + e]),
+// from the stage's copies at lse, delta (query q0 first). kMasked (tiles
+// that reach past L): zero for keys key0 + row >= L and queries q0 +
+// column >= L.
+template <int NQ, bool kMasked>
+__device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)[NQ][4], const float* lse,
+                                                  const float* delta, float scale_log2, int key0, int q0, int L, int g,
+                                                  int t) {
+  const bool key_in[2] = {key0 + g < L, key0 + g + 8 < L};
+#pragma unroll
+  for (int j = 0; j < NQ; ++j) {
+    const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
+    const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+    const float lse_log2[2] = {l2.x * kLog2e, l2.y * kLog2e}, dl[2] = {d2.x, d2.y};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = e & 1;  // column 8j + 2t + c; row g + 8 (e >> 1)
+      const float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[c]));
+      const float ds = p * (dp[j][e] - dl[c]);
+      const bool in = !kMasked || (key_in[e >> 1] && q0 + 8 * j + 2 * t + c < L);
+      s[j][e] = in ? p : 0.0f;
+      dp[j][e] = in ? ds : 0.0f;
+    }
+  }
+}
+
+// In place on a warp's S and dP tiles (its 16 queries x 8 NK keys): s -> P,
+// dp -> dS, with the thread's rows' lse (in log2 units) and delta (rows g,
+// g + 8) in registers. kMasked (tiles that reach past L): zero for keys
+// k0 + column >= L.
+template <int NK, bool kMasked>
+__device__ __forceinline__ void softmax_grad_rows(float (&s)[NK][4], float (&dp)[NK][4], const float (&lse_log2)[2],
+                                                  const float (&dl)[2], float scale_log2, int k0, int L, int t) {
+#pragma unroll
+  for (int j = 0; j < NK; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;  // row g + 8r; column 8j + 2t + (e & 1)
+      const float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[r]));
+      const float ds = p * (dp[j][e] - dl[r]);
+      const bool in = !kMasked || k0 + 8 * j + 2 * t + (e & 1) < L;
+      s[j][e] = in ? p : 0.0f;
+      dp[j][e] = in ? ds : 0.0f;
+    }
+}
+
+// factor * acc into the gradient rows of positions p0 + g, p0 + g + 8 (< L),
+// features f0 + 8f + 2t, + 1 (< hd): dst is one head's column 0 of one part
+// ([dq | dk | dv]) in row 0 of dqkv.
+template <int NF, bool kVec>
+__device__ __forceinline__ void store_tiles(float* dst, const float (&acc)[NF][4], float factor, int64_t row_words,
+                                            const Head& hp, int p0, int f0, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int l = p0 + g + 8 * r;
+    if (l >= hp.L) continue;
+    float* out = dst + (hp.first + (int64_t)l * hp.stride) * row_words;
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+      const int c = f0 + 8 * f + 2 * t;
+      if (c >= hp.hd) continue;
+      const float x = factor * acc[f][2 * r], y = factor * acc[f][2 * r + 1];
+      if constexpr (kVec) {
+        *reinterpret_cast<float2*>(out + c) = make_float2(x, y);  // hd % 4 == 0: pairs lie wholly inside
+      } else {
+        out[c] = x;
+        if (c + 1 < hp.hd) out[c + 1] = y;
+      }
+    }
+  }
+}
+
+// ---- the kernels -------------------------------------------------------------------------------
+
+// dk and dv of one key tile (hp.tile) of one (sequence, head): 16 keys for
+// each of the block's blockDim.x / (32 FW) <= KW key groups (the launch
+// takes fewer for short sequences and small grids); warp w owns keys
+// 16 (w / FW) .. + 15 of the tile and features FP (w % FW) .. + FP - 1 of
+// their gradients. Shared memory as KvTiling lays it out for KW groups.
+template <int HDP, bool kVec>
+__global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
+    key_grads_kernel(const AttentionBackwardArgs a, float scale, float scale_log2, int key_tiles) {
+  using T = KvTc<HDP>;
+  constexpr int BM = T::BM, ST = T::ST, LD = T::ld;
+  constexpr int NQ = BM / 8, NF = T::FP / 8;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const int threads = blockDim.x, BN = threads / (32 * T::FW) * 16;  // keys a tile
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int kw = warp / T::FW, f0 = (warp % T::FW) * T::FP;
+  const Head hp = block_head(a, key_tiles);
+  const int k0 = hp.tile * BN, key0 = k0 + 16 * kw;          // the tile's first key, the warp's
+  float* const k_sm = sm;                                    // (BN, HDP), then v (BN, HDP)
+  float* const q_sm = sm + T::q(BN);                         // stage s at + s stage: q (BM, HDP), then d_o (BM, HDP)
+  float* const vec_sm = sm + T::vec(BN);                     // stage s at + 2 BM s: lse (BM), then delta (BM)
+  zero_padding<LD, HDP>(k_sm, 2 * BN, hp.hd, threads);       // k, v
+  zero_padding<LD, HDP>(q_sm, 2 * ST * BM, hp.hd, threads);  // every stage's q, d_o
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t W = 3 * (int64_t)a.D;               // floats a row of qkv and dqkv
+  const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
+  const float* dog = a.d_o + (int64_t)hp.h * hp.hd;
+  const float* lse = a.lse + hp.item * hp.L;
+  const float* delta = a.delta + hp.item * hp.L;
+  const auto load_queries = [&](int stage, int q0) {
+    float* qs = q_sm + stage * T::stage;
+    float* vs = vec_sm + stage * 2 * BM;
+    copy_rows<LD, HDP, kVec>(qs, qg, W, hp, q0, BM, threads);
+    copy_rows<LD, HDP, kVec>(qs + BM * LD, dog, a.D, hp, q0, BM, threads);
+    copy_positions(vs, lse, q0, BM, hp.L, threads);
+    copy_positions(vs + BM, delta, q0, BM, hp.L, threads);
+  };
+  copy_rows<LD, HDP, kVec>(k_sm, qg + a.D, W, hp, k0, BN, threads);
+  copy_rows<LD, HDP, kVec>(k_sm + T::v(BN), qg + 2 * a.D, W, hp, k0, BN, threads);
+  load_queries(0, 0);
+  copy_async_commit();
+
+  const float* ks = k_sm + 16 * kw * LD;  // the warp's keys (16, HDP)
+  const float* vs = k_sm + T::v(BN) + 16 * kw * LD;
+  const bool active = key0 < hp.L;  // a warp whose keys are all >= L only copies
+  float dk[NF][4], dv[NF][4];
+#pragma unroll
+  for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[f][e] = dv[f][e] = 0.0f;
+  const int q_tiles = (hp.L + BM - 1) / BM;
+  for (int i = 0; i < q_tiles; ++i) {
+    copy_async_wait<0>();  // this thread's copies of tile i (and of k, v)
+    // Every thread's copies of tile i are in, and every warp is done with
+    // tile i - 1 (with two stages, the stage copied next).
+    __syncthreads();
+    if constexpr (ST == 2) {
+      if (i + 1 < q_tiles) {
+        load_queries((i + 1) & 1, (i + 1) * BM);
+        copy_async_commit();
+      }
+    }
+    const int st = ST == 2 ? (i & 1) : 0;
+    const float* q = q_sm + st * T::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
+    const float* d_o = q + BM * LD;
+    const float* lse_s = vec_sm + st * 2 * BM;
+    if (active) {
+      const int q0 = i * BM;
+      float s[NQ][4], dp[NQ][4];
+      score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
+      score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
+      if (q0 + BM > hp.L || key0 + 16 > hp.L)
+        softmax_grad_cols<NQ, true>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t);
+      else
+        softmax_grad_cols<NQ, false>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t);
+      grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
+      grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
+    }
+    if constexpr (ST == 1) {
+      if (i + 1 < q_tiles) {
+        __syncthreads();  // every warp done with the stage
+        load_queries(0, (i + 1) * BM);
+        copy_async_commit();
+      }
+    }
+  }
+  if (!active) return;
+  float* out = a.dqkv + (int64_t)hp.h * hp.hd;  // head h's dq columns; dk at + D, dv at + 2D
+  store_tiles<NF, kVec>(out + a.D, dk, scale, W, hp, key0, f0, g, t);
+  store_tiles<NF, kVec>(out + 2 * a.D, dv, 1.0f, W, hp, key0, f0, g, t);
+}
+
+// dq of one query tile (hp.tile) of one (sequence, head): 16 queries for
+// each of the block's blockDim.x / 32 <= QW warps (the launch takes fewer
+// for short sequences and small grids); warp w owns queries 16 w .. 16 w +
+// 15 of the tile. Shared memory as QTiling lays it out for QW warps.
+template <int HDP, bool kVec>
+__global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
+    query_grads_kernel(const AttentionBackwardArgs a, float scale, float scale_log2, int query_tiles) {
+  using T = QTc<HDP>;
+  constexpr int BN = T::BN, ST = T::ST, LD = T::ld;
+  constexpr int NK = BN / 8, NF = HDP / 8;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const int threads = blockDim.x, BM = threads / 32 * 16;  // queries a tile
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const Head hp = block_head(a, query_tiles);
+  const int q0 = hp.tile * BM, m0 = q0 + 16 * warp;          // the tile's first query, the warp's
+  float* const q_sm = sm;                                    // (BM, HDP), then d_o (BM, HDP)
+  float* const k_sm = sm + T::k(BM);                         // stage s at + s stage: k (BN, HDP), then v (BN, HDP)
+  zero_padding<LD, HDP>(q_sm, 2 * BM, hp.hd, threads);       // q, d_o
+  zero_padding<LD, HDP>(k_sm, 2 * ST * BN, hp.hd, threads);  // every stage's k, v
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t W = 3 * (int64_t)a.D;
+  const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
+  const auto load_keys = [&](int stage, int k0) {
+    float* ks = k_sm + stage * T::stage;
+    copy_rows<LD, HDP, kVec>(ks, qg + a.D, W, hp, k0, BN, threads);
+    copy_rows<LD, HDP, kVec>(ks + BN * LD, qg + 2 * a.D, W, hp, k0, BN, threads);
+  };
+  copy_rows<LD, HDP, kVec>(q_sm, qg, W, hp, q0, BM, threads);
+  copy_rows<LD, HDP, kVec>(q_sm + T::d_o(BM), a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, threads);
+  load_keys(0, 0);
+  copy_async_commit();
+
+  // lse (log2 units) and delta of this thread's rows, m0 + g and m0 + g + 8.
+  float lse_log2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int l = m0 + g + 8 * r;
+    const bool in = l < hp.L;
+    lse_log2[r] = in ? a.lse[hp.item * hp.L + l] * kLog2e : 0.0f;
+    dl[r] = in ? a.delta[hp.item * hp.L + l] : 0.0f;
+  }
+  const float* qs = q_sm + 16 * warp * LD;  // the warp's queries (16, HDP)
+  const float* dos = q_sm + T::d_o(BM) + 16 * warp * LD;
+  const bool active = m0 < hp.L;  // a warp whose queries are all >= L only copies
+  float dq[NF][4];
+#pragma unroll
+  for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[f][e] = 0.0f;
+  const int k_tiles = (hp.L + BN - 1) / BN;
+  for (int j = 0; j < k_tiles; ++j) {
+    copy_async_wait<0>();
+    __syncthreads();  // as in key_grads_kernel: tile j in, tile j - 1 done
+    if constexpr (ST == 2) {
+      if (j + 1 < k_tiles) {
+        load_keys((j + 1) & 1, (j + 1) * BN);
+        copy_async_commit();
+      }
+    }
+    const float* k = k_sm + (ST == 2 ? (j & 1) : 0) * T::stage;  // k is (BN, HDP), v (BN, HDP) after it
+    const float* v = k + BN * LD;
+    if (active) {
+      const int k0 = j * BN;
+      float s[NK][4], dp[NK][4];
+      score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
+      score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
+      if (k0 + BN > hp.L)
+        softmax_grad_rows<NK, true>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t);
+      else
+        softmax_grad_rows<NK, false>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t);
+      grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
+    }
+    if constexpr (ST == 1) {
+      if (j + 1 < k_tiles) {
+        __syncthreads();
+        load_keys(0, (j + 1) * BN);
+        copy_async_commit();
+      }
+    }
+  }
+  if (!active) return;
+  store_tiles<NF, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, m0, 0, g, t);
+}
+
+}  // namespace tc
+
+// ---- the FFMA kernels --------------------------------------------------------------------------
+//
+// Plain fp32 FFMA, with register micro-tiles: in the score step a thread
+// owns RM queries x RK keys of S and dP (rows ly + 4r, keys lx + 8c of its
+// warp's tile, lanes 4 x 8), reading 16-byte runs of features from q, d_o,
+// k and v rows in shared memory: a quarter warp reads one query row (a
+// broadcast) and 8 consecutive key rows, 4 * odd floats apart (HDP + 4), so
+// 8 distinct bank quads. In the gradient step a thread owns RR consecutive
+// rows (keys for dk, dv; queries for dq) and RC runs of 4 features, strided
+// by LX lanes so a quarter warp reads one contiguous run of a feature row;
+// P and dS rows (BN + 8 floats, 8 mod 16) take the score step's scalar
+// stores, 4 rows of 8 keys per warp, without conflicts. Tiles shrink as HDP
+// grows, so that the dk, dv accumulators (2 RR x 4 RC floats a thread) fit
+// in registers and shared memory stays near 100 KB (Tiles below).
+
+namespace ffma {
+
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kMaxLen = 1 << 30;  // L below this: positions and tile arithmetic in int
 
 // ---- which elements a thread owns ------------------------------------------------------------
 
@@ -196,14 +835,6 @@ struct QSmem {
 
 // ---- small device helpers ---------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_addr(const float* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 4 bytes from global memory at src to shared memory at dst (a shared-space
-// address); with src_bytes = 0 nothing is read and the word is zeroed.
-__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
 __device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
 __device__ __forceinline__ float lane_of(const float4& v, int e) {
@@ -232,70 +863,6 @@ __device__ __forceinline__ void load_run(float (&v)[N], const float* p) {
     v[0] = x.x, v[1] = x.y;
   } else {
     v[0] = p[0];
-  }
-}
-
-// One (sequence, head) and tile of the problem, as a block sees it:
-// blockIdx.x = (n * heads + h) * tiles + tile, the tile fastest so that the
-// blocks of one (sequence, head) run side by side and share its rows in L2.
-struct Head {
-  int64_t item;    // n * heads + h: the row of lse and delta
-  int64_t first;   // row (of qkv, o, d_o, dqkv) of position 0
-  int64_t stride;  // rows between neighbouring positions
-  int h, hd, L, tile;
-};
-
-__device__ __forceinline__ Head block_head(const AttentionBackwardArgs& a, int tiles) {
-  Head hp;
-  hp.tile = (int)(blockIdx.x % (unsigned)tiles);
-  hp.item = blockIdx.x / (unsigned)tiles;
-  hp.h = (int)(hp.item % a.heads);
-  hp.first = a.pos.offset(hp.item / a.heads, 0);
-  hp.stride = a.pos.pos_stride;
-  hp.hd = a.D / a.heads;
-  hp.L = (int)a.pos.len;
-  return hp;
-}
-
-// Zeroes columns hd..HDP-1 of `rows` rows at stride LD: padding the copies
-// never write, so it stays zero for the whole block. Shared memory only.
-template <int LD, int HDP>
-__device__ __forceinline__ void zero_padding(float* dst, int rows, int hd) {
-  const int pad = HDP - hd;
-  if (pad <= 0) return;
-  for (int e = threadIdx.x; e < rows * pad; e += kThreads) dst[(e / pad) * LD + hd + e % pad] = 0.0f;
-}
-
-// Positions p0 .. p0 + ROWS - 1 of one head slice into dst (ROWS, LD),
-// columns 0..hd-1, positions >= L as zeros. src: the slice's column 0 in
-// row 0 of a tensor of row_words floats a row (in bounds, so the zero-fill
-// copies may name it).
-template <int ROWS, int LD, int HDP, bool kVec>
-__device__ __forceinline__ void copy_rows(float* dst, const float* src, int64_t row_words, const Head& hp, int p0) {
-  constexpr int W = kVec ? 4 : 1;  // floats a copy
-  constexpr int C = HDP / W;       // copies a row
-#pragma unroll 1
-  for (int e = threadIdx.x; e < ROWS * C; e += kThreads) {
-    const int r = e / C, c = W * (e % C);
-    if (c >= hp.hd) continue;  // kVec: hd % 4 == 0, so runs lie wholly inside or outside
-    const int l = p0 + r;
-    const bool valid = l < hp.L;
-    const float* from = valid ? src + (hp.first + (int64_t)l * hp.stride) * row_words + c : src;
-    if constexpr (kVec)
-      copy_async16(smem_addr(dst + r * LD + c), from, valid ? 16 : 0);
-    else
-      copy_async4(smem_addr(dst + r * LD + c), from, valid ? 4 : 0);
-  }
-}
-
-// Entries p0 .. p0 + N - 1 of one (sequence, head)'s lse or delta row src
-// into dst, positions >= L as zeros.
-template <int N>
-__device__ __forceinline__ void copy_positions(float* dst, const float* src, int p0, int L) {
-  for (int e = threadIdx.x; e < N; e += kThreads) {
-    const int l = p0 + e;
-    const bool valid = l < L;
-    copy_async4(smem_addr(dst + e), valid ? src + l : src, valid ? 4 : 0);
   }
 }
 
@@ -462,25 +1029,6 @@ __device__ __forceinline__ void store_grads(float* dst, const GradAcc<Grad>& g, 
 
 // ---- the kernels -------------------------------------------------------------------------------
 
-// delta[(n heads + h) L + l] = d_o_h . o_h at position l of sequence n: a
-// thread per (position, head), the head fastest (neighbouring threads read
-// neighbouring slices of a row), its hd products summed in order.
-__global__ void __launch_bounds__(kThreads) delta_kernel(const AttentionBackwardArgs a) {
-  grid_dependency_wait();
-  allow_dependent_launch();
-  const int hd = a.D / a.heads;
-  const int64_t L = a.pos.len, total = a.pos.num_seq * L * a.heads;
-  for (int64_t w = (int64_t)blockIdx.x * kThreads + threadIdx.x; w < total; w += (int64_t)gridDim.x * kThreads) {
-    const int h = (int)(w % a.heads);
-    const int64_t nl = w / a.heads, n = nl / L, l = nl % L;
-    const int64_t at = a.pos.offset(n, l) * a.D + (int64_t)h * hd;
-    const float *x = a.d_o + at, *y = a.o + at;
-    float s = 0.0f;
-    for (int c = 0; c < hd; ++c) s = fmaf(x[c], y[c], s);
-    a.delta[(n * a.heads + h) * L + l] = s;
-  }
-}
-
 // dk and dv of BN keys (tile hp.tile) of one (sequence, head).
 template <int HDP, bool kVec>
 __global__ void __launch_bounds__(kThreads)
@@ -494,8 +1042,8 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Head hp = block_head(a, key_tiles);
   const int k0 = hp.tile * BN;
-  zero_padding<S::ldk, HDP>(sm + S::k, 2 * BN, hp.hd);       // k, v
-  zero_padding<S::ldq, HDP>(sm + S::q, 2 * ST * BM, hp.hd);  // every stage's q, d_o
+  zero_padding<S::ldk, HDP>(sm + S::k, 2 * BN, hp.hd, kThreads);       // k, v
+  zero_padding<S::ldq, HDP>(sm + S::q, 2 * ST * BM, hp.hd, kThreads);  // every stage's q, d_o
 
   grid_dependency_wait();
   allow_dependent_launch();
@@ -508,13 +1056,13 @@ __global__ void __launch_bounds__(kThreads)
   const auto load_queries = [&](int stage, int q0) {
     float* qs = sm + S::q + stage * S::stage;
     float* vs = sm + S::vec + stage * 2 * BM;
-    copy_rows<BM, S::ldq, HDP, kVec>(qs, qg, W, hp, q0);
-    copy_rows<BM, S::ldq, HDP, kVec>(qs + BM * S::ldq, dog, a.D, hp, q0);
-    copy_positions<BM>(vs, lse, q0, hp.L);
-    copy_positions<BM>(vs + BM, delta, q0, hp.L);
+    copy_rows<S::ldq, HDP, kVec>(qs, qg, W, hp, q0, BM, kThreads);
+    copy_rows<S::ldq, HDP, kVec>(qs + BM * S::ldq, dog, a.D, hp, q0, BM, kThreads);
+    copy_positions(vs, lse, q0, BM, hp.L, kThreads);
+    copy_positions(vs + BM, delta, q0, BM, hp.L, kThreads);
   };
-  copy_rows<BN, S::ldk, HDP, kVec>(sm + S::k, qg + a.D, W, hp, k0);
-  copy_rows<BN, S::ldk, HDP, kVec>(sm + S::v, qg + 2 * a.D, W, hp, k0);
+  copy_rows<S::ldk, HDP, kVec>(sm + S::k, qg + a.D, W, hp, k0, BN, kThreads);
+  copy_rows<S::ldk, HDP, kVec>(sm + S::v, qg + 2 * a.D, W, hp, k0, BN, kThreads);
   load_queries(0, 0);
   copy_async_commit();
 
@@ -572,8 +1120,8 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Head hp = block_head(a, query_tiles);
   const int q0 = hp.tile * BM;
-  zero_padding<S::ldq, HDP>(sm + S::q, 2 * BM, hp.hd);       // q, d_o
-  zero_padding<S::ldk, HDP>(sm + S::k, 2 * ST * BN, hp.hd);  // every stage's k, v
+  zero_padding<S::ldq, HDP>(sm + S::q, 2 * BM, hp.hd, kThreads);       // q, d_o
+  zero_padding<S::ldk, HDP>(sm + S::k, 2 * ST * BN, hp.hd, kThreads);  // every stage's k, v
 
   grid_dependency_wait();
   allow_dependent_launch();
@@ -582,13 +1130,13 @@ __global__ void __launch_bounds__(kThreads)
   const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
   const auto load_keys = [&](int stage, int k0) {
     float* ks = sm + S::k + stage * S::stage;
-    copy_rows<BN, S::ldk, HDP, kVec>(ks, qg + a.D, W, hp, k0);
-    copy_rows<BN, S::ldk, HDP, kVec>(ks + BN * S::ldk, qg + 2 * a.D, W, hp, k0);
+    copy_rows<S::ldk, HDP, kVec>(ks, qg + a.D, W, hp, k0, BN, kThreads);
+    copy_rows<S::ldk, HDP, kVec>(ks + BN * S::ldk, qg + 2 * a.D, W, hp, k0, BN, kThreads);
   };
-  copy_rows<BM, S::ldq, HDP, kVec>(sm + S::q, qg, W, hp, q0);
-  copy_rows<BM, S::ldq, HDP, kVec>(sm + S::d_o, a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0);
-  copy_positions<BM>(sm + S::vec, a.lse + hp.item * hp.L, q0, hp.L);
-  copy_positions<BM>(sm + S::vec + BM, a.delta + hp.item * hp.L, q0, hp.L);
+  copy_rows<S::ldq, HDP, kVec>(sm + S::q, qg, W, hp, q0, BM, kThreads);
+  copy_rows<S::ldq, HDP, kVec>(sm + S::d_o, a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, kThreads);
+  copy_positions(sm + S::vec, a.lse + hp.item * hp.L, q0, BM, hp.L, kThreads);
+  copy_positions(sm + S::vec + BM, a.delta + hp.item * hp.L, q0, BM, hp.L, kThreads);
   load_keys(0, 0);
   copy_async_commit();
 
@@ -625,6 +1173,8 @@ __global__ void __launch_bounds__(kThreads)
   store_grads<Grad, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, q0, warp, lane);
 }
 
+}  // namespace ffma
+
 // ---- host side ---------------------------------------------------------------------------------
 
 // The padded head dim that serves head_dim (0: none).
@@ -636,73 +1186,143 @@ int padded_head_dim(int64_t head_dim) {
 }
 
 template <int HDP>
-constexpr size_t smem_bytes() {
-  return std::max(KvSmem<HDP>::bytes, QSmem<HDP>::bytes);
+constexpr size_t tc_smem_bytes() {
+  return std::max(tc::KvTc<HDP>::bytes(tc::KvTc<HDP>::BN), tc::QTc<HDP>::bytes(tc::QTc<HDP>::BM));
 }
 
-template <auto kernel>
-cudaError_t launch_grid(int64_t blocks, size_t smem, const AttentionBackwardArgs& a, float scale, int tiles,
-                        const DeviceCaps& dev, cudaStream_t stream) {
+template <int HDP>
+constexpr size_t ffma_smem_bytes() {
+  return std::max(ffma::KvSmem<HDP>::bytes, ffma::QSmem<HDP>::bytes);
+}
+
+template <int HDP>
+constexpr size_t smem_bytes(bool ffma) {
+  return ffma ? ffma_smem_bytes<HDP>() : tc_smem_bytes<HDP>();
+}
+
+template <auto kernel, typename... Args>
+cudaError_t launch_grid(int64_t blocks, int threads, size_t smem, const DeviceCaps& dev, cudaStream_t stream,
+                        Args... args) {
   if (smem > 48 * 1024)
     if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(kThreads), smem, stream, dev, a, scale, tiles);
+  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(threads), smem, stream, dev, args...);
 }
 
-// The three launches for padded head dim HDP, after the checks that no
-// launch can fail on sizes.
+// The sizes every launch of one call shares.
+struct Launch {
+  int64_t items;  // num_seq * heads
+  int hd;
+  bool vec;     // 16-byte copies and stores
+  float scale;  // 1 / sqrt(hd)
+};
+
+// The tile counts of the launch's two gradient kernels; false where a grid
+// would pass gridDim.x's 2^31 - 1.
+bool tile_counts(int64_t num_seq, int heads, int64_t L, int key_rows, int query_rows, int* key_tiles,
+                 int* query_tiles) {
+  *key_tiles = (int)((L + key_rows - 1) / key_rows);
+  *query_tiles = (int)((L + query_rows - 1) / query_rows);
+  return num_seq <= INT32_MAX / ((int64_t)heads * std::max(*key_tiles, *query_tiles));
+}
+
+// delta, a warp per position: enough blocks to fill the device a few times
+// over, grid-stride beyond.
+cudaError_t launch_delta(const AttentionBackwardArgs& a, const Launch& s, const DeviceCaps& dev, cudaStream_t stream) {
+  const int64_t rows = a.pos.num_seq * a.pos.len;
+  const int64_t blocks = std::min<int64_t>((rows + kDeltaWarps - 1) / kDeltaWarps, 1 << 20);
+  // float4 reads where every row of d_o and o starts 16-byte aligned and
+  // heads start at multiples of 4 floats.
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = s.hd % 4 == 0 && aligned16(a.d_o) && aligned16(a.o);
+  return vec ? launch_kernel<delta_kernel<true>>(dim3((unsigned)blocks), dim3(32 * kDeltaWarps), 0, stream, dev, a)
+             : launch_kernel<delta_kernel<false>>(dim3((unsigned)blocks), dim3(32 * kDeltaWarps), 0, stream, dev, a);
+}
+
+// Warps along a tensor-core kernel's block rows (16 rows each), at most
+// `most`: halved while half of them would still cover the sequence (no
+// warp without rows), then while the grid (items x tiles) would not cover
+// the device twice over (small blocks spread a small problem over more
+// multiprocessors; each re-reads the streamed side, from L2).
+int tc_row_warps(int most, int64_t L, int64_t items, int sms) {
+  int w = most;
+  while (w > 1 && 16 * (w / 2) >= L) w /= 2;
+  while (w > 1 && items * ((L + 16 * w - 1) / (16 * w)) < 2 * (int64_t)sms) w /= 2;
+  return w;
+}
+
+// dk, dv then dq on the tensor cores for padded head dim HDP.
+template <int HDP, bool kVec>
+cudaError_t launch_tc(const AttentionBackwardArgs& a, const Launch& s, const DeviceCaps& dev, cudaStream_t stream) {
+  using Kv = tc::KvTc<HDP>;
+  using Q = tc::QTc<HDP>;
+  const int64_t L = a.pos.len;
+  const int key_warps = tc_row_warps(Kv::KW, L, s.items, dev.sms),
+            query_warps = tc_row_warps(Q::QW, L, s.items, dev.sms);
+  int key_tiles, query_tiles;
+  if (!tile_counts(a.pos.num_seq, a.heads, L, 16 * key_warps, 16 * query_warps, &key_tiles, &query_tiles))
+    return cudaErrorInvalidValue;
+  if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
+  const float scale_log2 = s.scale * tc::kLog2e;
+  if (cudaError_t e = launch_grid<tc::key_grads_kernel<HDP, kVec>>(s.items * key_tiles, 32 * Kv::FW * key_warps,
+                                                                   Kv::bytes(16 * key_warps), dev, stream, a, s.scale,
+                                                                   scale_log2, key_tiles);
+      e != cudaSuccess)
+    return e;
+  return launch_grid<tc::query_grads_kernel<HDP, kVec>>(s.items * query_tiles, 32 * query_warps,
+                                                        Q::bytes(16 * query_warps), dev, stream, a, s.scale, scale_log2,
+                                                        query_tiles);
+}
+
+// dk, dv then dq on the FFMA kernels for padded head dim HDP.
+template <int HDP, bool kVec>
+cudaError_t launch_ffma(const AttentionBackwardArgs& a, const Launch& s, const DeviceCaps& dev, cudaStream_t stream) {
+  using Kv = ffma::KvSmem<HDP>;
+  using Q = ffma::QSmem<HDP>;
+  int key_tiles, query_tiles;
+  if (!tile_counts(a.pos.num_seq, a.heads, a.pos.len, Kv::BN, Q::BM, &key_tiles, &query_tiles))
+    return cudaErrorInvalidValue;
+  if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_grid<ffma::key_grads_kernel<HDP, kVec>>(s.items * key_tiles, ffma::kThreads, Kv::bytes,
+                                                                     dev, stream, a, s.scale, key_tiles);
+      e != cudaSuccess)
+    return e;
+  return launch_grid<ffma::query_grads_kernel<HDP, kVec>>(s.items * query_tiles, ffma::kThreads, Q::bytes, dev, stream,
+                                                          a, s.scale, query_tiles);
+}
+
+// The three launches for padded head dim HDP: the tensor-core path unless
+// asked for the FFMA one or its tiles do not fit the device.
 template <int HDP>
 cudaError_t launch_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
-  if (smem_bytes<HDP>() > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
-  const int64_t L = a.pos.len, items = a.pos.num_seq * a.heads;
-  const int key_tiles = (int)((L + KvSmem<HDP>::BN - 1) / KvSmem<HDP>::BN);
-  const int query_tiles = (int)((L + QSmem<HDP>::BM - 1) / QSmem<HDP>::BM);
-  if (a.pos.num_seq > INT32_MAX / ((int64_t)a.heads * std::max(key_tiles, query_tiles)))
-    return cudaErrorInvalidValue;  // gridDim.x is at most 2^31 - 1
-
-  const int hd = a.D / a.heads;
+  const bool ffma = a.ffma || tc_smem_bytes<HDP>() > (size_t)dev.smem_optin;
+  if (ffma && ffma_smem_bytes<HDP>() > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
+  Launch s;
+  s.items = a.pos.num_seq * a.heads;
+  s.hd = a.D / a.heads;
   // 16-byte copies and stores where every head slice of every row starts
   // 16-byte aligned: hd % 4 == 0 makes D % 4 == 0 too.
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool vec = hd % 4 == 0 && aligned16(a.qkv) && aligned16(a.d_o) && aligned16(a.dqkv);
-  const float scale = 1.0f / sqrtf((float)hd);
-
-  const int64_t delta_threads = items * L;
-  const int64_t delta_blocks =
-      std::min<int64_t>((delta_threads + kThreads - 1) / kThreads, 1 << 20);  // grid-stride beyond
-  if (cudaError_t e = launch_kernel<delta_kernel>(dim3((unsigned)delta_blocks), dim3(kThreads), 0, stream, dev, a);
-      e != cudaSuccess)
-    return e;
-  if (vec) {
-    if (cudaError_t e = launch_grid<key_grads_kernel<HDP, true>>(items * key_tiles, KvSmem<HDP>::bytes, a, scale,
-                                                                 key_tiles, dev, stream);
-        e != cudaSuccess)
-      return e;
-    return launch_grid<query_grads_kernel<HDP, true>>(items * query_tiles, QSmem<HDP>::bytes, a, scale, query_tiles,
-                                                      dev, stream);
-  }
-  if (cudaError_t e = launch_grid<key_grads_kernel<HDP, false>>(items * key_tiles, KvSmem<HDP>::bytes, a, scale,
-                                                                key_tiles, dev, stream);
-      e != cudaSuccess)
-    return e;
-  return launch_grid<query_grads_kernel<HDP, false>>(items * query_tiles, QSmem<HDP>::bytes, a, scale, query_tiles, dev,
-                                                     stream);
+  s.vec = s.hd % 4 == 0 && aligned16(a.qkv) && aligned16(a.d_o) && aligned16(a.dqkv);
+  s.scale = 1.0f / sqrtf((float)s.hd);
+  if (ffma) return s.vec ? launch_ffma<HDP, true>(a, s, dev, stream) : launch_ffma<HDP, false>(a, s, dev, stream);
+  return s.vec ? launch_tc<HDP, true>(a, s, dev, stream) : launch_tc<HDP, false>(a, s, dev, stream);
 }
 
 }  // namespace
 
 bool attention_backward_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
 
-size_t attention_backward_smem_bytes(int64_t head_dim) {
+size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma) {
   switch (padded_head_dim(head_dim)) {
-    case 8: return smem_bytes<8>();
-    case 16: return smem_bytes<16>();
-    case 32: return smem_bytes<32>();
-    case 48: return smem_bytes<48>();
-    case 64: return smem_bytes<64>();
-    case 96: return smem_bytes<96>();
-    case 128: return smem_bytes<128>();
-    case 192: return smem_bytes<192>();
-    case 256: return smem_bytes<256>();
+    case 8: return smem_bytes<8>(ffma);
+    case 16: return smem_bytes<16>(ffma);
+    case 32: return smem_bytes<32>(ffma);
+    case 48: return smem_bytes<48>(ffma);
+    case 64: return smem_bytes<64>(ffma);
+    case 96: return smem_bytes<96>(ffma);
+    case 128: return smem_bytes<128>(ffma);
+    case 192: return smem_bytes<192>(ffma);
+    case 256: return smem_bytes<256>(ffma);
   }
   return 0;
 }

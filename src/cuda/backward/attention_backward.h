@@ -6,9 +6,10 @@
 //   dq_h = scale dS k_h,  dk_h = scale dS^T q_h,  dv_h = P^T d_o_h
 // from the forward's qkv rows, its output o and its log-sum-exp
 // (flash_attention with FlashArgs::lse), P recomputed tile by tile and never
-// stored. fp32 FFMA throughout, and deterministic: every output element is
-// summed by one thread in a fixed order (no atomics), so two calls give
-// bitwise identical results.
+// stored. Products on the tensor cores with the 3xTF32 split (fp32
+// accuracy, as the forward), plain fp32 FFMA kernels as the fallback; both
+// deterministic: every output element is summed in a fixed order (no
+// atomics), so two calls give bitwise identical results.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -35,22 +36,30 @@ struct AttentionBackwardArgs {
   // are left alone.
   float* dqkv = nullptr;
   int D = 0, heads = 0;  // hd = D / heads
+  // Test hook: run the FFMA kernels even where the tensor-core kernels
+  // serve (the tests check both paths). Left false, the launcher takes the
+  // FFMA kernels only where the tensor-core ones do not fit the device's
+  // shared memory.
+  bool ffma = false;
 };
 
 // True when the kernels serve this head_dim (1..256).
 bool attention_backward_supports(int64_t head_dim);
 
 // The largest shared memory one of the launch's kernels takes for this
-// head_dim (the launch fails where the device gives a block less); 0 where
-// the head_dim is not supported.
-size_t attention_backward_smem_bytes(int64_t head_dim);
+// head_dim on the tensor-core path (ffma: on the FFMA kernels); 0 where the
+// head_dim is not supported. The launch takes the tensor-core path where
+// the device gives a block that much, else the FFMA one where it gives that
+// much, else fails.
+size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma = false);
 
 // Launches three kernels on `stream`, each a programmatic dependent of the
-// one before it (detail/launch.cuh): delta, then dk and dv, then dq. Errors:
+// one before it (detail/launch.cuh): delta, then dk and dv, then dq (on the
+// tensor cores, or the FFMA kernels: AttentionBackwardArgs::ffma). Errors:
 // cudaErrorInvalidValue for sizes it does not serve (heads not dividing D,
 // head_dim outside 1..256, L >= 2^30, more than 2^31 - 1 blocks),
 // cudaErrorInvalidConfiguration where the device gives a block less shared
-// memory than the head_dim needs, else the launches' errors. An empty
+// memory than the chosen path needs, else the launches' errors. An empty
 // problem (no sequences or L = 0) launches nothing.
 cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream);
 
