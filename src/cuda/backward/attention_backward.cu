@@ -499,35 +499,6 @@ __device__ __forceinline__ void store_tiles(float* dst, const float (&acc)[NF][4
   }
 }
 
-// One query tile's work for a dk, dv warp (its 16 keys from key0, at ks
-// and vs; the tile's queries from q0, NQ groups of 8 at q, d_o, lse and
-// delta): S^T, dP^T, then dv += P^T d_o and dk += dS^T q over the warp's
-// features f0 .. f0 + 8 NF - 1.
-template <int HDP, int NQ, int NF, int LD, bool kMasked>
-__device__ __forceinline__ void key_tile_step(float (&dk)[NF][4], float (&dv)[NF][4], const float* ks, const float* vs,
-                                              const float* q, const float* d_o, const float* lse, const float* delta,
-                                              int f0, float scale_log2, int key0, int q0, int L, int g, int t) {
-  float s[NQ][4], dp[NQ][4];
-  score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
-  score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
-  softmax_grad_cols<NQ, kMasked>(s, dp, lse, delta, scale_log2, key0, q0, L, g, t);
-  grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
-  grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
-}
-
-// One key tile's work for a dq warp (its 16 queries at qs and dos; the
-// tile's keys from k0, NK groups of 8 at k and v): S, dP, then dq += dS k.
-template <int HDP, int NK, int NF, int LD, bool kMasked>
-__device__ __forceinline__ void query_tile_step(float (&dq)[NF][4], const float* qs, const float* dos, const float* k,
-                                                const float* v, const float (&lse_log2)[2], const float (&dl)[2],
-                                                float scale_log2, int k0, int L, int g, int t) {
-  float s[NK][4], dp[NK][4];
-  score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
-  score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
-  softmax_grad_rows<NK, kMasked>(s, dp, lse_log2, dl, scale_log2, k0, L, t);
-  grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
-}
-
 // ---- the kernels -------------------------------------------------------------------------------
 
 // dk and dv of one key tile (hp.tile) of one (sequence, head): 16 keys for
@@ -600,19 +571,16 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
     const float* d_o = q + BM * LD;
     const float* lse_s = vec_sm + st * 2 * BM;
     if (active) {
-      // Tiles inside L unmasked; a last tile at most half full, its first
-      // half only (the rest is padding).
       const int q0 = i * BM;
-      const float* delta_s = lse_s + BM;
-      if (q0 + BM <= hp.L && key0 + 16 <= hp.L)
-        key_tile_step<HDP, NQ, NF, LD, false>(dk, dv, ks, vs, q, d_o, lse_s, delta_s, f0, scale_log2, key0, q0, hp.L, g,
-                                              t);
-      else if (NQ >= 4 && q0 + BM / 2 >= hp.L)
-        key_tile_step<HDP, NQ >= 4 ? NQ / 2 : NQ, NF, LD, true>(dk, dv, ks, vs, q, d_o, lse_s, delta_s, f0, scale_log2,
-                                                                key0, q0, hp.L, g, t);
+      float s[NQ][4], dp[NQ][4];
+      score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
+      score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
+      if (q0 + BM > hp.L || key0 + 16 > hp.L)
+        softmax_grad_cols<NQ, true>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t);
       else
-        key_tile_step<HDP, NQ, NF, LD, true>(dk, dv, ks, vs, q, d_o, lse_s, delta_s, f0, scale_log2, key0, q0, hp.L, g,
-                                             t);
+        softmax_grad_cols<NQ, false>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t);
+      grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
+      grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
     }
     if constexpr (ST == 1) {
       if (i + 1 < q_tiles) {
@@ -694,16 +662,15 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
     const float* k = k_sm + (ST == 2 ? (j & 1) : 0) * T::stage;  // k is (BN, HDP), v (BN, HDP) after it
     const float* v = k + BN * LD;
     if (active) {
-      // As in key_grads_kernel: a last tile at most half full, its first
-      // half only.
       const int k0 = j * BN;
-      if (k0 + BN <= hp.L)
-        query_tile_step<HDP, NK, NF, LD, false>(dq, qs, dos, k, v, lse_log2, dl, scale_log2, k0, hp.L, g, t);
-      else if (NK >= 4 && k0 + BN / 2 >= hp.L)
-        query_tile_step<HDP, NK >= 4 ? NK / 2 : NK, NF, LD, true>(dq, qs, dos, k, v, lse_log2, dl, scale_log2, k0, hp.L,
-                                                                  g, t);
+      float s[NK][4], dp[NK][4];
+      score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
+      score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
+      if (k0 + BN > hp.L)
+        softmax_grad_rows<NK, true>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t);
       else
-        query_tile_step<HDP, NK, NF, LD, true>(dq, qs, dos, k, v, lse_log2, dl, scale_log2, k0, hp.L, g, t);
+        softmax_grad_rows<NK, false>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t);
+      grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
     }
     if constexpr (ST == 1) {
       if (j + 1 < k_tiles) {
