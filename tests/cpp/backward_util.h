@@ -1,8 +1,13 @@
-// Helpers of the backward suites (CPU and CUDA): the eleven gradients in
-// poisoned buffers, the reference's in the same order, and the comparisons.
+// Helpers of the backward suites (CPU, CUDA, dropout): the eleven gradients in
+// poisoned buffers, the reference's in the same order, the comparison of a
+// backward's gradients with the reference, and the reference's own check
+// against finite differences.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -85,6 +90,81 @@ inline bool all_nan(const std::vector<float>& a) {
   for (float v : a)
     if (!std::isnan(v)) return false;
   return true;
+}
+
+// Two bounds per gradient of `got`, on the norm-relative error ||g - ref|| / ||ref||:
+//  - 1e-5 outright. The unit roundoff of fp32 is 6e-8; each gradient is a few products deep
+//    (two passes, each with LayerNorm, the QKV, score, softmax and output products and their
+//    transposes) with sums over D, L and, for the weights, every position (up to ~1500 in the
+//    CPU suite), whose rounding errors, of random sign, grow like sqrt(length) u: a few 1e-7
+//    measured (1e-7 .. 5e-7), so 1e-5 leaves a margin of 20 for the summation orders of other
+//    instruction sets, while a wrong formula errs by O(1);
+//  - within 4 times (plus 1e-7, for gradients that fp32 gets exact) the error of the plainest
+//    fp32 evaluation, reference_backward_as<float> (the same formulas as sequential loops):
+//    no worse than fp32 arithmetic itself, whatever the shape. Measured: 0.3 to 1.5 times it.
+// A gradient whose reference is exactly zero (with dropout 1 every attention branch is zero,
+// and so are the gradients of the QKV, LayerNorm and output weights) must be exactly zero.
+// Each gradient's error is recorded as a test property.
+constexpr double kBackwardRelTol = 1e-5;
+
+inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float>& ref32) {
+  const auto refs = ref_list(ref);
+  const auto refs32 = ref_list(ref32);
+  const auto list = got.all();
+  for (size_t i = 0; i < list.size(); ++i) {
+    double norm = 0;
+    for (double v : *refs[i]) norm += v * v;
+    if (norm == 0) {
+      for (size_t e = 0; e < list[i].first->size(); ++e)
+        ASSERT_EQ((*list[i].first)[e], 0.0f) << list[i].second << "[" << e << "]: the reference is exactly zero";
+      continue;
+    }
+    const double err = rel_err(*list[i].first, *refs[i]);
+    const double err32 = rel_err(*refs32[i], *refs[i]);
+    EXPECT_LE(err, kBackwardRelTol) << list[i].second << " (plain fp32: " << err32 << ")";
+    EXPECT_LE(err, 4 * err32 + 1e-7) << list[i].second << ": worse than plain fp32 (" << err32 << ")";
+    char note[64];
+    std::snprintf(note, sizeof note, "%.2e (fp32 loops %.2e)", err, err32);
+    ::testing::Test::RecordProperty(list[i].second, note);
+  }
+}
+
+// reference_backward(p, gout) against central differences of the loss gout . reference_forward(p)
+// (the dropout mask of p, a function of the indices alone, stays fixed while the values move),
+// at 8 random entries of x and 4 of each weight; returns how many were checked.
+inline int expect_reference_backward_matches_finite_differences(Problem p, const std::vector<double>& gout) {
+  RefGrads<double> ref = reference_backward(p, gout);
+  auto loss = [&]() {
+    const std::vector<double> y = reference_forward(p);
+    double l = 0;
+    for (size_t i = 0; i < y.size(); ++i) l += gout[i] * y[i];
+    return l;
+  };
+  std::vector<std::vector<float>*> values = {&p.x,         &p.row.norm_w, &p.row.norm_b, &p.row.qkv_w,
+                                             &p.row.out_w, &p.row.out_b,  &p.col.norm_w, &p.col.norm_b,
+                                             &p.col.qkv_w, &p.col.out_w,  &p.col.out_b};
+  const auto refs = ref_list(ref);
+  std::mt19937 rng(5);
+  int checked = 0;
+  for (size_t t = 0; t < values.size(); ++t) {
+    std::vector<float>& v = *values[t];
+    for (int k = 0; k < (t == 0 ? 8 : 4); ++k) {
+      const size_t i = std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng);
+      const float v0 = v[i];
+      const float hi = v0 + 1e-3f, lo = v0 - 1e-3f;  // the step actually taken: hi - lo in double
+      v[i] = hi;
+      const double lhi = loss();
+      v[i] = lo;
+      const double llo = loss();
+      v[i] = v0;
+      const double fd = (lhi - llo) / (static_cast<double>(hi) - static_cast<double>(lo));
+      const double an = (*refs[t])[i];
+      // Central differences err by h^2 f'''/6 ~ 1e-7 here; a wrong formula errs by O(|grad|).
+      EXPECT_NEAR(fd, an, 1e-5 + 1e-4 * std::fabs(an)) << "tensor " << t << " index " << i;
+      ++checked;
+    }
+  }
+  return checked;
 }
 
 

@@ -23,56 +23,13 @@ namespace {
 
 TEST(ReferenceBackward, MatchesFiniteDifferences) {
   const Shape s{1, 3, 2, 8, 2};
-  Problem p = random_problem(s, 99);
   const std::vector<double> gout = random_grad(s.B * s.H * s.W * s.D, 7);
-  RefGrads<double> ref = reference_backward(p, gout);
-  auto loss = [&]() {
-    const std::vector<double> y = reference_forward(p);
-    double l = 0;
-    for (size_t i = 0; i < y.size(); ++i) l += gout[i] * y[i];
-    return l;
-  };
-  std::vector<std::vector<float>*> values = {&p.x,         &p.row.norm_w, &p.row.norm_b, &p.row.qkv_w,
-                                             &p.row.out_w, &p.row.out_b,  &p.col.norm_w, &p.col.norm_b,
-                                             &p.col.qkv_w, &p.col.out_w,  &p.col.out_b};
-  const auto refs = ref_list(ref);
-  std::mt19937 rng(5);
-  int checked = 0;
-  for (size_t t = 0; t < values.size(); ++t) {
-    std::vector<float>& v = *values[t];
-    for (int k = 0; k < (t == 0 ? 8 : 4); ++k) {
-      const size_t i = std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng);
-      const float v0 = v[i];
-      const float hi = v0 + 1e-3f, lo = v0 - 1e-3f;  // the step actually taken: hi - lo in double
-      v[i] = hi;
-      const double lhi = loss();
-      v[i] = lo;
-      const double llo = loss();
-      v[i] = v0;
-      const double fd = (lhi - llo) / (static_cast<double>(hi) - static_cast<double>(lo));
-      const double an = (*refs[t])[i];
-      // Central differences err by h^2 f'''/6 ~ 1e-7 here; a wrong formula errs by O(|grad|).
-      EXPECT_NEAR(fd, an, 1e-5 + 1e-4 * std::fabs(an)) << "tensor " << t << " index " << i;
-      ++checked;
-    }
-  }
-  EXPECT_EQ(checked, 8 + 10 * 4);
+  EXPECT_EQ(expect_reference_backward_matches_finite_differences(random_problem(s, 99), gout), 8 + 10 * 4);
 }
 
 // ---- backward_cpu against the reference -----------------------------------------------------
 
-// Two bounds per gradient, on the norm-relative error ||g - ref|| / ||ref||:
-//  - 1e-5 outright. fp32's unit roundoff is 6e-8; each gradient is a few products deep (two
-//    passes, each with LayerNorm, the QKV, score, softmax and output products and their
-//    transposes) with sums over D, L and, for the weights, every position (up to ~1500 here),
-//    whose rounding errors, of random sign, grow like sqrt(length) u: a few 1e-7 measured
-//    (1e-7 .. 5e-7 on these shapes), so 1e-5 leaves a margin of 20 for other instruction sets'
-//    summation orders, while a wrong formula errs by O(1);
-//  - within 4 times (plus 1e-7, for gradients that fp32 gets exact) the error of the plainest
-//    fp32 evaluation, reference_backward_as<float> (the same formulas as sequential loops):
-//    no worse than fp32 arithmetic itself, whatever the shape. Measured: 0.3 to 1.5 times it.
-constexpr double kRelTol = 1e-5;
-
+// The bounds: expect_grads_match (backward_util.h) says what they are and why.
 class CpuBackward : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CpuBackward, MatchesDoubleReference) {
@@ -88,18 +45,7 @@ TEST_P(CpuBackward, MatchesDoubleReference) {
 
   RefGrads<double> ref = reference_backward(p, gout);
   RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
-  const auto refs = ref_list(ref);
-  const auto refs32 = ref_list(ref32);
-  const auto list = got.all();
-  for (size_t i = 0; i < list.size(); ++i) {
-    const double err = rel_err(*list[i].first, *refs[i]);
-    const double err32 = rel_err(*refs32[i], *refs[i]);
-    EXPECT_LE(err, kRelTol) << list[i].second << " (plain fp32: " << err32 << ")";
-    EXPECT_LE(err, 4 * err32 + 1e-7) << list[i].second << ": worse than plain fp32 (" << err32 << ")";
-    char note[64];
-    std::snprintf(note, sizeof note, "%.2e (fp32 loops %.2e)", err, err32);
-    RecordProperty(list[i].second, note);
-  }
+  expect_grads_match(got, ref, ref32);
 }
 
 // heads 1, 2, 4; head dims 1, 3, 8, 16, 32; L from 1 to 40; H != W; B > 1.

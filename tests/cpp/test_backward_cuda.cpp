@@ -90,11 +90,7 @@ Status run_backward(const AxialParams& dp, const std::vector<float>& gout, Grads
   return Status::Ok();
 }
 
-// The bounds of test_backward_cpu.cpp (its comment says why), on the norm-relative error
-// ||g - ref|| / ||ref|| of each gradient: at most 1e-5, and at most 4 times (plus 1e-7) the
-// error of the plainest fp32 evaluation of the same formulas.
-constexpr double kRelTol = 1e-5;
-
+// The bounds: expect_grads_match (backward_util.h), as for the CPU backward.
 class CudaBackward : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CudaBackward, MatchesDoubleReference) {
@@ -115,18 +111,7 @@ TEST_P(CudaBackward, MatchesDoubleReference) {
 
   RefGrads<double> ref = reference_backward(p, gout);
   RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
-  const auto refs = ref_list(ref);
-  const auto refs32 = ref_list(ref32);
-  const auto list = got.all();
-  for (size_t i = 0; i < list.size(); ++i) {
-    const double err = rel_err(*list[i].first, *refs[i]);
-    const double err32 = rel_err(*refs32[i], *refs[i]);
-    EXPECT_LE(err, kRelTol) << list[i].second << " (plain fp32: " << err32 << ")";
-    EXPECT_LE(err, 4 * err32 + 1e-7) << list[i].second << ": worse than plain fp32 (" << err32 << ")";
-    char note[64];
-    std::snprintf(note, sizeof note, "%.2e (fp32 loops %.2e)", err, err32);
-    RecordProperty(list[i].second, note);
-  }
+  expect_grads_match(got, ref, ref32);
 }
 
 // Shape{B, H, W, D, heads}: head dims 1, 3, 8, 16, 24, 32, 64, 128, 256; L from 1 to 1030

@@ -285,34 +285,7 @@ TEST_P(ReferenceDropout, BackwardMatchesFiniteDifferences) {
   ASSERT_GT(dropped, 0);
   if (rate < 1.0f) ASSERT_LT(dropped, total);
   const std::vector<double> gout = random_grad(s.B * s.H * s.W * s.D, 7);
-  RefGrads<double> ref = reference_backward(p, gout);
-  auto loss = [&]() {
-    const std::vector<double> y = reference_forward(p);
-    double l = 0;
-    for (size_t i = 0; i < y.size(); ++i) l += gout[i] * y[i];
-    return l;
-  };
-  std::vector<std::vector<float>*> values = {&p.x,         &p.row.norm_w, &p.row.norm_b, &p.row.qkv_w,
-                                             &p.row.out_w, &p.row.out_b,  &p.col.norm_w, &p.col.norm_b,
-                                             &p.col.qkv_w, &p.col.out_w,  &p.col.out_b};
-  const auto refs = ref_list(ref);
-  std::mt19937 rng(5);
-  for (size_t t = 0; t < values.size(); ++t) {
-    std::vector<float>& v = *values[t];
-    for (int k = 0; k < (t == 0 ? 8 : 4); ++k) {
-      const size_t i = std::uniform_int_distribution<size_t>(0, v.size() - 1)(rng);
-      const float v0 = v[i];
-      const float hi = v0 + 1e-3f, lo = v0 - 1e-3f;
-      v[i] = hi;
-      const double lhi = loss();
-      v[i] = lo;
-      const double llo = loss();
-      v[i] = v0;
-      const double fd = (lhi - llo) / (static_cast<double>(hi) - static_cast<double>(lo));
-      const double an = (*refs[t])[i];
-      EXPECT_NEAR(fd, an, 1e-5 + 1e-4 * std::fabs(an)) << "tensor " << t << " index " << i;
-    }
-  }
+  EXPECT_EQ(expect_reference_backward_matches_finite_differences(p, gout), 8 + 10 * 4);
 }
 
 INSTANTIATE_TEST_SUITE_P(Rates, ReferenceDropout, ::testing::Values(0.1f, 0.5f, 1.0f),
@@ -382,29 +355,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuDropoutForward,
                                             ::testing::Values(0.1f, 0.5f, 1.0f)),
                          rate_case_name);
 
-// test_backward_cpu.cpp's bounds: the norm-relative error within 1e-5 and within 4 times (plus
-// 1e-7) that of the plainest fp32 evaluation of the same formulas. A gradient whose reference is
-// exactly zero (at p = 1 every attention branch is zero, and so are the gradients of the QKV,
-// LayerNorm and output weights) must be exactly zero.
-void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float>& ref32) {
-  const auto refs = ref_list(ref);
-  const auto refs32 = ref_list(ref32);
-  const auto list = got.all();
-  for (size_t i = 0; i < list.size(); ++i) {
-    double norm = 0;
-    for (double v : *refs[i]) norm += v * v;
-    if (norm == 0) {
-      for (size_t e = 0; e < list[i].first->size(); ++e)
-        ASSERT_EQ((*list[i].first)[e], 0.0f) << list[i].second << "[" << e << "]: the reference is exactly zero";
-      continue;
-    }
-    const double err = rel_err(*list[i].first, *refs[i]);
-    const double err32 = rel_err(*refs32[i], *refs[i]);
-    EXPECT_LE(err, 1e-5) << list[i].second << " (plain fp32: " << err32 << ")";
-    EXPECT_LE(err, 4 * err32 + 1e-7) << list[i].second << ": worse than plain fp32 (" << err32 << ")";
-  }
-}
-
+// The bounds: expect_grads_match (backward_util.h), exact zeros included where the reference is
+// exactly zero (at p = 1 every attention branch is).
 class CpuDropoutBackward : public ::testing::TestWithParam<RateCase> {};
 
 TEST_P(CpuDropoutBackward, MatchesDoubleReference) {
