@@ -52,7 +52,7 @@ c10::DataPtr training_workspace(const CudaBackwardPlan& plan) {
 }
 
 // out and saved from forward_cuda_training: saved is a float32 vector of the plan's saved bytes.
-void run_training_forward(const Call& c, const AxialParams& p, const CudaBackwardPlan& plan, const at::Tensor& saved) {
+void run_training_forward(const AxialParams& p, const CudaBackwardPlan& plan, const at::Tensor& saved) {
   const c10::DataPtr workspace = training_workspace(plan);
   const Status s = forward_cuda_training(p, plan, saved.data_ptr(), saved.numel() * sizeof(float), workspace.get(),
                                          plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
@@ -74,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
   const AxialParams p = c.params(out);
   const CudaBackwardPlan plan = training_plan(p);
   at::Tensor saved = empty_saved(plan, c.x);
-  if (out.numel() != 0) run_training_forward(c, p, plan, saved);
+  if (out.numel() != 0) run_training_forward(p, plan, saved);
   return {out, saved};
 }
 
@@ -102,7 +102,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   } else if (!empty) {  // nothing kept: the training forward first, into a scratch output
     saved = empty_saved(plan, c.x);
     at::Tensor scratch_out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
-    run_training_forward(c, c.params(scratch_out), plan, saved);
+    run_training_forward(c.params(scratch_out), plan, saved);
   }
   const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(empty ? 0 : plan.workspace_bytes);
   const Status s = backward_cuda(p, b.grads, plan, empty ? nullptr : saved.data_ptr(),
