@@ -6,6 +6,7 @@
 // run (ops_cuda.cpp).
 #include "ops.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
@@ -90,8 +91,13 @@ std::array<const at::Tensor*, 11> Call::inputs() const {
   return {&x, &row[0], &row[1], &row[2], &row[3], &row[4], &col[0], &col[1], &col[2], &col[3], &col[4]};
 }
 
+void check_dropout(double dropout, const char* op) {
+  TORCH_CHECK_VALUE(dropout >= 0.0 && dropout <= 1.0, op, ": dropout must be in [0, 1], got ", dropout);
+}
+
 AxialParams Call::params() const {
   AxialParams p;
+  p.dropout = static_cast<float>(dropout);
   p.batch = x.size(0);
   p.height = x.size(1);
   p.width = x.size(2);
@@ -108,30 +114,61 @@ AxialParams Call::params() const {
   return p;
 }
 
+at::Tensor dropout_mask(int64_t batch, int64_t height, int64_t width, int64_t num_heads, double dropout,
+                        int64_t seed, int64_t offset, int64_t pass) {
+  check_dropout(dropout, "fastaxial.dropout_mask");
+  TORCH_CHECK_VALUE(pass == 0 || pass == 1, "fastaxial.dropout_mask: pass must be 0 (rows) or 1 (columns), got ", pass);
+  TORCH_CHECK_VALUE(batch >= 0 && height >= 0 && width >= 0 && num_heads >= 1,
+                    "fastaxial.dropout_mask: sizes must be >= 0 and num_heads >= 1");
+  AxialParams p;
+  p.batch = batch, p.height = height, p.width = width, p.heads = num_heads, p.dim = num_heads;
+  p.dropout = static_cast<float>(dropout);
+  p.seed = static_cast<uint64_t>(seed), p.offset = static_cast<uint64_t>(offset);
+  const int64_t n = pass == 0 ? batch * height : batch * width, L = pass == 0 ? width : height;
+  at::Tensor mask = at::empty({n, num_heads, L, L}, at::TensorOptions().dtype(at::kFloat));
+  const Status s = fastaxial::dropout_mask(p, static_cast<int>(pass), mask.data_ptr<float>());
+  TORCH_CHECK(s.ok(), "fastaxial.dropout_mask: ", s.message);
+  return mask;
+}
+
 }  // namespace fastaxial::torch_binding
 
 TORCH_LIBRARY(fastaxial, m) {
   m.def(
       "axial_attention(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
-      "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05) "
-      "-> Tensor");
+      "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05, "
+      "float dropout=0.0) -> Tensor");
+  // `dropout` > 0: attention dropout with that rate (the module passes it in training mode), its
+  // mask drawn from PyTorch's default generator of x's device (fastaxial.h, AxialParams::dropout).
+  //
   // The gradients of axial_attention for the inputs output_mask selects (x, then the ten weights),
-  // in that order; `saved`, where given, is axial_attention_training's (CUDA). CPU and CUDA kernels in ops_cpu.cpp and ops_cuda.cpp; the forward's autograd kernel
-  // calls it and refuses double backward.
+  // in that order; `saved`, where given, is axial_attention_training's (required with dropout: it
+  // holds the mask's seed and offset). CPU and CUDA kernels in ops_cpu.cpp and ops_cuda.cpp; the
+  // forward's autograd kernel calls it and refuses double backward.
   m.def(
       "axial_attention_backward(Tensor grad_out, Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, "
       "Tensor row_qkv_weight, Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, "
       "Tensor col_norm_bias, Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, "
-      "float eps, bool[11] output_mask, Tensor? saved=None) -> Tensor[]");
-  // The forward for training on CUDA: axial_attention's output, and what the backward reads instead of
-  // recomputing it (forward_cuda_training's `saved`: each pass's LayerNorm output and statistics, q, k,
-  // v, attention output and log-sum-exp, and the row pass's output, as one float32 buffer). The
-  // autograd kernel calls it in grad mode and passes `saved` to axial_attention_backward.
+      "float eps, bool[11] output_mask, Tensor? saved=None, float dropout=0.0) -> Tensor[]");
+  // The forward for training: axial_attention's output, and what the backward reads (`saved`, one
+  // float32 buffer ending with the dropout mask's seed and offset, 16 bytes). On CUDA,
+  // forward_cuda_training's: each pass's LayerNorm output and statistics, q, k, v, attention
+  // output and log-sum-exp, and the row pass's output, so the backward recomputes nothing but the
+  // probabilities; on the CPU, the 16 bytes alone (its backward recomputes). The autograd kernel
+  // calls it in grad mode and passes `saved` to axial_attention_backward.
   m.def(
       "axial_attention_training(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
-      "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps) "
-      "-> (Tensor, Tensor)");
+      "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps, "
+      "float dropout=0.0) -> (Tensor, Tensor)");
   m.def("describe_cuda_plan(Tensor x, int num_heads) -> str");
+  // Debugging and tests: the multipliers (0 or 1 / (1 - dropout)) of one pass's dropout mask
+  // (pass 0: rows, 1: columns), (N, num_heads, L, L) float32 on the CPU, for x of shape
+  // (batch, height, width, .) and the seed and offset a training forward keeps (the last 16 bytes
+  // of its `saved`; fastaxial.ops.dropout_state reads them).
+  m.def(
+      "dropout_mask(int batch, int height, int width, int num_heads, float dropout, int seed, int offset, int pass_) "
+      "-> Tensor",
+      &fastaxial::torch_binding::dropout_mask);
 }

@@ -18,6 +18,7 @@ struct Call {
   std::array<at::Tensor, 5> col;
   int64_t heads;
   double eps;
+  double dropout = 0.0;  // attention dropout rate (checked by check_dropout); params() passes it
 
   // Params for writing into `out`, a contiguous tensor shaped like x.
   AxialParams params(at::Tensor& out) const;
@@ -36,6 +37,13 @@ struct BackwardCall {
   AxialGrads grads;
 };
 BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const std::array<bool, 11>& output_mask);
+
+// Checks an attention dropout rate argument: in [0, 1].
+void check_dropout(double dropout, const char* op);
+
+// The dropout state (seed, offset) kept in the last 16 bytes of a training forward's `saved`
+// (CUDA: CudaBackwardPlan::dropout_state; CPU: `saved` is those 16 bytes alone).
+constexpr int64_t kDropoutStateFloats = 4;
 
 Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at::Tensor& row_norm_bias,
                 const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight, const at::Tensor& row_out_bias,

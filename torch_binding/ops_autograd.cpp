@@ -1,8 +1,16 @@
 // Autograd kernel of fastaxial::axial_attention, in C++ so that no Python
 // runs per call: under no_grad, or where nothing requires grad, it calls the
 // device kernel straight away; in grad mode it records one node that saves
-// x and the ten weights (and, on CUDA, the training forward's intermediates:
-// axial_attention_training runs instead of the forward).
+// x and the ten weights, and, where axial_attention_training runs instead of
+// the forward, its `saved`:
+//  - with dropout (CPU and CUDA): `saved` holds the mask's seed and offset,
+//    which the backward needs to draw the forward's mask again;
+//  - on CUDA, except where the forward runs the fused kernels on both passes:
+//    `saved` holds the forward's intermediates, so that the backward
+//    recomputes only the probabilities. A problem the fused kernels serve is
+//    small: its training forward's dozen launches would cost the forward call
+//    more host time than recomputing them in the backward costs GPU time, so
+//    it runs the plain forward and its backward runs the training forward.
 // The backward: the operator axial_attention_backward (its fused CPU and
 // CUDA kernels); on devices or head dims those do not serve (CUDA head dims
 // above kCudaBackwardMaxHeadDim, other devices), the forward recomputed with
@@ -10,6 +18,7 @@
 // function) and differentiated. A second-order gradient is refused.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -52,16 +61,17 @@ at::Tensor reference_forward(const variable_list& t, int64_t heads, double eps) 
 
 using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double);
 
 using BackwardSignature = std::vector<at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, double, std::array<bool, 11>, const std::optional<at::Tensor>&);
+    int64_t, double, std::array<bool, 11>, const std::optional<at::Tensor>&, double);
 
 using TrainingSignature = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
+    double);
 
 const c10::TypedOperatorHandle<TrainingSignature>& training_op() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -74,6 +84,17 @@ const c10::TypedOperatorHandle<TrainingSignature>& training_op() {
 // `saved`) serves x; else the backward differentiates the reference math.
 bool cuda_training(const at::Tensor& x, int64_t heads) {
   return x.is_cuda() && cuda_compiled() && x.size(3) / heads <= kCudaBackwardMaxHeadDim;
+}
+
+// Whether x's CUDA forward runs the fused kernels on both passes (the plan of x's device).
+bool fused_forward(const at::Tensor& x, int64_t heads) {
+  if (x.dim() != 4 || heads < 1) return false;  // the kernels' checks say what is wrong
+  const c10::DeviceGuard guard(x.device());
+  AxialParams p;
+  p.batch = x.size(0), p.height = x.size(1), p.width = x.size(2), p.dim = x.size(3), p.heads = heads;
+  CudaPlan plan;
+  return plan_cuda(p, &plan).ok() && plan.row.family == KernelFamily::kFused &&
+         plan.col.family == KernelFamily::kFused;
 }
 
 const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
@@ -93,9 +114,10 @@ const c10::TypedOperatorHandle<OpSignature>& op() {
 at::Tensor call_below_autograd(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
                                const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-                               const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
+                               const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
+                               double dropout) {
   const at::AutoDispatchBelowADInplaceOrView below;
-  return op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+  return op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout);
 }
 
 class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFunction> {
@@ -103,37 +125,43 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
                             const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                             const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-                            const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
+                            const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
+                            double dropout) {
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
-    if (cuda_training(x, heads)) {
-      // The training forward: the output, and the intermediates its backward reads instead of recomputing.
+    ctx->saved_data["dropout"] = dropout;
+    if (dropout > 0 || (cuda_training(x, heads) && !fused_forward(x, heads))) {
+      // The training forward: the output, and what its backward reads (the intermediates on CUDA,
+      // the dropout mask's seed and offset).
       const at::AutoDispatchBelowADInplaceOrView below;
-      auto [out, saved] = training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+      auto [out, saved] =
+          training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout);
       ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, saved});
       return out;
     }
     ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob});
-    return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+    return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, 0.0);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
     const int64_t heads = ctx->saved_data["heads"].toInt();
     const double eps = ctx->saved_data["eps"].toDouble();
+    const double dropout = ctx->saved_data["dropout"].toDouble();
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "fastaxial::axial_attention: double backward (create_graph=True) is not supported");
-    // The fused backward: on the CPU, or on CUDA from the training forward's saved intermediates;
-    // else the reference math, differentiated.
-    if (saved[0].is_cpu() || saved.size() > kTensors) {
+    // The fused backward: on the CPU, or on CUDA where its kernels serve the head dim (from the
+    // training forward's `saved`, or running that forward first); else the reference math,
+    // differentiated.
+    if (saved[0].is_cpu() || saved.size() > kTensors || cuda_training(saved[0], heads)) {
       std::array<bool, kTensors> mask;
       for (int i = 0; i < kTensors; ++i) mask[i] = ctx->needs_input_grad(i);
       const std::optional<at::Tensor> kept =
           saved.size() > kTensors ? std::optional<at::Tensor>(saved[kTensors]) : std::nullopt;
       const std::vector<at::Tensor> grads =
           backward_op().call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
-                             saved[7], saved[8], saved[9], saved[10], heads, eps, mask, kept);
-      variable_list result(kTensors + 2);  // undefined: no gradient (and none for heads, eps)
+                             saved[7], saved[8], saved[9], saved[10], heads, eps, mask, kept, dropout);
+      variable_list result(kTensors + 3);  // undefined: no gradient (and none for heads, eps, dropout)
       for (int i = 0, j = 0; i < kTensors; ++i)
         if (mask[i]) result[i] = grads[j++];
       return result;
@@ -149,7 +177,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       const at::Tensor out = reference_forward(leaves, heads, eps);
       grads = torch::autograd::grad({out}, wanted, {grad_outputs[0]});
     }
-    variable_list result(kTensors + 2);  // undefined: no gradient (and none for heads, eps)
+    variable_list result(kTensors + 3);  // undefined: no gradient (and none for heads, eps, dropout)
     for (int i = 0, j = 0; i < kTensors; ++i)
       if (ctx->needs_input_grad(i)) result[i] = grads[j++];
     return result;
@@ -159,15 +187,16 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
 at::Tensor axial_attention_autograd(c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
                                     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                     const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-                                    const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps) {
+                                    const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
+                                    double dropout) {
   const bool record = at::GradMode::is_enabled() &&
                       (x.requires_grad() || rnw.requires_grad() || rnb.requires_grad() || rqkv.requires_grad() ||
                        rout.requires_grad() || rob.requires_grad() || cnw.requires_grad() || cnb.requires_grad() ||
                        cqkv.requires_grad() || cout.requires_grad() || cob.requires_grad());
   if (!record)  // straight to the device kernel, with the dispatch keys already computed
     return op().redispatch(keys & c10::after_autograd_keyset, x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout,
-                           cob, heads, eps);
-  return AxialAttentionFunction::apply(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps);
+                           cob, heads, eps, dropout);
+  return AxialAttentionFunction::apply(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout);
 }
 
 }  // namespace

@@ -1,9 +1,17 @@
-// CPU kernels of fastaxial::axial_attention and its backward.
+// CPU kernels of fastaxial::axial_attention, its training forward and its backward. Dropout's
+// seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
+// offset is 0; the training forward keeps the pair in its 16-byte `saved` for the backward.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <array>
+#include <cstring>
+#include <mutex>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -11,16 +19,52 @@
 namespace fastaxial::torch_binding {
 namespace {
 
+// params with a fresh dropout seed from the default CPU generator, where dropout is active.
+void draw_dropout_seed(AxialParams* p) {
+  if (!(p->dropout > 0.0f)) return;
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  const std::lock_guard<std::mutex> lock(gen->mutex_);
+  p->seed = gen->random64();
+  p->offset = 0;
+}
+
+// out = the forward of the call; the dropout state drawn into *p.
+at::Tensor forward(const Call& c, AxialParams* p, const char* op) {
+  at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
+  *p = c.params(out);
+  draw_dropout_seed(p);
+  if (out.numel() == 0) return out;
+  const Status s = forward_cpu(*p);
+  TORCH_CHECK(s.ok(), op, " (CPU): ", s.message);
+  return out;
+}
+
 at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
                                const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-                               const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps) {
-  const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
-  if (out.numel() == 0) return out;
-  const Status s = forward_cpu(c.params(out));
-  TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CPU): ", s.message);
-  return out;
+                               const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
+                               double dropout) {
+  check_dropout(dropout, "fastaxial.axial_attention");
+  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  c.dropout = dropout;
+  AxialParams p;
+  return forward(c, &p, "fastaxial.axial_attention");
+}
+
+// The output, and `saved`: the dropout state (seed, offset as two uint64) in 4 floats.
+std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
+    const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
+    const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
+    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout) {
+  check_dropout(dropout, "fastaxial.axial_attention_training");
+  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  c.dropout = dropout;
+  AxialParams p;
+  at::Tensor out = forward(c, &p, "fastaxial.axial_attention_training");
+  at::Tensor saved = at::empty({kDropoutStateFloats}, c.x.options());
+  const uint64_t state[2] = {p.seed, p.offset};
+  std::memcpy(saved.data_ptr<float>(), state, sizeof state);
+  return {out, saved};
 }
 
 // The gradients output_mask asks for, each a fresh tensor shaped like its input.
@@ -28,12 +72,25 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
-    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved) {
-  const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  TORCH_CHECK_VALUE(!saved.has_value(), "fastaxial.axial_attention_backward (CPU): `saved` is the CUDA training "
-                    "forward's; the CPU backward recomputes what it needs");
+    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved, double dropout) {
+  check_dropout(dropout, "fastaxial.axial_attention_backward");
+  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  c.dropout = dropout;
+  AxialParams p = c.params();
+  if (saved.has_value())
+    TORCH_CHECK_VALUE(saved->is_cpu() && saved->scalar_type() == at::kFloat && saved->is_contiguous() &&
+                          saved->numel() == kDropoutStateFloats,
+                      "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
+                      "inputs (4 float32 on the CPU: the dropout state)");
+  if (dropout > 0) {  // the forward's mask: its seed and offset, which only `saved` knows
+    TORCH_CHECK_VALUE(saved.has_value(), "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from "
+                      "axial_attention_training) is required: it holds the forward's dropout seed and offset");
+    uint64_t state[2];
+    std::memcpy(state, saved->data_ptr<float>(), sizeof state);
+    p.seed = state[0], p.offset = state[1];
+  }
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
-  const Status s = backward_cpu(c.params(), b.grads);
+  const Status s = backward_cpu(p, b.grads);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CPU): ", s.message);
   return b.outputs;
 }
@@ -44,4 +101,5 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
 TORCH_LIBRARY_IMPL(fastaxial, CPU, m) {
   m.impl("axial_attention", &fastaxial::torch_binding::axial_attention_cpu);
   m.impl("axial_attention_backward", &fastaxial::torch_binding::axial_attention_backward_cpu);
+  m.impl("axial_attention_training", &fastaxial::torch_binding::axial_attention_training_cpu);
 }

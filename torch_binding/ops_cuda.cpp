@@ -1,6 +1,11 @@
 // CUDA kernels of the fastaxial operators (forward and backward): on x's
 // device and PyTorch's current stream, with the workspace the plan asks for
-// from PyTorch's caching allocator. No host synchronisation.
+// from PyTorch's caching allocator. No host synchronisation. Dropout's seed
+// and offset come from PyTorch's default CUDA generator of x's device, as
+// PyTorch's own fused attention takes them: under CUDA graph capture as
+// pointers the kernels read at replay (AxialParams::seed_device).
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -9,6 +14,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -18,15 +24,50 @@
 namespace fastaxial::torch_binding {
 namespace {
 
+// The dropout mask's seed and offset for one call, from the default generator of x's device,
+// which advances its offset past them. Where dropout is off, nothing is drawn.
+void draw_dropout_state(AxialParams* p, const at::Device& device) {
+  if (!(p->dropout > 0.0f)) return;
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(device.index()));
+  at::PhiloxCudaState state;
+  {
+    const std::lock_guard<std::mutex> lock(gen->mutex_);
+    // The offset is the high half of the mask's Philox counter (common/dropout.h): one step
+    // apart, two calls' masks share no counter. 4: the generator's increments are multiples of 4.
+    state = gen->philox_cuda_state(4);
+  }
+  if (state.captured_) {  // read at replay: seed = *seed, offset = *offset + offset_intragraph
+    p->seed_device = reinterpret_cast<const uint64_t*>(state.seed_.ptr);
+    p->offset_device = reinterpret_cast<const uint64_t*>(state.offset_.ptr);
+    p->seed = 0, p->offset = state.offset_intragraph_;
+  } else {
+    p->seed = state.seed_.val, p->offset = state.offset_.val;
+  }
+}
+
+CudaBackwardPlan training_plan(const AxialParams& p);
+void run_training_forward(const AxialParams& p, const CudaBackwardPlan& plan, const at::Tensor& saved);
+at::Tensor empty_saved(const CudaBackwardPlan& plan, const at::Tensor& x);
+
 at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
                                 const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                 const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-                                const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps) {
-  const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+                                const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
+                                double dropout) {
+  check_dropout(dropout, "fastaxial.axial_attention");
+  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  c.dropout = dropout;
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
-  const AxialParams p = c.params(out);
+  AxialParams p = c.params(out);
+  if (dropout > 0) {  // dropout runs in the training forward's kernels; what it keeps is dropped here
+    draw_dropout_state(&p, c.x.device());
+    const CudaBackwardPlan plan = training_plan(p);
+    run_training_forward(p, plan, empty_saved(plan, c.x));
+    return out;
+  }
   CudaPlan plan;
   Status s = plan_cuda(p, &plan);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
@@ -67,14 +108,21 @@ at::Tensor empty_saved(const CudaBackwardPlan& plan, const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps) {
-  const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout) {
+  check_dropout(dropout, "fastaxial.axial_attention_training");
+  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  c.dropout = dropout;
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
-  const AxialParams p = c.params(out);
+  AxialParams p = c.params(out);
   const CudaBackwardPlan plan = training_plan(p);
   at::Tensor saved = empty_saved(plan, c.x);
-  if (out.numel() != 0) run_training_forward(p, plan, saved);
+  if (out.numel() != 0) {
+    draw_dropout_state(&p, c.x.device());
+    run_training_forward(p, plan, saved);
+  } else {
+    saved.zero_();  // no launch wrote it; an empty problem keeps zeros (no mask drawn)
+  }
   return {out, saved};
 }
 
@@ -84,8 +132,13 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
-    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg) {
-  const Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg, double dropout) {
+  check_dropout(dropout, "fastaxial.axial_attention_backward");
+  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  c.dropout = dropout;
+  TORCH_CHECK_VALUE(dropout == 0 || saved_arg.has_value() || c.x.numel() == 0,
+                    "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from axial_attention_training) "
+                    "is required: it holds the forward's dropout seed and offset");
   const c10::cuda::CUDAGuard guard(c.x.device());
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   AxialParams p = c.params();

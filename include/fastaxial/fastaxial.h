@@ -65,11 +65,17 @@ struct AxialParams {
   // The keep mask is a function of (seed, offset, element) alone (Philox4x32-10, defined
   // in src/common/dropout.h), so the backward, given the same params, regenerates the
   // forward's mask without storing it; the same (seed, offset) give the same mask on every
-  // call and thread count. Advance offset (or change seed) for a fresh mask. forward_cpu and
-  // backward_cpu apply it; the CUDA entry points refuse dropout > 0 (kUnsupported) for now.
+  // call and thread count. Advance offset (or change seed) for a fresh mask. forward_cpu,
+  // backward_cpu and the CUDA training calls apply it (forward_cuda refuses it: kUnsupported).
   float dropout = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;
+  // CUDA graphs: where set, forward_cuda_training reads the seed and the offset from device
+  // memory when the kernels run, seed = *seed_device and offset = *offset_device + offset, so
+  // that a captured graph draws a fresh mask at each replay from values updated between
+  // replays (PyTorch's generator keeps its state so under capture). Both or neither.
+  const uint64_t* seed_device = nullptr;
+  const uint64_t* offset_device = nullptr;
 };
 
 // Checks sizes and pointers; the entry points below call it first.
@@ -106,6 +112,13 @@ struct AxialGrads {
 // grad_x may be grad_out itself (overwritten in place) but not x; no gradient may overlap an input or another gradient.
 // An empty problem (B H W = 0) writes zeros into the wanted weight gradients.
 Status backward_cpu(const AxialParams& p, const AxialGrads& g);
+
+// The dropout mask of one pass of p (0: rows, 1: columns) as the kernels draw it from p.dropout,
+// p.seed and p.offset (CPU and CUDA alike), for tests and debugging: out (N, heads, L, L), N and L
+// the pass's sequences and length (rows: B H and W, columns: B W and H), gets the multiplier of
+// each attention probability, 1 / (1 - p.dropout) where kept and 0 where dropped (all ones
+// with p.dropout = 0). Sizes and dropout are validated; pointers other than out are not read.
+Status dropout_mask(const AxialParams& p, int pass, float* out);
 
 // True when this build contains the CUDA kernels.
 bool cuda_compiled();
@@ -224,6 +237,9 @@ struct CudaBackwardPlan {
   };
   Pass row, col;
   size_t row_output = 0;   // (T, D) the row pass's output: the column pass's input
+  // 16 bytes, the last of `saved`: the dropout mask's seed and offset as two uint64, as the
+  // training forward resolved them (zeros without dropout); the backward draws the mask from them.
+  size_t dropout_state = 0;
   size_t saved_bytes = 0;  // the whole of `saved`
 
   // The workspace (scratch of either call), in bytes from its start.

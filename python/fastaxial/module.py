@@ -24,6 +24,7 @@ def _op_traced(*args):
     return _OVERLOAD(*args)
 
 _HAS_CPU, _HAS_CUDA = ops.has_kernel("cpu"), ops.has_kernel("cuda")
+_CUDA_TRAINING_MAX_HEAD_DIM = 256  # fastaxial.h: kCudaBackwardMaxHeadDim
 _SUBMODULES = frozenset(m for m, _ in reference._WEIGHT_NAMES)
 _PARAM_NAMES = tuple(p for _, p in reference._WEIGHT_NAMES)
 
@@ -34,10 +35,13 @@ class AxialAttention(reference.AxialAttentionReference):
     Same constructor, parameters (names, shapes, initialisation, creation
     order) and forward as fastaxial.reference.AxialAttentionReference, so
     state dicts load both ways and equal seeds give equal weights. Gradients
-    flow through the operator's autograd kernel. Inputs the fused kernels do
-    not serve yet (a dtype other than float32, a device without a kernel,
-    dropout active in training mode, different LayerNorm epsilons per axis)
-    run the reference math instead, with a warning the first time.
+    flow through the operator's autograd kernel. Attention dropout in training
+    mode runs in the fused kernels, its mask drawn from PyTorch's default
+    generator of x's device (torch.manual_seed fixes it; it is not the
+    reference's nn.Dropout mask). Inputs the fused kernels do not serve yet (a
+    dtype other than float32, a device without a kernel, different LayerNorm
+    epsilons per axis, dropout on CUDA with head_dim above 256) run the
+    reference math instead, with a warning the first time.
     """
 
     # forward() is the host path of every call, so it reads only plain
@@ -50,8 +54,13 @@ class AxialAttention(reference.AxialAttentionReference):
         mods = self._modules
         eps = mods["row_norm"].eps
         if (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and (x.is_cuda and _HAS_CUDA or x.is_cpu and _HAS_CPU)
-                and not (self.training and mods["dropout"].p > 0) and eps == mods["col_norm"].eps):
+                and eps == mods["col_norm"].eps):
             slots = self.__dict__.get("_slots")
+            p = mods["dropout"].p if self.training else 0.0
+            if p > 0:
+                if not self._dropout_supported(x):
+                    return self._reference_forward(x)
+                return _OP(x, *self._weights_slow_path(), self.num_heads, eps, p)
             try:  # map() in C: no Python frame per weight
                 weights = map(getitem, slots, _PARAM_NAMES) if slots is not None else self._weights_slow_path()
                 return _OP(x, *weights, self.num_heads, eps)
@@ -59,6 +68,11 @@ class AxialAttention(reference.AxialAttentionReference):
                 self.__dict__.pop("_slots", None)
                 return _OP(x, *self._weights_slow_path(), self.num_heads, eps)
         return self._reference_forward(x)
+
+    def _dropout_supported(self, x):
+        """Whether the fused kernels apply attention dropout to x: everywhere but CUDA head dims
+        above the CUDA training path's largest (fastaxial.h: kCudaBackwardMaxHeadDim)."""
+        return not x.is_cuda or x.dim() != 4 or x.shape[3] // self.num_heads <= _CUDA_TRAINING_MAX_HEAD_DIM
 
     def __call__(self, *args, **kwargs):
         # nn.Module.__call__ without its two Python frames where it would go
@@ -108,8 +122,9 @@ class AxialAttention(reference.AxialAttentionReference):
     def _fused_unsupported(self, x):
         """Why the fused path cannot serve this call."""
         mods = self._modules
-        if self.training and mods["dropout"].p > 0:
-            return "dropout is active in training mode"
+        if self.training and mods["dropout"].p > 0 and not self._dropout_supported(x):
+            return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
+                    f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:
             return f"dtype {x.dtype} is not supported yet (float32 is)"
         if not ops.has_kernel(x.device.type):

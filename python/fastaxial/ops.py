@@ -84,11 +84,13 @@ def has_kernel(device_type):
 
 def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
                     col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias,
-                    num_heads, eps=1e-5):
-    """Fused axial attention on x (B, H, W, D), float32; same arguments as reference.axial_attention."""
+                    num_heads, eps=1e-5, dropout=0.0):
+    """Fused axial attention on x (B, H, W, D), float32; the arguments of reference.axial_attention,
+    with dropout > 0 meaning attention dropout as in training mode (the mask drawn from PyTorch's
+    default generator of x's device)."""
     return torch.ops.fastaxial.axial_attention(
         x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
-        col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps)
+        col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps, dropout)
 
 
 @torch.library.register_fake(_OP)
@@ -98,13 +100,34 @@ def _(x, *args):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+_DROPOUT_STATE_FLOATS = 4  # two uint64: the dropout mask's seed and offset
+
+
+def dropout_state(saved):
+    """The dropout mask's (seed, offset) that a training forward used, from its `saved` (the
+    output of axial_attention_training on either device: its last 16 bytes), as two Python ints."""
+    seed, offset = saved[-_DROPOUT_STATE_FLOATS:].detach().cpu().view(torch.int64).tolist()
+    return seed % 2**64, offset % 2**64
+
+
+def dropout_mask(batch, height, width, num_heads, dropout, seed, offset, pass_):
+    """The multipliers of one pass's attention dropout mask as the kernels draw it: a float32 CPU
+    tensor (N, num_heads, L, L), 1 / (1 - dropout) where kept and 0 where dropped; pass_ 0 is the
+    row pass (N = batch height sequences of L = width), 1 the column pass (N = batch width, L =
+    height). With dropout_state(saved) it gives the mask a training forward applied."""
+    as_int64 = lambda v: v - 2**64 if v >= 2**63 else v  # the schema's int is int64
+    return torch.ops.fastaxial.dropout_mask(batch, height, width, num_heads, dropout, as_int64(seed),
+                                            as_int64(offset), pass_)
+
+
 def saved_floats(batch, height, width, dim, num_heads):
     """Floats of axial_attention_training's `saved` for x (B, H, W, D): the layout of
     make_backward_plan (src/common/plan.cpp), regions each starting 256-byte aligned: per pass,
     the LayerNorm output (T, D), its statistics (T, 2), qkv (T, 3D), the attention output (T, D)
-    and the log-sum-exp (T, heads); then the row pass's output (T, D); T = B H W."""
+    and the log-sum-exp (T, heads); then the row pass's output (T, D) and the dropout state (two
+    uint64: seed and offset, the last 16 bytes); T = B H W."""
     t = batch * height * width
-    sizes = [t * dim, 2 * t, 3 * t * dim, t * dim, t * num_heads] * 2 + [t * dim]
+    sizes = [t * dim, 2 * t, 3 * t * dim, t * dim, t * num_heads] * 2 + [t * dim, 4]
     end = 0
     for floats in sizes:
         end = (end + 255) // 256 * 256 + 4 * floats
@@ -113,9 +136,11 @@ def saved_floats(batch, height, width, dim, num_heads):
 
 @torch.library.register_fake("fastaxial::axial_attention_training")
 def _(x, *args):
-    *weights, num_heads, eps = args
+    num_heads = args[10]  # after the ten weights; then eps and dropout
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return out, x.new_empty(saved_floats(*x.shape, num_heads))
+    # CUDA keeps the forward's intermediates; the CPU only the dropout state (seed and offset).
+    floats = _DROPOUT_STATE_FLOATS if x.device.type == "cpu" else saved_floats(*x.shape, num_heads)
+    return out, x.new_empty(floats)
 
 
 @torch.library.register_fake("fastaxial::axial_attention_backward")

@@ -230,7 +230,12 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   return Status::Ok();
 }
 
-size_t backward_blas_bytes(const DeviceCaps& dev) { return (dev.cc_major >= 9 ? 32 : 4) << 20; }
+size_t backward_blas_bytes(const DeviceCaps& dev, int64_t dim) {
+  const size_t cap = static_cast<size_t>(dev.cc_major >= 9 ? 32 : 4) << 20;
+  const size_t d = (size_t)std::max<int64_t>(dim, 0);
+  if (d > 1024) return cap;
+  return std::min(cap, std::max(size_t{1} << 20, 16 * 3 * d * d * sizeof(float)));
+}
 
 Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan) {
   const int64_t hd = p.dim / p.heads;
@@ -255,14 +260,14 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
     fits = fits && append(&end, td, &pass->norm) && append(&end, 2 * T * sizeof(float), &pass->stats) &&
            append(&end, 3 * td, &pass->qkv) && append(&end, td, &pass->attn) && append(&end, th, &pass->lse);
   }
-  fits = fits && append(&end, td, &c.row_output);
+  fits = fits && append(&end, td, &c.row_output) && append(&end, 2 * sizeof(uint64_t), &c.dropout_state);
   c.saved_bytes = end;
   // The workspace.
   end = 0;
   fits = fits && append(&end, td, &c.grad_row_output) && append(&end, td, &c.grad_attn) &&
          append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) && append(&end, th, &c.delta) &&
          append(&end, 3 * kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
-  c.blas_bytes = backward_blas_bytes(dev);
+  c.blas_bytes = backward_blas_bytes(dev, p.dim);
   fits = fits && append(&end, c.blas_bytes, &c.blas);
   // The staged path's product (staged/gemm.cu) where the device runs it and its N and K fit.
   c.tensor_core_products = dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kStagedGemmSmemBytes && D % 8 == 0;

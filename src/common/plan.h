@@ -55,8 +55,11 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
 // backward sums three matrices at once.
 constexpr int64_t kMaxColumnSumChunks = 128;
 
-// cuBLAS's workspace in a backward: its recommendation for Hopper (32 MiB), 4 MiB on older GPUs.
-size_t backward_blas_bytes(const DeviceCaps& dev);
+// cuBLAS's workspace in a backward: room for 16 split-K partial products of the largest weight
+// gradient (3D x D floats), at least 1 MiB, at most cuBLAS's recommendation (32 MiB on Hopper,
+// 4 MiB on older GPUs). The weight gradients are cuBLAS's only products with a long K (all
+// B H W positions) and a small output; a fixed 32 MiB doubled a small problem's peak memory.
+size_t backward_blas_bytes(const DeviceCaps& dev, int64_t dim);
 
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------
 

@@ -94,7 +94,9 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
   DeviceCaps dev;
   if (Status s = current_device(&dev); !s.ok()) return s;
   if (Status s = check_plan(p, plan, dev.device); !s.ok()) return s;
-  if (p.dropout > 0) return {StatusCode::kUnsupported, "attention dropout is not implemented on CUDA yet"};
+  if (p.dropout > 0)
+    return {StatusCode::kUnsupported,
+            "forward_cuda has no attention dropout: forward_cuda_training applies it (and keeps what its backward needs)"};
   if (p.batch * p.height * p.width == 0) return Status::Ok();
   if (workspace == nullptr) return {StatusCode::kInvalidArgument, "workspace is null"};
   if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0)

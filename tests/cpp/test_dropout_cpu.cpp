@@ -24,6 +24,7 @@
 
 #include "../../src/common/dropout.h"
 #include "backward_util.h"
+#include "dropout_util.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -31,19 +32,6 @@
 
 namespace fastaxial::test {
 namespace {
-
-// p with dropout `rate`, seed and offset, and the reference's mask: the kernels' own function.
-Problem with_dropout(Problem p, float rate, uint64_t seed, uint64_t offset) {
-  p.dropout = rate;
-  p.seed = seed;
-  p.offset = offset;
-  const DropoutParams d = make_dropout(params(p, nullptr));
-  p.keep = [d](int pass, int64_t n, int64_t h, int64_t i, int64_t j) {
-    return dropout_keep(d, pass, static_cast<uint64_t>(n), static_cast<uint64_t>(h), static_cast<uint64_t>(i),
-                        static_cast<uint64_t>(j));
-  };
-  return p;
-}
 
 DropoutParams mask_params(uint64_t seed, uint64_t offset, float rate) {
   DropoutParams d;

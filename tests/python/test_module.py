@@ -152,10 +152,13 @@ def test_identical_seeds_identical_weights():
         assert p.shape == q.shape and torch.equal(p, q), n
 
 
-def test_dropout_in_training_falls_back_with_one_warning(device):
-    _, new = make_pair(32, 2, 4, 4, device, dropout=0.5)
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")
+def test_cuda_dropout_above_the_training_head_dim_falls_back_with_one_warning():
+    """Attention dropout on CUDA with head_dim 264 (above the CUDA training path's 256) runs the
+    reference math, with one warning that points at the caller's line."""
+    _, new = make_pair(264, 1, 2, 3, "cuda", dropout=0.5)
     new.train()
-    x = torch.randn(1, 4, 4, 32, device=device)
+    x = torch.randn(1, 2, 3, 264, device="cuda")
     fastaxial.module._warned.clear()
     with pytest.warns(UserWarning, match="dropout") as record:
         out = new(x)
@@ -164,11 +167,15 @@ def test_dropout_in_training_falls_back_with_one_warning(device):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         new(x)  # warns once only
-    new.eval()  # dropout inactive: the fused path serves, matching the reference
-    ref, _ = make_pair(32, 2, 4, 4, device, dropout=0.5)
+
+
+def test_dropout_in_eval_mode_runs_fused(device):
+    """Dropout inactive (eval mode): the fused path serves, matching the reference."""
+    ref, new = make_pair(32, 2, 4, 4, device, dropout=0.5)
     randomize_(ref, 13)
     new.load_state_dict(ref.state_dict())
-    ref.eval()
+    ref.eval(), new.eval()
+    x = torch.randn(1, 4, 4, 32, device=device)
     got = run_fused(new, x)
     with torch.no_grad():
         torch.testing.assert_close(got, ref(x), atol=ATOL, rtol=RTOL)

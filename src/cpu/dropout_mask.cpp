@@ -1,0 +1,25 @@
+// dropout_mask (fastaxial.h): a pass's mask, written from the definition in common/dropout.h,
+// which every kernel draws from.
+#include "../common/dropout.h"
+#include "../common/validate.h"
+
+namespace fastaxial {
+
+Status dropout_mask(const AxialParams& p, int pass, float* out) {
+  if (Status s = validate_sizes(p); !s.ok()) return s;
+  if (pass != 0 && pass != 1) return {StatusCode::kInvalidArgument, "pass must be 0 (rows) or 1 (columns)"};
+  const AxisView v = pass == 0 ? row_view(p) : col_view(p);
+  const uint64_t count = static_cast<uint64_t>(v.num_seq) * static_cast<uint64_t>(p.heads) *
+                         static_cast<uint64_t>(v.len) * static_cast<uint64_t>(v.len);
+  if (count == 0) return Status::Ok();
+  if (out == nullptr) return {StatusCode::kInvalidArgument, "out is null"};
+  if (!(p.dropout > 0.0f)) {
+    for (uint64_t e = 0; e < count; ++e) out[e] = 1.0f;
+    return Status::Ok();
+  }
+  const DropoutParams d = make_dropout(p);
+  dropout_row(d, dropout_element(d, pass, 0, 0, 0, 0), count, out);  // a pass's elements are consecutive
+  return Status::Ok();
+}
+
+}  // namespace fastaxial
