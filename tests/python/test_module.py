@@ -238,6 +238,15 @@ def test_long_sequences_and_odd_head_dims(B, H, W, D, heads, device):
     check_against_reference(B, H, W, D, heads, device, seed=H + W + D)
 
 
+# L = 4096 on each axis, and a single sequence of 4096 (B H = 1 on the row pass): GPU only (the
+# CPU path is tested at these lengths' structure above, and would take seconds here).
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")
+@pytest.mark.parametrize("B,H,W,D,heads", [(1, 3, 4096, 24, 1), (1, 4096, 2, 64, 4), (1, 1, 4096, 32, 2)],
+                         ids=lambda v: str(v))
+def test_sequences_of_4096(B, H, W, D, heads):
+    check_against_reference(B, H, W, D, heads, torch.device("cuda"), seed=H + W + D)
+
+
 # The fused CUDA kernel rounds L up to 16, 32, 48, 64, 80, 96 or 128 and is
 # built for head_dim 8, 16, 32, 64: each bucket, its edges, dim 512; past it
 # the staged path (L = 129, 160; dim 256 at L = 100) and the generic kernel
