@@ -273,7 +273,9 @@ Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan);
 Status cuda_saved_bytes(const AxialParams& p, size_t* bytes);
 
 // forward_cuda's output in p.out, and `saved` (saved_bytes >= plan.saved_bytes) filled for
-// backward_cuda (every one of its plan.saved_bytes bytes written: the alignment gaps with zeros). `saved` and `workspace` are 256-byte aligned device buffers; the workspace
+// backward_cuda (every one of its plan.saved_bytes bytes written: the alignment gaps with zeros;
+// with p.dropout > 0 the mask's seed and offset as the kernels read them, else zeros, in its last
+// 16 bytes). `saved` and `workspace` are 256-byte aligned device buffers; the workspace
 // holds workspace_bytes >= plan.workspace_bytes bytes. Launches only (no allocation, no
 // synchronisation), so it can be captured in a graph.
 Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,
@@ -281,7 +283,9 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
 
 // The backward of forward_cuda_training(p) on `stream`, from the `saved` it filled: writes (does
 // not accumulate) every non-null gradient of g, with backward_cpu's aliasing rules (grad_x may
-// be grad_out). p.out is not read. Launches only, as above.
+// be grad_out). p.out is not read. With p.dropout > 0 (pass the forward's rate) the mask is drawn
+// again from the seed and offset the forward wrote into `saved` (p.seed, p.offset and the
+// device pointers are not read). Launches only, as above.
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
                      size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream);
 
