@@ -186,10 +186,122 @@ FASTAXIAL_HOST_DEVICE inline void dropout_row(const DropoutParams& d, uint64_t e
   }
 }
 
+namespace detail {
+// The keep bits of Philox block b (bit k: element 4b + k), without dropout_keep4's shortcut for
+// threshold 0: for the kernels that draw only where threshold != 0.
+FASTAXIAL_HOST_DEVICE FASTAXIAL_DROPOUT_INLINE unsigned dropout_block_bits(const DropoutParams& d, uint64_t block) {
+  const philox4x32_ctr_t w = dropout_words(d, block);
+  unsigned bits = 0;
+  for (int k = 0; k < 4; ++k) bits |= (static_cast<uint64_t>(w.v[k]) >= d.threshold ? 1u : 0u) << k;
+  return bits;
+}
+}  // namespace detail
+
+// The keep bits of the four consecutive elements e .. e + 3: bit k set when e + k is kept. One
+// Philox call where e % 4 == 0, two otherwise; drawn whatever the threshold (no shortcut for 0).
+FASTAXIAL_HOST_DEVICE FASTAXIAL_DROPOUT_INLINE unsigned dropout_keep_run4(const DropoutParams& d, uint64_t e) {
+  const unsigned shift = static_cast<unsigned>(e % 4);
+  unsigned bits = detail::dropout_block_bits(d, e / 4);
+  if (shift != 0) bits |= detail::dropout_block_bits(d, e / 4 + 1) << 4;
+  return (bits >> shift) & 0xFu;
+}
+
+// Whether element e is kept, drawn whatever the threshold (dropout_keep without its shortcut
+// for 0): for kernels that draw only where threshold != 0.
+FASTAXIAL_HOST_DEVICE FASTAXIAL_DROPOUT_INLINE bool dropout_keep_drawn(const DropoutParams& d, uint64_t e) {
+  return (detail::dropout_block_bits(d, e / 4) >> (e % 4)) & 1u;
+}
+
+// Whether this build draws the mask (Random123 found).
+inline constexpr bool kDropoutAvailable = true;
+
 #else  // a build without Random123: validate() refuses dropout > 0, so no mask is ever drawn
 
 FASTAXIAL_HOST_DEVICE inline void dropout_row(const DropoutParams&, uint64_t, uint64_t, float*) {}
+FASTAXIAL_HOST_DEVICE inline unsigned dropout_keep_run4(const DropoutParams&, uint64_t) { return 0xFu; }
+FASTAXIAL_HOST_DEVICE inline bool dropout_keep_drawn(const DropoutParams&, uint64_t) { return true; }
+inline constexpr bool kDropoutAvailable = false;
 
 #endif  // FASTAXIAL_NO_RANDOM123
+
+// ---- The mask in the CUDA attention kernels -----------------------------------------------------
+
+// What a kernel of one pass needs of the mask, as a kernel parameter of its own (the kernels'
+// argument structs stay within 128 bytes: beyond, the compiler handles a struct parameter
+// differently, and the kernels without dropout would take other registers). Seed and offset
+// are in device memory, written by an earlier kernel on the stream.
+struct DropoutPass {
+  const uint64_t* philox = nullptr;  // {seed, offset}
+  uint64_t base = 0;                 // base[pass]
+  uint64_t threshold = 0;
+  float scale = 1.0f;
+};
+
+// Pass `pass` (0 or 1) of d, seed and offset at philox.
+inline DropoutPass dropout_pass(const DropoutParams& d, int pass, const uint64_t* philox) {
+  DropoutPass p;
+  p.philox = philox;
+  p.base = d.base[pass == 0 ? 0 : 1];
+  p.threshold = d.threshold;
+  p.scale = d.scale;
+  return p;
+}
+
+#if defined(__CUDACC__)
+// The mask's draw parameters, seed and offset read from p.philox: after the kernel's wait for
+// the grid before it. heads, len and base are left at their defaults (the kernel numbers the
+// elements itself, from p.base).
+__device__ __forceinline__ DropoutParams dropout_read(const DropoutPass& p) {
+  DropoutParams d;
+  d.seed = p.philox[0];
+  d.offset = p.philox[1];
+  d.threshold = p.threshold;
+  d.scale = p.scale;
+  return d;
+}
+#endif
+
+// The mask in a warp's tensor-core fragments.
+// An mma.sync m16n8k8 C fragment: lane 4 g + t (g < 8, t < 4) holds c[0] = (row g, column 2t),
+// c[1] = (g, 2t + 1), c[2] = (g + 8, 2t), c[3] = (g + 8, 2t + 1) of a 16 x 8 tile. A thread's four
+// elements lie in two to four Philox blocks, each block's other elements in other lanes; so four
+// lanes share their draws: each draws one run of four consecutive elements (dropout_keep_run4,
+// at dropout_run_rows or dropout_run_cols) and two shuffles (dropout_share16) give each of them
+// the 16 bits of all four runs, c[k]'s at dropout_bit_rows or dropout_bit_cols. One Philox call a
+// lane and tile where the runs start at multiples of 4 (L and base multiples of 4), else two;
+// against four with a draw per element.
+
+// Rows of the tile are queries, columns keys (S = q k^T); e_tile: the element of (row 0,
+// column 0). The four lanes of g (t = 0..3, lane bits 0 and 1) draw rows g, g + 8 by columns
+// 0..3 and 4..7; lane t the run that starts at this element (c = t in dropout_share16<1>).
+FASTAXIAL_HOST_DEVICE inline uint64_t dropout_run_rows(uint64_t e_tile, uint64_t L, int g, int t) {
+  return e_tile + static_cast<uint64_t>(g + 8 * (t >> 1)) * L + static_cast<uint64_t>(4 * (t & 1));
+}
+
+// c[k]'s bit of the 16: the column (0..7), plus 8 for row g + 8.
+FASTAXIAL_HOST_DEVICE constexpr int dropout_bit_rows(int t, int k) { return 8 * (k >> 1) + 2 * t + (k & 1); }
+
+// Rows of the tile are keys, columns queries (S^T = k q^T); e_tile: the element of (query of
+// column 0, key of row 0). The four lanes of (g / 4, t) (c = g % 4, lane bits 2 and 3) draw
+// keys 4 (g / 4) .. + 3 and 4 (g / 4) + 8 .. + 11 (rows) of queries 2t and 2t + 1 (columns);
+// lane c the run of query 2t + c % 2, keys from 4 (g / 4) + 8 (c / 2) (c in dropout_share16<4>).
+FASTAXIAL_HOST_DEVICE inline uint64_t dropout_run_cols(uint64_t e_tile, uint64_t L, int g, int t) {
+  return e_tile + static_cast<uint64_t>(2 * t + (g & 1)) * L + static_cast<uint64_t>(4 * (g >> 2) + 8 * ((g >> 1) & 1));
+}
+
+// c[k]'s bit of the 16: c[k] lies in the run of the lane with c = k, at its position g % 4.
+FASTAXIAL_HOST_DEVICE constexpr int dropout_bit_cols(int g, int k) { return 4 * k + (g & 3); }
+
+#if defined(__CUDACC__)
+// The four runs of the lanes that differ from this one in lane bits kStride and 2 kStride, this
+// lane's (run, c = its index among them) at bits 4c .. 4c + 3. The whole warp takes part.
+template <int kStride>
+__device__ __forceinline__ unsigned dropout_share16(unsigned run, int c) {
+  unsigned x = run << (4 * c);
+  x |= __shfl_xor_sync(0xffffffffu, x, kStride);
+  x |= __shfl_xor_sync(0xffffffffu, x, 2 * kStride);
+  return x;
+}
+#endif
 
 }  // namespace fastaxial

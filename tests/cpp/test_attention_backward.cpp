@@ -6,7 +6,14 @@
 // same bounds. Views as the row and column passes give them, lengths across
 // the kernels' query and key tiles, head dims across their padded sizes,
 // aligned and misaligned tensors (16-byte and 4-byte copies); two calls
-// bitwise equal; the rules without a device. Skipped without one.
+// bitwise equal; the rules without a device. Attention dropout: the
+// forward and backward with one mask, the reference applying dropout_keep's
+// (src/common/dropout.h), on both paths, both passes, p = 0.1, 0.5 and 1,
+// 64-bit seeds and offsets, element indices past 2^32; two calls bitwise
+// equal; threshold 0 bitwise no dropout. Skipped without a device, but for
+// the host-side rules.
+#include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -67,24 +74,28 @@ std::string path_case_name(const PathCase& pc) {
 }
 
 // A case's sizes, its view in rows (as the staged path gives it to the
-// kernels) and its random inputs.
+// kernels) and its random inputs; with dropout, the mask.
 struct Problem {
   int64_t D = 0, T = 0, N = 0, L = 0, hd = 0, heads = 0;
+  AxialParams p;
   AxisView view{};
+  int pass = 0;                 // 1 for the column view
   std::vector<float> qkv, d_o;  // (T, 3D), (T, D)
+  bool dropout = false;         // drop applies (threshold != 0)
+  DropoutParams drop;
 };
 
 Problem make_problem(const Case& c) {
   Problem pr;
   pr.D = (int64_t)c.hd * c.heads, pr.L = c.L, pr.hd = c.hd, pr.heads = c.heads;
-  AxialParams p;
+  AxialParams& p = pr.p;
   p.batch = c.B, p.dim = pr.D, p.heads = c.heads;
   p.height = c.col ? c.L : c.other;
   p.width = c.col ? c.other : c.L;
   const AxisView fv = c.col ? col_view(p) : row_view(p);
   pr.view = {c.used ? c.used : fv.num_seq, fv.len, fv.inner, fv.seq_stride / pr.D, fv.pos_stride / pr.D,
              fv.batch_stride / pr.D};
-  pr.T = p.batch * p.height * p.width, pr.N = pr.view.num_seq;
+  pr.T = p.batch * p.height * p.width, pr.N = pr.view.num_seq, pr.pass = c.col ? 1 : 0;
   std::mt19937 rng(7654321u + 7919u * (uint32_t)(c.L * 3 + c.hd * 5 + c.heads * 7 + c.B * 11 + c.other * 13));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   pr.qkv.resize((size_t)(pr.T * 3 * pr.D));
@@ -96,9 +107,12 @@ Problem make_problem(const Case& c) {
 
 // The GPU's side of a case: o and lse from flash_attention, then
 // attention_backward on `path` into a dqkv filled with `fill` bytes; dqkv
-// ((T + kGuardRows) 3D) and delta (+ kGuardDelta) copied back.
+// ((T + kGuardRows) 3D) and delta (+ kGuardDelta) copied back. With
+// pr.dropout, both kernels draw pr.drop's mask from its seed and offset in
+// device memory (their own DropoutParams holding other ones); `off` gives
+// them instead pr.drop with threshold 0 (and philox where `off_philox`).
 void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceCaps& dev, std::vector<float>* dqkv,
-             std::vector<float>* delta) {
+             std::vector<float>* delta, bool off = false, bool off_philox = false) {
   const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
   const size_t dqkv_n = (size_t)((T + kGuardRows) * 3 * D), delta_n = (size_t)(lse_n + kGuardDelta);
   const DevicePtr qkv = device_alloc(pr.qkv.size() + misalign), d_o = device_alloc(pr.d_o.size() + misalign),
@@ -112,14 +126,25 @@ void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceC
   CUDA_OK(cudaMemcpy(d_o_at, pr.d_o.data(), pr.d_o.size() * sizeof(float), cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemset(dqkv_at, fill, dqkv_n * sizeof(float)));
   CUDA_OK(cudaMemset(dl.get(), 0xff, delta_n * sizeof(float)));
+  DevicePtr philox;
+  DropoutParams given;  // default: no dropout
+  if (pr.dropout || off) {
+    philox = philox_pair(pr.drop.seed, pr.drop.offset);
+    ASSERT_TRUE(philox);
+    given = kernel_dropout(pr.drop);
+    if (off) given.threshold = 0;
+  }
+  const uint64_t* pair = pr.dropout || off_philox ? as_philox(philox) : nullptr;
 
   cuda::FlashArgs f;
   f.pos = pr.view, f.qkv = qkv_at, f.o = o.get(), f.lse = lse.get(), f.D = (int)D, f.heads = (int)pr.heads;
+  f.dropout = given, f.pass = pr.pass, f.philox = pair;
   CUDA_OK(cuda::flash_attention(f, dev, nullptr));
   cuda::AttentionBackwardArgs a;
   a.pos = pr.view, a.qkv = qkv_at, a.o = o.get(), a.d_o = d_o_at, a.lse = lse.get(), a.delta = dl.get();
   a.dqkv = dqkv_at, a.D = (int)D, a.heads = (int)pr.heads;
   a.ffma = path == Path::kFfma;
+  a.dropout = given, a.pass = pr.pass, a.philox = pair;
   CUDA_OK(cuda::attention_backward(a, dev, nullptr));
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
@@ -139,10 +164,13 @@ struct Sensitivity {
 
 // dq, dk, dv (L, hd each) of one (sequence, head) in precision R, the
 // formulas as written, sums in order: q, k, v, g (= d_o) are (L, hd).
-// With sens (R = double), the sensitivities too.
+// With sens (R = double), the sensitivities too. With mult (L, L), dropout:
+// the probabilities P times mult (0 or the scale) for o and dv, and dS =
+// P (dP mult - delta), dP = g v^T.
 template <typename R>
 void head_grads(const float* q, const float* k, const float* v, const float* g, int64_t L, int64_t hd,
-                std::vector<R>* dq, std::vector<R>* dk, std::vector<R>* dv, Sensitivity* sens) {
+                const float* mult, std::vector<R>* dq, std::vector<R>* dk, std::vector<R>* dv, Sensitivity* sens) {
+  const auto mul = [&](int64_t i, int64_t j) { return mult ? R(mult[i * L + j]) : R(1); };
   const R scale = R(1) / std::sqrt(R(hd));
   std::vector<R> P((size_t)(L * L)), dS((size_t)(L * L)), o((size_t)hd);
   std::vector<double> s_lse, s_o;  // sensitivities of dS to lse and o
@@ -169,7 +197,7 @@ void head_grads(const float* q, const float* k, const float* v, const float* g, 
     std::fill(o.begin(), o.end(), R(0));
     for (int64_t j = 0; j < L; ++j) {
       Pi[j] = std::exp(Pi[j] - lse);
-      for (int64_t c = 0; c < hd; ++c) o[c] += Pi[j] * R(v[j * hd + c]);
+      for (int64_t c = 0; c < hd; ++c) o[c] += Pi[j] * mul(i, j) * R(v[j * hd + c]);
     }
     R delta = 0;
     double g_abs = 0.0;
@@ -177,6 +205,7 @@ void head_grads(const float* q, const float* k, const float* v, const float* g, 
     for (int64_t j = 0; j < L; ++j) {
       R dp = 0;
       for (int64_t c = 0; c < hd; ++c) dp += R(gi[c]) * R(v[j * hd + c]);
+      dp *= mul(i, j);
       dS[i * L + j] = Pi[j] * (dp - delta);
       if (sens) {
         s_lse[i * L + j] = (double)Pi[j] * std::fabs((double)(dp - delta));  // P (1 + e): dS moves by e P (dp - delta)
@@ -189,7 +218,7 @@ void head_grads(const float* q, const float* k, const float* v, const float* g, 
   dv->assign((size_t)(L * hd), R(0));
   for (int64_t i = 0; i < L; ++i)
     for (int64_t j = 0; j < L; ++j) {
-      const R p = P[i * L + j], ds = dS[i * L + j];
+      const R p = P[i * L + j] * mul(i, j), ds = dS[i * L + j];
       for (int64_t c = 0; c < hd; ++c) {
         (*dv)[j * hd + c] += p * R(g[i * hd + c]);
         (*dq)[i * hd + c] += ds * R(k[j * hd + c]);
@@ -205,7 +234,7 @@ void head_grads(const float* q, const float* k, const float* v, const float* g, 
     for (int64_t j = 0; j < L; ++j)
       for (int64_t c = 0; c < hd; ++c) {
         const double ka = std::fabs((double)k[j * hd + c]), qa = std::fabs((double)q[i * hd + c]);
-        sens->dv_lse[j * hd + c] += (double)P[i * L + j] * std::fabs((double)g[i * hd + c]);
+        sens->dv_lse[j * hd + c] += (double)(P[i * L + j] * mul(i, j)) * std::fabs((double)g[i * hd + c]);
         sens->dq_lse[i * hd + c] += (double)scale * s_lse[i * L + j] * ka;
         sens->dq_o[i * hd + c] += (double)scale * s_o[i * L + j] * ka;
         sens->dk_lse[j * hd + c] += (double)scale * s_lse[i * L + j] * qa;
@@ -238,17 +267,9 @@ bool device_for(int hd, Path path, DeviceCaps* dev, std::string* why) {
 
 class AttentionBackward : public ::testing::TestWithParam<PathCase> {};
 
-TEST_P(AttentionBackward, MatchesDoubleReference) {
-  const auto [c, path] = GetParam();
-  DeviceCaps dev;
-  std::string why;
-  if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
-  ASSERT_TRUE(cuda::attention_backward_supports(c.hd));
-  const Problem pr = make_problem(c);
-  std::vector<float> got, delta;
-  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta);
-  if (HasFatalFailure()) return;
-
+// got (dqkv) and delta from run_gpu against float64 on the host, with
+// pr.drop's mask (dropout_keep) where pr.dropout.
+void expect_matches_reference(const Problem& pr, const std::vector<float>& got, const std::vector<float>& delta) {
   // Every element of dq, dk and dv against float64, beside the same
   // formulas in plain fp32 on the host: the kernels' error may be at most
   // twice the fp32 evaluation's, plus what the forward's o and lse bring
@@ -275,8 +296,13 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
           vmax = std::max(vmax, std::fabs((double)r[2 * D + i]));
         }
       }
-      head_grads<double>(q.data(), k.data(), v.data(), g.data(), L, hd, &dq64, &dk64, &dv64, &sens);
-      head_grads<float>(q.data(), k.data(), v.data(), g.data(), L, hd, &dq32, &dk32, &dv32, nullptr);
+      std::vector<float> mult;  // empty: no dropout
+#if !defined(FASTAXIAL_NO_RANDOM123)
+      if (pr.dropout) mult = dropout_multipliers(pr.drop, pr.pass, n, h, L);
+#endif
+      const float* m = mult.empty() ? nullptr : mult.data();
+      head_grads<double>(q.data(), k.data(), v.data(), g.data(), L, hd, m, &dq64, &dk64, &dv64, &sens);
+      head_grads<float>(q.data(), k.data(), v.data(), g.data(), L, hd, m, &dq32, &dk32, &dv32, nullptr);
       mag = std::max(mag, sens.mag);
       const std::vector<double>* ref[3] = {&dq64, &dk64, &dv64};
       const std::vector<float>* ref32[3] = {&dq32, &dk32, &dv32};
@@ -312,6 +338,19 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
   int64_t delta_written = 0;
   for (size_t i = (size_t)(pr.N * pr.heads * L); i < delta.size(); ++i) delta_written += !is_poison(delta[i]);
   EXPECT_EQ(delta_written, 0) << "delta written past (num_seq, heads, L)";
+}
+
+TEST_P(AttentionBackward, MatchesDoubleReference) {
+  const auto [c, path] = GetParam();
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
+  ASSERT_TRUE(cuda::attention_backward_supports(c.hd));
+  const Problem pr = make_problem(c);
+  std::vector<float> got, delta;
+  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta);
+  if (HasFatalFailure()) return;
+  expect_matches_reference(pr, got, delta);
 }
 
 // L across the kernels' tiles (tensor cores: keys a block 16 a warp, up
@@ -352,6 +391,19 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackward,
 // into a buffer of zeros rather than NaNs (nothing is accumulated into it).
 class AttentionBackwardDeterminism : public ::testing::TestWithParam<PathCase> {};
 
+// How many of the rows the view addresses (3D floats each) differ, bitwise,
+// between two dqkv: the others keep each buffer's fill.
+int64_t rows_differing(const Problem& pr, const std::vector<float>& x, const std::vector<float>& y) {
+  int64_t differ = 0;
+  const int64_t W = 3 * pr.D;
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t l = 0; l < pr.L; ++l) {
+      const size_t at = (size_t)(pr.view.offset(n, l) * W);
+      differ += std::memcmp(x.data() + at, y.data() + at, (size_t)W * sizeof(float)) != 0;
+    }
+  return differ;
+}
+
 TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
   const auto [c, path] = GetParam();
   DeviceCaps dev;
@@ -364,15 +416,7 @@ TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
   run_gpu(pr, c.misalign, path, 0x00, dev, &second, &delta);
   if (HasFatalFailure()) return;
   ASSERT_EQ(first.size(), second.size());
-  // Only the rows the view addresses: the others keep each buffer's fill.
-  int64_t differ = 0, rows = 0;
-  const int64_t W = 3 * pr.D;
-  for (int64_t n = 0; n < pr.N; ++n)
-    for (int64_t l = 0; l < pr.L; ++l, ++rows) {
-      const size_t at = (size_t)(pr.view.offset(n, l) * W);
-      differ += std::memcmp(first.data() + at, second.data() + at, (size_t)W * sizeof(float)) != 0;
-    }
-  EXPECT_EQ(differ, 0) << "of " << rows << " rows differ between two calls";
+  EXPECT_EQ(rows_differing(pr, first, second), 0) << "of " << pr.N * pr.L << " rows differ between two calls";
 }
 
 const Case kDeterminismCases[] = {Case{1030, 64, 2, true, 1, 2, 0, 0}, Case{517, 128, 2, false, 1, 2, 0, 0},
@@ -423,6 +467,157 @@ TEST(AttentionBackwardEmpty, WritesNothing) {
   CUDA_OK(cudaMemcpy(out.data(), dqkv.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
   for (float x : out) EXPECT_TRUE(is_poison(x));
 }
+
+#if !defined(FASTAXIAL_NO_RANDOM123)
+
+// ---- attention dropout ---------------------------------------------------------------------------
+
+struct DropoutCase {
+  Case c;
+  DropoutSpec s;
+};
+
+using DropoutPathCase = std::tuple<DropoutCase, Path>;
+
+std::string dropout_path_case_name(const DropoutPathCase& pc) {
+  const DropoutCase& dc = std::get<0>(pc);
+  return path_case_name({dc.c, std::get<1>(pc)}) + "_" + dropout_name(dc.s);
+}
+
+void PrintTo(const DropoutPathCase& pc, std::ostream* os) { *os << dropout_path_case_name(pc); }
+
+// The case's problem with the mask of its pass.
+Problem make_dropout_problem(const DropoutCase& dc) {
+  Problem pr = make_problem(dc.c);
+  pr.drop = dropout_params(pr.p, dc.s, pr.pass);
+  pr.dropout = pr.drop.threshold != 0;
+  return pr;
+}
+
+class AttentionBackwardDropout : public ::testing::TestWithParam<DropoutPathCase> {};
+
+// The forward and the backward with the mask of the case's pass, drawn from
+// seed and offset in device memory, against the float64 reference with
+// dropout_keep's mask; a second call bitwise equal.
+TEST_P(AttentionBackwardDropout, MatchesDoubleReference) {
+  const auto [dc, path] = GetParam();
+  const Case& c = dc.c;
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
+  const Problem pr = make_dropout_problem(dc);
+  ASSERT_TRUE(pr.dropout);
+  std::vector<float> got, again, delta;
+  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta);
+  if (HasFatalFailure()) return;
+  expect_matches_reference(pr, got, delta);
+  run_gpu(pr, c.misalign, path, 0x00, dev, &again, &delta);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(rows_differing(pr, got, again), 0) << "of " << pr.N * pr.L << " rows differ between two calls";
+}
+
+// Both passes (the column view's mask has base[1] = the row pass's element
+// count, and here H != W); p = 0.1, 0.5 and 1; L across multiples of 4 and
+// not (runs of four elements that start inside a Philox block), across the
+// kernels' key and query tiles, up to ~300; head dims across the padded
+// sizes (8 .. 256), odd ones and misaligned tensors on the 4-byte copies; a
+// 64-bit seed and offset; bases that put element indices past 2^32 (and off
+// multiples of 4); views that leave sequences out; enough items that the
+// tensor-core launches take their largest blocks.
+const DropoutCase kDropoutCases[] = {
+    {Case{7, 8, 3, false, 2, 5, 0, 0}, DropoutSpec{0.5f, 1, 0, 0}},
+    {Case{65, 24, 2, true, 2, 9, 0, 0}, DropoutSpec{0.1f, 0x1234, 7, 0}},
+    {Case{130, 64, 2, false, 1, 3, 0, 1}, DropoutSpec{0.5f, 42, 3, 0}},
+    {Case{300, 128, 1, true, 1, 2, 0, 0}, DropoutSpec{0.1f, 7, 1000, 0}},
+    {Case{50, 32, 2, false, 2, 3, 0, 0}, DropoutSpec{1.0f, 5, 5, 0}},
+    {Case{97, 16, 4, true, 1, 5, 0, 0}, DropoutSpec{0.5f, 0xfedcba9876543210ull, 0x0123456789abcdefull, 0}},
+    {Case{70, 8, 2, false, 2, 2, 0, 0}, DropoutSpec{0.5f, 99, 1, (uint64_t{1} << 32) - 5003}},
+    {Case{33, 256, 2, true, 1, 3, 0, 0}, DropoutSpec{0.5f, 3, 0, 0}},
+    {Case{33, 3, 2, false, 1, 4, 0, 2}, DropoutSpec{0.1f, 11, 2, 0}},
+    {Case{130, 96, 1, true, 2, 2, 0, 0}, DropoutSpec{0.5f, 0x8000000000000001ull, 9, (uint64_t{1} << 33) + 2}},
+    {Case{129, 48, 3, false, 1, 2, 1, 0}, DropoutSpec{0.1f, 13, 0xffffffff00000000ull, 0}},
+    {Case{40, 192, 1, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 17, 4, 0}},
+    {Case{257, 64, 1, true, 1, 2, 0, 0}, DropoutSpec{1.0f, 1, 2, 0}},
+    {Case{64, 16, 4, false, 2, 48, 0, 0}, DropoutSpec{0.5f, 21, 6, 0}},
+    {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardDropout,
+                         ::testing::Combine(::testing::ValuesIn(kDropoutCases), ::testing::ValuesIn(kPaths)),
+                         [](const auto& info) { return dropout_path_case_name(info.param); });
+
+// threshold 0 is no dropout, bitwise, whatever else the dropout fields hold
+// (seed, offset, pass, philox given or not), on both paths.
+TEST(AttentionBackwardDropoutOff, ThresholdZeroBitwiseNoDropout) {
+  for (const Path path : kPaths)
+    for (const Case& c : {Case{65, 24, 2, true, 2, 9, 0, 0}, Case{130, 64, 2, false, 1, 3, 0, 1}}) {
+      DeviceCaps dev;
+      std::string why;
+      if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
+      Problem pr = make_dropout_problem(DropoutCase{c, DropoutSpec{0.5f, 77, 88, 0}});  // a mask, switched off below
+      const Problem plain_pr = make_problem(c);
+      std::vector<float> plain, off, off_philox, delta;
+      run_gpu(plain_pr, c.misalign, path, 0xff, dev, &plain, &delta);
+      if (HasFatalFailure()) return;
+      pr.dropout = false;
+      run_gpu(pr, c.misalign, path, 0xff, dev, &off, &delta, /*off=*/true);
+      if (HasFatalFailure()) return;
+      run_gpu(pr, c.misalign, path, 0xff, dev, &off_philox, &delta, /*off=*/true, /*off_philox=*/true);
+      if (HasFatalFailure()) return;
+      EXPECT_EQ(rows_differing(pr, plain, off), 0) << path_case_name({c, path});
+      EXPECT_EQ(rows_differing(pr, plain, off_philox), 0) << path_case_name({c, path});
+    }
+}
+
+// The four-lane sharing of draws in both tensor-core kernels' score tiles,
+// replayed on the host: the dk, dv kernel's transposed tiles (rows keys;
+// dropout_run_cols, dropout_share16<4>, dropout_bit_cols) and the dq
+// kernel's (rows queries; as the forward). Every lane's four bits are
+// dropout_keep's, for runs inside and across Philox blocks and indices
+// past 2^32. Without a device.
+TEST(AttentionBackwardRules, DropoutTilesDrawTheMask) {
+  DropoutParams d;
+  d.seed = 0x0123456789abcdefull, d.offset = 0xfedcba9876543210ull;
+  d.threshold = dropout_threshold(0.5f), d.scale = dropout_scale(0.5f);
+  for (bool rows : {false, true})
+    for (uint64_t L : {1u, 7u, 8u, 17u, 64u, 65u, 130u, 301u})
+      for (uint64_t e_tile : {uint64_t{0}, uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1} << 32,
+                              (uint64_t{1} << 32) - 3, uint64_t{0x123456789abcull}})
+        EXPECT_EQ(fragment_mismatches(d, L, rows, e_tile), 0)
+            << (rows ? "rows" : "columns") << ", L " << L << ", e_tile " << e_tile;
+}
+
+// Dropout's arguments where threshold != 0: a null philox, a pass other
+// than 0 and 1, a mask numbered for another L or head count. Checked
+// before anything else, so without a device (and also for an empty
+// problem); a valid set on an empty problem launches nothing.
+TEST(AttentionBackwardRules, RejectsDropoutArguments) {
+  DeviceCaps dev;  // not reached: the checks come before any CUDA call
+  // Host memory: never read, as nothing launches.
+  const uint64_t pair[2] = {1, 2};
+  for (bool ffma : {false, true}) {
+    cuda::AttentionBackwardArgs a;
+    a.pos = {0, 4, 1, 4, 1, 4};  // no sequences
+    a.D = 8, a.heads = 2, a.ffma = ffma;
+    a.dropout.threshold = dropout_threshold(0.5f), a.dropout.scale = dropout_scale(0.5f);
+    a.dropout.heads = 2, a.dropout.len[0] = 4, a.dropout.len[1] = 6;
+    EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);  // philox null
+    a.philox = pair;
+    EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaSuccess);
+    a.pass = 1;  // len[1] = 6 != L
+    EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+    a.dropout.len[1] = 4;
+    EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaSuccess);
+    a.pass = -1;
+    EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+    a.pass = 0, a.dropout.heads = 3;
+    EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaErrorInvalidValue);
+    a.dropout.heads = 2, a.dropout.threshold = 0, a.philox = nullptr, a.pass = 5;  // no dropout: the fields unread
+    EXPECT_EQ(cuda::attention_backward(a, dev, nullptr), cudaSuccess);
+  }
+}
+
+#endif  // FASTAXIAL_NO_RANDOM123
 
 // The host-side rules, without a device.
 TEST(AttentionBackwardRules, SupportedHeadDims) {

@@ -4,7 +4,15 @@
 // Views as the row and column passes give them (strides in rows of the
 // (T, 3D) qkv and (T, D) o matrices), sequence lengths across the kernel's
 // query and key tile edges, head dims across its padded sizes, aligned and
-// misaligned qkv (its 16-byte and 4-byte copies). Skipped without a device.
+// misaligned qkv (its 16-byte and 4-byte copies). Attention dropout: the
+// reference applies dropout_keep's mask (src/common/dropout.h), so the
+// kernel must draw exactly that mask, on both passes, at p = 0.1, 0.5 and 1,
+// with 64-bit seeds and offsets and element indices past 2^32; lse the
+// undropped softmax's (bitwise that of the kernel without dropout); two
+// calls bitwise equal; threshold 0 bitwise the kernel without dropout.
+// Skipped without a device, but for the host-side rules.
+#include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -59,63 +67,88 @@ double worst_abs(double worst, float x, double ref) {
   return std::max(worst, e);
 }
 
-class FlashAttention : public ::testing::TestWithParam<Case> {};
-
-TEST_P(FlashAttention, MatchesDoubleReference) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
-  DeviceCaps dev;
-  ASSERT_TRUE(read_device_caps(&dev));
-  if (HasFatalFailure()) return;
-  if (dev.cc_major < 8) GTEST_SKIP() << "needs compute capability 8.0 or later (mma.sync tf32)";
-  const Case c = GetParam();
-  ASSERT_TRUE(cuda::flash_attention_supports(c.hd));
-  if (cuda::flash_attention_smem_bytes(c.hd) > (size_t)dev.smem_optin)
-    GTEST_SKIP() << "head_dim " << c.hd << " needs more shared memory than this device gives a block";
-
-  // The pass's view, in floats (common/axis.h), then in rows of D, as the
-  // staged path's row_indices gives it to the kernel.
-  const int64_t D = (int64_t)c.hd * c.heads;
+// A case's sizes, its view in rows (as the staged path's row_indices gives
+// it to the kernel) and its random qkv.
+struct Problem {
   AxialParams p;
-  p.batch = c.B, p.dim = D, p.heads = c.heads;
-  p.height = c.col ? c.L : c.other;
-  p.width = c.col ? c.other : c.L;
-  const AxisView fv = c.col ? col_view(p) : row_view(p);
-  ASSERT_EQ(fv.len, c.L);
-  const AxisView view = {c.used ? c.used : fv.num_seq, fv.len,           fv.inner,
-                         fv.seq_stride / D,            fv.pos_stride / D, fv.batch_stride / D};
-  ASSERT_LE(view.num_seq, fv.num_seq);
-  const int64_t T = p.batch * p.height * p.width, N = view.num_seq, L = c.L, hd = c.hd;
+  AxisView view{};
+  int64_t D = 0, T = 0, N = 0, L = 0, hd = 0;
+  int heads = 0, pass = 0;  // pass: 1 for the column view
+  std::vector<float> qkv;   // (T, 3D)
+};
 
+Problem make_problem(const Case& c) {
+  Problem pr;
+  pr.D = (int64_t)c.hd * c.heads;
+  pr.p.batch = c.B, pr.p.dim = pr.D, pr.p.heads = c.heads;
+  pr.p.height = c.col ? c.L : c.other;
+  pr.p.width = c.col ? c.other : c.L;
+  // The pass's view, in floats (common/axis.h), then in rows of D.
+  const AxisView fv = c.col ? col_view(pr.p) : row_view(pr.p);
+  pr.view = {c.used ? c.used : fv.num_seq, fv.len, fv.inner, fv.seq_stride / pr.D, fv.pos_stride / pr.D,
+             fv.batch_stride / pr.D};
+  pr.T = pr.p.batch * pr.p.height * pr.p.width, pr.N = pr.view.num_seq, pr.L = c.L, pr.hd = c.hd;
+  pr.heads = c.heads, pr.pass = c.col ? 1 : 0;
   std::mt19937 rng(1234567u + 7919u * (uint32_t)(c.L * 3 + c.hd * 5 + c.heads * 7 + c.B * 11 + c.other * 13));
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> qkv((size_t)(T * 3 * D));
-  for (float& x : qkv) x = normal(rng);
+  pr.qkv.resize((size_t)(pr.T * 3 * pr.D));
+  for (float& x : pr.qkv) x = normal(rng);
+  return pr;
+}
 
-  const DevicePtr dqkv = device_alloc(qkv.size() + c.misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
-                  dlse = device_alloc((size_t)(N * c.heads * L + kGuardLse));
+// The kernel's output: o ((T + kGuardRows) D) and lse ((N, heads, L) +
+// kGuardLse), both poisoned before the call.
+struct Result {
+  std::vector<float> o, lse;
+};
+
+// flash_attention on pr with qkv misaligned by `misalign` floats; with
+// drop (threshold != 0: dropout), its seed and offset from the device pair
+// {seed, offset} (null: none given).
+void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
+             const uint64_t* philox_seed_offset = nullptr) {
+  const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
+  const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
+                  dlse = device_alloc((size_t)(lse_n + kGuardLse));
   ASSERT_TRUE(dqkv && dout && dlse);
-  float* qkv_at = dqkv.get() + c.misalign;
-  ASSERT_EQ(cudaMemcpy(qkv_at, qkv.data(), qkv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dout.get(), 0xff, (size_t)((T + kGuardRows) * D) * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dlse.get(), 0xff, (size_t)(N * c.heads * L + kGuardLse) * sizeof(float)), cudaSuccess);
+  DevicePtr philox;
+  if (philox_seed_offset) {
+    philox = philox_pair(philox_seed_offset[0], philox_seed_offset[1]);
+    ASSERT_TRUE(philox);
+  }
+  float* qkv_at = dqkv.get() + misalign;
+  CUDA_OK(cudaMemcpy(qkv_at, pr.qkv.data(), pr.qkv.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(dout.get(), 0xff, (size_t)((T + kGuardRows) * D) * sizeof(float)));
+  CUDA_OK(cudaMemset(dlse.get(), 0xff, (size_t)(lse_n + kGuardLse) * sizeof(float)));
 
   cuda::FlashArgs a;
-  a.pos = view, a.qkv = qkv_at, a.o = dout.get(), a.lse = dlse.get(), a.D = (int)D, a.heads = c.heads;
-  ASSERT_EQ(cuda::flash_attention(a, dev, nullptr), cudaSuccess);
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<float> out((size_t)((T + kGuardRows) * D)), lse((size_t)(N * c.heads * L + kGuardLse));
-  ASSERT_EQ(cudaMemcpy(out.data(), dout.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(lse.data(), dlse.get(), lse.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  a.pos = pr.view, a.qkv = qkv_at, a.o = dout.get(), a.lse = dlse.get(), a.D = (int)D, a.heads = pr.heads;
+  if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
+  CUDA_OK(cuda::flash_attention(a, dev, nullptr));
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  r->o.resize((size_t)((T + kGuardRows) * D));
+  r->lse.resize((size_t)(lse_n + kGuardLse));
+  CUDA_OK(cudaMemcpy(r->o.data(), dout.get(), r->o.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(r->lse.data(), dlse.get(), r->lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+}
 
+// r against float64 on the host, mask (where given) the multipliers of
+// (sequence n, head h): mask(n, h)[i L + j], 0 or the dropout scale.
+template <class Mask>
+void expect_matches_reference(const Problem& pr, const Result& r, Mask mask) {
   // Every valid element against float64, beside the same formula in plain
   // fp32 on the host: the kernel's error may be at most twice the fp32
   // evaluation's, plus a floor for what 3xTF32 adds where fp32 happens to be
   // exact (L = 1: o = v). The tensor core reads 10 of lo's 13 bits, so a
   // product is off by up to 2^-21 relative: o (a convex combination of v) by
   // up to 2^-21 max|v|, a score by 2^-21 sum_i |q_i k_i|; the floor is about
-  // twice that. Plain TF32 anywhere would be ~1e-3 off.
+  // twice that. Plain TF32 anywhere would be ~1e-3 off. With dropout, o is
+  // sum_k p_k m_k v_k / sum_k p_k, m the multipliers; lse is the undropped
+  // softmax's.
+  const int64_t D = pr.D, T = pr.T, N = pr.N, L = pr.L, hd = pr.hd;
+  const AxisView& view = pr.view;
+  const std::vector<float>& qkv = pr.qkv;
   const double scale = 1.0 / std::sqrt((double)hd);
   const float scale32 = 1.0f / std::sqrt((float)hd);
   double worst_o = 0.0, worst_o32 = 0.0, worst_lse = 0.0, worst_lse32 = 0.0, vmax = 0.0, mag_max = 0.0;
@@ -123,14 +156,16 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   std::vector<double> kd((size_t)(L * hd)), vd((size_t)(L * hd)), s64((size_t)L), o64((size_t)hd);
   std::vector<float> kf((size_t)(L * hd)), vf((size_t)(L * hd)), s32((size_t)L), o32((size_t)hd);
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < c.heads; ++h) {
+    for (int64_t h = 0; h < pr.heads; ++h) {
+      // The multipliers, empty where there is no dropout.
+      const std::vector<float> m = mask(n, h);
       const auto row = [&](int64_t l) { return view.offset(n, l); };  // in rows
       for (int64_t l = 0; l < L; ++l) {
-        const float* r = qkv.data() + row(l) * 3 * D + h * hd;
+        const float* r_ = qkv.data() + row(l) * 3 * D + h * hd;
         for (int64_t i = 0; i < hd; ++i) {
-          kf[l * hd + i] = r[D + i], vf[l * hd + i] = r[2 * D + i];
-          kd[l * hd + i] = r[D + i], vd[l * hd + i] = r[2 * D + i];
-          vmax = std::max(vmax, std::fabs((double)r[2 * D + i]));
+          kf[l * hd + i] = r_[D + i], vf[l * hd + i] = r_[2 * D + i];
+          kd[l * hd + i] = r_[D + i], vd[l * hd + i] = r_[2 * D + i];
+          vmax = std::max(vmax, std::fabs((double)r_[2 * D + i]));
         }
       }
       for (int64_t l = 0; l < L; ++l) {
@@ -157,19 +192,20 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
         std::fill(o64.begin(), o64.end(), 0.0);
         std::fill(o32.begin(), o32.end(), 0.0f);
         for (int64_t k = 0; k < L; ++k) {
-          const double p64 = std::exp(s64[k] - m64);
-          const float p32 = std::exp(s32[k] - m32);
+          double p64 = std::exp(s64[k] - m64);
+          float p32 = std::exp(s32[k] - m32);
           sum64 += p64, sum32 += p32;
+          if (!m.empty()) p64 *= m[(size_t)(l * L + k)], p32 *= m[(size_t)(l * L + k)];
           for (int64_t i = 0; i < hd; ++i) o64[i] += p64 * vd[k * hd + i], o32[i] += p32 * vf[k * hd + i];
         }
-        const float* got = out.data() + orow * D + h * hd;
+        const float* got = r.o.data() + orow * D + h * hd;
         for (int64_t i = 0; i < hd; ++i) {
           const double ref = o64[i] / sum64;
           worst_o = worst_abs(worst_o, got[i], ref);
           worst_o32 = worst_abs(worst_o32, o32[i] / sum32, ref);
         }
         const double lse64 = m64 + std::log(sum64);
-        worst_lse = worst_abs(worst_lse, lse[(size_t)((n * c.heads + h) * L + l)], lse64);
+        worst_lse = worst_abs(worst_lse, r.lse[(size_t)((n * pr.heads + h) * L + l)], lse64);
         worst_lse32 = worst_abs(worst_lse32, m32 + std::log(sum32), lse64);
       }
     }
@@ -181,14 +217,59 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   // Rows the view does not address (and the guard rows past T) untouched;
   // lse past (N, heads, L) untouched.
   int64_t written = 0;
-  for (int64_t r = 0; r < T + kGuardRows; ++r) {
-    if (touched[(size_t)r]) continue;
-    for (int64_t i = 0; i < D; ++i) written += !is_poison(out[(size_t)(r * D + i)]);
+  for (int64_t r_ = 0; r_ < T + kGuardRows; ++r_) {
+    if (touched[(size_t)r_]) continue;
+    for (int64_t i = 0; i < D; ++i) written += !is_poison(r.o[(size_t)(r_ * D + i)]);
   }
   EXPECT_EQ(written, 0) << "elements of rows outside the view written";
   int64_t lse_written = 0;
-  for (size_t i = (size_t)(N * c.heads * L); i < lse.size(); ++i) lse_written += !is_poison(lse[i]);
+  for (size_t i = (size_t)(N * pr.heads * L); i < r.lse.size(); ++i) lse_written += !is_poison(r.lse[i]);
   EXPECT_EQ(lse_written, 0) << "lse written past (num_seq, heads, L)";
+}
+
+// The device as the kernel sees it; false (with the reason in *why) where
+// the case cannot run here.
+bool device_for(int hd, DeviceCaps* dev, std::string* why) {
+  if (!have_gpu())
+    *why = "no CUDA device";
+  else if (!read_device_caps(dev))
+    *why = "device attribute query failed";
+  else if (dev->cc_major < 8)
+    *why = "needs compute capability 8.0 or later (mma.sync tf32)";
+  else if (cuda::flash_attention_smem_bytes(hd) > (size_t)dev->smem_optin)
+    *why = "head_dim " + std::to_string(hd) + " needs more shared memory than this device gives a block";
+  else
+    return true;
+  return false;
+}
+
+// How many of the rows the view addresses (D floats each) differ, bitwise,
+// between two results.
+int64_t rows_differing(const Problem& pr, const Result& x, const Result& y) {
+  int64_t differ = 0;
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t l = 0; l < pr.L; ++l) {
+      const size_t at = (size_t)(pr.view.offset(n, l) * pr.D);
+      differ += std::memcmp(x.o.data() + at, y.o.data() + at, (size_t)pr.D * sizeof(float)) != 0;
+    }
+  return differ;
+}
+
+class FlashAttention : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FlashAttention, MatchesDoubleReference) {
+  const Case c = GetParam();
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+  ASSERT_TRUE(cuda::flash_attention_supports(c.hd));
+  const Problem pr = make_problem(c);
+  ASSERT_EQ(pr.view.len, c.L);
+  ASSERT_LE(pr.view.num_seq, (c.col ? col_view(pr.p) : row_view(pr.p)).num_seq);
+  Result r;
+  run_gpu(pr, c.misalign, dev, &r);
+  if (HasFatalFailure()) return;
+  expect_matches_reference(pr, r, [](int64_t, int64_t) { return std::vector<float>(); });
 }
 
 // L across the 64-query tiles and the key tiles (64 keys up to head_dim 64,
@@ -216,6 +297,148 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{7, 40, 1, false, 10, 30, 0, 0}, Case{200, 1, 3, true, 1, 12, 0, 0},
                       Case{65, 256, 2, true, 1, 6, 5, 0}, Case{200, 64, 4, false, 2, 4, 0, 0}),
     [](const auto& info) { return case_name(info.param); });
+
+#if !defined(FASTAXIAL_NO_RANDOM123)
+
+// ---- attention dropout ---------------------------------------------------------------------------
+
+struct DropoutCase {
+  Case c;
+  DropoutSpec s;
+};
+
+void PrintTo(const DropoutCase& dc, std::ostream* os) { *os << case_name(dc.c) << "_" << dropout_name(dc.s); }
+
+class FlashAttentionDropout : public ::testing::TestWithParam<DropoutCase> {};
+
+// The mask of the case's pass, drawn from seed and offset in device memory
+// (the struct's own seed and offset are other values), against the float64
+// reference with dropout_keep's mask; lse bitwise that of the kernel
+// without dropout; a second call bitwise equal.
+TEST_P(FlashAttentionDropout, MatchesDoubleReference) {
+  const DropoutCase dc = GetParam();
+  const Case& c = dc.c;
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+  const Problem pr = make_problem(c);
+  const DropoutParams d = dropout_params(pr.p, dc.s, pr.pass);
+  ASSERT_NE(d.threshold, 0u);
+  const DropoutParams given = kernel_dropout(d);
+  const uint64_t pair[2] = {d.seed, d.offset};
+  Result r, again, plain;
+  run_gpu(pr, c.misalign, dev, &r, &given, pair);
+  if (HasFatalFailure()) return;
+  expect_matches_reference(pr, r, [&](int64_t n, int64_t h) { return dropout_multipliers(d, pr.pass, n, h, pr.L); });
+
+  run_gpu(pr, c.misalign, dev, &plain);
+  if (HasFatalFailure()) return;
+  const size_t lse_n = (size_t)(pr.N * pr.heads * pr.L);
+  EXPECT_EQ(std::memcmp(r.lse.data(), plain.lse.data(), lse_n * sizeof(float)), 0) << "lse changed by dropout";
+  EXPECT_GT(rows_differing(pr, r, plain), 0) << "dropout changed no output row";
+
+  run_gpu(pr, c.misalign, dev, &again, &given, pair);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(rows_differing(pr, r, again), 0) << "rows differ between two calls";
+  EXPECT_EQ(std::memcmp(r.lse.data(), again.lse.data(), lse_n * sizeof(float)), 0) << "lse differs between two calls";
+}
+
+// Both passes (the column view's mask has base[1] = the row pass's element
+// count, and here H != W); p = 0.1, 0.5 and 1; L across multiples of 4 and
+// not (runs of four elements that start inside a Philox block: two draws a
+// lane), across the query and key tiles; head dims across the padded
+// sizes (8 .. 256), odd ones and misaligned qkv on the 4-byte copies; a
+// 64-bit seed and offset; bases that put element indices past 2^32 (and
+// off multiples of 4); a view that leaves sequences out.
+const DropoutCase kDropoutCases[] = {
+    {Case{7, 8, 3, false, 2, 5, 0, 0}, DropoutSpec{0.5f, 1, 0, 0}},
+    {Case{65, 24, 2, true, 2, 9, 0, 0}, DropoutSpec{0.1f, 0x1234, 7, 0}},
+    {Case{130, 64, 2, false, 1, 3, 0, 1}, DropoutSpec{0.5f, 42, 3, 0}},
+    {Case{300, 128, 1, true, 1, 3, 0, 0}, DropoutSpec{0.1f, 7, 1000, 0}},
+    {Case{50, 32, 2, false, 2, 3, 0, 0}, DropoutSpec{1.0f, 5, 5, 0}},
+    {Case{97, 16, 4, true, 1, 5, 0, 0}, DropoutSpec{0.5f, 0xfedcba9876543210ull, 0x0123456789abcdefull, 0}},
+    {Case{70, 8, 2, false, 2, 2, 0, 0}, DropoutSpec{0.5f, 99, 1, (uint64_t{1} << 32) - 5003}},
+    {Case{64, 256, 2, true, 1, 4, 0, 0}, DropoutSpec{0.5f, 3, 0, 0}},
+    {Case{33, 3, 2, false, 1, 4, 0, 2}, DropoutSpec{0.1f, 11, 2, 0}},
+    {Case{200, 96, 1, true, 2, 2, 0, 0}, DropoutSpec{0.5f, 0x8000000000000001ull, 9, (uint64_t{1} << 33) + 2}},
+    {Case{129, 48, 3, false, 1, 2, 1, 0}, DropoutSpec{0.1f, 13, 0xffffffff00000000ull, 0}},
+    {Case{40, 192, 1, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 17, 4, 0}},
+    {Case{256, 64, 2, true, 1, 2, 0, 0}, DropoutSpec{1.0f, 1, 2, 0}},
+    {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttentionDropout, ::testing::ValuesIn(kDropoutCases),
+                         [](const auto& info) { return case_name(info.param.c) + "_" + dropout_name(info.param.s); });
+
+// threshold 0 is no dropout, bitwise, whatever else the dropout fields hold
+// (a seed, a pass, philox given or not).
+TEST(FlashAttentionDropoutOff, ThresholdZeroBitwiseNoDropout) {
+  for (const Case& c : {Case{65, 24, 2, true, 2, 9, 0, 0}, Case{130, 64, 2, false, 1, 3, 0, 1}}) {
+    DeviceCaps dev;
+    std::string why;
+    if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+    const Problem pr = make_problem(c);
+    DropoutParams d = dropout_params(pr.p, DropoutSpec{0.5f, 77, 88, 0}, pr.pass);  // a mask, switched off
+    d.threshold = 0;
+    const uint64_t pair[2] = {77, 88};
+    Result plain, off, off_philox;
+    run_gpu(pr, c.misalign, dev, &plain);
+    if (HasFatalFailure()) return;
+    run_gpu(pr, c.misalign, dev, &off, &d);
+    if (HasFatalFailure()) return;
+    run_gpu(pr, c.misalign, dev, &off_philox, &d, pair);
+    if (HasFatalFailure()) return;
+    for (const Result* r : {&off, &off_philox}) {
+      EXPECT_EQ(rows_differing(pr, plain, *r), 0) << case_name(c);
+      EXPECT_EQ(std::memcmp(plain.lse.data(), r->lse.data(), plain.lse.size() * sizeof(float)), 0) << case_name(c);
+    }
+  }
+}
+
+// The quad's sharing of draws in the kernel's score tiles (rows queries,
+// columns keys; dropout.h's dropout_run_rows, dropout_share16<1>,
+// dropout_bit_rows), replayed on the host: every lane's four bits are
+// dropout_keep's, for runs inside and across Philox blocks and indices
+// past 2^32. Without a device.
+TEST(FlashAttentionRules, DropoutTilesDrawTheMask) {
+  DropoutParams d;
+  d.seed = 0x0123456789abcdefull, d.offset = 0xfedcba9876543210ull;
+  d.threshold = dropout_threshold(0.5f), d.scale = dropout_scale(0.5f);
+  for (uint64_t L : {1u, 7u, 8u, 64u, 65u, 130u, 301u})
+    for (uint64_t e_tile : {uint64_t{0}, uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1} << 32,
+                            (uint64_t{1} << 32) - 3, uint64_t{0x123456789abcull}})
+      EXPECT_EQ(fragment_mismatches(d, L, true, e_tile), 0) << "L " << L << ", e_tile " << e_tile;
+}
+
+// Dropout's arguments where threshold != 0: a null philox, a pass other
+// than 0 and 1, a mask numbered for another L or head count. Checked
+// before anything else, so without a device (and also for an empty
+// problem); a valid set on an empty problem launches nothing.
+TEST(FlashAttentionRules, RejectsDropoutArguments) {
+  DeviceCaps dev;  // not reached: the checks come before any CUDA call
+  // Host memory: never read, as nothing launches.
+  const uint64_t pair[2] = {1, 2};
+  cuda::FlashArgs a;
+  a.pos = {0, 4, 1, 4, 1, 4};  // no sequences
+  a.D = 8, a.heads = 2;
+  a.dropout.threshold = dropout_threshold(0.5f), a.dropout.scale = dropout_scale(0.5f);
+  a.dropout.heads = 2, a.dropout.len[0] = 4, a.dropout.len[1] = 6;
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaErrorInvalidValue);  // philox null
+  a.philox = pair;
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaSuccess);
+  a.pass = 1;  // len[1] = 6 != L
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaErrorInvalidValue);
+  a.dropout.len[1] = 4;
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaSuccess);
+  a.pass = 2;
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaErrorInvalidValue);
+  a.pass = 0, a.dropout.heads = 1;
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaErrorInvalidValue);
+  a.dropout.heads = 2, a.dropout.threshold = 0, a.philox = nullptr, a.pass = 5;  // no dropout: the fields unread
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaSuccess);
+}
+
+#endif  // FASTAXIAL_NO_RANDOM123
 
 // The host-side rules, without a device.
 TEST(FlashAttentionRules, SupportedHeadDims) {

@@ -67,6 +67,16 @@
 // 16-byte aligned qkv, d_o, dqkv), else 4 bytes an element (hd odd, say).
 // Positions >= L are zero-filled by the copies and masked (P = dS = 0), and
 // never read or written in global memory.
+//
+// Attention dropout (a second instantiation of kernels 2 and 3, kDropout;
+// without it the code is as before): the forward's mask M drawn again
+// (common/dropout.h), P -> P M scale for dv, and dS = P (dP M scale -
+// delta) (dP = d_o v^T is the gradient of the dropped probabilities). On
+// the tensor cores each lane draws one run of four elements per 16 x 8
+// tile, shared by four lanes (dropout_share16): in kernel 2 (transposed
+// scores) runs of 4 keys of one query, in kernel 3 runs of 4 keys of one
+// query row, drawn before the tile's scores are live. The FFMA kernels draw
+// each element on its own (a Philox call an element: the fallback).
 #include "attention_backward.h"
 
 #include <cuda_runtime.h>
@@ -95,6 +105,21 @@ __device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int s
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
+// What the kernels read of AttentionBackwardArgs, the dropout fields aside
+// (those go as a DropoutPass of their own): with them it is past 128
+// bytes, where the compiler treats a struct parameter differently, and the
+// kernels without dropout took other registers.
+struct KernelArgs {
+  AxisView pos;
+  const float* qkv;
+  const float* o;
+  const float* d_o;
+  const float* lse;
+  float* delta;
+  float* dqkv;
+  int D, heads;
+};
+
 // One (sequence, head) and tile of the problem, as a block sees it:
 // blockIdx.x = (n * heads + h) * tiles + tile, the tile fastest so that the
 // blocks of one (sequence, head) run side by side and share its rows in L2.
@@ -105,7 +130,7 @@ struct Head {
   int h, hd, L, tile;
 };
 
-__device__ __forceinline__ Head block_head(const AttentionBackwardArgs& a, int tiles) {
+__device__ __forceinline__ Head block_head(const KernelArgs& a, int tiles) {
   Head hp;
   hp.tile = (int)(blockIdx.x % (unsigned)tiles);
   hp.item = blockIdx.x / (unsigned)tiles;
@@ -173,7 +198,7 @@ constexpr int kDeltaWarps = 8;
 // head's sum in the lane holding its last element, which writes it; a head
 // that runs past a chunk carries its partial sum into the next one's lane 0.
 template <bool kVec>
-__global__ void __launch_bounds__(32 * kDeltaWarps) delta_kernel(const AttentionBackwardArgs a) {
+__global__ void __launch_bounds__(32 * kDeltaWarps) delta_kernel(const KernelArgs a) {
   grid_dependency_wait();
   allow_dependent_launch();
   constexpr int W = kVec ? 4 : 1;
@@ -430,11 +455,13 @@ __device__ __forceinline__ void grad_tiles(float (&acc)[NF][4], const float (&c)
 // per query (column 8j + 2t + e of c[j][e], e = 0, 1, and of c[j][2 + e]),
 // from the stage's copies at lse, delta (query q0 first). kMasked (tiles
 // that reach past L): zero for keys key0 + row >= L and queries q0 +
-// column >= L.
-template <int NQ, bool kMasked>
+// column >= L. kDropout: P -> P M scale and dS = P (dP M scale - delta),
+// M from keep (16 bits of c[j] at 16 (j % 2) in keep[j / 2],
+// dropout_bit_cols).
+template <int NQ, bool kMasked, bool kDropout>
 __device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)[NQ][4], const float* lse,
                                                   const float* delta, float scale_log2, int key0, int q0, int L, int g,
-                                                  int t) {
+                                                  int t, const uint32_t (&keep)[NQ / 2], float keep_scale) {
   const bool key_in[2] = {key0 + g < L, key0 + g + 8 < L};
 #pragma unroll
   for (int j = 0; j < NQ; ++j) {
@@ -444,8 +471,15 @@ __device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = e & 1;  // column 8j + 2t + c; row g + 8 (e >> 1)
-      const float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[c]));
-      const float ds = p * (dp[j][e] - dl[c]);
+      float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[c])), ds;
+      if constexpr (kDropout) {
+        const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_cols(g, e))) & 1u;
+        const float m = kept ? keep_scale : 0.0f;
+        ds = p * fmaf(m, dp[j][e], -dl[c]);
+        p *= m;
+      } else {
+        ds = p * (dp[j][e] - dl[c]);
+      }
       const bool in = !kMasked || (key_in[e >> 1] && q0 + 8 * j + 2 * t + c < L);
       s[j][e] = in ? p : 0.0f;
       dp[j][e] = in ? ds : 0.0f;
@@ -456,17 +490,26 @@ __device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)
 // In place on a warp's S and dP tiles (its 16 queries x 8 NK keys): s -> P,
 // dp -> dS, with the thread's rows' lse (in log2 units) and delta (rows g,
 // g + 8) in registers. kMasked (tiles that reach past L): zero for keys
-// k0 + column >= L.
-template <int NK, bool kMasked>
+// k0 + column >= L. kDropout: as softmax_grad_cols, keep's bits by
+// dropout_bit_rows.
+template <int NK, bool kMasked, bool kDropout>
 __device__ __forceinline__ void softmax_grad_rows(float (&s)[NK][4], float (&dp)[NK][4], const float (&lse_log2)[2],
-                                                  const float (&dl)[2], float scale_log2, int k0, int L, int t) {
+                                                  const float (&dl)[2], float scale_log2, int k0, int L, int t,
+                                                  const uint32_t (&keep)[NK / 2], float keep_scale) {
 #pragma unroll
   for (int j = 0; j < NK; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e >> 1;  // row g + 8r; column 8j + 2t + (e & 1)
-      const float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[r]));
-      const float ds = p * (dp[j][e] - dl[r]);
+      float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[r])), ds;
+      if constexpr (kDropout) {
+        const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_rows(t, e))) & 1u;
+        const float m = kept ? keep_scale : 0.0f;
+        ds = p * fmaf(m, dp[j][e], -dl[r]);
+        p *= m;
+      } else {
+        ds = p * (dp[j][e] - dl[r]);
+      }
       const bool in = !kMasked || k0 + 8 * j + 2 * t + (e & 1) < L;
       s[j][e] = in ? p : 0.0f;
       dp[j][e] = in ? ds : 0.0f;
@@ -506,9 +549,10 @@ __device__ __forceinline__ void store_tiles(float* dst, const float (&acc)[NF][4
 // takes fewer for short sequences and small grids); warp w owns keys
 // 16 (w / FW) .. + 15 of the tile and features FP (w % FW) .. + FP - 1 of
 // their gradients. Shared memory as KvTiling lays it out for KW groups.
-template <int HDP, bool kVec>
+// kDropout: dpass applies (threshold != 0).
+template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
-    key_grads_kernel(const AttentionBackwardArgs a, float scale, float scale_log2, int key_tiles) {
+    key_grads_kernel(const KernelArgs a, float scale, float scale_log2, int key_tiles, const DropoutPass dpass) {
   using T = KvTc<HDP>;
   constexpr int BM = T::BM, ST = T::ST, LD = T::ld;
   constexpr int NQ = BM / 8, NF = T::FP / 8;
@@ -533,6 +577,14 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   const float* dog = a.d_o + (int64_t)hp.h * hp.hd;
   const float* lse = a.lse + hp.item * hp.L;
   const float* delta = a.delta + hp.item * hp.L;
+  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
+  // element of (query 0, the warp's first key).
+  DropoutParams drop;
+  uint64_t e_warp = 0;
+  if constexpr (kDropout) {
+    drop = dropout_read(dpass);
+    e_warp = dpass.base + (uint64_t)hp.item * (uint64_t)hp.L * (uint64_t)hp.L + (uint64_t)key0;
+  }
   const auto load_queries = [&](int stage, int q0) {
     float* qs = q_sm + stage * T::stage;
     float* vs = vec_sm + stage * 2 * BM;
@@ -572,13 +624,29 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
     const float* lse_s = vec_sm + st * 2 * BM;
     if (active) {
       const int q0 = i * BM;
+      // Dropout's keep bits of the tile, drawn before s and dp are live:
+      // query n-tiles j and j + 1 in keep[j / 2], 16 bits each.
+      uint32_t keep[NQ / 2];
+      if constexpr (kDropout) {
+        static_assert(NQ % 2 == 0, "n-tiles in pairs");
+#pragma unroll
+        for (int j = 0; j < NQ; j += 2) {
+          const uint64_t e_tile = e_warp + (uint64_t)(q0 + 8 * j) * (uint64_t)hp.L;
+          const unsigned b0 = dropout_share16<4>(dropout_keep_run4(drop, dropout_run_cols(e_tile, hp.L, g, t)), g & 3);
+          const unsigned b1 = dropout_share16<4>(
+              dropout_keep_run4(drop, dropout_run_cols(e_tile + 8 * (uint64_t)hp.L, hp.L, g, t)), g & 3);
+          keep[j / 2] = b0 | b1 << 16;
+        }
+      }
       float s[NQ][4], dp[NQ][4];
       score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
       score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
       if (q0 + BM > hp.L || key0 + 16 > hp.L)
-        softmax_grad_cols<NQ, true>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t);
+        softmax_grad_cols<NQ, true, kDropout>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t, keep,
+                                              dpass.scale);
       else
-        softmax_grad_cols<NQ, false>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t);
+        softmax_grad_cols<NQ, false, kDropout>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t, keep,
+                                               dpass.scale);
       grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
       grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
     }
@@ -600,9 +668,10 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
 // each of the block's blockDim.x / 32 <= QW warps (the launch takes fewer
 // for short sequences and small grids); warp w owns queries 16 w .. 16 w +
 // 15 of the tile. Shared memory as QTiling lays it out for QW warps.
-template <int HDP, bool kVec>
+// kDropout: dpass applies (threshold != 0).
+template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
-    query_grads_kernel(const AttentionBackwardArgs a, float scale, float scale_log2, int query_tiles) {
+    query_grads_kernel(const KernelArgs a, float scale, float scale_log2, int query_tiles, const DropoutPass dpass) {
   using T = QTc<HDP>;
   constexpr int BN = T::BN, ST = T::ST, LD = T::ld;
   constexpr int NK = BN / 8, NF = HDP / 8;
@@ -641,6 +710,14 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
     lse_log2[r] = in ? a.lse[hp.item * hp.L + l] * kLog2e : 0.0f;
     dl[r] = in ? a.delta[hp.item * hp.L + l] : 0.0f;
   }
+  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
+  // element of (the warp's first query, key 0).
+  DropoutParams drop;
+  uint64_t e_warp = 0;
+  if constexpr (kDropout) {
+    drop = dropout_read(dpass);
+    e_warp = dpass.base + ((uint64_t)hp.item * (uint64_t)hp.L + (uint64_t)m0) * (uint64_t)hp.L;
+  }
   const float* qs = q_sm + 16 * warp * LD;  // the warp's queries (16, HDP)
   const float* dos = q_sm + T::d_o(BM) + 16 * warp * LD;
   const bool active = m0 < hp.L;  // a warp whose queries are all >= L only copies
@@ -663,13 +740,26 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
     const float* v = k + BN * LD;
     if (active) {
       const int k0 = j * BN;
+      // Dropout's keep bits of the tile, drawn before s and dp are live: key
+      // n-tiles jj and jj + 1 in keep[jj / 2], 16 bits each.
+      uint32_t keep[NK / 2];
+      if constexpr (kDropout) {
+        static_assert(NK % 2 == 0, "n-tiles in pairs");
+#pragma unroll
+        for (int jj = 0; jj < NK; jj += 2) {
+          const uint64_t e_tile = e_warp + (uint64_t)(k0 + 8 * jj);
+          const unsigned b0 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile, hp.L, g, t)), t);
+          const unsigned b1 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile + 8, hp.L, g, t)), t);
+          keep[jj / 2] = b0 | b1 << 16;
+        }
+      }
       float s[NK][4], dp[NK][4];
       score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
       score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
       if (k0 + BN > hp.L)
-        softmax_grad_rows<NK, true>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t);
+        softmax_grad_rows<NK, true, kDropout>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
       else
-        softmax_grad_rows<NK, false>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t);
+        softmax_grad_rows<NK, false, kDropout>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
       grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
     }
     if constexpr (ST == 1) {
@@ -906,11 +996,13 @@ __device__ __forceinline__ void row_dots(float (&acc)[Score::RM][Score::RK], con
 
 // In place: s (q . k) -> P = exp(scale s - lse), dp -> dS = P (dp - delta);
 // both zero where the query (q0 + row) or the key (k0 + key) is >= L. lse,
-// delta: the tile's queries, from shared memory.
-template <class Score>
+// delta: the tile's queries, from shared memory. kDropout: P -> P M scale
+// and dS = P (dp M scale - delta), M drawn an element at a time (e_tile:
+// the element of query q0, key k0).
+template <class Score, bool kDropout>
 __device__ __forceinline__ void softmax_grad(float (&s)[Score::RM][Score::RK], float (&dp)[Score::RM][Score::RK],
                                              const float* lse, const float* delta, float scale, int q0, int k0, int L,
-                                             int warp, int lane) {
+                                             int warp, int lane, const DropoutParams& drop, uint64_t e_tile) {
   const int m0 = Score::row(warp, lane), n0 = Score::key(warp, lane);
 #pragma unroll
   for (int r = 0; r < Score::RM; ++r) {
@@ -921,8 +1013,15 @@ __device__ __forceinline__ void softmax_grad(float (&s)[Score::RM][Score::RK], f
     for (int c = 0; c < Score::RK; ++c) {
       const bool in = q_in && k0 + n0 + 8 * c < L;
       const float p = in ? expf(s[r][c] * scale - lse_m) : 0.0f;
-      dp[r][c] = in ? p * (dp[r][c] - delta_m) : 0.0f;
-      s[r][c] = p;
+      if constexpr (kDropout) {
+        const uint64_t e = e_tile + (uint64_t)m * (uint64_t)L + (uint64_t)(n0 + 8 * c);
+        const float mk = dropout_keep_drawn(drop, e) ? drop.scale : 0.0f;
+        dp[r][c] = in ? p * fmaf(mk, dp[r][c], -delta_m) : 0.0f;
+        s[r][c] = p * mk;
+      } else {
+        dp[r][c] = in ? p * (dp[r][c] - delta_m) : 0.0f;
+        s[r][c] = p;
+      }
     }
   }
 }
@@ -1029,10 +1128,11 @@ __device__ __forceinline__ void store_grads(float* dst, const GradAcc<Grad>& g, 
 
 // ---- the kernels -------------------------------------------------------------------------------
 
-// dk and dv of BN keys (tile hp.tile) of one (sequence, head).
-template <int HDP, bool kVec>
+// dk and dv of BN keys (tile hp.tile) of one (sequence, head). kDropout:
+// dpass applies (threshold != 0).
+template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(kThreads)
-    key_grads_kernel(const AttentionBackwardArgs a, float scale, int key_tiles) {
+    key_grads_kernel(const KernelArgs a, float scale, int key_tiles, const DropoutPass dpass) {
   using Score = typename Tiles<HDP>::KvScore;
   using Grad = typename Tiles<HDP>::KvGrad;
   using S = KvSmem<HDP>;
@@ -1053,6 +1153,14 @@ __global__ void __launch_bounds__(kThreads)
   const float* dog = a.d_o + (int64_t)hp.h * hp.hd;
   const float* lse = a.lse + hp.item * hp.L;
   const float* delta = a.delta + hp.item * hp.L;
+  // Dropout: seed and offset as a preceding kernel wrote them; e_head is the
+  // element of (query 0, key 0).
+  DropoutParams drop;
+  uint64_t e_head = 0;
+  if constexpr (kDropout) {
+    drop = dropout_read(dpass);
+    e_head = dpass.base + (uint64_t)hp.item * (uint64_t)hp.L * (uint64_t)hp.L;
+  }
   const auto load_queries = [&](int stage, int q0) {
     float* qs = sm + S::q + stage * S::stage;
     float* vs = sm + S::vec + stage * 2 * BM;
@@ -1089,7 +1197,8 @@ __global__ void __launch_bounds__(kThreads)
     float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
     row_dots<Score, HDP, S::ldq, S::ldk>(s, q, sm + S::k, warp, lane);     // q k^T
     row_dots<Score, HDP, S::ldq, S::ldk>(dp, d_o, sm + S::v, warp, lane);  // d_o v^T
-    softmax_grad<Score>(s, dp, lse_s, lse_s + BM, scale, i * BM, k0, hp.L, warp, lane);
+    softmax_grad<Score, kDropout>(s, dp, lse_s, lse_s + BM, scale, i * BM, k0, hp.L, warp, lane, drop,
+                                  e_head + (uint64_t)(i * BM) * (uint64_t)hp.L + (uint64_t)k0);
     store_scores<Score>(sm + S::p, s, warp, lane);
     store_scores<Score>(sm + S::ds, dp, warp, lane);
     __syncthreads();  // P and dS (BM, BN) complete
@@ -1107,10 +1216,11 @@ __global__ void __launch_bounds__(kThreads)
   store_grads<Grad, kVec>(out + 2 * a.D, dv, 1.0f, W, hp, k0, warp, lane);
 }
 
-// dq of BM queries (tile hp.tile) of one (sequence, head).
-template <int HDP, bool kVec>
+// dq of BM queries (tile hp.tile) of one (sequence, head). kDropout: dpass
+// applies (threshold != 0).
+template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(kThreads)
-    query_grads_kernel(const AttentionBackwardArgs a, float scale, int query_tiles) {
+    query_grads_kernel(const KernelArgs a, float scale, int query_tiles, const DropoutPass dpass) {
   using Score = typename Tiles<HDP>::QScore;
   using Grad = typename Tiles<HDP>::QGrad;
   using S = QSmem<HDP>;
@@ -1139,6 +1249,13 @@ __global__ void __launch_bounds__(kThreads)
   copy_positions(sm + S::vec + BM, a.delta + hp.item * hp.L, q0, BM, hp.L, kThreads);
   load_keys(0, 0);
   copy_async_commit();
+  // Dropout: as in key_grads_kernel; e_tile is the element of (query q0, key 0).
+  DropoutParams drop;
+  uint64_t e_tile = 0;
+  if constexpr (kDropout) {
+    drop = dropout_read(dpass);
+    e_tile = dpass.base + ((uint64_t)hp.item * (uint64_t)hp.L + (uint64_t)q0) * (uint64_t)hp.L;
+  }
 
   GradAcc<Grad> dq;
   zero<Grad>(dq);
@@ -1158,7 +1275,8 @@ __global__ void __launch_bounds__(kThreads)
     float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
     row_dots<Score, HDP, S::ldq, S::ldk>(s, sm + S::q, k, warp, lane);
     row_dots<Score, HDP, S::ldq, S::ldk>(dp, sm + S::d_o, v, warp, lane);
-    softmax_grad<Score>(s, dp, sm + S::vec, sm + S::vec + BM, scale, q0, j * BN, hp.L, warp, lane);
+    softmax_grad<Score, kDropout>(s, dp, sm + S::vec, sm + S::vec + BM, scale, q0, j * BN, hp.L, warp, lane, drop,
+                                  e_tile + (uint64_t)(j * BN));
     store_scores<Score>(sm + S::ds, dp, warp, lane);
     __syncthreads();  // dS (BM, BN) complete
     query_grads<Grad, BN, S::ldp, S::ldk>(dq, sm + S::ds, k, warp, lane);
@@ -1208,12 +1326,14 @@ cudaError_t launch_grid(int64_t blocks, int threads, size_t smem, const DeviceCa
   return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(threads), smem, stream, dev, args...);
 }
 
-// The sizes every launch of one call shares.
+// The sizes every launch of one call shares, and the kernels' arguments.
 struct Launch {
   int64_t items;  // num_seq * heads
   int hd;
   bool vec;     // 16-byte copies and stores
   float scale;  // 1 / sqrt(hd)
+  KernelArgs k;
+  DropoutPass dpass;  // with kDropout
 };
 
 // The tile counts of the launch's two gradient kernels; false where a grid
@@ -1234,8 +1354,8 @@ cudaError_t launch_delta(const AttentionBackwardArgs& a, const Launch& s, const 
   // heads start at multiples of 4 floats.
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = s.hd % 4 == 0 && aligned16(a.d_o) && aligned16(a.o);
-  return vec ? launch_kernel<delta_kernel<true>>(dim3((unsigned)blocks), dim3(32 * kDeltaWarps), 0, stream, dev, a)
-             : launch_kernel<delta_kernel<false>>(dim3((unsigned)blocks), dim3(32 * kDeltaWarps), 0, stream, dev, a);
+  return vec ? launch_kernel<delta_kernel<true>>(dim3((unsigned)blocks), dim3(32 * kDeltaWarps), 0, stream, dev, s.k)
+             : launch_kernel<delta_kernel<false>>(dim3((unsigned)blocks), dim3(32 * kDeltaWarps), 0, stream, dev, s.k);
 }
 
 // Warps along a tensor-core kernel's block rows (16 rows each), at most
@@ -1251,7 +1371,7 @@ int tc_row_warps(int most, int64_t L, int64_t items, int sms) {
 }
 
 // dk, dv then dq on the tensor cores for padded head dim HDP.
-template <int HDP, bool kVec>
+template <int HDP, bool kVec, bool kDropout>
 cudaError_t launch_tc(const AttentionBackwardArgs& a, const Launch& s, const DeviceCaps& dev, cudaStream_t stream) {
   using Kv = tc::KvTc<HDP>;
   using Q = tc::QTc<HDP>;
@@ -1263,18 +1383,18 @@ cudaError_t launch_tc(const AttentionBackwardArgs& a, const Launch& s, const Dev
     return cudaErrorInvalidValue;
   if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
   const float scale_log2 = s.scale * tc::kLog2e;
-  if (cudaError_t e = launch_grid<tc::key_grads_kernel<HDP, kVec>>(s.items * key_tiles, 32 * Kv::FW * key_warps,
-                                                                   Kv::bytes(16 * key_warps), dev, stream, a, s.scale,
-                                                                   scale_log2, key_tiles);
+  if (cudaError_t e = launch_grid<tc::key_grads_kernel<HDP, kVec, kDropout>>(
+          s.items * key_tiles, 32 * Kv::FW * key_warps, Kv::bytes(16 * key_warps), dev, stream, s.k, s.scale,
+          scale_log2, key_tiles, s.dpass);
       e != cudaSuccess)
     return e;
-  return launch_grid<tc::query_grads_kernel<HDP, kVec>>(s.items * query_tiles, 32 * query_warps,
-                                                        Q::bytes(16 * query_warps), dev, stream, a, s.scale, scale_log2,
-                                                        query_tiles);
+  return launch_grid<tc::query_grads_kernel<HDP, kVec, kDropout>>(s.items * query_tiles, 32 * query_warps,
+                                                                  Q::bytes(16 * query_warps), dev, stream, s.k, s.scale,
+                                                                  scale_log2, query_tiles, s.dpass);
 }
 
 // dk, dv then dq on the FFMA kernels for padded head dim HDP.
-template <int HDP, bool kVec>
+template <int HDP, bool kVec, bool kDropout>
 cudaError_t launch_ffma(const AttentionBackwardArgs& a, const Launch& s, const DeviceCaps& dev, cudaStream_t stream) {
   using Kv = ffma::KvSmem<HDP>;
   using Q = ffma::QSmem<HDP>;
@@ -1282,12 +1402,12 @@ cudaError_t launch_ffma(const AttentionBackwardArgs& a, const Launch& s, const D
   if (!tile_counts(a.pos.num_seq, a.heads, a.pos.len, Kv::BN, Q::BM, &key_tiles, &query_tiles))
     return cudaErrorInvalidValue;
   if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
-  if (cudaError_t e = launch_grid<ffma::key_grads_kernel<HDP, kVec>>(s.items * key_tiles, ffma::kThreads, Kv::bytes,
-                                                                     dev, stream, a, s.scale, key_tiles);
+  if (cudaError_t e = launch_grid<ffma::key_grads_kernel<HDP, kVec, kDropout>>(
+          s.items * key_tiles, ffma::kThreads, Kv::bytes, dev, stream, s.k, s.scale, key_tiles, s.dpass);
       e != cudaSuccess)
     return e;
-  return launch_grid<ffma::query_grads_kernel<HDP, kVec>>(s.items * query_tiles, ffma::kThreads, Q::bytes, dev, stream,
-                                                          a, s.scale, query_tiles);
+  return launch_grid<ffma::query_grads_kernel<HDP, kVec, kDropout>>(s.items * query_tiles, ffma::kThreads, Q::bytes,
+                                                                    dev, stream, s.k, s.scale, query_tiles, s.dpass);
 }
 
 // The three launches for padded head dim HDP: the tensor-core path unless
@@ -1304,8 +1424,27 @@ cudaError_t launch_backward(const AttentionBackwardArgs& a, const DeviceCaps& de
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   s.vec = s.hd % 4 == 0 && aligned16(a.qkv) && aligned16(a.d_o) && aligned16(a.dqkv);
   s.scale = 1.0f / sqrtf((float)s.hd);
-  if (ffma) return s.vec ? launch_ffma<HDP, true>(a, s, dev, stream) : launch_ffma<HDP, false>(a, s, dev, stream);
-  return s.vec ? launch_tc<HDP, true>(a, s, dev, stream) : launch_tc<HDP, false>(a, s, dev, stream);
+  s.k = {a.pos, a.qkv, a.o, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads};
+  if constexpr (kDropoutAvailable) {
+    if (a.dropout.threshold != 0) {
+      s.dpass = dropout_pass(a.dropout, a.pass, a.philox);
+      if (ffma)
+        return s.vec ? launch_ffma<HDP, true, true>(a, s, dev, stream)
+                     : launch_ffma<HDP, false, true>(a, s, dev, stream);
+      return s.vec ? launch_tc<HDP, true, true>(a, s, dev, stream) : launch_tc<HDP, false, true>(a, s, dev, stream);
+    }
+  }
+  if (ffma)
+    return s.vec ? launch_ffma<HDP, true, false>(a, s, dev, stream) : launch_ffma<HDP, false, false>(a, s, dev, stream);
+  return s.vec ? launch_tc<HDP, true, false>(a, s, dev, stream) : launch_tc<HDP, false, false>(a, s, dev, stream);
+}
+
+// Dropout's arguments, where it applies: the {seed, offset} pair given, and
+// the mask's sizes those of this pass (its elements are numbered by them).
+bool dropout_args_ok(const AttentionBackwardArgs& a) {
+  if (a.dropout.threshold == 0) return true;
+  return kDropoutAvailable && a.philox != nullptr && (a.pass == 0 || a.pass == 1) &&
+         a.dropout.len[a.pass] == (uint64_t)a.pos.len && a.dropout.heads == (uint64_t)a.heads;
 }
 
 }  // namespace
@@ -1331,7 +1470,7 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
   if (a.heads <= 0 || a.D <= 0 || a.D % a.heads != 0 || a.pos.num_seq < 0 || a.pos.len < 0 || a.pos.len >= kMaxLen)
     return cudaErrorInvalidValue;
   const int hdp = padded_head_dim(a.D / a.heads);
-  if (hdp == 0) return cudaErrorInvalidValue;
+  if (hdp == 0 || !dropout_args_ok(a)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
   switch (hdp) {
     case 8: return launch_backward<8>(a, dev, stream);

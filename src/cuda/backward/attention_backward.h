@@ -10,6 +10,10 @@
 // accuracy, as the forward), plain fp32 FFMA kernels as the fallback; both
 // deterministic: every output element is summed in a fixed order (no
 // atomics), so two calls give bitwise identical results.
+//
+// With attention dropout (AttentionBackwardArgs::dropout; the forward's mask,
+// M, drawn again, scale = 1 / (1 - p)): dv_h = (P o M scale)^T d_o_h and
+// dS = P * (dP o M scale - delta), delta as above from the dropped o.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,6 +22,7 @@
 #include <cstdint>
 
 #include "../../common/axis.h"
+#include "../../common/dropout.h"
 #include "../../common/plan.h"  // DeviceCaps
 
 namespace fastaxial::cuda {
@@ -41,6 +46,14 @@ struct AttentionBackwardArgs {
   // FFMA kernels only where the tensor-core ones do not fit the device's
   // shared memory.
   bool ffma = false;
+  // Attention dropout (common/dropout.h): where dropout.threshold != 0, the probability of
+  // query i, key j of head h of sequence n is scaled by dropout.scale when
+  // dropout_keep(dropout, pass, n, h, i, j), else zeroed (seed and offset read from `philox`).
+  DropoutParams dropout;  // default: threshold 0, no dropout (the code path of today)
+  int pass = 0;           // 0 row pass, 1 column pass: which of dropout.base/len
+  // Device memory {seed, offset}; read (after the kernel's grid-dependency wait) where
+  // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
+  const uint64_t* philox = nullptr;
 };
 
 // True when the kernels serve this head_dim (1..256).
@@ -57,7 +70,9 @@ size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma = false);
 // one before it (detail/launch.cuh): delta, then dk and dv, then dq (on the
 // tensor cores, or the FFMA kernels: AttentionBackwardArgs::ffma). Errors:
 // cudaErrorInvalidValue for sizes it does not serve (heads not dividing D,
-// head_dim outside 1..256, L >= 2^30, more than 2^31 - 1 blocks),
+// head_dim outside 1..256, L >= 2^30, more than 2^31 - 1 blocks; with
+// dropout.threshold != 0: a null philox, pass not 0 or 1, dropout.len[pass]
+// != L or dropout.heads != heads, or a build without Random123),
 // cudaErrorInvalidConfiguration where the device gives a block less shared
 // memory than the chosen path needs, else the launches' errors. An empty
 // problem (no sequences or L = 0) launches nothing.

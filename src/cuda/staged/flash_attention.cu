@@ -43,6 +43,14 @@
 // copies (a zero row of v times a zero probability stays zero; uninitialised
 // shared memory could hold NaNs), and their scores are -inf before the row
 // max; queries >= L are computed but not stored.
+//
+// Attention dropout (a second instantiation, kDropout; without it the code
+// is as before): after a tile's p enter the row sums l (so l and lse stay
+// the undropped softmax's), each dropped p is zeroed before p v, and the
+// kept ones' 1 / (1 - p) is applied with 1 / l to o at the end. The mask is
+// common/dropout.h's, drawn a run of four keys per lane and n-tile and
+// shared across the quad (dropout_share16): one Philox call a lane and
+// n-tile where L and the pass's base are multiples of 4, two elsewhere.
 #include "flash_attention.h"
 
 #include <cuda_runtime.h>
@@ -101,11 +109,24 @@ __device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int s
 
 __device__ __forceinline__ uint32_t smem_addr(const float* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// What the kernel reads of FlashArgs, the dropout fields aside (those go as
+// a DropoutPass of their own): FlashArgs with them is past 128 bytes, where
+// the compiler treats a struct parameter differently, and the kernels
+// without dropout took other registers.
+struct KernelArgs {
+  AxisView pos;
+  const float* qkv;
+  float* o;
+  float* lse;
+  int D, heads;
+};
+
 // One block: queries q0 .. q0 + 63 of head h of sequence n, where blockIdx.x =
 // (n * heads + h) * q_tiles + query tile. kVec: the 16-byte copies (every
-// head slice 16-byte aligned).
-template <int HDP, bool kVec>
-__global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashArgs a, float scale_log2, int q_tiles) {
+// head slice 16-byte aligned). kDropout: dpass applies (threshold != 0).
+template <int HDP, bool kVec, bool kDropout>
+__global__ void __launch_bounds__(kThreads)
+    flash_attention_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass) {
   using Tile = FlashTile<HDP>;
   constexpr int BN = Tile::BN, KS = HDP / 8, NT = BN / 8, ldk = Tile::ldk, ldv = Tile::ldv;
   extern __shared__ float4 smem4[];
@@ -135,6 +156,15 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashAr
 
   grid_dependency_wait();
   allow_dependent_launch();
+
+  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
+  // element of the warp's first query row, key 0.
+  DropoutParams drop;
+  uint64_t e_warp = 0;
+  if constexpr (kDropout) {
+    drop = dropout_read(dpass);
+    e_warp = dpass.base + ((uint64_t)item * (uint64_t)L + (uint64_t)(q0 + 16 * warp)) * (uint64_t)L;
+  }
 
   const int64_t seq = a.pos.offset(n, 0);  // row of position 0 (one 64-bit division a block)
   const int64_t ps = a.pos.pos_stride;
@@ -204,6 +234,19 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashAr
     if (!active) continue;
     const float* kt = ks + (j & 1) * Tile::k_floats;  // k tile (BN, HDP)
     const float* vt = vs + (j & 1) * Tile::v_floats;  // v tile (BN, HDP)
+
+    // Dropout's keep bits of the tile, drawn before s is live (fewer
+    // registers at once): n-tiles jn and jn + 1 in keep[jn / 2], 16 bits each.
+    uint32_t keep[NT / 2];
+    if constexpr (kDropout) {
+#pragma unroll
+      for (int jn = 0; jn < NT; jn += 2) {
+        const uint64_t e_tile = e_warp + (uint64_t)(j * BN + 8 * jn);
+        const unsigned b0 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile, L, g, t)), t);
+        const unsigned b1 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile + 8, L, g, t)), t);
+        keep[jn / 2] = b0 | b1 << 16;
+      }
+    }
 
     // s (16, BN) = q k^T: s[jn] is n-tile jn, keys 8 jn .. 8 jn + 7 of the
     // tile; this thread holds keys 8 jn + 2t, + 1 of rows g and g + 8. Runs
@@ -276,6 +319,17 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashAr
         s[jn][2 + e] = exp2f(s[jn][2 + e] - m1);
         l0 += s[jn][e], l1 += s[jn][2 + e];
       }
+    if constexpr (kDropout) {
+      // Dropped p zeroed after the row sums; the kept ones' scale comes at
+      // the end. s[jn][k] is the C fragment's element k (dropout.h).
+#pragma unroll
+      for (int jn = 0; jn < NT; ++jn) {
+        const uint32_t bits = keep[jn / 2] >> (16 * (jn & 1));
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (!((bits >> dropout_bit_rows(t, k)) & 1u)) s[jn][k] = 0.0f;
+      }
+    }
 
     // o += p v: key groups jn, jn + 1 into one fresh accumulator per output
     // n-tile f (features 8f .. 8f + 7). A fragment of p for group jn, k index
@@ -305,7 +359,9 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const FlashAr
   }
   const int r0 = q0 + 16 * warp + g, r1 = r0 + 8;  // positions of rows g, g + 8
   const bool in0 = r0 < L, in1 = r1 < L;
-  const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+  // With dropout, the kept probabilities' scale too (0 where p = 1).
+  const float num = kDropout ? dpass.scale : 1.0f;
+  const float inv0 = num / l0, inv1 = num / l1;
   float* o0 = in0 ? a.o + (seq + (int64_t)r0 * ps) * a.D + (int64_t)h * hd : nullptr;  // this head's columns
   float* o1 = in1 ? a.o + (seq + (int64_t)r1 * ps) * a.D + (int64_t)h * hd : nullptr;
 #pragma unroll
@@ -336,22 +392,37 @@ int padded_head_dim(int64_t head_dim) {
   return 0;
 }
 
-template <int HDP, bool kVec>
+template <int HDP, bool kVec, bool kDropout>
 cudaError_t launch_flash(const FlashArgs& a, float scale_log2, int q_tiles, int64_t blocks, const DeviceCaps& dev,
                          cudaStream_t stream) {
-  constexpr auto kernel = flash_attention_kernel<HDP, kVec>;
+  constexpr auto kernel = flash_attention_kernel<HDP, kVec, kDropout>;
   constexpr size_t smem = FlashTile<HDP>::bytes;
   if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
   if constexpr (smem > 48 * 1024)
     if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
-  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(kThreads), smem, stream, dev, a, scale_log2, q_tiles);
+  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
+  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(kThreads), smem, stream, dev, k, scale_log2, q_tiles,
+                               dpass);
 }
 
 template <int HDP>
 cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, int q_tiles, int64_t blocks,
                          const DeviceCaps& dev, cudaStream_t stream) {
-  return vec ? launch_flash<HDP, true>(a, scale_log2, q_tiles, blocks, dev, stream)
-             : launch_flash<HDP, false>(a, scale_log2, q_tiles, blocks, dev, stream);
+  if constexpr (kDropoutAvailable)
+    if (a.dropout.threshold != 0)
+      return vec ? launch_flash<HDP, true, true>(a, scale_log2, q_tiles, blocks, dev, stream)
+                 : launch_flash<HDP, false, true>(a, scale_log2, q_tiles, blocks, dev, stream);
+  return vec ? launch_flash<HDP, true, false>(a, scale_log2, q_tiles, blocks, dev, stream)
+             : launch_flash<HDP, false, false>(a, scale_log2, q_tiles, blocks, dev, stream);
+}
+
+// Dropout's arguments, where it applies: the {seed, offset} pair given, and
+// the mask's sizes those of this pass (its elements are numbered by them).
+bool dropout_args_ok(const FlashArgs& a) {
+  if (a.dropout.threshold == 0) return true;
+  return kDropoutAvailable && a.philox != nullptr && (a.pass == 0 || a.pass == 1) &&
+         a.dropout.len[a.pass] == (uint64_t)a.pos.len && a.dropout.heads == (uint64_t)a.heads;
 }
 
 }  // namespace
@@ -385,7 +456,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
     return cudaErrorInvalidValue;
   const int hd = a.D / a.heads;
   const int hdp = padded_head_dim(hd);
-  if (hdp == 0) return cudaErrorInvalidValue;
+  if (hdp == 0 || !dropout_args_ok(a)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
   const int q_tiles = (int)((a.pos.len + kBM - 1) / kBM);
   if (a.pos.num_seq > INT32_MAX / ((int64_t)a.heads * q_tiles)) return cudaErrorInvalidValue;

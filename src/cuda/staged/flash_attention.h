@@ -4,6 +4,9 @@
 // from the (T, 3D) qkv rows that the QKV product wrote, keys and values
 // streamed through shared memory in tiles, so any sequence length stays on
 // the tensor cores (3xTF32 mma.sync, fp32 accuracy, any sm_80+ GPU).
+// With attention dropout (FlashArgs::dropout), the probabilities are masked
+// and scaled after the softmax's row sums: o_h = (P o M / (1 - p)) v_h with
+// P = softmax(...), M the keep mask of common/dropout.h; lse stays P's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +15,7 @@
 #include <cstdint>
 
 #include "../../common/axis.h"
+#include "../../common/dropout.h"
 #include "../../common/plan.h"  // DeviceCaps
 
 namespace fastaxial::cuda {
@@ -27,6 +31,14 @@ struct FlashArgs {
   // computed as max_k(q_l . k_k) / sqrt(hd) + log(sum_k exp(q_l . k_k / sqrt(hd) - that max)).
   float* lse = nullptr;
   int D = 0, heads = 0;  // hd = D / heads
+  // Attention dropout (common/dropout.h): where dropout.threshold != 0, the probability of
+  // query i, key j of head h of sequence n is scaled by dropout.scale when
+  // dropout_keep(dropout, pass, n, h, i, j), else zeroed (seed and offset read from `philox`).
+  DropoutParams dropout;  // default: threshold 0, no dropout (the code path of today)
+  int pass = 0;           // 0 row pass, 1 column pass: which of dropout.base/len
+  // Device memory {seed, offset}; read (after the kernel's grid-dependency wait) where
+  // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
+  const uint64_t* philox = nullptr;
 };
 
 // True when the kernel serves this head_dim (1..256).
@@ -39,9 +51,11 @@ size_t flash_attention_smem_bytes(int64_t head_dim);
 // Launches the kernel on `stream`, a programmatic dependent of the stream's
 // previous kernel (detail/launch.cuh). Errors: cudaErrorInvalidValue for
 // sizes it does not serve (heads not dividing D, head_dim outside 1..256,
-// L >= 2^30, more than 2^31 - 1 blocks), cudaErrorInvalidConfiguration where
-// the device gives a block less shared memory than the head_dim needs. An
-// empty problem (no sequences or L = 0) launches nothing.
+// L >= 2^30, more than 2^31 - 1 blocks; with dropout.threshold != 0: a null
+// philox, pass not 0 or 1, dropout.len[pass] != L or dropout.heads != heads,
+// or a build without Random123), cudaErrorInvalidConfiguration where the
+// device gives a block less shared memory than the head_dim needs. An empty
+// problem (no sequences or L = 0) launches nothing.
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream);
 
 }  // namespace fastaxial::cuda
