@@ -39,4 +39,10 @@ inline AxisView col_view(const AxialParams& p) {
   return {p.batch * p.width, p.height, p.width, p.dim, p.width * p.dim, p.height * p.width * p.dim};
 }
 
+// The view with positions as rows of a (T, D) matrix (the staged and training paths' qkv, o):
+// its strides in units of D, so offset() gives a row.
+inline AxisView row_indices(const AxisView& v, int64_t D) {
+  return {v.num_seq, v.len, v.inner, v.seq_stride / D, v.pos_stride / D, v.batch_stride / D};
+}
+
 }  // namespace fastaxial

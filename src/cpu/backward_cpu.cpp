@@ -303,10 +303,6 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   reduce(gw.out_bias, lay.bout, D);
 }
 
-bool any(const AxisGrads& a) {
-  return a.norm_weight || a.norm_bias || a.qkv_weight || a.out_weight || a.out_bias;
-}
-
 void zero_weights(const AxisGrads& a, int64_t D) {
   const std::pair<float*, int64_t> outs[] = {
       {a.norm_weight, D}, {a.norm_bias, D}, {a.qkv_weight, 3 * D * D}, {a.out_weight, D * D}, {a.out_bias, D}};

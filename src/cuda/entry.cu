@@ -57,17 +57,6 @@ namespace {
 
 using cuda::current_device;
 
-Status check_plan(const AxialParams& p, const CudaPlan& plan, int device) {
-  if (plan.batch != p.batch || plan.height != p.height || plan.width != p.width || plan.dim != p.dim ||
-      plan.heads != p.heads)
-    return {StatusCode::kInvalidArgument, "the plan was made for another problem: " + plan.describe()};
-  if (plan.device != device)
-    return {StatusCode::kInvalidArgument,
-            "the plan was made for device " + std::to_string(plan.device) + ", the current device is " +
-                std::to_string(device)};
-  return Status::Ok();
-}
-
 }  // namespace
 
 bool cuda_compiled() { return true; }
@@ -93,7 +82,7 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
   if (Status s = validate(p); !s.ok()) return s;
   DeviceCaps dev;
   if (Status s = current_device(&dev); !s.ok()) return s;
-  if (Status s = check_plan(p, plan, dev.device); !s.ok()) return s;
+  if (Status s = check_plan_matches(p, plan, dev.device, "the plan"); !s.ok()) return s;
   if (p.dropout > 0)
     return {StatusCode::kUnsupported,
             "forward_cuda has no attention dropout: forward_cuda_training applies it (and keeps what its backward needs)"};

@@ -23,12 +23,18 @@
 // no sum over positions needs atomics: cuBLAS's results are bitwise
 // reproducible, and the column sums (column_sums.cu) and the attention
 // backward add in a fixed order, so the whole backward is deterministic.
+// Attention dropout (p.dropout > 0): the flash forward and the attention
+// backward draw the mask of common/dropout.h from the seed and offset the
+// forward writes into `saved` (dropout_state.cu), so the backward draws the
+// forward's mask whatever the caller's state is by then, and a graph replay
+// draws the replay's.
 #include <cuda_runtime.h>
 
 #include <string>
 #include <tuple>
 #include <utility>
 
+#include "../../common/dropout.h"
 #include "../../common/plan.h"
 #include "../../common/validate.h"
 #include "../detail/host.h"
@@ -38,6 +44,7 @@
 #include "attention_backward.h"
 #include "blas.h"
 #include "column_sums.h"
+#include "dropout_state.h"
 #include "norm.h"
 #include "weight_planes.h"
 
@@ -47,15 +54,6 @@ namespace {
 using cuda::cuda_error;
 
 Status invalid(const std::string& what) { return {StatusCode::kInvalidArgument, what}; }
-
-// Positions as rows of the (T, D) matrices: the view's strides in units of D.
-AxisView row_indices(const AxisView& v, int64_t D) {
-  return {v.num_seq, v.len, v.inner, v.seq_stride / D, v.pos_stride / D, v.batch_stride / D};
-}
-
-bool any(const AxisGrads& g) {
-  return g.norm_weight || g.norm_bias || g.qkv_weight || g.out_weight || g.out_bias;
-}
 
 // One pass's intermediates in the workspace.
 struct PassBuffers {
@@ -70,7 +68,14 @@ class Training {
  public:
   Training(const AxialParams& p, const CudaBackwardPlan& plan, char* saved, char* ws, const DeviceCaps& dev,
            cudaStream_t stream, cublasHandle_t blas)
-      : p_(p), dev_(dev), stream_(stream), blas_(blas), T_(p.batch * p.height * p.width), D_((int)p.dim) {
+      : p_(p),
+        dev_(dev),
+        stream_(stream),
+        blas_(blas),
+        T_(p.batch * p.height * p.width),
+        D_((int)p.dim),
+        dropout_(make_dropout(p)),
+        dropout_state_(reinterpret_cast<uint64_t*>(saved + plan.dropout_state)) {
     const auto in = [](char* base, size_t offset) { return reinterpret_cast<float*>(base + offset); };
     const auto pass = [&](const CudaBackwardPlan::Pass& b) {
       return PassBuffers{in(saved, b.norm), in(saved, b.stats), in(saved, b.qkv), in(saved, b.attn), in(saved, b.lse)};
@@ -89,10 +94,17 @@ class Training {
 
   // out = the forward of x, each pass's intermediates kept.
   Status forward(float* out) {
+    // The mask's seed and offset (zeros without dropout: every byte of saved is written).
+    const bool drop = p_.dropout > 0.0f;
+    if (cudaError_t e = cuda::write_dropout_state(drop ? p_.seed : 0, drop ? p_.offset : 0,
+                                                  drop ? p_.seed_device : nullptr, drop ? p_.offset_device : nullptr,
+                                                  dropout_state_, dev_, stream_);
+        e != cudaSuccess)
+      return cuda_error(e, "write_dropout_state launch");
     if (Status s = split_planes(false); !s.ok()) return s;
-    if (Status s = forward_pass(row_view(p_), p_.row, p_.x, row_, planes_[0]); !s.ok()) return s;
+    if (Status s = forward_pass(0, row_view(p_), p_.row, p_.x, row_, planes_[0]); !s.ok()) return s;
     if (Status s = output_product(p_.row, p_.x, row_, planes_[0], x1_); !s.ok()) return s;
-    if (Status s = forward_pass(col_view(p_), p_.col, x1_, col_, planes_[1]); !s.ok()) return s;
+    if (Status s = forward_pass(1, col_view(p_), p_.col, x1_, col_, planes_[1]); !s.ok()) return s;
     return output_product(p_.col, x1_, col_, planes_[1], out);
   }
 
@@ -100,12 +112,12 @@ class Training {
     if (Status s = split_planes(true); !s.ok()) return s;
     const bool want_row = g.grad_x != nullptr || any(g.row);
     // Back through the column pass (into the gradient of x1), then the row pass (into grad_x).
-    if (Status s = backward_pass(col_view(p_), p_.col, x1_, col_, planes_[1], g.grad_out, want_row ? d_x1_ : nullptr,
-                                 g.col);
+    if (Status s = backward_pass(1, col_view(p_), p_.col, x1_, col_, planes_[1], g.grad_out,
+                                 want_row ? d_x1_ : nullptr, g.col);
         !s.ok())
       return s;
     if (!want_row) return Status::Ok();
-    return backward_pass(row_view(p_), p_.row, p_.x, row_, planes_[0], d_x1_, g.grad_x, g.row);
+    return backward_pass(0, row_view(p_), p_.row, p_.x, row_, planes_[0], d_x1_, g.grad_x, g.row);
   }
 
  private:
@@ -152,8 +164,8 @@ class Training {
     return cuda::gemm(blas_, false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
   }
 
-  // xn = LayerNorm(src), qkv = xn Wqkv^T, attn and lse = attention of qkv.
-  Status forward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
+  // xn = LayerNorm(src), qkv = xn Wqkv^T, attn and lse = attention of qkv (pass 0: rows, 1: columns).
+  Status forward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                       const Planes& planes) {
     if (cudaError_t e = cuda::layer_norm_forward(src, w.norm_weight, w.norm_bias, p_.eps, T_, D_, b.norm, b.stats,
                                                  dev_, stream_);
@@ -166,6 +178,7 @@ class Training {
     f.pos = row_indices(view, D_);
     f.qkv = b.qkv, f.o = b.attn, f.lse = b.lse;
     f.D = D_, f.heads = (int)p_.heads;
+    f.dropout = dropout_, f.pass = pass, f.philox = dropout_state_;
     if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "flash_attention launch");
     return Status::Ok();
@@ -179,22 +192,22 @@ class Training {
 
   // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight
   // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
-  Status backward_pass(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
+  Status backward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                        const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
     // The pass's column sums (d_bo, d_beta, d_gamma) in one pair of launches at the end: their
     // inputs (dy, d_xn, d_xn * xhat) all stay until then.
     cuda::ColumnSumJobs sums;
     if (grads.out_bias) sums.add(dy, grads.out_bias);
-    if (Status s = gradients_through(view, w, src, b, planes, dy, d_src, grads, &sums); !s.ok()) return s;
+    if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, &sums); !s.ok()) return s;
     if (cudaError_t e = cuda::column_sums(sums, T_, D_, partials_, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
     return Status::Ok();
   }
 
   // backward_pass's products and kernels, from d_Wo on; the column sums it needs go into *sums.
-  Status gradients_through(const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
-                           const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads,
-                           cuda::ColumnSumJobs* sums) {
+  Status gradients_through(int pass, const AxisView& view, const AxisWeights& w, const float* src,
+                           const PassBuffers& b, const Planes& planes, const float* dy, float* d_src,
+                           const AxisGrads& grads, cuda::ColumnSumJobs* sums) {
     if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
       if (Status s = cuda::gemm(blas_, true, false, D_, D_, T_, dy, D_, b.attn, D_, 0.0f, grads.out_weight, D_,
                                 "out_weight gradient");
@@ -211,6 +224,7 @@ class Training {
     a.pos = row_indices(view, D_);
     a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
     a.D = D_, a.heads = (int)p_.heads;
+    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
     if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "attention_backward launch");
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
@@ -242,20 +256,12 @@ class Training {
   cublasHandle_t blas_;
   int64_t T_;
   int D_;
+  DropoutParams dropout_;   // the mask's sizes and rate; its seed and offset are read from dropout_state_
+  uint64_t* dropout_state_;  // saved's {seed, offset}: written by forward(), read by the kernels
   PassBuffers row_, col_;
   Planes planes_[2];  // row, column
   float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
 };
-
-Status check_plan(const AxialParams& p, const CudaBackwardPlan& plan, int device) {
-  if (plan.batch != p.batch || plan.height != p.height || plan.width != p.width || plan.dim != p.dim ||
-      plan.heads != p.heads)
-    return invalid("the backward plan was made for another problem: " + plan.describe());
-  if (plan.device != device)
-    return invalid("the backward plan was made for device " + std::to_string(plan.device) +
-                   ", the current device is " + std::to_string(device));
-  return Status::Ok();
-}
 
 // Zeros in every wanted weight gradient: the gradients of an empty problem.
 Status zero_weight_grads(const AxialParams& p, const AxialGrads& g, cudaStream_t stream) {
@@ -276,8 +282,9 @@ Status check_call(const AxialParams& p, const CudaBackwardPlan& plan, const void
                   const void* workspace, size_t workspace_bytes, DeviceCaps* dev) {
   if (Status s = validate_inputs(p); !s.ok()) return s;
   if (Status s = cuda::current_device(dev); !s.ok()) return s;
-  if (Status s = check_plan(p, plan, dev->device); !s.ok()) return s;
-  if (p.dropout > 0) return {StatusCode::kUnsupported, "attention dropout is not implemented on CUDA yet"};
+  if (Status s = check_plan_matches(p, plan, dev->device, "the backward plan"); !s.ok()) return s;
+  if ((p.seed_device == nullptr) != (p.offset_device == nullptr))
+    return invalid("seed_device and offset_device must be given together");
   if (p.batch * p.height * p.width == 0) return Status::Ok();
   for (const auto& [buf, bytes, need, name] :
        {std::tuple{saved, saved_bytes, plan.saved_bytes, "saved"},

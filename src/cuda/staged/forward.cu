@@ -427,11 +427,6 @@ cudaError_t launch_attention(const AttnArgs& a, const DeviceCaps& dev, cudaStrea
   return launch_attention<HD, false>(a, staged_attention_smem_bytes(a.pos.len, HD), dev, stream);
 }
 
-// Positions as rows of the (T, D) matrices: the view's strides in units of D.
-AxisView row_indices(const AxisView& v, int64_t D) {
-  return {v.num_seq, v.len, v.inner, v.seq_stride / D, v.pos_stride / D, v.batch_stride / D};
-}
-
 }  // namespace
 
 Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
