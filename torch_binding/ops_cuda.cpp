@@ -4,6 +4,7 @@
 // and offset come from PyTorch's default CUDA generator of x's device, as
 // PyTorch's own fused attention takes them: under CUDA graph capture as
 // pointers the kernels read at replay (AxialParams::seed_device).
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
@@ -82,7 +83,9 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
 
 CudaBackwardPlan training_plan(const AxialParams& p) {
   CudaBackwardPlan plan;
-  const Status s = plan_backward_cuda(p, &plan);
+  // cuBLAS on PyTorch's handle for the current stream, with PyTorch's workspace (kept across calls,
+  // as for PyTorch's own products), rather than a workspace region of each call's own.
+  const Status s = plan_backward_cuda(p, &plan, /*caller_blas=*/true);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
   return plan;
 }
@@ -96,7 +99,8 @@ c10::DataPtr training_workspace(const CudaBackwardPlan& plan) {
 void run_training_forward(const AxialParams& p, const CudaBackwardPlan& plan, const at::Tensor& saved) {
   const c10::DataPtr workspace = training_workspace(plan);
   const Status s = forward_cuda_training(p, plan, saved.data_ptr(), saved.numel() * sizeof(float), workspace.get(),
-                                         plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
+                                         plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
+                                         at::cuda::getCurrentCUDABlasHandle());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
 }
 
@@ -160,7 +164,8 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(empty ? 0 : plan.workspace_bytes);
   const Status s = backward_cuda(p, b.grads, plan, empty ? nullptr : saved.data_ptr(),
                                  empty ? 0 : saved.numel() * sizeof(float), workspace.get(),
-                                 empty ? 0 : plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
+                                 empty ? 0 : plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
+                                 empty ? nullptr : at::cuda::getCurrentCUDABlasHandle());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CUDA): ", s.message);
   return b.outputs;
 }

@@ -249,8 +249,11 @@ struct CudaBackwardPlan {
   size_t grad_norm = 0;        // (T, D) gradient of a pass's LayerNorm output
   size_t delta = 0;            // (T, heads) rowsum(dO o O) per head, of the attention backward
   size_t column_partials = 0;  // (3, 128, D) per-chunk column sums of the bias and LayerNorm weight gradients
-  size_t blas = 0;             // cuBLAS's workspace (its products' scratch)
+  size_t blas = 0;             // cuBLAS's workspace (its products' scratch); none where caller_blas
   size_t blas_bytes = 0;
+  // The training calls run their cuBLAS products on the caller's handle (plan_backward_cuda's
+  // caller_blas), with its workspace: the plan reserves none.
+  bool caller_blas = false;
   // Where the projections run on the tensor cores (3xTF32 wgmma), the weights as (hi, lo) TF32
   // planes, per pass (row, then column) Wqkv, Wout, Wout^T, Wqkv^T: 16 D^2 floats a pass; else kNone.
   bool tensor_core_products = false;
@@ -266,8 +269,11 @@ struct CudaBackwardPlan {
 
 // Plans the training calls of p on the current CUDA device (p validated first; pointers may be
 // null). kUnsupported for head dims above kCudaBackwardMaxHeadDim, on GPUs below compute
-// capability 8.0, and in a build without CUDA.
-Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan);
+// capability 8.0, and in a build without CUDA. caller_blas: the caller will pass its own cuBLAS
+// handle to the training calls (a framework's, whose workspace persists across calls, as
+// PyTorch's does), so the workspace holds no cuBLAS scratch; otherwise the calls use a handle of
+// the library's own with a region of the workspace (cuBLAS's recommended size for the GPU).
+Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan, bool caller_blas = false);
 
 // The bytes of `saved` for p (plan.saved_bytes; it depends on the sizes alone, not the device).
 Status cuda_saved_bytes(const AxialParams& p, size_t* bytes);
@@ -278,8 +284,12 @@ Status cuda_saved_bytes(const AxialParams& p, size_t* bytes);
 // 16 bytes). `saved` and `workspace` are 256-byte aligned device buffers; the workspace
 // holds workspace_bytes >= plan.workspace_bytes bytes. Launches only (no allocation, no
 // synchronisation), so it can be captured in a graph.
+// blas_handle: where plan.caller_blas, the caller's cuBLAS handle (a cublasHandle_t) bound to
+// `stream`, with its workspace set; its math mode is set to fp32 for the call's products and
+// restored after. Null otherwise.
 Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,
-                             void* workspace, size_t workspace_bytes, CUstream_st* stream);
+                             void* workspace, size_t workspace_bytes, CUstream_st* stream,
+                             void* blas_handle = nullptr);
 
 // The backward of forward_cuda_training(p) on `stream`, from the `saved` it filled: writes (does
 // not accumulate) every non-null gradient of g, with backward_cpu's aliasing rules (grad_x may
@@ -287,6 +297,7 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
 // again from the seed and offset the forward wrote into `saved` (p.seed, p.offset and the
 // device pointers are not read). Launches only, as above.
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
-                     size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream);
+                     size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream,
+                     void* blas_handle = nullptr);
 
 }  // namespace fastaxial

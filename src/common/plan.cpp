@@ -230,14 +230,9 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   return Status::Ok();
 }
 
-size_t backward_blas_bytes(const DeviceCaps& dev, int64_t dim) {
-  const size_t cap = static_cast<size_t>(dev.cc_major >= 9 ? 32 : 4) << 20;
-  const size_t d = (size_t)std::max<int64_t>(dim, 0);
-  if (d > 1024) return cap;
-  return std::min(cap, std::max(size_t{1} << 20, 16 * 3 * d * d * sizeof(float)));
-}
+size_t backward_blas_bytes(const DeviceCaps& dev) { return static_cast<size_t>(dev.cc_major >= 9 ? 32 : 4) << 20; }
 
-Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan) {
+Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan, bool caller_blas) {
   const int64_t hd = p.dim / p.heads;
   if (hd > kCudaBackwardMaxHeadDim)
     return {StatusCode::kUnsupported, "the CUDA backward serves head dims up to " +
@@ -267,8 +262,12 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   fits = fits && append(&end, td, &c.grad_row_output) && append(&end, td, &c.grad_attn) &&
          append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) && append(&end, th, &c.delta) &&
          append(&end, 3 * kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
-  c.blas_bytes = backward_blas_bytes(dev, p.dim);
-  fits = fits && append(&end, c.blas_bytes, &c.blas);
+  c.caller_blas = caller_blas;
+  c.blas_bytes = caller_blas ? 0 : backward_blas_bytes(dev);
+  if (caller_blas)
+    c.blas = CudaBackwardPlan::kNone;
+  else
+    fits = fits && append(&end, c.blas_bytes, &c.blas);
   // The staged path's product (staged/gemm.cu) where the device runs it and its N and K fit.
   c.tensor_core_products = dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kStagedGemmSmemBytes && D % 8 == 0;
   if (c.tensor_core_products) {
@@ -296,8 +295,10 @@ std::string CudaBackwardPlan::describe() const {
   s << "training: the forward with its intermediates saved (" << (tensor_core_products ? "3xTF32 wgmma" : "cuBLAS fp32")
     << " projections, flash attention with log-sum-exp), then column and row passes back (weight gradients as cuBLAS "
        "fp32 products, flash-style attention backward); saved "
-    << saved_bytes << " B, workspace " << workspace_bytes << " B, of which cuBLAS " << blas_bytes << " B (B " << batch << ", H " << height << ", W "
-    << width << ", D " << dim << ", heads " << heads << ", device " << device << ")";
+    << saved_bytes << " B, workspace " << workspace_bytes << " B, "
+    << (caller_blas ? std::string("cuBLAS on the caller's handle")
+                    : "of which cuBLAS " + std::to_string(blas_bytes) + " B")
+    << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device " << device << ")";
   return s.str();
 }
 

@@ -49,17 +49,18 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 
 // The plan of p's CUDA backward on dev (fastaxial.h's CudaBackwardPlan); p
 // must have passed validate_sizes().
-Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan);
+Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan,
+                          bool caller_blas = false);
 
 // Most chunks of rows a column sum of the backward adds separately (backward/column_sums.cu); the
 // backward sums three matrices at once.
 constexpr int64_t kMaxColumnSumChunks = 128;
 
-// cuBLAS's workspace in a backward: room for 16 split-K partial products of the largest weight
-// gradient (3D x D floats), at least 1 MiB, at most cuBLAS's recommendation (32 MiB on Hopper,
-// 4 MiB on older GPUs). The weight gradients are cuBLAS's only products with a long K (all
-// B H W positions) and a small output; a fixed 32 MiB doubled a small problem's peak memory.
-size_t backward_blas_bytes(const DeviceCaps& dev, int64_t dim);
+// cuBLAS's workspace in a backward on the library's own handle: its recommendation for Hopper
+// (32 MiB), 4 MiB on older GPUs. Less changes its choice of algorithm for the weight gradients
+// (long sums over all B H W positions into a small output) to ones with longer sums in one
+// thread: 1 MiB gave errors 5 times fp32 PyTorch's at 4096 positions of dim 16.
+size_t backward_blas_bytes(const DeviceCaps& dev);
 
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------
 

@@ -22,14 +22,15 @@ Status forward_cuda(const AxialParams& p, const CudaPlan&, void*, size_t, CUstre
 
 Status forward_cuda(const AxialParams& p, void*, size_t, CUstream_st*) { return no_cuda(p); }
 
-Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan*) { return no_cuda(p, false); }
+Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan*, bool) { return no_cuda(p, false); }
 
-Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan&, void*, size_t, void*, size_t, CUstream_st*) {
+Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan&, void*, size_t, void*, size_t, CUstream_st*,
+                             void*) {
   return no_cuda(p);
 }
 
 Status backward_cuda(const AxialParams& p, const AxialGrads&, const CudaBackwardPlan&, const void*, size_t, void*, size_t,
-                     CUstream_st*) {
+                     CUstream_st*, void*) {
   if (Status s = validate_inputs(p); !s.ok()) return s;
   return {StatusCode::kUnsupported, "fastaxial was built without CUDA"};
 }

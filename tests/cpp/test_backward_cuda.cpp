@@ -3,11 +3,13 @@
 // (reference.h, itself checked against finite differences in test_backward_cpu.cpp), on short
 // and long axes and head dims 1 to 256; null gradients, grad_x in place of grad_out, bitwise
 // determinism, the empty problem, and the plan's, saved buffer's and workspace's checks.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -244,6 +246,68 @@ TEST_F(CudaBackwardRuns, ChecksPlanSavedAndWorkspace) {
   EXPECT_EQ(st.code, StatusCode::kUnsupported) << st.message;
   EXPECT_EQ(cuda_saved_bytes(wide, &saved_bytes).code, StatusCode::kUnsupported);
   EXPECT_NE(st.message.find("head dims up to"), std::string::npos) << st.message;
+}
+
+// The caller's cuBLAS handle (a framework's, as the torch binding passes PyTorch's): the plan
+// reserves no workspace for it; the calls run on it in fp32 whatever its math mode (here TF32,
+// which the gradients' bounds would not pass), and give its mode back; a plan without the option
+// refuses a handle, a plan with it refuses none, and a handle bound to another stream is refused.
+TEST_F(CudaBackwardRuns, CallersBlasHandle) {
+  cublasHandle_t h = nullptr;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  const std::unique_ptr<cublasContext, cublasStatus_t (*)(cublasHandle_t)> owner(h, cublasDestroy);
+  ASSERT_EQ(cublasSetMathMode(h, CUBLAS_TF32_TENSOR_OP_MATH), CUBLAS_STATUS_SUCCESS);
+  CudaBackwardPlan plan, own;
+  ASSERT_TRUE(plan_backward_cuda(dp, &plan, /*caller_blas=*/true).ok());
+  ASSERT_TRUE(plan_backward_cuda(dp, &own).ok());
+  EXPECT_EQ(plan.blas_bytes, 0u);
+  EXPECT_LT(plan.workspace_bytes, own.workspace_bytes);
+  DevicePtr ws = device_alloc(plan.workspace_bytes / sizeof(float) + 1);
+  DevicePtr saved = device_alloc(plan.saved_bytes / sizeof(float) + 1);
+  DevicePtr out = device_alloc(gout_f.size()), go = device_alloc(gout_f.size());
+  CUDA_OK(cudaMemcpy(go.get(), gout_f.data(), gout_f.size() * sizeof(float), cudaMemcpyHostToDevice));
+  Grads got(s);
+  auto list = got.all();
+  std::vector<DevicePtr> bufs;
+  for (auto& [buf, name] : list) {
+    bufs.push_back(device_alloc(buf->size()));
+    CUDA_OK(cudaMemcpy(bufs.back().get(), buf->data(), buf->size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  AxialGrads g;
+  g.grad_out = go.get();
+  g.grad_x = bufs[0].get();
+  g.row = {bufs[1].get(), bufs[2].get(), bufs[3].get(), bufs[4].get(), bufs[5].get()};
+  g.col = {bufs[6].get(), bufs[7].get(), bufs[8].get(), bufs[9].get(), bufs[10].get()};
+  AxialParams fp = dp;
+  fp.out = out.get();
+  const size_t sb = plan.saved_bytes, wb = plan.workspace_bytes;
+  Status st = forward_cuda_training(fp, plan, saved.get(), sb, ws.get(), wb, nullptr, h);
+  ASSERT_TRUE(st.ok()) << st.message;
+  st = backward_cuda(dp, g, plan, saved.get(), sb, ws.get(), wb, nullptr, h);
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  for (size_t i = 0; i < list.size(); ++i)
+    CUDA_OK(cudaMemcpy(list[i].first->data(), bufs[i].get(), list[i].first->size() * sizeof(float),
+                       cudaMemcpyDeviceToHost));
+  RefGrads<double> ref = reference_backward(p, gout);
+  RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
+  expect_grads_match(got, ref, ref32);
+  cublasMath_t mode = CUBLAS_DEFAULT_MATH;
+  ASSERT_EQ(cublasGetMathMode(h, &mode), CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(mode, CUBLAS_TF32_TENSOR_OP_MATH) << "the caller's math mode comes back";
+
+  const auto expect_invalid = [](const Status& r, const std::string& needle) {
+    EXPECT_EQ(r.code, StatusCode::kInvalidArgument) << r.message;
+    EXPECT_NE(r.message.find(needle), std::string::npos) << r.message;
+  };
+  expect_invalid(backward_cuda(dp, g, plan, saved.get(), sb, ws.get(), wb, nullptr, nullptr), "none was given");
+  DevicePtr own_ws = device_alloc(own.workspace_bytes / sizeof(float) + 1);
+  expect_invalid(backward_cuda(dp, g, own, saved.get(), sb, own_ws.get(), own.workspace_bytes, nullptr, h),
+                 "without caller_blas");
+  cudaStream_t other = nullptr;
+  CUDA_OK(cudaStreamCreate(&other));
+  expect_invalid(backward_cuda(dp, g, plan, saved.get(), sb, ws.get(), wb, other, h), "another stream");
+  CUDA_OK(cudaStreamDestroy(other));
 }
 
 }  // namespace

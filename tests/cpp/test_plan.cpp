@@ -365,20 +365,22 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
   }
 }
 
-// cuBLAS's workspace: 16 split-K partials of the (3D, D) weight gradient, between 1 MiB and
-// cuBLAS's recommendation for the device (32 MiB on Hopper, 4 MiB before).
-TEST(BackwardPlan, BlasWorkspaceScalesWithDim) {
-  const auto blas = [](int64_t dim, const DeviceCaps& dev) {
-    return backward_plan_of(problem(1, 4, 4, dim, dim >= 256 ? dim / 64 : 1), dev).blas_bytes;
-  };
-  EXPECT_EQ(blas(8, h200()), 1u << 20);
-  EXPECT_EQ(blas(64, h200()), 1u << 20);                  // 16 * 3 * 64^2 * 4 = 768 KiB
-  EXPECT_EQ(blas(128, h200()), 16u * 3 * 128 * 128 * 4);  // 3 MiB
-  EXPECT_EQ(blas(256, h200()), 16u * 3 * 256 * 256 * 4);  // 12 MiB
-  EXPECT_EQ(blas(512, h200()), 32u << 20);
-  EXPECT_EQ(blas(4096, h200()), 32u << 20);
-  EXPECT_EQ(blas(256, a100()), 4u << 20);
-  EXPECT_EQ(blas(8, a100()), 1u << 20);
+// cuBLAS's workspace: its recommended size on the library's own handle (32 MiB on Hopper, 4 MiB
+// before), none where the caller brings its handle.
+TEST(BackwardPlan, BlasWorkspaceUnlessTheCallerBringsAHandle) {
+  const AxialParams p = problem(4, 32, 32, 64, 4);
+  const CudaBackwardPlan own = backward_plan_of(p, h200());
+  EXPECT_EQ(own.blas_bytes, 32u << 20);
+  EXPECT_FALSE(own.caller_blas);
+  EXPECT_EQ(backward_plan_of(p, a100()).blas_bytes, 4u << 20);
+  CudaBackwardPlan caller;
+  ASSERT_TRUE(make_backward_plan(p, h200(), &caller, /*caller_blas=*/true).ok());
+  EXPECT_TRUE(caller.caller_blas);
+  EXPECT_EQ(caller.blas_bytes, 0u);
+  EXPECT_EQ(caller.blas, CudaBackwardPlan::kNone);
+  EXPECT_EQ(caller.workspace_bytes + (32u << 20), own.workspace_bytes) << "the same layout less cuBLAS's region";
+  EXPECT_EQ(caller.saved_bytes, own.saved_bytes);
+  EXPECT_NE(caller.describe().find("caller's handle"), std::string::npos) << caller.describe();
 }
 
 // The projections on the tensor cores where the staged path's product runs: sm_90a code and

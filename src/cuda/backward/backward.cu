@@ -300,11 +300,11 @@ Status check_call(const AxialParams& p, const CudaBackwardPlan& plan, const void
 
 }  // namespace
 
-Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan) {
+Status plan_backward_cuda(const AxialParams& p, CudaBackwardPlan* plan, bool caller_blas) {
   if (Status s = validate_sizes(p); !s.ok()) return s;
   DeviceCaps dev;
   if (Status s = cuda::current_device(&dev); !s.ok()) return s;
-  return make_backward_plan(p, dev, plan);
+  return make_backward_plan(p, dev, plan, caller_blas);
 }
 
 // Zeros in the alignment gaps between the saved buffer's regions, so that every byte of it is
@@ -315,7 +315,7 @@ Status zero_saved_gaps(const AxialParams& p, const CudaBackwardPlan& plan, char*
   const std::pair<size_t, size_t> regions[] = {
       {plan.row.norm, td}, {plan.row.stats, 2 * T * sizeof(float)}, {plan.row.qkv, 3 * td}, {plan.row.attn, td},
       {plan.row.lse, th},  {plan.col.norm, td}, {plan.col.stats, 2 * T * sizeof(float)},   {plan.col.qkv, 3 * td},
-      {plan.col.attn, td}, {plan.col.lse, th},  {plan.row_output, td}};
+      {plan.col.attn, td}, {plan.col.lse, th},  {plan.row_output, td}, {plan.dropout_state, 2 * sizeof(uint64_t)}};
   size_t end = 0;  // regions lie in this order (plan.cpp)
   for (const auto& [offset, bytes] : regions) {
     if (offset > end)
@@ -326,21 +326,34 @@ Status zero_saved_gaps(const AxialParams& p, const CudaBackwardPlan& plan, char*
   return Status::Ok();
 }
 
+// The call's cuBLAS handle: the caller's (bound by `caller`), or the library's own with the plan's region.
+static Status call_blas(const CudaBackwardPlan& plan, void* caller_handle, char* ws, cudaStream_t stream,
+                 cuda::CallerBlas* caller, cublasHandle_t* blas) {
+  if (plan.caller_blas != (caller_handle != nullptr))
+    return invalid(plan.caller_blas ? "the plan was made for the caller's cuBLAS handle, and none was given"
+                                    : "a cuBLAS handle was given to a plan made without caller_blas");
+  if (caller_handle == nullptr) return cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, blas);
+  *blas = static_cast<cublasHandle_t>(caller_handle);
+  return caller->bind(*blas, stream);
+}
+
 Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,
-                             void* workspace, size_t workspace_bytes, CUstream_st* stream) {
+                             void* workspace, size_t workspace_bytes, CUstream_st* stream, void* blas_handle) {
   if (Status s = validate(p); !s.ok()) return s;
   DeviceCaps dev;
   if (Status s = check_call(p, plan, saved, saved_bytes, workspace, workspace_bytes, &dev); !s.ok()) return s;
   if (p.batch * p.height * p.width == 0) return Status::Ok();
   char* ws = static_cast<char*>(workspace);
   cublasHandle_t blas = nullptr;
-  if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
+  cuda::CallerBlas caller;
+  if (Status s = call_blas(plan, blas_handle, ws, stream, &caller, &blas); !s.ok()) return s;
   if (Status s = zero_saved_gaps(p, plan, static_cast<char*>(saved), stream); !s.ok()) return s;
   return Training(p, plan, static_cast<char*>(saved), ws, dev, stream, blas).forward(p.out);
 }
 
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
-                     size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream) {
+                     size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream,
+                     void* blas_handle) {
   DeviceCaps dev;
   if (Status s = check_call(p, plan, saved, saved_bytes, workspace, workspace_bytes, &dev); !s.ok()) return s;
   if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
@@ -349,7 +362,8 @@ Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwa
   if (g.grad_x == nullptr && !any(g.row) && !any(g.col)) return Status::Ok();
   char* ws = static_cast<char*>(workspace);
   cublasHandle_t blas = nullptr;
-  if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
+  cuda::CallerBlas caller;
+  if (Status s = call_blas(plan, blas_handle, ws, stream, &caller, &blas); !s.ok()) return s;
   // The saved forward is only read: the const is cast away for the shared buffer layout.
   return Training(p, plan, static_cast<char*>(const_cast<void*>(saved)), ws, dev, stream, blas).backward(g);
 }

@@ -45,6 +45,23 @@ Status blas_handle(cudaStream_t stream, void* workspace, size_t workspace_bytes,
   return Status::Ok();
 }
 
+Status CallerBlas::bind(cublasHandle_t h, cudaStream_t stream) {
+  cudaStream_t bound = nullptr;
+  if (cublasStatus_t s = cublasGetStream(h, &bound); s != CUBLAS_STATUS_SUCCESS) return blas_error(s, "cublasGetStream");
+  if (bound != stream)
+    return {StatusCode::kInvalidArgument, "the caller's cuBLAS handle is bound to another stream than the call's"};
+  if (cublasStatus_t s = cublasGetMathMode(h, &mode_); s != CUBLAS_STATUS_SUCCESS)
+    return blas_error(s, "cublasGetMathMode");
+  if (cublasStatus_t s = cublasSetMathMode(h, CUBLAS_DEFAULT_MATH); s != CUBLAS_STATUS_SUCCESS)
+    return blas_error(s, "cublasSetMathMode");
+  h_ = h;
+  return Status::Ok();
+}
+
+CallerBlas::~CallerBlas() {
+  if (h_ != nullptr) cublasSetMathMode(h_, mode_);  // the caller's mode back (nothing to report to)
+}
+
 Status gemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
             int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const char* what) {
   if (M == 0 || N == 0) return Status::Ok();

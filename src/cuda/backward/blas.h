@@ -20,6 +20,22 @@ namespace fastaxial::cuda {
 // Created on the first use in a thread and kept for the thread's life.
 Status blas_handle(cudaStream_t stream, void* workspace, size_t workspace_bytes, cublasHandle_t* handle);
 
+// The caller's handle for one training call: checked to be bound to `stream`, its math mode set
+// to fp32 (a framework may have allowed TF32 on it) until the object is destroyed, when the
+// caller's mode comes back.
+class CallerBlas {
+ public:
+  CallerBlas() = default;
+  CallerBlas(const CallerBlas&) = delete;
+  CallerBlas& operator=(const CallerBlas&) = delete;
+  ~CallerBlas();
+  Status bind(cublasHandle_t h, cudaStream_t stream);
+
+ private:
+  cublasHandle_t h_ = nullptr;
+  cublasMath_t mode_ = CUBLAS_DEFAULT_MATH;
+};
+
 // Row-major C (M, N) = op(A) op(B) + beta C, op(A) (M, K), op(B) (K, N);
 // trans_a: A is stored (K, M), trans_b: B is stored (N, K); lda, ldb, ldc are
 // the row strides as stored.
