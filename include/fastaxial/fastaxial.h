@@ -158,6 +158,12 @@ struct CudaPlan {
   size_t staged_scratch = kNone;        // 4 T D floats (T = B H W) for the staged passes
   size_t row_weight_planes = kNone;     // a staged pass's weights as TF32 (hi, lo) planes:
   size_t col_weight_planes = kNone;     //   8 D^2 floats each
+  // Split-KV partials of the staged passes that take the flash kernel with
+  // its keys split (few sequences and heads, long sequences): sized for the
+  // larger of the two passes, right after staged_scratch (forward.cu finds it
+  // there); kNone where no pass splits.
+  size_t flash_partials = kNone;
+  size_t flash_partials_bytes = 0;
   size_t workspace_bytes = 0;           // the whole workspace
 
   // What the plan was made for; forward_cuda rejects another problem or device.

@@ -87,6 +87,8 @@ std::string CudaPlan::describe() const {
   if (staged_scratch != kNone) s << ", staged scratch at " << staged_scratch;
   if (row_weight_planes != kNone) s << ", row weight planes at " << row_weight_planes;
   if (col_weight_planes != kNone) s << ", col weight planes at " << col_weight_planes;
+  if (flash_partials != kNone)
+    s << ", flash split-KV partials at " << flash_partials << " (" << flash_partials_bytes << " B)";
   s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
     << device << ")";
   return s.str();
@@ -206,6 +208,7 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   // The row pass's output, the workspace's first region, is 256-byte
   // aligned; null stands in for it (it counts as aligned).
   const float* x1 = nullptr;
+  const AxisView row = row_view(p), col = col_view(p);
   if (Status s = plan_pass(row_view(p), p.dim, p.heads, pass_aligned(p.row, p.x, x1), dev, options, &c.row); !s.ok())
     return s;
   if (Status s = plan_pass(col_view(p), p.dim, p.heads, pass_aligned(p.col, x1, p.out), dev, options, &c.col);
@@ -221,6 +224,17 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   if (fits && (row_staged || col_staged)) {
     const size_t planes = 8 * (size_t)p.dim * (size_t)p.dim * sizeof(float);
     fits = bytes <= ~size_t{0} / 4 && append(&end, 4 * bytes, &c.staged_scratch);
+    // The flash kernel's split-KV partials (smem_layout.h), right after the
+    // scratch: staged_flash_partials_offset() is where forward.cu looks.
+    size_t partials = 0;
+    if (c.row.flash) partials = flash_partials_bytes(row.num_seq, row.len, p.dim / p.heads, p.heads, dev.sms);
+    if (c.col.flash)
+      partials = std::max(partials, flash_partials_bytes(col.num_seq, col.len, p.dim / p.heads, p.heads, dev.sms));
+    if (fits && partials > 0) {
+      fits = append(&end, partials, &c.flash_partials);
+      c.flash_partials_bytes = partials;
+      fits = fits && c.flash_partials == c.staged_scratch + staged_flash_partials_offset(bytes / sizeof(float));
+    }
     if (fits && row_staged) fits = append(&end, planes, &c.row_weight_planes);
     if (fits && col_staged) fits = append(&end, planes, &c.col_weight_planes);
   }

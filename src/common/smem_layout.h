@@ -60,4 +60,64 @@ constexpr int kFlashMaxHeadDim = 256;
 constexpr size_t kFlashMaxSmemBytes = 134656;
 static_assert(kFlashMaxSmemBytes <= kStagedGemmSmemBytes, "the staged path's devices fit every flash tiling");
 
+// The flash kernel's tiling, for its launcher and for plan.cpp: queries a
+// block (kFlashQueryTile), the padded head dim HDP serving a head dim (0:
+// none) and the keys a shared-memory tile (BN) at that HDP.
+constexpr int kFlashQueryTile = 64;
+FASTAXIAL_HOST_DEVICE constexpr int flash_padded_head_dim(int64_t head_dim) {
+  return head_dim < 1     ? 0
+         : head_dim <= 8  ? 8
+         : head_dim <= 16 ? 16
+         : head_dim <= 32 ? 32
+         : head_dim <= 48 ? 48
+         : head_dim <= 64 ? 64
+         : head_dim <= 96 ? 96
+         : head_dim <= 128 ? 128
+         : head_dim <= 192 ? 192
+         : head_dim <= kFlashMaxHeadDim ? 256
+                                        : 0;
+}
+FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ? 64 : hdp <= 128 ? 32 : 16; }
+
+// Split-KV ("flash-decoding") in the inference forward: where a pass's
+// (sequence, head, query tile) blocks are too few to fill the device (a
+// long sequence with few sequences and heads: (1, 1, 4096, 32, 1)'s row
+// pass is 64 blocks on 132 SMs, each streaming all 4096 keys), the key tiles
+// of each (item, query tile) are cut into S contiguous ranges, a block each,
+// which write unnormalised partials that a combine kernel merges. S covers
+// the device about twice (2 sms blocks), at most 16, and leaves every split
+// at least two key tiles; 1 (no split) where the blocks already number
+// 2 sms or more, where that leaves less than 2, or for sequences shorter
+// than kFlashMinSplitLen, whose blocks are short enough that the combine's
+// launch and the partials' round trip through L2 would eat the gain (an
+// estimate, not a measurement). With S > 1 the blocks number fewer than
+// 4 sms and the partials' rows fewer than 4 sms * 64.
+constexpr int kFlashMaxSplits = 16;
+constexpr int64_t kFlashMinSplitLen = 1024;
+FASTAXIAL_HOST_DEVICE constexpr int flash_kv_splits(int64_t num_seq, int64_t len, int64_t head_dim, int64_t heads,
+                                                    int sms) {
+  const int hdp = flash_padded_head_dim(head_dim);
+  if (hdp == 0 || num_seq < 1 || len < kFlashMinSplitLen || len >= (int64_t{1} << 30) || heads < 1 || sms < 1)
+    return 1;
+  if (num_seq >= 2 * (int64_t)sms || heads >= 2 * (int64_t)sms) return 1;  // no overflow below
+  const int64_t blocks = num_seq * heads * ((len + kFlashQueryTile - 1) / kFlashQueryTile);
+  if (blocks >= 2 * (int64_t)sms) return 1;
+  const int64_t key_tiles = (len + flash_key_tile(hdp) - 1) / flash_key_tile(hdp);
+  int64_t s = (2 * (int64_t)sms + blocks - 1) / blocks;
+  if (s > key_tiles / 2) s = key_tiles / 2;
+  if (s > kFlashMaxSplits) s = kFlashMaxSplits;
+  return s >= 2 ? (int)s : 1;
+}
+
+// Bytes of the split kernels' partials for S = flash_kv_splits(...) > 1 (0
+// where S = 1). Rows r = (n heads + h) L + l (as the lse's), R of them:
+//   o: (S, R, hd) floats, unnormalised (sum over the split's keys of p v)
+//   m: (S, R) the split's row max, base-2 units of the scaled score
+//   l: (S, R) the split's row sum of 2^(s - m)
+FASTAXIAL_HOST_DEVICE constexpr size_t flash_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim,
+                                                            int64_t heads, int sms) {
+  const int s = flash_kv_splits(num_seq, len, head_dim, heads, sms);
+  return s < 2 ? 0 : (size_t)s * (size_t)(num_seq * heads * len) * (size_t)(head_dim + 2) * sizeof(float);
+}
+
 }  // namespace fastaxial

@@ -158,7 +158,9 @@ void check_forward(const Problem& p) {
 // 24, 40, 48, 96, 128 and 256; few (sequence, head) items), generic (dim not
 // a multiple of 8: head_dim 3, 1; head_dim 260); L = 4096 on either axis, and
 // one single sequence of 4096 (1 x 1 x 4096: the row pass has one item per
-// head, so only query tiles spread it over the device). 1 x 132 x 67: the
+// head, so only query tiles spread it over the device; with one head, and
+// 1 x 2 x 2051, the flash kernel splits each query tile's keys over several
+// blocks, as it does on an H200 for the other long rows above). 1 x 132 x 67: the
 // staged attention has more (column, head) items than an H200 holds blocks
 // of it, so blocks loop, each prefetching its next item during the current one.
 const Shape kShapes[] = {{1, 1, 1, 8, 1},     {2, 1, 7, 16, 2},     {1, 7, 1, 32, 4},    {2, 5, 9, 64, 8},
@@ -169,7 +171,7 @@ const Shape kShapes[] = {{1, 1, 1, 8, 1},     {2, 1, 7, 16, 2},     {1, 7, 1, 32
                          {1, 132, 67, 64, 2}, {3, 40, 20, 64, 2},   {2, 50, 64, 64, 4},  {1, 2, 2048, 64, 4},
                          {1, 4, 8, 192, 4},   {1, 3, 5, 160, 4},    {2, 9, 7, 96, 4},    {1, 5, 70, 96, 1},
                          {1, 8, 8, 512, 4},   {1, 3, 4, 512, 2},    {1, 3, 2, 520, 2},   {1, 3, 4096, 24, 1},
-                         {1, 4096, 2, 40, 5}, {1, 1, 4096, 32, 2}};
+                         {1, 4096, 2, 40, 5}, {1, 1, 4096, 32, 2}, {1, 1, 4096, 32, 1}, {1, 2, 2051, 64, 1}};
 
 class CudaForward : public ::testing::TestWithParam<Shape> {};
 

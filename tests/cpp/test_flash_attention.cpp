@@ -10,6 +10,10 @@
 // with 64-bit seeds and offsets and element indices past 2^32; lse the
 // undropped softmax's (bitwise that of the kernel without dropout); two
 // calls bitwise equal; threshold 0 bitwise the kernel without dropout.
+// Split-KV (a partials buffer given, as the inference forward does): one
+// or two long sequences, whose keys the launcher splits over several
+// blocks and merges, against the same float64 reference, bitwise
+// repeatable.
 // Skipped without a device, but for the host-side rules.
 #include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
 
@@ -29,6 +33,7 @@
 
 #include "../../src/common/axis.h"
 #include "../../src/common/plan.h"
+#include "../../src/common/smem_layout.h"
 #include "../../src/cuda/staged/flash_attention.h"
 #include "cuda_test_util.h"
 
@@ -105,8 +110,10 @@ struct Result {
 // flash_attention on pr with qkv misaligned by `misalign` floats; with
 // drop (threshold != 0: dropout), its seed and offset from the device pair
 // {seed, offset} (null: none given).
+// With `partials`, a poisoned split-KV buffer of flash_attention_partials_bytes
+// for the pass (none where that is 0).
 void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
-             const uint64_t* philox_seed_offset = nullptr) {
+             const uint64_t* philox_seed_offset = nullptr, bool partials = false) {
   const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
   const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
                   dlse = device_alloc((size_t)(lse_n + kGuardLse));
@@ -124,6 +131,16 @@ void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, 
   cuda::FlashArgs a;
   a.pos = pr.view, a.qkv = qkv_at, a.o = dout.get(), a.lse = dlse.get(), a.D = (int)D, a.heads = pr.heads;
   if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
+  DevicePtr dpart;
+  if (partials) {
+    const size_t bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, dev);
+    if (bytes > 0) {
+      dpart = device_alloc(bytes / sizeof(float));
+      ASSERT_TRUE(dpart);
+      CUDA_OK(cudaMemset(dpart.get(), 0xff, bytes));
+      a.partials = dpart.get(), a.partials_bytes = bytes;
+    }
+  }
   CUDA_OK(cuda::flash_attention(a, dev, nullptr));
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
@@ -297,6 +314,92 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{7, 40, 1, false, 10, 30, 0, 0}, Case{200, 1, 3, true, 1, 12, 0, 0},
                       Case{65, 256, 2, true, 1, 6, 5, 0}, Case{200, 64, 4, false, 2, 4, 0, 0}),
     [](const auto& info) { return case_name(info.param); });
+
+// ---- split-KV ------------------------------------------------------------------------------------
+
+// An H200's multiprocessors, for the split rule without a device.
+DeviceCaps h200_like() {
+  DeviceCaps d;
+  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.sm90a = true;
+  return d;
+}
+
+class FlashAttentionSplit : public ::testing::TestWithParam<Case> {};
+
+// With a partials buffer: the float64 reference as above, rows outside the
+// view untouched, two calls bitwise equal; from L = 1030 the keys are split
+// (on an H200 and on this device), below 1024 keys a buffer given changes nothing.
+TEST_P(FlashAttentionSplit, MatchesDoubleReference) {
+  const Case c = GetParam();
+  const Problem pr = make_problem(c);
+  const size_t h200_bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, h200_like());
+  if (c.L >= 1030) EXPECT_GT(h200_bytes, 0u) << "no split on an H200";
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
+  const size_t bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, dev);
+  if (c.L >= 1030 && dev.sms >= 100) EXPECT_GT(bytes, 0u) << "no split on this device (" << dev.sms << " SMs)";
+  Result r, again;
+  run_gpu(pr, c.misalign, dev, &r, nullptr, nullptr, true);
+  if (HasFatalFailure()) return;
+  expect_matches_reference(pr, r, [](int64_t, int64_t) { return std::vector<float>(); });
+  run_gpu(pr, c.misalign, dev, &again, nullptr, nullptr, true);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(rows_differing(pr, r, again), 0);
+  EXPECT_EQ(std::memcmp(r.lse.data(), again.lse.data(), r.lse.size() * sizeof(float)), 0);
+}
+
+// One sequence and head (the row pass of (1, 1, L, hd, 1)) across the tile
+// edges and the padded head dims, then two heads, a column view that leaves
+// a sequence out and misaligned qkv (4-byte copies), and two sequences. The
+// float64 reference of L = 4096 is the slow part (L^2 hd).
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FlashAttentionSplit,
+    ::testing::Values(Case{1, 8, 1, false, 1, 1, 0, 0}, Case{63, 32, 1, false, 1, 1, 0, 0},
+                      Case{64, 256, 1, false, 1, 1, 0, 0}, Case{65, 24, 1, false, 1, 1, 0, 0},
+                      Case{65, 128, 1, false, 1, 1, 0, 0}, Case{1030, 8, 1, false, 1, 1, 0, 0},
+                      Case{1030, 24, 1, false, 1, 1, 0, 0}, Case{1030, 64, 1, false, 1, 1, 0, 0},
+                      Case{1030, 128, 1, false, 1, 1, 0, 0}, Case{1030, 256, 1, false, 1, 1, 0, 0},
+                      Case{2051, 32, 1, false, 1, 1, 0, 0}, Case{2051, 64, 1, false, 1, 1, 0, 0},
+                      Case{2051, 256, 1, false, 1, 1, 0, 0}, Case{4096, 32, 1, false, 1, 1, 0, 0},
+                      Case{4096, 128, 1, false, 1, 1, 0, 0}, Case{1030, 40, 2, true, 1, 2, 1, 1},
+                      Case{2051, 3, 2, false, 2, 1, 0, 0}, Case{1030, 96, 2, true, 1, 3, 0, 2}),
+    [](const auto& info) { return case_name(info.param); });
+
+// The split rule (smem_layout.h's flash_kv_splits) on an H200, without a device.
+TEST(FlashAttentionRules, SplitRule) {
+  const DeviceCaps h = h200_like();
+  // (1, 1, 4096, 32, 1)'s row pass: 64 query tiles, 64 key tiles -> 5 splits, 320 blocks.
+  EXPECT_EQ(flash_kv_splits(1, 4096, 32, 1, h.sms), 5);
+  EXPECT_EQ(cuda::flash_attention_partials_bytes(1, 4096, 32, 1, h), 5u * 4096u * 34u * 4u);
+  // 16 query tiles: up to 17 splits, but each keeps two of the 16 key tiles (64 keys) at
+  // head dim 32, and at most 16 at head dim 256 (64 key tiles of 16); none below 1024 keys.
+  EXPECT_EQ(flash_kv_splits(1, 1024, 32, 1, h.sms), 8);
+  EXPECT_EQ(flash_kv_splits(1, 1024, 256, 1, h.sms), 16);
+  EXPECT_EQ(flash_kv_splits(1, 1023, 256, 1, h.sms), 1);
+  EXPECT_EQ(flash_kv_splits(2, 2051, 64, 1, h.sms), 4);  // 66 blocks
+  EXPECT_EQ(flash_kv_splits(1, 65536, 8, 1, h.sms), 1);  // 1024 query tiles fill the device
+  EXPECT_EQ(flash_kv_splits(4096, 1, 32, 1, h.sms), 1);
+  EXPECT_EQ(flash_kv_splits(1, 1 << 30, 32, 1, h.sms), 1);
+  EXPECT_EQ(cuda::flash_attention_partials_bytes(264, 4096, 32, 1, h), 0u);
+  EXPECT_EQ(cuda::flash_attention_partials_bytes(1, 4096, 32, 1, DeviceCaps{}), 0u);  // sms unknown
+  // Within the bounds the launcher relies on: at most 16 splits, fewer than 4 sms blocks.
+  for (int64_t n : {1, 2, 7, 100})
+    for (int64_t len : {1, 64, 65, 1000, 4096, 20000})
+      for (int64_t hd : {1, 32, 64, 65, 128, 200, 256})
+        for (int64_t heads : {1, 3}) {
+          const int s = flash_kv_splits(n, len, hd, heads, h.sms);
+          const int64_t q_tiles = (len + 63) / 64, bn = hd <= 64 ? 64 : hd <= 128 ? 32 : 16;
+          EXPECT_GE(s, 1);
+          EXPECT_LE(s, 16);
+          if (s > 1) {
+            EXPECT_LT(n * heads * q_tiles * s, 4 * h.sms);
+            EXPECT_GE((len + bn - 1) / bn, 2 * s);
+            EXPECT_GE(len, 1024);
+          }
+          EXPECT_EQ(cuda::flash_attention_partials_bytes(n, len, hd, (int)heads, h) > 0, s > 1);
+        }
+}
 
 #if !defined(FASTAXIAL_NO_RANDOM123)
 

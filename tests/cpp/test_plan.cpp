@@ -291,6 +291,42 @@ TEST(Plan, WorkspaceCoversTheChosenFamilies) {
   EXPECT_EQ(plan.workspace_bytes, 0u);
 }
 
+// The flash kernel's split-KV partials: right after the staged scratch
+// (where staged/forward.cu finds them), 256-byte aligned, disjoint from the
+// other regions and inside the workspace, sized for the larger flash pass;
+// kNone where no pass splits.
+TEST(Plan, FlashPartialsRegion) {
+  // (1, 1, 4096, 32, 1): the row pass, one sequence of 4096, on the flash kernel, 5 splits.
+  CudaPlan plan = plan_of(problem(1, 1, 4096, 32, 1), h200());
+  ASSERT_EQ(plan.row.family, KernelFamily::kStaged);
+  EXPECT_TRUE(plan.row.flash);
+  EXPECT_NE(plan.col.family, KernelFamily::kStaged);
+  const size_t T = 4096, D = 32, f = sizeof(float);
+  ASSERT_NE(plan.flash_partials, CudaPlan::kNone);
+  EXPECT_EQ(plan.flash_partials_bytes, flash_partials_bytes(1, 4096, 32, 1, 132));
+  EXPECT_EQ(plan.flash_partials_bytes, 5 * T * (D + 2) * f);
+  EXPECT_EQ(plan.flash_partials % 256, 0u);
+  EXPECT_EQ(plan.flash_partials, plan.staged_scratch + staged_flash_partials_offset(T * D));
+  EXPECT_GE(plan.flash_partials, plan.staged_scratch + 4 * T * D * f);
+  EXPECT_LE(plan.flash_partials + plan.flash_partials_bytes, plan.row_weight_planes);
+  EXPECT_LE(plan.row_weight_planes + 8 * D * D * f, plan.workspace_bytes);
+  EXPECT_NE(plan.describe().find("split-KV partials"), std::string::npos) << plan.describe();
+
+  // (Both passes never split at once: that needs B H and B W both small with H and W long.)
+  // Two sequences of 2051 (dim 64: staged, flash) on the row pass.
+  plan = plan_of(problem(1, 2, 2051, 64, 1), h200());
+  EXPECT_TRUE(plan.row.flash);
+  EXPECT_EQ(plan.flash_partials_bytes, 4 * 2 * 2051 * (64 + 2) * f);
+  EXPECT_LE(plan.flash_partials + plan.flash_partials_bytes, plan.workspace_bytes);
+
+  // No pass splits: fused both ways; staged with many items; short flash sequences.
+  for (const CudaPlan& p : {plan_of(problem(4, 32, 32, 64, 4), h200()), plan_of(problem(2, 48, 80, 96, 3), h200()),
+                            plan_of(problem(1, 256, 4, 64, 4), h200()), plan_of(problem(1, 1, 4096, 32, 1), ptx_only())}) {
+    EXPECT_EQ(p.flash_partials, CudaPlan::kNone) << p.describe();
+    EXPECT_EQ(p.flash_partials_bytes, 0u) << p.describe();
+  }
+}
+
 TEST(Plan, DescribesItself) {
   const CudaPlan plan = plan_of(problem(1, 256, 4, 64, 4), h200());
   const std::string d = plan.describe();

@@ -51,6 +51,21 @@
 // common/dropout.h's, drawn a run of four keys per lane and n-tile and
 // shared across the quad (dropout_share16): one Philox call a lane and
 // n-tile where L and the pass's base are multiples of 4, two elsewhere.
+//
+// Split-KV (a third instantiation, kSplit; the inference forward only, no
+// dropout): where the blocks above are too few to fill the device
+// (smem_layout.h's flash_kv_splits: (1, 1, 4096, 32, 1)'s row pass is 64
+// blocks of 64 key tiles each on 132 SMs; split 5 ways, 320 blocks of 12 or
+// 13 key tiles), the key tiles of each (item, query tile) are cut into S
+// contiguous ranges, a block each, as blockIdx.x = ((n heads + h) S + split)
+// q_tiles + query tile. A split block runs the loop above over its range
+// only and writes its unnormalised o, m and l to the partials buffer; then
+// flash_combine_kernel merges the S partials of each query row in split
+// order (deterministic, no atomics):
+//   M = max_s m_s, l = sum_s l_s 2^(m_s - M), o = sum_s o_s 2^(m_s - M) / l,
+//   lse = M ln 2 + log l.
+// Every split holds at least one key < L (S <= key tiles / 2), so m_s is
+// finite. The S = 1 instantiations are the code of before.
 #include "flash_attention.h"
 
 #include <cuda_runtime.h>
@@ -71,6 +86,7 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBM = 16 * kWarps;  // queries a block
+static_assert(kBM == kFlashQueryTile, "smem_layout.h's split rule counts these query tiles");
 constexpr int kMaxLen = 1 << 30;  // L below this: tile arithmetic in int
 
 // Shared memory of the kernel for padded head dim HDP, in floats:
@@ -86,7 +102,7 @@ constexpr int kMaxLen = 1 << 30;  // L below this: tile arithmetic in int
 template <int HDP>
 struct FlashTile {
   static_assert(HDP % 8 == 0 && HDP >= 8 && HDP <= 256, "padded head dim");
-  static constexpr int BN = HDP <= 64 ? 64 : HDP <= 128 ? 32 : 16;  // keys a tile
+  static constexpr int BN = flash_key_tile(HDP);  // keys a tile: 64 up to HDP 64, 32 up to 128, 16 beyond
   static constexpr int ldk = float2_row_words(HDP);
   static constexpr int ldv = HDP + 4;
   static constexpr int q_floats = kBM * ldk;
@@ -121,12 +137,26 @@ struct KernelArgs {
   int D, heads;
 };
 
+// The split kernels' partials (smem_layout.h's flash_partials_bytes gives the
+// layout): R = rows (items L) rows, S = splits; o at partials, m at
+// partials + S R hd, l at partials + S R (hd + 1). splits = 1: unused.
+struct SplitArgs {
+  float* partials;
+  int64_t rows;
+  int splits;
+};
+
 // One block: queries q0 .. q0 + 63 of head h of sequence n, where blockIdx.x =
 // (n * heads + h) * q_tiles + query tile. kVec: the 16-byte copies (every
 // head slice 16-byte aligned). kDropout: dpass applies (threshold != 0).
-template <int HDP, bool kVec, bool kDropout>
+// kSplit: key tiles of split `split` of sp.splits only, blockIdx.x =
+// ((n * heads + h) * sp.splits + split) * q_tiles + query tile, o, m and l
+// to sp.partials unnormalised (a.o and a.lse unused).
+template <int HDP, bool kVec, bool kDropout, bool kSplit>
 __global__ void __launch_bounds__(kThreads)
-    flash_attention_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass) {
+    flash_attention_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
+                           const SplitArgs sp) {
+  static_assert(!(kSplit && kDropout), "splits only without dropout (the inference forward)");
   using Tile = FlashTile<HDP>;
   constexpr int BN = Tile::BN, KS = HDP / 8, NT = BN / 8, ldk = Tile::ldk, ldv = Tile::ldv;
   extern __shared__ float4 smem4[];
@@ -137,7 +167,9 @@ __global__ void __launch_bounds__(kThreads)
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   const int qt = (int)(blockIdx.x % (unsigned)q_tiles);
-  const int64_t item = blockIdx.x / (unsigned)q_tiles;  // n * heads + h
+  const unsigned rest = blockIdx.x / (unsigned)q_tiles;  // (n * heads + h) [* splits + split]
+  const int split = kSplit ? (int)(rest % (unsigned)sp.splits) : 0;
+  const int64_t item = kSplit ? rest / (unsigned)sp.splits : rest;  // n * heads + h
   const int h = (int)(item % a.heads);
   const int64_t n = item / a.heads;
   const int q0 = qt * kBM;
@@ -205,10 +237,16 @@ __global__ void __launch_bounds__(kThreads)
   using LdK = std::integral_constant<int, ldk>;
   using LdV = std::integral_constant<int, ldv>;
 
+  // Key tiles j0 .. j1 - 1: all of them, or this split's range (at least one).
   const int tiles = (L + BN - 1) / BN;
+  int j0 = 0, j1 = tiles;
+  if constexpr (kSplit) {
+    j0 = (int)((int64_t)tiles * split / sp.splits);
+    j1 = (int)((int64_t)tiles * (split + 1) / sp.splits);
+  }
   copy_rows(RowsQ(), LdK(), qs, qg, q0);
-  copy_rows(RowsKV(), LdK(), ks, kg, 0);
-  copy_rows(RowsKV(), LdV(), vs, vg, 0);
+  copy_rows(RowsKV(), LdK(), ks, kg, j0 * BN);
+  copy_rows(RowsKV(), LdV(), vs, vg, j0 * BN);
   copy_async_commit();
 
   // This thread's part of the warp's 16 rows: rows g (m0, l0; o[f][0..1]) and
@@ -220,20 +258,20 @@ __global__ void __launch_bounds__(kThreads)
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
   const float* qw = qs + 16 * warp * ldk;  // the warp's q rows (16, HDP)
 
-  for (int j = 0; j < tiles; ++j) {
+  for (int j = j0; j < j1; ++j) {
     copy_async_wait<0>();  // this thread's copies of tile j (and of q)
     // Every thread's copies of tile j are in; and every warp is done with
     // tile j - 1, whose stage the copy below overwrites.
     __syncthreads();
-    if (j + 1 < tiles) {
-      const int st = (j + 1) & 1;
+    if (j + 1 < j1) {
+      const int st = (j + 1 - j0) & 1;
       copy_rows(RowsKV(), LdK(), ks + st * Tile::k_floats, kg, (j + 1) * BN);
       copy_rows(RowsKV(), LdV(), vs + st * Tile::v_floats, vg, (j + 1) * BN);
       copy_async_commit();
     }
     if (!active) continue;
-    const float* kt = ks + (j & 1) * Tile::k_floats;  // k tile (BN, HDP)
-    const float* vt = vs + (j & 1) * Tile::v_floats;  // v tile (BN, HDP)
+    const float* kt = ks + ((j - j0) & 1) * Tile::k_floats;  // k tile (BN, HDP)
+    const float* vt = vs + ((j - j0) & 1) * Tile::v_floats;  // v tile (BN, HDP)
 
     // Dropout's keep bits of the tile, drawn before s is live (fewer
     // registers at once): n-tiles jn and jn + 1 in keep[jn / 2], 16 bits each.
@@ -359,6 +397,26 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int r0 = q0 + 16 * warp + g, r1 = r0 + 8;  // positions of rows g, g + 8
   const bool in0 = r0 < L, in1 = r1 < L;
+  if constexpr (kSplit) {
+    // Unnormalised: o (rows, hd) of split `split`, then its m and l per row.
+    float* po = sp.partials + ((int64_t)split * sp.rows + item * L) * hd;
+#pragma unroll
+    for (int f = 0; f < KS; ++f)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * f + 2 * t + e;
+        if (c >= hd) continue;
+        if (in0) po[(int64_t)r0 * hd + c] = o[f][e];
+        if (in1) po[(int64_t)r1 * hd + c] = o[f][2 + e];
+      }
+    if (t == 0) {
+      float* pm = sp.partials + (int64_t)sp.splits * sp.rows * hd + (int64_t)split * sp.rows + item * L;
+      float* pl = pm + (int64_t)sp.splits * sp.rows;
+      if (in0) pm[r0] = m0, pl[r0] = l0;
+      if (in1) pm[r1] = m1, pl[r1] = l1;
+    }
+    return;
+  }
   // With dropout, the kept probabilities' scale too (0 where p = 1).
   const float num = kDropout ? dpass.scale : 1.0f;
   const float inv0 = num / l0, inv1 = num / l1;
@@ -383,38 +441,76 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The padded head dim that serves head_dim (0: none).
-int padded_head_dim(int64_t head_dim) {
-  if (head_dim < 1) return 0;
-  static_assert(kFlashMaxHeadDim == 256, "the largest padded head dim below");
-  for (int p : {8, 16, 32, 48, 64, 96, 128, 192, 256})
-    if (head_dim <= p) return p;
-  return 0;
+constexpr int kCombineThreads = 256;
+
+// Merges the sp.splits partials of each query row, in split order: a thread
+// per (row r = (n heads + h) L + l, column c < hd), thread e = r hd + c, so
+// the o partials are read coalesced; the m and l of a row are broadcasts.
+__global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const KernelArgs a, const SplitArgs sp) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const int hd = a.D / a.heads, L = (int)a.pos.len;
+  const int64_t e = (int64_t)blockIdx.x * kCombineThreads + threadIdx.x;
+  if (e >= sp.rows * hd) return;
+  const int64_t r = e / hd;
+  const int c = (int)(e % hd);
+  const int64_t item = r / L;
+  const int l = (int)(r % L);
+  const int h = (int)(item % a.heads);
+  const int64_t n = item / a.heads;
+  const int64_t rows = sp.rows;
+  const float* po = sp.partials + r * hd + c;                        // split s at + s rows hd
+  const float* pm = sp.partials + (int64_t)sp.splits * rows * hd + r;  // split s at + s rows
+  const float* pl = pm + (int64_t)sp.splits * rows;
+  float mx = -INFINITY;
+  for (int s = 0; s < sp.splits; ++s) mx = fmaxf(mx, pm[s * rows]);  // finite: every split has a key
+  float sum = 0.0f, acc = 0.0f;
+  for (int s = 0; s < sp.splits; ++s) {
+    const float w = exp2f(pm[s * rows] - mx);
+    sum += pl[s * rows] * w;
+    acc += po[s * rows * hd] * w;
+  }
+  a.o[a.pos.offset(n, l) * a.D + (int64_t)h * hd + c] = acc * (1.0f / sum);
+  if (a.lse && c == 0) {
+    constexpr float kLn2 = 0.6931471805599453f;  // as the kernel's lse
+    a.lse[r] = mx * kLn2 + logf(sum);
+  }
 }
 
-template <int HDP, bool kVec, bool kDropout>
-cudaError_t launch_flash(const FlashArgs& a, float scale_log2, int q_tiles, int64_t blocks, const DeviceCaps& dev,
-                         cudaStream_t stream) {
-  constexpr auto kernel = flash_attention_kernel<HDP, kVec, kDropout>;
+// The padded head dim that serves head_dim (0: none).
+int padded_head_dim(int64_t head_dim) { return flash_padded_head_dim(head_dim); }
+
+template <int HDP, bool kVec, bool kDropout, bool kSplit>
+cudaError_t launch_flash(const FlashArgs& a, float scale_log2, int q_tiles, int64_t blocks, const SplitArgs& sp,
+                         const DeviceCaps& dev, cudaStream_t stream) {
+  constexpr auto kernel = flash_attention_kernel<HDP, kVec, kDropout, kSplit>;
   constexpr size_t smem = FlashTile<HDP>::bytes;
   if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
   if constexpr (smem > 48 * 1024)
     if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
   const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
-  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(kThreads), smem, stream, dev, k, scale_log2, q_tiles,
-                               dpass);
+  if (cudaError_t e = launch_kernel<kernel>(dim3((unsigned)(blocks * sp.splits)), dim3(kThreads), smem, stream, dev,
+                                            k, scale_log2, q_tiles, dpass, sp);
+      e != cudaSuccess || !kSplit)
+    return e;
+  const int64_t combine_blocks = (sp.rows * (a.D / a.heads) + kCombineThreads - 1) / kCombineThreads;
+  return launch_kernel<flash_combine_kernel>(dim3((unsigned)combine_blocks), dim3(kCombineThreads), 0, stream, dev, k,
+                                             sp);
 }
 
 template <int HDP>
 cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, int q_tiles, int64_t blocks,
-                         const DeviceCaps& dev, cudaStream_t stream) {
+                         const SplitArgs& sp, const DeviceCaps& dev, cudaStream_t stream) {
   if constexpr (kDropoutAvailable)
     if (a.dropout.threshold != 0)
-      return vec ? launch_flash<HDP, true, true>(a, scale_log2, q_tiles, blocks, dev, stream)
-                 : launch_flash<HDP, false, true>(a, scale_log2, q_tiles, blocks, dev, stream);
-  return vec ? launch_flash<HDP, true, false>(a, scale_log2, q_tiles, blocks, dev, stream)
-             : launch_flash<HDP, false, false>(a, scale_log2, q_tiles, blocks, dev, stream);
+      return vec ? launch_flash<HDP, true, true, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream)
+                 : launch_flash<HDP, false, true, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream);
+  if (sp.splits > 1)
+    return vec ? launch_flash<HDP, true, false, true>(a, scale_log2, q_tiles, blocks, sp, dev, stream)
+               : launch_flash<HDP, false, false, true>(a, scale_log2, q_tiles, blocks, sp, dev, stream);
+  return vec ? launch_flash<HDP, true, false, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream)
+             : launch_flash<HDP, false, false, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream);
 }
 
 // Dropout's arguments, where it applies: the {seed, offset} pair given, and
@@ -434,6 +530,11 @@ static_assert(FlashTile<256>::bytes == kFlashMaxSmemBytes && FlashTile<192>::byt
               "smem_layout.h's kFlashMaxSmemBytes is the largest tiling");
 
 bool flash_attention_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
+
+size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
+                                      const DeviceCaps& dev) {
+  return flash_partials_bytes(num_seq, len, head_dim, heads, dev.sms);
+}
 
 size_t flash_attention_smem_bytes(int64_t head_dim) {
   switch (padded_head_dim(head_dim)) {
@@ -466,16 +567,22 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   // after qkv, and hd % 4 == 0 makes D % 4 == 0 too.
   const bool vec = hd % 4 == 0 && reinterpret_cast<uintptr_t>(a.qkv) % 16 == 0;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);  // log2(e) / sqrt(hd)
+  // Split-KV where the rule splits and the caller gave room for the partials
+  // (never with dropout: the training forward keeps S = 1).
+  SplitArgs sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, 1};
+  const size_t need = flash_partials_bytes(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
+  if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)
+    sp.splits = flash_kv_splits(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
   switch (hdp) {
-    case 8: return launch_flash<8>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 16: return launch_flash<16>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 32: return launch_flash<32>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 48: return launch_flash<48>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 64: return launch_flash<64>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 96: return launch_flash<96>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 128: return launch_flash<128>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 192: return launch_flash<192>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
-    case 256: return launch_flash<256>(a, vec, scale_log2, q_tiles, blocks, dev, stream);
+    case 8: return launch_flash<8>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 16: return launch_flash<16>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 32: return launch_flash<32>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 48: return launch_flash<48>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 64: return launch_flash<64>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 96: return launch_flash<96>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 128: return launch_flash<128>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 192: return launch_flash<192>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 256: return launch_flash<256>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -7,6 +7,10 @@
 // With attention dropout (FlashArgs::dropout), the probabilities are masked
 // and scaled after the softmax's row sums: o_h = (P o M / (1 - p)) v_h with
 // P = softmax(...), M the keep mask of common/dropout.h; lse stays P's.
+// With a partials buffer (FlashArgs::partials, the inference forward), a
+// pass of few (sequence, head, query tile) blocks splits each one's keys
+// over S blocks and merges their partial softmaxes in a second kernel
+// (split-KV; common/smem_layout.h's flash_kv_splits gives S).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,10 +43,24 @@ struct FlashArgs {
   // Device memory {seed, offset}; read (after the kernel's grid-dependency wait) where
   // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
   const uint64_t* philox = nullptr;
+  // Split-KV workspace (device memory), or null: S = 1, the code path of before. Used
+  // where flash_attention_partials_bytes() of this pass is > 0 and partials_bytes is at
+  // least that, and dropout is off (the split kernels have no dropout: the training
+  // forward passes no partials); the layout is smem_layout.h's flash_partials_bytes.
+  float* partials = nullptr;
+  size_t partials_bytes = 0;
 };
 
 // True when the kernel serves this head_dim (1..256).
 bool flash_attention_supports(int64_t head_dim);
+
+// Bytes of partials the launch of a pass of num_seq sequences of length len
+// (FlashArgs::pos) with `heads` heads of head_dim on dev splits its keys
+// with, where given them; 0 where it does not split (S = 1). The plan
+// reserves this (CudaPlan::flash_partials); host-only callers use
+// smem_layout.h's flash_partials_bytes, the same rule.
+size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
+                                      const DeviceCaps& dev);
 
 // Shared memory the launch for this head_dim takes (the plan checks it
 // against the device); 0 where the head_dim is not supported.
@@ -55,7 +73,8 @@ size_t flash_attention_smem_bytes(int64_t head_dim);
 // philox, pass not 0 or 1, dropout.len[pass] != L or dropout.heads != heads,
 // or a build without Random123), cudaErrorInvalidConfiguration where the
 // device gives a block less shared memory than the head_dim needs. An empty
-// problem (no sequences or L = 0) launches nothing.
+// problem (no sequences or L = 0) launches nothing. With S > 1, two kernels:
+// the split blocks, then the combine (both programmatic dependents).
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream);
 
 }  // namespace fastaxial::cuda
