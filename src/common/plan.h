@@ -62,14 +62,6 @@ constexpr int64_t kMaxColumnSumChunks = 128;
 // thread: 1 MiB gave errors 5 times fp32 PyTorch's at 4096 positions of dim 16.
 size_t backward_blas_bytes(const DeviceCaps& dev);
 
-// Where CudaPlan::flash_partials lies, in bytes after staged_scratch, with
-// td_floats = T D (T = B H W): the scratch's 4 T D floats rounded up to the
-// workspace's 256-byte alignment. The staged launcher (staged/forward.cu)
-// is given the scratch only and finds the partials there.
-inline size_t staged_flash_partials_offset(size_t td_floats) {
-  return (4 * td_floats * sizeof(float) + 255) / 256 * 256;
-}
-
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------
 
 // Head dims the fused kernel and the staged path's own attention kernel

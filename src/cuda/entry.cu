@@ -117,7 +117,8 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
       case KernelFamily::kFused:
         return cuda::launch_fused(view, p, w, src, dst, pp.wgmma, dev, stream);
       case KernelFamily::kStaged: {
-        const Status s = cuda::launch_staged(view, p, w, src, dst, scratch, split, splits, pp.flash, dev, stream);
+        const Status s = cuda::launch_staged(view, p, w, src, dst, scratch, split, splits, pp.flash,
+                                             region(plan.flash_partials), plan.flash_partials_bytes, dev, stream);
         splits.count = 0;  // split once, by the first staged pass
         return s;
       }

@@ -58,9 +58,11 @@ struct WeightSplits {
 // launch or by an earlier pass's.
 // flash: the attention step on the flash kernel (staged/flash_attention.cu),
 // the plan's choice; else on the staged path's whole-sequence kernel.
+// flash_partials (flash_partials_bytes): the plan's split-KV region, or null
+// where no pass splits its keys.
 Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
                      float* scratch, const StagedWeights& split, const WeightSplits& split_now, bool flash,
-                     const DeviceCaps& dev, cudaStream_t stream);
+                     float* flash_partials, size_t flash_partials_bytes, const DeviceCaps& dev, cudaStream_t stream);
 
 // The generic kernel.
 Status launch_generic(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,

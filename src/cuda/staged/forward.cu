@@ -431,7 +431,7 @@ cudaError_t launch_attention(const AttnArgs& a, const DeviceCaps& dev, cudaStrea
 
 Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
                      float* scratch, const StagedWeights& split, const WeightSplits& split_now, bool flash,
-                     const DeviceCaps& dev, cudaStream_t stream) {
+                     float* flash_partials, size_t flash_partials_bytes, const DeviceCaps& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len;
   float* xs = scratch;      // (T, D): LayerNorm output, then attention output
@@ -461,15 +461,12 @@ Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeigh
     f.pos = row_indices(view, D);
     f.qkv = qkv, f.o = xs;
     f.D = D, f.heads = (int)p.heads;
-    // Split-KV partials: the plan reserved CudaPlan::flash_partials, the
-    // larger pass's flash_attention_partials_bytes, right after the scratch
-    // (plan.h's staged_flash_partials_offset; T D is the same for both passes).
-    // For (1, 1, 4096, 32, 1)'s row pass: 64 blocks become 5 splits x 64 = 320
-    // (132 SMs) and a combine kernel; the per-block code is as with S = 1.
-    f.partials_bytes = flash_attention_partials_bytes(view.num_seq, view.len, p.dim / p.heads, (int)p.heads, dev);
-    if (f.partials_bytes > 0)
-      f.partials = reinterpret_cast<float*>(reinterpret_cast<char*>(scratch) +
-                                            staged_flash_partials_offset((size_t)T * (size_t)D));
+    // Split-KV partials: the plan's CudaPlan::flash_partials, the larger
+    // pass's flash_attention_partials_bytes (the launcher splits only where
+    // its rule asks for them and they fit). For (1, 1, 4096, 32, 1)'s row
+    // pass: 64 blocks become 5 splits x 64 = 320 (132 SMs) and a combine
+    // kernel; the per-block code is as with S = 1.
+    f.partials = flash_partials, f.partials_bytes = flash_partials ? flash_partials_bytes : 0;
     e = flash_attention(f, dev, stream);
   } else {
     AttnArgs a;
