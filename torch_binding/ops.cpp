@@ -163,6 +163,9 @@ TORCH_LIBRARY(fastaxial, m) {
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps, "
       "float dropout=0.0) -> (Tensor, Tensor)");
   m.def("describe_cuda_plan(Tensor x, int num_heads) -> str");
+  // Whether this build applies attention dropout (built with Random123); the module falls back
+  // to the reference math for dropout where it does not.
+  m.def("dropout_available() -> bool", []() { return fastaxial::dropout_compiled(); });
   // Debugging and tests: the multipliers (0 or 1 / (1 - dropout)) of one pass's dropout mask
   // (pass 0: rows, 1: columns), (N, num_heads, L, L) float32 on the CPU, for x of shape
   // (batch, height, width, .) and the seed and offset a training forward keeps (the last 16 bytes

@@ -83,7 +83,8 @@ const c10::TypedOperatorHandle<TrainingSignature>& training_op() {
 // Whether the fused CUDA training path (axial_attention_training, then axial_attention_backward with its
 // `saved`) serves x; else the backward differentiates the reference math.
 bool cuda_training(const at::Tensor& x, int64_t heads) {
-  return x.is_cuda() && cuda_compiled() && x.size(3) / heads <= kCudaBackwardMaxHeadDim;
+  // (heads < 1: the kernels' checks say what is wrong)
+  return x.is_cuda() && cuda_compiled() && x.dim() == 4 && heads >= 1 && x.size(3) / heads <= kCudaBackwardMaxHeadDim;
 }
 
 // Whether x's CUDA forward runs the fused kernels on both passes (the plan of x's device).

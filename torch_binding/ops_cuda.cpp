@@ -64,8 +64,8 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
   if (out.numel() == 0) return out;
   AxialParams p = c.params(out);
   if (dropout > 0) {  // dropout runs in the training forward's kernels; what it keeps is dropped here
+    const CudaBackwardPlan plan = training_plan(p);  // first: a call it refuses draws nothing
     draw_dropout_state(&p, c.x.device());
-    const CudaBackwardPlan plan = training_plan(p);
     run_training_forward(p, plan, empty_saved(plan, c.x));
     return out;
   }

@@ -123,6 +123,10 @@ Status dropout_mask(const AxialParams& p, int pass, float* out);
 // True when this build contains the CUDA kernels.
 bool cuda_compiled();
 
+// True when this build applies attention dropout (it was built with Random123); without it,
+// every entry point refuses dropout > 0 (kUnsupported).
+bool dropout_compiled();
+
 // ---- CUDA: plan, workspace, forward --------------------------------------------------------
 // As in CUTLASS: plan the problem, allocate the workspace the plan asks for,
 // then run. The plan is made on the host from the problem (sizes, pointer
@@ -160,8 +164,8 @@ struct CudaPlan {
   size_t col_weight_planes = kNone;     //   8 D^2 floats each
   // Split-KV partials of the staged passes that take the flash kernel with
   // its keys split (few sequences and heads, long sequences): sized for the
-  // larger of the two passes, right after staged_scratch (forward.cu finds it
-  // there); kNone where no pass splits.
+  // larger of the two passes, which run one after the other and share it;
+  // kNone where no pass splits.
   size_t flash_partials = kNone;
   size_t flash_partials_bytes = 0;
   size_t workspace_bytes = 0;           // the whole workspace

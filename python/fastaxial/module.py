@@ -25,6 +25,7 @@ def _op_traced(*args):
 
 _HAS_CPU, _HAS_CUDA = ops.has_kernel("cpu"), ops.has_kernel("cuda")
 _CUDA_TRAINING_MAX_HEAD_DIM = 256  # fastaxial.h: kCudaBackwardMaxHeadDim
+_HAS_DROPOUT = ops.dropout_available()  # built with Random123
 _SUBMODULES = frozenset(m for m, _ in reference._WEIGHT_NAMES)
 _PARAM_NAMES = tuple(p for _, p in reference._WEIGHT_NAMES)
 
@@ -40,8 +41,11 @@ class AxialAttention(reference.AxialAttentionReference):
     generator of x's device (torch.manual_seed fixes it; it is not the
     reference's nn.Dropout mask). Inputs the fused kernels do not serve yet (a
     dtype other than float32, a device without a kernel, different LayerNorm
-    epsilons per axis, dropout on CUDA with head_dim above 256) run the
-    reference math instead, with a warning the first time.
+    epsilons per axis, dropout on CUDA with head_dim above 256, dropout in a
+    build without Random123) run the reference math instead, with a warning
+    the first time. Under torch.compile in grad mode, two dropout calls with
+    identical inputs in one compiled region can be merged into one (the
+    compiler takes the operator for a pure function), and so share a mask.
     """
 
     # forward() is the host path of every call, so it reads only plain
@@ -70,8 +74,10 @@ class AxialAttention(reference.AxialAttentionReference):
         return self._reference_forward(x)
 
     def _dropout_supported(self, x):
-        """Whether the fused kernels apply attention dropout to x: everywhere but CUDA head dims
-        above the CUDA training path's largest (fastaxial.h: kCudaBackwardMaxHeadDim)."""
+        """Whether the fused kernels apply attention dropout to x: in a build with dropout, everywhere
+        but CUDA head dims above the CUDA training path's largest (fastaxial.h: kCudaBackwardMaxHeadDim)."""
+        if not _HAS_DROPOUT:
+            return False
         return not x.is_cuda or x.dim() != 4 or x.shape[3] // self.num_heads <= _CUDA_TRAINING_MAX_HEAD_DIM
 
     def __call__(self, *args, **kwargs):
@@ -123,6 +129,8 @@ class AxialAttention(reference.AxialAttentionReference):
         """Why the fused path cannot serve this call."""
         mods = self._modules
         if self.training and mods["dropout"].p > 0 and not self._dropout_supported(x):
+            if not _HAS_DROPOUT:
+                return "this build has no attention dropout (it was built without Random123)"
             return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
                     f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:

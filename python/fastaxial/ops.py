@@ -103,6 +103,11 @@ def _(x, *args):
 _DROPOUT_STATE_FLOATS = 4  # two uint64: the dropout mask's seed and offset
 
 
+def dropout_available():
+    """True when this build applies attention dropout (it was built with Random123)."""
+    return torch.ops.fastaxial.dropout_available()
+
+
 def dropout_state(saved):
     """The dropout mask's (seed, offset) that a training forward used, from its `saved` (the
     output of axial_attention_training on either device: its last 16 bytes), as two Python ints."""

@@ -5,6 +5,14 @@
 
 namespace fastaxial {
 
+bool dropout_compiled() {
+#if defined(FASTAXIAL_NO_RANDOM123)
+  return false;
+#else
+  return true;
+#endif
+}
+
 Status dropout_mask(const AxialParams& p, int pass, float* out) {
   if (Status s = validate_sizes(p); !s.ok()) return s;
   if (pass != 0 && pass != 1) return {StatusCode::kInvalidArgument, "pass must be 0 (rows) or 1 (columns)"};

@@ -169,6 +169,19 @@ def test_cuda_dropout_above_the_training_head_dim_falls_back_with_one_warning():
         new(x)  # warns once only
 
 
+def test_dropout_in_a_build_without_it_falls_back(device, monkeypatch):
+    """A build without Random123 has no attention dropout: in training mode the module runs the
+    reference math (with its one warning) instead of raising from the operator."""
+    monkeypatch.setattr(fastaxial.module, "_HAS_DROPOUT", False)
+    _, new = make_pair(16, 2, 3, 4, device, dropout=0.5)
+    new.train()
+    x = torch.randn(1, 3, 4, 16, device=device)
+    fastaxial.module._warned.clear()
+    with pytest.warns(UserWarning, match="no attention dropout"):
+        out = new(x)
+    assert FUSED_NODE not in out.grad_fn.name()  # the reference math ran
+
+
 def test_dropout_in_eval_mode_runs_fused(device):
     """Dropout inactive (eval mode): the fused path serves, matching the reference."""
     ref, new = make_pair(32, 2, 4, 4, device, dropout=0.5)
