@@ -59,18 +59,16 @@ class AxialAttention(reference.AxialAttentionReference):
         eps = mods["row_norm"].eps
         if (isinstance(x, torch.Tensor) and x.dtype is torch.float32 and (x.is_cuda and _HAS_CUDA or x.is_cpu and _HAS_CPU)
                 and eps == mods["col_norm"].eps):
+            p = mods["dropout"].p if self.training else 0.0  # attention dropout, in the kernels
+            if p > 0 and not self._dropout_supported(x):
+                return self._reference_forward(x)
             slots = self.__dict__.get("_slots")
-            p = mods["dropout"].p if self.training else 0.0
-            if p > 0:
-                if not self._dropout_supported(x):
-                    return self._reference_forward(x)
-                return _OP(x, *self._weights_slow_path(), self.num_heads, eps, p)
             try:  # map() in C: no Python frame per weight
                 weights = map(getitem, slots, _PARAM_NAMES) if slots is not None else self._weights_slow_path()
-                return _OP(x, *weights, self.num_heads, eps)
+                return _OP(x, *weights, self.num_heads, eps, p)
             except KeyError:  # a weight became parametrized after the slots were built
                 self.__dict__.pop("_slots", None)
-                return _OP(x, *self._weights_slow_path(), self.num_heads, eps)
+                return _OP(x, *self._weights_slow_path(), self.num_heads, eps, p)
         return self._reference_forward(x)
 
     def _dropout_supported(self, x):

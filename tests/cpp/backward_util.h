@@ -129,6 +129,19 @@ inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float
   }
 }
 
+// backward_cpu(p) for the output gradient gout against the float64 reference (expect_grads_match).
+inline void expect_cpu_backward_matches_reference(const Problem& p, const std::vector<double>& gout) {
+  const std::vector<float> gout_f(gout.begin(), gout.end());
+  Grads got(p.shape);
+  AxialGrads g = got.view();
+  g.grad_out = gout_f.data();
+  const Status st = backward_cpu(params(p, nullptr), g);
+  ASSERT_TRUE(st.ok()) << st.message;
+  RefGrads<double> ref = reference_backward(p, gout);
+  RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
+  expect_grads_match(got, ref, ref32);
+}
+
 // reference_backward(p, gout) against central differences of the loss gout . reference_forward(p)
 // (the dropout mask of p, a function of the indices alone, stays fixed while the values move),
 // at 8 random entries of x and 4 of each weight; returns how many were checked.

@@ -35,17 +35,7 @@ class CpuBackward : public ::testing::TestWithParam<Shape> {};
 TEST_P(CpuBackward, MatchesDoubleReference) {
   const Shape s = GetParam();
   const Problem p = random_problem(s, 777u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));
-  const std::vector<double> gout = random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H));
-  const std::vector<float> gout_f(gout.begin(), gout.end());
-  Grads got(s);
-  AxialGrads g = got.view();
-  g.grad_out = gout_f.data();
-  const Status st = backward_cpu(params(p, nullptr), g);
-  ASSERT_TRUE(st.ok()) << st.message;
-
-  RefGrads<double> ref = reference_backward(p, gout);
-  RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
-  expect_grads_match(got, ref, ref32);
+  expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
 // heads 1, 2, 4; head dims 1, 3, 8, 16, 32; L from 1 to 40; H != W; B > 1.
