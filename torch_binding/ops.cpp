@@ -95,6 +95,15 @@ void check_dropout(double dropout, const char* op) {
   TORCH_CHECK_VALUE(dropout >= 0.0 && dropout <= 1.0, op, ": dropout must be in [0, 1], got ", dropout);
 }
 
+void check_rng_state(const std::optional<at::Tensor>& rng_state, const at::Tensor& x, const char* op) {
+  if (!rng_state.has_value()) return;
+  const at::Tensor& r = *rng_state;
+  TORCH_CHECK_VALUE(r.scalar_type() == at::kLong && r.numel() == 2 && r.is_contiguous(), op,
+                    ": rng_state must be a contiguous int64 tensor of 2 elements (seed, offset), got ",
+                    r.scalar_type(), " of shape ", r.sizes());
+  TORCH_CHECK_VALUE(r.device() == x.device(), op, ": rng_state is on ", r.device(), " but x is on ", x.device());
+}
+
 AxialParams Call::params() const {
   AxialParams p;
   p.dropout = static_cast<float>(dropout);
@@ -138,9 +147,13 @@ TORCH_LIBRARY(fastaxial, m) {
       "axial_attention(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05, "
-      "float dropout=0.0) -> Tensor");
+      "float dropout=0.0, Tensor? rng_state=None) -> Tensor");
   // `dropout` > 0: attention dropout with that rate (the module passes it in training mode), its
-  // mask drawn from PyTorch's default generator of x's device (fastaxial.h, AxialParams::dropout).
+  // mask drawn from PyTorch's default generator of x's device (fastaxial.h, AxialParams::dropout),
+  // or, where `rng_state` is given, from that int64 (seed, offset) pair on x's device, the
+  // generator untouched. The module passes one under torch.compile, drawn by a random op in the
+  // traced graph: the compiler then sees each call's randomness as an input and never merges two
+  // calls with equal tensors into one mask.
   //
   // The gradients of axial_attention for the inputs output_mask selects (x, then the ten weights),
   // in that order; `saved`, where given, is axial_attention_training's (required with dropout: it
@@ -161,7 +174,7 @@ TORCH_LIBRARY(fastaxial, m) {
       "axial_attention_training(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps, "
-      "float dropout=0.0) -> (Tensor, Tensor)");
+      "float dropout=0.0, Tensor? rng_state=None) -> (Tensor, Tensor)");
   m.def("describe_cuda_plan(Tensor x, int num_heads) -> str");
   // Whether this build applies attention dropout (built with Random123); the module falls back
   // to the reference math for dropout where it does not.

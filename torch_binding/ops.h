@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <optional>
 #include <vector>
 
 #include "fastaxial/fastaxial.h"
@@ -40,6 +41,10 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
 
 // Checks an attention dropout rate argument: in [0, 1].
 void check_dropout(double dropout, const char* op);
+
+// Checks an explicit dropout state (the ops' `rng_state`): a contiguous int64 (seed, offset) pair
+// on x's device, where given.
+void check_rng_state(const std::optional<at::Tensor>& rng_state, const at::Tensor& x, const char* op);
 
 // The dropout state (seed, offset) kept in the last 16 bytes of a training forward's `saved`
 // (CUDA: CudaBackwardPlan::dropout_state; CPU: `saved` is those 16 bytes alone).

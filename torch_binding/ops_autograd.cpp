@@ -61,7 +61,8 @@ at::Tensor reference_forward(const variable_list& t, int64_t heads, double eps) 
 
 using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double);
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
+                               const std::optional<at::Tensor>&);
 
 using BackwardSignature = std::vector<at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -71,7 +72,7 @@ using BackwardSignature = std::vector<at::Tensor>(
 using TrainingSignature = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-    double);
+    double, const std::optional<at::Tensor>&);
 
 const c10::TypedOperatorHandle<TrainingSignature>& training_op() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -116,9 +117,9 @@ at::Tensor call_below_autograd(const at::Tensor& x, const at::Tensor& rnw, const
                                const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
-                               double dropout) {
+                               double dropout, const std::optional<at::Tensor>& rng_state) {
   const at::AutoDispatchBelowADInplaceOrView below;
-  return op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout);
+  return op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state);
 }
 
 class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFunction> {
@@ -127,7 +128,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
                             const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                             const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                             const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
-                            double dropout) {
+                            double dropout, const std::optional<at::Tensor>& rng_state) {
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["dropout"] = dropout;
@@ -136,12 +137,12 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       // the dropout mask's seed and offset).
       const at::AutoDispatchBelowADInplaceOrView below;
       auto [out, saved] =
-          training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout);
+          training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state);
       ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, saved});
       return out;
     }
     ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob});
-    return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, 0.0);
+    return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, 0.0, std::nullopt);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -162,7 +163,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       const std::vector<at::Tensor> grads =
           backward_op().call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
                              saved[7], saved[8], saved[9], saved[10], heads, eps, mask, kept, dropout);
-      variable_list result(kTensors + 3);  // undefined: no gradient (and none for heads, eps, dropout)
+      variable_list result(kTensors + 4);  // undefined: no gradient (none for heads, eps, dropout, rng_state)
       for (int i = 0, j = 0; i < kTensors; ++i)
         if (mask[i]) result[i] = grads[j++];
       return result;
@@ -178,7 +179,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       const at::Tensor out = reference_forward(leaves, heads, eps);
       grads = torch::autograd::grad({out}, wanted, {grad_outputs[0]});
     }
-    variable_list result(kTensors + 3);  // undefined: no gradient (and none for heads, eps, dropout)
+    variable_list result(kTensors + 4);  // undefined: no gradient (none for heads, eps, dropout, rng_state)
     for (int i = 0, j = 0; i < kTensors; ++i)
       if (ctx->needs_input_grad(i)) result[i] = grads[j++];
     return result;
@@ -189,15 +190,16 @@ at::Tensor axial_attention_autograd(c10::DispatchKeySet keys, const at::Tensor& 
                                     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                     const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                     const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
-                                    double dropout) {
+                                    double dropout, const std::optional<at::Tensor>& rng_state) {
   const bool record = at::GradMode::is_enabled() &&
                       (x.requires_grad() || rnw.requires_grad() || rnb.requires_grad() || rqkv.requires_grad() ||
                        rout.requires_grad() || rob.requires_grad() || cnw.requires_grad() || cnb.requires_grad() ||
                        cqkv.requires_grad() || cout.requires_grad() || cob.requires_grad());
   if (!record)  // straight to the device kernel, with the dispatch keys already computed
     return op().redispatch(keys & c10::after_autograd_keyset, x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout,
-                           cob, heads, eps, dropout);
-  return AxialAttentionFunction::apply(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout);
+                           cob, heads, eps, dropout, rng_state);
+  return AxialAttentionFunction::apply(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout,
+                                       rng_state);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // CPU kernels of fastaxial::axial_attention, its training forward and its backward. Dropout's
 // seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
-// offset is 0; the training forward keeps the pair in its 16-byte `saved` for the backward.
+// offset is 0, unless the call passes its own (`rng_state`); the training forward keeps the pair
+// in its 16-byte `saved` for the backward.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
@@ -19,9 +20,15 @@
 namespace fastaxial::torch_binding {
 namespace {
 
-// params with a fresh dropout seed from the default CPU generator, where dropout is active.
-void draw_dropout_seed(AxialParams* p) {
+// params with the call's dropout state, where dropout is active: rng_state's (seed, offset) where
+// given, else a fresh seed from the default CPU generator and offset 0.
+void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_state) {
   if (!(p->dropout > 0.0f)) return;
+  if (rng_state.has_value()) {
+    const int64_t* r = rng_state->data_ptr<int64_t>();
+    p->seed = static_cast<uint64_t>(r[0]), p->offset = static_cast<uint64_t>(r[1]);
+    return;
+  }
   auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
   const std::lock_guard<std::mutex> lock(gen->mutex_);
   p->seed = gen->random64();
@@ -29,11 +36,11 @@ void draw_dropout_seed(AxialParams* p) {
 }
 
 // out = the forward of the call; the dropout state drawn into *p.
-at::Tensor forward(const Call& c, AxialParams* p, const char* op) {
+at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op) {
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   *p = c.params(out);
   if (out.numel() == 0) return out;  // nothing drawn, as on CUDA
-  draw_dropout_seed(p);
+  draw_dropout_seed(p, rng_state);
   const Status s = forward_cpu(*p);
   TORCH_CHECK(s.ok(), op, " (CPU): ", s.message);
   return out;
@@ -43,24 +50,27 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
                                const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
-                               double dropout) {
+                               double dropout, const std::optional<at::Tensor>& rng_state) {
   check_dropout(dropout, "fastaxial.axial_attention");
   Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  check_rng_state(rng_state, c.x, "fastaxial.axial_attention");
   c.dropout = dropout;
   AxialParams p;
-  return forward(c, &p, "fastaxial.axial_attention");
+  return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
 
 // The output, and `saved`: the dropout state (seed, offset as two uint64) in 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout) {
+    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout,
+    const std::optional<at::Tensor>& rng_state) {
   check_dropout(dropout, "fastaxial.axial_attention_training");
   Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  check_rng_state(rng_state, c.x, "fastaxial.axial_attention_training");
   c.dropout = dropout;
   AxialParams p;
-  at::Tensor out = forward(c, &p, "fastaxial.axial_attention_training");
+  at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training");
   at::Tensor saved = at::empty({kDropoutStateFloats}, c.x.options());
   const uint64_t state[2] = {p.seed, p.offset};
   std::memcpy(saved.data_ptr<float>(), state, sizeof state);

@@ -3,7 +3,8 @@
 // from PyTorch's caching allocator. No host synchronisation. Dropout's seed
 // and offset come from PyTorch's default CUDA generator of x's device, as
 // PyTorch's own fused attention takes them: under CUDA graph capture as
-// pointers the kernels read at replay (AxialParams::seed_device).
+// pointers the kernels read at replay (AxialParams::seed_device); or from the
+// call's own `rng_state` tensor, read by the kernels the same way.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/core/Generator.h>
@@ -25,10 +26,17 @@
 namespace fastaxial::torch_binding {
 namespace {
 
-// The dropout mask's seed and offset for one call, from the default generator of x's device,
-// which advances its offset past them. Where dropout is off, nothing is drawn.
-void draw_dropout_state(AxialParams* p, const at::Device& device) {
+// The dropout mask's seed and offset for one call: read by the kernels from rng_state where given,
+// else from the default generator of x's device, which advances its offset past them. Where
+// dropout is off, nothing is drawn.
+void draw_dropout_state(AxialParams* p, const at::Device& device, const std::optional<at::Tensor>& rng_state) {
   if (!(p->dropout > 0.0f)) return;
+  if (rng_state.has_value()) {  // on x's device (check_rng_state): seed = r[0], offset = r[1] + 0
+    const auto* r = reinterpret_cast<const uint64_t*>(rng_state->data_ptr<int64_t>());
+    p->seed_device = r, p->offset_device = r + 1;
+    p->seed = 0, p->offset = 0;
+    return;
+  }
   auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
       std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(device.index()));
   at::PhiloxCudaState state;
@@ -55,9 +63,10 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
                                 const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                 const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                 const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
-                                double dropout) {
+                                double dropout, const std::optional<at::Tensor>& rng_state) {
   check_dropout(dropout, "fastaxial.axial_attention");
   Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  check_rng_state(rng_state, c.x, "fastaxial.axial_attention");
   c.dropout = dropout;
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
@@ -65,7 +74,7 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
   AxialParams p = c.params(out);
   if (dropout > 0) {  // dropout runs in the training forward's kernels; what it keeps is dropped here
     const CudaBackwardPlan plan = training_plan(p);  // first: a call it refuses draws nothing
-    draw_dropout_state(&p, c.x.device());
+    draw_dropout_state(&p, c.x.device(), rng_state);
     run_training_forward(p, plan, empty_saved(plan, c.x));
     return out;
   }
@@ -112,9 +121,11 @@ at::Tensor empty_saved(const CudaBackwardPlan& plan, const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
-    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout) {
+    const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout,
+    const std::optional<at::Tensor>& rng_state) {
   check_dropout(dropout, "fastaxial.axial_attention_training");
   Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
+  check_rng_state(rng_state, c.x, "fastaxial.axial_attention_training");
   c.dropout = dropout;
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
@@ -122,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
   const CudaBackwardPlan plan = training_plan(p);
   at::Tensor saved = empty_saved(plan, c.x);
   if (out.numel() != 0) {
-    draw_dropout_state(&p, c.x.device());
+    draw_dropout_state(&p, c.x.device(), rng_state);
     run_training_forward(p, plan, saved);
   } else {
     saved.zero_();  // no launch wrote it; an empty problem keeps zeros (no mask drawn)

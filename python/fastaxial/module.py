@@ -19,8 +19,17 @@ _OVERLOAD = torch.ops.fastaxial.axial_attention.default
 _OP = _OVERLOAD._op
 
 
+_DROPOUT_ARG = 13  # the module's call: x, the ten weights, num_heads, eps, dropout
+
+
 @torch.compiler.substitute_in_graph(_OP, skip_signature_check=True)
 def _op_traced(*args):
+    # Traced, a call with dropout takes its mask's (seed, offset) as an input drawn by a random op
+    # of the graph: compilers never merge random ops, so two calls on equal tensors (which would
+    # look like one pure call) keep masks of their own.
+    if len(args) == _DROPOUT_ARG + 1 and args[_DROPOUT_ARG] > 0:
+        rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=args[0].device)
+        return _OVERLOAD(*args, rng_state)
     return _OVERLOAD(*args)
 
 _HAS_CPU, _HAS_CUDA = ops.has_kernel("cpu"), ops.has_kernel("cuda")
@@ -43,9 +52,9 @@ class AxialAttention(reference.AxialAttentionReference):
     dtype other than float32, a device without a kernel, different LayerNorm
     epsilons per axis, dropout on CUDA with head_dim above 256, dropout in a
     build without Random123) run the reference math instead, with a warning
-    the first time. Under torch.compile in grad mode, two dropout calls with
-    identical inputs in one compiled region can be merged into one (the
-    compiler takes the operator for a pure function), and so share a mask.
+    the first time. Under torch.compile, each call's mask comes from a random
+    op of the compiled graph (so it differs from the eager mask for the same
+    seed, as compiled nn.Dropout's does).
     """
 
     # forward() is the host path of every call, so it reads only plain

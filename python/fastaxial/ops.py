@@ -84,13 +84,15 @@ def has_kernel(device_type):
 
 def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
                     col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias,
-                    num_heads, eps=1e-5, dropout=0.0):
+                    num_heads, eps=1e-5, dropout=0.0, rng_state=None):
     """Fused axial attention on x (B, H, W, D), float32; the arguments of reference.axial_attention,
     with dropout > 0 meaning attention dropout as in training mode (the mask drawn from PyTorch's
-    default generator of x's device)."""
+    default generator of x's device, or from rng_state where given: an int64 tensor (seed, offset)
+    on x's device)."""
     return torch.ops.fastaxial.axial_attention(
         x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
-        col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps, dropout)
+        col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps, dropout,
+        rng_state)
 
 
 @torch.library.register_fake(_OP)

@@ -189,6 +189,74 @@ def test_fake_kernels_and_schema(device):
     assert out.shape == real_out.shape and saved.shape == real_saved.shape
 
 
+def test_explicit_rng_state_draws_its_mask(device):
+    """rng_state (an int64 (seed, offset) on x's device) sets the mask: the training forward keeps that
+    pair, its output is the reference's with that mask, two calls agree bitwise, another pair gives
+    another mask, and the default generator does not advance."""
+    B, H, W, D, heads, p = 2, 5, 7, 16, 2, 0.3
+    _, new = make_pair(D, heads, H, W, device, dropout=p)
+    x = torch.randn(B, H, W, D, device=device)
+    w = [t.detach() for t in new.weights()]
+    rng = torch.tensor([2**62 + 12345, 3 * 2**40 + 7], dtype=torch.int64, device=device)
+    gen_before = torch.cuda.get_rng_state(x.device) if x.is_cuda else torch.get_rng_state()
+    out, saved = TRAINING(x, *w, heads, 1e-5, p, rng)
+    again = torch.ops.fastaxial.axial_attention(x, *w, heads, 1e-5, p, rng)
+    gen_after = torch.cuda.get_rng_state(x.device) if x.is_cuda else torch.get_rng_state()
+    assert torch.equal(gen_before, gen_after)
+    assert fastaxial.ops.dropout_state(saved) == tuple(rng.tolist())
+    assert torch.equal(out, again)
+    exact, *_ = reference_with_mask(new, x, tuple(rng.tolist()), p)
+    torch.testing.assert_close(out.double(), exact.detach(), atol=1e-4, rtol=1e-4)
+    other = torch.ops.fastaxial.axial_attention(x, *w, heads, 1e-5, p, rng + 1)
+    assert not torch.equal(out, other)
+    torch.library.opcheck(TRAINING, (x, *w, heads, 1e-5, p, rng))
+    for bad, match in ((rng.int(), "int64"), (rng[:1], "2 elements"), (rng.view(2, 1).expand(2, 2), "2 elements")):
+        with pytest.raises(ValueError, match=match):
+            TRAINING(x, *w, heads, 1e-5, p, bad)
+    if x.is_cuda:
+        with pytest.raises(ValueError, match="rng_state is on"):
+            TRAINING(x, *w, heads, 1e-5, p, rng.cpu())
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_calls_on_equal_inputs_draw_their_own_masks(device, backend):
+    """Under torch.compile two module calls on the same tensors keep masks of their own, as in eager
+    mode (the compiler takes an operator for a pure function and would merge the two calls), in
+    grad mode and under no_grad; through ATen's random ops (aot_eager), outputs and gradients are
+    the eager operator's with the same rng states."""
+    _, new = make_pair(16, 2, 4, 5, device, dropout=0.5)
+    new.train()
+    x = torch.randn(2, 4, 5, 16, device=device)
+    torch._dynamo.reset()
+    twice = torch.compile(lambda x: (new(x), new(x)), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        a, b = twice(x)
+    assert not torch.equal(a, b)
+    xg = x.clone().requires_grad_()
+    a, b = twice(xg)
+    assert not torch.equal(a, b)
+    g = torch.randn_like(x)
+    ga, = torch.autograd.grad((a * g).sum(), xg, retain_graph=True)
+    gb, = torch.autograd.grad((b * g).sum(), xg)
+    assert torch.isfinite(ga).all() and torch.isfinite(gb).all() and not torch.equal(ga, gb)
+    if backend == "aot_eager":
+        # The graph's random ops run as ATen ops, from the default generator in program order: the
+        # eager operator given the same two states gives the same outputs and gradients, so each
+        # call's backward drew its own forward's mask.
+        w = list(new.weights())
+        torch.manual_seed(77)
+        a, b = twice(xg)
+        ga, = torch.autograd.grad((a * g).sum(), xg, retain_graph=True)
+        gb, = torch.autograd.grad((b * g).sum(), xg)
+        torch.manual_seed(77)
+        for out, grad in ((a, ga), (b, gb)):
+            rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+            expect = torch.ops.fastaxial.axial_attention(xg, *w, 2, 1e-5, 0.5, rng)
+            expect_grad, = torch.autograd.grad((expect * g).sum(), xg)
+            assert torch.equal(out, expect) and torch.equal(grad, expect_grad)
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")
 def test_cuda_graph_replays_draw_fresh_masks():
     """The training forward captured in a CUDA graph: each replay draws the generator's next
