@@ -268,6 +268,13 @@ struct CudaBackwardPlan {
   // planes, per pass (row, then column) Wqkv, Wout, Wout^T, Wqkv^T: 16 D^2 floats a pass; else kNone.
   bool tensor_core_products = false;
   size_t weight_planes = kNone;
+  // Where the weight gradients (sums over all T positions) run on the tensor cores (3xTF32
+  // mma.sync, compute capability 8.0 on), the partial sums of chunks of positions, [S][N][K]
+  // floats, where the positions are split (S > 1): sized for the larger product, d_Wqkv or d_Wo,
+  // and reused by each product in turn; else kNone.
+  bool tensor_core_weight_grads = false;
+  size_t weight_grad_partials = kNone;
+  size_t weight_grad_partials_bytes = 0;
   size_t workspace_bytes = 0;  // the whole workspace
 
   // What the plan was made for; the two calls reject another problem or device.

@@ -244,6 +244,41 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 
 size_t backward_blas_bytes(const DeviceCaps& dev) { return static_cast<size_t>(dev.cc_major >= 9 ? 32 : 4) << 20; }
 
+bool weight_gradient_fits(const DeviceCaps& dev) {
+  return dev.cc_major >= 8 && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradSmemBytes;
+}
+
+// S: the grid (tiles x S blocks) about two waves of the device's resident blocks, S rounded down
+// so that the last wave is full or nearly (rounding up would add a wave of a few blocks); at
+// least kWeightGradMinSplitRows rows a chunk, so that a block's partial tile (32 KB written, then
+// read once more) stays small beside its rows' reads (192 floats a row: 192 KB at 256 rows).
+WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev) {
+  const int64_t step = kWeightGradStageRows;
+  T = std::max<int64_t>(T, 0);
+  const int64_t tiles = std::max<int64_t>(1, (N + kWeightGradTileN - 1) / kWeightGradTileN) *
+                        std::max<int64_t>(1, (K + kWeightGradTileK - 1) / kWeightGradTileK);
+  // Blocks an SM holds: two where its shared memory takes two (the kernel's registers are bounded for two).
+  const int64_t smem = std::max(dev.smem_optin, 0);
+  const int64_t per_sm = std::clamp<int64_t>(smem / (int64_t)kWeightGradSmemBytes, 1, 2);
+  const int64_t resident = std::max(dev.sms, 1) * per_sm;
+  int64_t splits = std::min<int64_t>({2 * resident / tiles, T / kWeightGradMinSplitRows, 65535});  // 65535: grid.y
+  splits = std::max<int64_t>({splits, 1, (T + kWeightGradMaxChunkRows - 1) / kWeightGradMaxChunkRows});
+  const int64_t per = (T + splits - 1) / splits;
+  WeightGradSplit s;
+  s.rows = std::max<int64_t>(step, (per + step - 1) / step * step);
+  s.splits = std::max<int64_t>(1, (T + s.rows - 1) / s.rows);
+  return s;
+}
+
+size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev) {
+  const WeightGradSplit s = weight_gradient_split(T, N, K, dev);
+  return s.splits > 1 ? (size_t)s.splits * (size_t)N * (size_t)K : 0;
+}
+
+size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCaps& dev) {
+  return std::max(weight_gradient_partials_floats(T, 3 * D, D, dev), weight_gradient_partials_floats(T, D, D, dev));
+}
+
 Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan, bool caller_blas) {
   const int64_t hd = p.dim / p.heads;
   if (hd > kCudaBackwardMaxHeadDim)
@@ -286,6 +321,18 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
     if (D > limit / D) return invalid("the workspace size overflows size_t");
     fits = fits && append(&end, 2 * 16 * D * D * sizeof(float), &c.weight_planes);
   }
+  // The weight gradients on the tensor cores (backward/weight_gradient.cu) where the device runs
+  // them; their partial tiles where the rows are split, sized for the larger product of a pass
+  // (d_Wqkv, then d_Wo, then the other pass's: one after another on the stream, so one region).
+  c.tensor_core_weight_grads = weight_gradient_fits(dev);
+  if (c.tensor_core_weight_grads) {
+    // S N K <= 2 resident blocks' tiles of 128 x 64 floats (weight_gradient_split): no overflow.
+    const size_t partials = weight_gradient_pass_partials_floats((int64_t)T, (int64_t)D, dev) * sizeof(float);
+    if (partials > 0) {
+      fits = fits && append(&end, partials, &c.weight_grad_partials);
+      c.weight_grad_partials_bytes = partials;
+    }
+  }
   if (!fits) return invalid("the workspace size overflows size_t");
   c.workspace_bytes = end;
   *plan = c;
@@ -305,12 +352,16 @@ Status cuda_saved_bytes(const AxialParams& p, size_t* bytes) {
 std::string CudaBackwardPlan::describe() const {
   std::ostringstream s;
   s << "training: the forward with its intermediates saved (" << (tensor_core_products ? "3xTF32 wgmma" : "cuBLAS fp32")
-    << " projections, flash attention with log-sum-exp), then column and row passes back (weight gradients as cuBLAS "
-       "fp32 products, flash-style attention backward); saved "
-    << saved_bytes << " B, workspace " << workspace_bytes << " B, "
+    << " projections, flash attention with log-sum-exp), then column and row passes back (weight gradients as "
+    << (tensor_core_weight_grads ? "3xTF32 mma.sync" : "cuBLAS fp32")
+    << " products, flash-style attention backward); saved " << saved_bytes << " B, workspace " << workspace_bytes
+    << " B, "
     << (caller_blas ? std::string("cuBLAS on the caller's handle")
-                    : "of which cuBLAS " + std::to_string(blas_bytes) + " B")
-    << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device " << device << ")";
+                    : "of which cuBLAS " + std::to_string(blas_bytes) + " B");
+  if (weight_grad_partials != kNone)
+    s << ", weight-gradient partials at " << weight_grad_partials << " (" << weight_grad_partials_bytes << " B)";
+  s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
+    << device << ")";
   return s.str();
 }
 

@@ -59,8 +59,46 @@ constexpr int64_t kMaxColumnSumChunks = 128;
 // cuBLAS's workspace in a backward on the library's own handle: its recommendation for Hopper
 // (32 MiB), 4 MiB on older GPUs. Less changes its choice of algorithm for the weight gradients
 // (long sums over all B H W positions into a small output) to ones with longer sums in one
-// thread: 1 MiB gave errors 5 times fp32 PyTorch's at 4096 positions of dim 16.
+// thread: 1 MiB gave errors 5 times fp32 PyTorch's at 4096 positions of dim 16. (The weight
+// gradients now run on cuBLAS only where weight_gradient_fits says no; the size is kept for them
+// and for the other products' cuBLAS fallback.)
 size_t backward_blas_bytes(const DeviceCaps& dev);
+
+// ---- the backward's weight gradients (backward/weight_gradient.cu) --------------------------
+// C (N, K) = A^T B summed over T rows (d_Wo = dy^T o, d_Wqkv = dqkv^T xn) on the tensor cores: a
+// block per (kWeightGradTileN x kWeightGradTileK output tile, chunk of rows); with S > 1 chunks
+// each block writes its partial tile into [S][N][K] floats, which a second kernel adds in a fixed
+// order. The rule for S lives here, in host code, so that the plan sizes that scratch
+// (CudaBackwardPlan::weight_grad_partials) without a GPU.
+
+constexpr int kWeightGradTileN = 128, kWeightGradTileK = 64;  // a block's output tile
+constexpr int kWeightGradStageRows = 32;                      // rows of A and B a pipeline stage holds
+constexpr int kWeightGradStages = 3;                          // stages in shared memory
+// Shared-memory rows padded by 8 floats (row strides 8 mod 32 words: the fragment loads meet
+// distinct banks, weight_gradient.cu).
+constexpr int kWeightGradLdA = kWeightGradTileN + 8, kWeightGradLdB = kWeightGradTileK + 8;
+constexpr size_t kWeightGradSmemBytes =
+    (size_t)kWeightGradStages * kWeightGradStageRows * (kWeightGradLdA + kWeightGradLdB) * sizeof(float);
+// Fewest rows a chunk has when the rows are split (see weight_gradient_split), and most (the
+// kernel counts a chunk's rows in int).
+constexpr int64_t kWeightGradMinSplitRows = 256, kWeightGradMaxChunkRows = int64_t{1} << 30;
+
+// The device runs the kernel: mma.sync of TF32 (compute capability 8.0) and its shared memory.
+bool weight_gradient_fits(const DeviceCaps& dev);
+
+// How a product over T rows is split: `splits` chunks (S) of `rows` rows each (a multiple of
+// kWeightGradStageRows; the last chunk may have fewer). Depends on T, N, K and the device's SMs
+// and shared memory alone, so the result is the same on every call.
+struct WeightGradSplit {
+  int64_t splits = 1, rows = 0;
+};
+WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev);
+
+// Floats of partials the product needs: S N K, or 0 where S = 1 (the blocks write C directly).
+size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev);
+
+// The larger of a pass's two weight-gradient products: d_Wqkv (3D, D) and d_Wo (D, D).
+size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCaps& dev);
 
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------
 

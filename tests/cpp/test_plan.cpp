@@ -361,7 +361,8 @@ CudaBackwardPlan backward_plan_of(const AxialParams& p, const DeviceCaps& dev) {
 // Every region 256-byte aligned, of its size, inside its buffer (saved or workspace), and
 // overlapping no other of that buffer.
 TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
-  for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(1, 7, 5, 9, 3), problem(2, 1, 2048, 16, 2)}) {
+  for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(1, 7, 5, 9, 3), problem(2, 1, 2048, 16, 2),
+                               problem(8, 64, 64, 128, 4)}) {
     const CudaBackwardPlan c = backward_plan_of(p, h200());
     const size_t T = (size_t)(p.batch * p.height * p.width), td = T * p.dim * 4, th = T * p.heads * 4;
     struct Region {
@@ -382,6 +383,10 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
     ws.push_back({c.delta, th, "delta"});
     ws.push_back({c.column_partials, 3 * 128 * (size_t)p.dim * 4, "column_partials"});
     ws.push_back({c.blas, c.blas_bytes, "blas"});
+    if (c.weight_planes != CudaBackwardPlan::kNone)
+      ws.push_back({c.weight_planes, 32 * (size_t)p.dim * p.dim * 4, "weight_planes"});
+    if (c.weight_grad_partials != CudaBackwardPlan::kNone)
+      ws.push_back({c.weight_grad_partials, c.weight_grad_partials_bytes, "weight_grad_partials"});
     for (const auto& [regions, total] : {std::pair{&saved, c.saved_bytes}, std::pair{&ws, c.workspace_bytes}}) {
       const std::vector<Region>& r = *regions;
       for (size_t i = 0; i < r.size(); ++i) {
@@ -432,6 +437,72 @@ TEST(BackwardPlan, TensorCoreProductsWhereTheStagedProductRuns) {
     EXPECT_EQ(c.weight_planes, CudaBackwardPlan::kNone);
     EXPECT_NE(c.describe().find("cuBLAS fp32 projections"), std::string::npos) << c.describe();
   }
+}
+
+// The weight gradients' chunks of rows (weight_gradient_split): the grid (tiles x S) at most two
+// waves of the resident blocks, chunks of whole 32-row stages and at least 256 rows, covering
+// the T rows exactly once; S depends on the device's SMs and shared memory.
+TEST(BackwardPlan, WeightGradientSplitRule) {
+  for (const DeviceCaps& dev : {h200(), a100()}) {
+    const int64_t resident = 2 * (int64_t)dev.sms;  // both devices hold two 78 KB blocks an SM
+    for (int64_t T : {1, 31, 255, 511, 512, 1000, 4096, 32768, 40000, 3000000})
+      for (const auto& [N, K] : {std::pair<int64_t, int64_t>{1, 1}, {64, 64}, {192, 64}, {768, 256}, {3072, 1024}}) {
+        const WeightGradSplit s = weight_gradient_split(T, N, K, dev);
+        const int64_t tiles = (N + 127) / 128 * ((K + 63) / 64);
+        const std::string what = "T " + std::to_string(T) + ", N " + std::to_string(N) + ", K " + std::to_string(K);
+        EXPECT_GE(s.splits, 1) << what;
+        EXPECT_EQ(s.rows % 32, 0) << what;
+        EXPECT_GE(s.splits * s.rows, T) << what;
+        EXPECT_LT((s.splits - 1) * s.rows, T) << what << ": no empty chunk";
+        if (s.splits > 1) {
+          EXPECT_LE(tiles * s.splits, 2 * resident) << what;
+          EXPECT_GE(s.rows, kWeightGradMinSplitRows) << what;
+        }
+        if (T < 2 * kWeightGradMinSplitRows || tiles >= 2 * resident) EXPECT_EQ(s.splits, 1) << what;
+        EXPECT_EQ(weight_gradient_partials_floats(T, N, K, dev), s.splits > 1 ? (size_t)(s.splits * N * K) : 0u)
+            << what;
+      }
+  }
+  // d_Wqkv (384, 128) over 32768 rows on an H200: 6 tiles, 264 resident blocks, so at most 88
+  // chunks: 373 rows, rounded up to 384, make 86.
+  const WeightGradSplit s = weight_gradient_split(32768, 384, 128, h200());
+  EXPECT_EQ(s.rows, 384);
+  EXPECT_EQ(s.splits, 86);
+  DeviceCaps small_smem = a100();
+  small_smem.smem_optin = 99 * 1024;  // one block an SM (compute capability 8.6, 8.9)
+  EXPECT_EQ(weight_gradient_split(32768, 384, 128, small_smem).splits, 36) << "216 / 6 chunks of 911 -> 928 rows";
+  EXPECT_TRUE(weight_gradient_fits(small_smem));
+}
+
+// The weight gradients' partial tiles: a workspace region where the rows are split, sized for
+// the larger of a pass's two products (d_Wqkv), inside the workspace after the other regions;
+// none where one chunk serves (few positions) or the device has no kernel for them.
+TEST(BackwardPlan, WeightGradientPartialsWhereTheRowsSplit) {
+  const CudaBackwardPlan big = backward_plan_of(problem(8, 64, 64, 128, 4), h200());  // T 32768, D 128
+  EXPECT_TRUE(big.tensor_core_weight_grads);
+  ASSERT_NE(big.weight_grad_partials, CudaBackwardPlan::kNone);
+  EXPECT_EQ(big.weight_grad_partials_bytes, 86u * 384 * 128 * 4) << "d_Wqkv's 86 chunks (d_Wo's: 128 of 128 x 128)";
+  EXPECT_EQ(big.weight_grad_partials_bytes, weight_gradient_pass_partials_floats(32768, 128, h200()) * 4);
+  EXPECT_EQ(big.weight_grad_partials % 256, 0u);
+  EXPECT_GE(big.weight_grad_partials, big.weight_planes + 32 * 128 * 128 * 4) << "after the last other region";
+  EXPECT_EQ(big.weight_grad_partials + big.weight_grad_partials_bytes, big.workspace_bytes);
+  const std::string d = big.describe();
+  EXPECT_NE(d.find("weight gradients as 3xTF32 mma.sync"), std::string::npos) << d;
+  EXPECT_NE(d.find("weight-gradient partials at " + std::to_string(big.weight_grad_partials)), std::string::npos) << d;
+
+  const CudaBackwardPlan small = backward_plan_of(problem(1, 7, 5, 9, 3), h200());  // 35 positions: one chunk
+  EXPECT_TRUE(small.tensor_core_weight_grads);
+  EXPECT_EQ(small.weight_grad_partials, CudaBackwardPlan::kNone);
+  EXPECT_EQ(small.weight_grad_partials_bytes, 0u);
+  EXPECT_EQ(small.describe().find("partials"), std::string::npos) << small.describe();
+
+  DeviceCaps no_room = a100();
+  no_room.smem_optin = 48 * 1024;  // less shared memory than the kernel's ring: cuBLAS
+  const CudaBackwardPlan blas = backward_plan_of(problem(8, 64, 64, 128, 4), no_room);
+  EXPECT_FALSE(blas.tensor_core_weight_grads);
+  EXPECT_EQ(blas.weight_grad_partials, CudaBackwardPlan::kNone);
+  EXPECT_NE(blas.describe().find("weight gradients as cuBLAS fp32"), std::string::npos) << blas.describe();
+  EXPECT_EQ(big.saved_bytes, blas.saved_bytes);
 }
 
 TEST(BackwardPlan, SaysWhatItCannotServe) {

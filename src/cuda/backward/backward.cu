@@ -18,11 +18,18 @@
 // products are plain GEMMs over all T positions: the projections and the
 // activations' gradients through them on Hopper's tensor cores with 3xTF32
 // (the staged path's wgmma product, staged/gemm.cu, weights split into
-// planes once a call: weight_planes.cu), else cuBLAS fp32; the projection
-// weights' gradients, sums over all T positions (K = T), on cuBLAS fp32. So
-// no sum over positions needs atomics: cuBLAS's results are bitwise
-// reproducible, and the column sums (column_sums.cu) and the attention
-// backward add in a fixed order, so the whole backward is deterministic.
+// planes once a call: weight_planes.cu), else cuBLAS fp32. The projection
+// weights' gradients, sums over all T positions into (D, D) and (3D, D),
+// on the tensor cores too (weight_gradient.cu: 3xTF32 mma.sync, compute
+// capability 8.0 on, which every device the backward plans for has): on
+// cuBLAS they ran in fp32 on the FFMA units, about a third of a large
+// backward. cuBLAS stays their fallback where the plan says the kernel
+// cannot run (plan.tensor_core_weight_grads). No sum over positions needs
+// atomics: the weight gradients split the positions into chunks by a rule of
+// the sizes and the device alone and add the chunks in a fixed order, the
+// column sums (column_sums.cu) and the attention backward add in a fixed
+// order, and cuBLAS's results are bitwise reproducible, so the whole
+// backward is deterministic.
 // Attention dropout (p.dropout > 0): the flash forward and the attention
 // backward draw the mask of common/dropout.h from the seed and offset the
 // forward writes into `saved` (dropout_state.cu), so the backward draws the
@@ -46,6 +53,7 @@
 #include "column_sums.h"
 #include "dropout_state.h"
 #include "norm.h"
+#include "weight_gradient.h"
 #include "weight_planes.h"
 
 namespace fastaxial {
@@ -83,6 +91,8 @@ class Training {
     row_ = pass(plan.row), col_ = pass(plan.col), x1_ = in(saved, plan.row_output);
     d_x1_ = in(ws, plan.grad_row_output), d_attn_ = in(ws, plan.grad_attn), d_qkv_ = in(ws, plan.grad_qkv);
     d_norm_ = in(ws, plan.grad_norm), delta_ = in(ws, plan.delta), partials_ = in(ws, plan.column_partials);
+    tensor_core_weight_grads_ = plan.tensor_core_weight_grads && cuda::weight_gradient_available(dev);
+    if (plan.weight_grad_partials != CudaBackwardPlan::kNone) weight_partials_ = in(ws, plan.weight_grad_partials);
     if (plan.tensor_core_products) {
       const int64_t dd = (int64_t)D_ * D_;
       for (int i = 0; i < 2; ++i) {
@@ -164,6 +174,20 @@ class Training {
     return cuda::gemm(blas_, false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
   }
 
+  // A weight's gradient c (N, D) = a^T b over the T positions, a (T, N), b (T, D): on the tensor
+  // cores where the plan has them (its partials region, reused by each product in turn: they run
+  // one after another on the stream), else on cuBLAS.
+  Status weight_gradient(const float* a, int N, const float* b, float* c, const char* what) {
+    if (tensor_core_weight_grads_) {
+      cuda::WeightGradientArgs g;
+      g.a = a, g.b = b, g.c = c, g.T = T_, g.lda = N, g.ldb = D_, g.ldc = D_, g.N = N, g.K = D_;
+      if (cudaError_t e = cuda::weight_gradient(g, weight_partials_, dev_, stream_); e != cudaSuccess)
+        return cuda_error(e, what);
+      return Status::Ok();
+    }
+    return cuda::gemm(blas_, true, false, N, D_, T_, a, N, b, D_, 0.0f, c, D_, what);
+  }
+
   // xn = LayerNorm(src), qkv = xn Wqkv^T, attn and lse = attention of qkv (pass 0: rows, 1: columns).
   Status forward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                       const Planes& planes) {
@@ -209,10 +233,7 @@ class Training {
                            const PassBuffers& b, const Planes& planes, const float* dy, float* d_src,
                            const AxisGrads& grads, cuda::ColumnSumJobs* sums) {
     if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
-      if (Status s = cuda::gemm(blas_, true, false, D_, D_, T_, dy, D_, b.attn, D_, 0.0f, grads.out_weight, D_,
-                                "out_weight gradient");
-          !s.ok())
-        return s;
+      if (Status s = weight_gradient(dy, D_, b.attn, grads.out_weight, "out_weight gradient"); !s.ok()) return s;
     if (d_src == nullptr && !grads.qkv_weight && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
 
     // d_o (T, D) = dy Wo, then the attention backward into dqkv (T, 3D).
@@ -228,9 +249,7 @@ class Training {
     if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "attention_backward launch");
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
-      if (Status s = cuda::gemm(blas_, true, false, 3 * D_, D_, T_, d_qkv_, 3 * D_, b.norm, D_, 0.0f,
-                                grads.qkv_weight, D_, "qkv_weight gradient");
-          !s.ok())
+      if (Status s = weight_gradient(d_qkv_, 3 * D_, b.norm, grads.qkv_weight, "qkv_weight gradient"); !s.ok())
         return s;
     if (d_src == nullptr && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
 
@@ -261,6 +280,8 @@ class Training {
   PassBuffers row_, col_;
   Planes planes_[2];  // row, column
   float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
+  bool tensor_core_weight_grads_ = false;  // the weight gradients on weight_gradient.cu, else cuBLAS
+  float* weight_partials_ = nullptr;       // their partial tiles where the positions are split
 };
 
 // Zeros in every wanted weight gradient: the gradients of an empty problem.

@@ -1,0 +1,37 @@
+// The backward's weight gradients on the tensor cores: C (N, K) = A^T B for
+// row-major A (T, N) and B (T, K), summed over all T rows (d_Wo = dy^T o,
+// d_Wqkv = dqkv^T xn: T = B H W positions), fp32-accurate (3xTF32 on
+// mma.sync) and deterministic: the rows are cut into S chunks by a rule of
+// (T, N, K, the device) alone (common/plan.h: weight_gradient_split), each
+// chunk summed in a fixed order, and the chunks' partial tiles added in a
+// fixed order by a second kernel; no atomics, so two calls on the same inputs
+// give the same bits (weight_gradient.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../common/plan.h"  // DeviceCaps, the split rule and the partials' size
+
+namespace fastaxial::cuda {
+
+struct WeightGradientArgs {
+  const float* a = nullptr;  // (T, N), row stride lda
+  const float* b = nullptr;  // (T, K), row stride ldb
+  float* c = nullptr;        // (N, K), row stride ldc
+  int64_t T = 0;             // rows summed over; 0 gives zeros
+  int64_t lda = 0, ldb = 0, ldc = 0;
+  int N = 0, K = 0;
+};
+
+// True when the device runs the kernel (compute capability 8.0 or newer, and its shared memory):
+// weight_gradient_fits of plan.h.
+bool weight_gradient_available(const DeviceCaps& dev);
+
+// Launches C = A^T B on `stream` (programmatic dependents, detail/launch.cuh). `partials`: scratch
+// of weight_gradient_partials_floats(T, N, K, dev) floats (plan.h); null where that is 0.
+// cudaErrorInvalidValue for negative sizes, strides below a row, or missing partials.
+cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, const DeviceCaps& dev, cudaStream_t stream);
+
+}  // namespace fastaxial::cuda
