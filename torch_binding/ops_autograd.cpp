@@ -5,12 +5,11 @@
 // the forward, its `saved`:
 //  - with dropout (CPU and CUDA): `saved` holds the mask's seed and offset,
 //    which the backward needs to draw the forward's mask again;
-//  - on CUDA, except where the forward runs the fused kernels on both passes:
-//    `saved` holds the forward's intermediates, so that the backward
-//    recomputes only the probabilities. A problem the fused kernels serve is
-//    small: its training forward's dozen launches would cost the forward call
-//    more host time than recomputing them in the backward costs GPU time, so
-//    it runs the plain forward and its backward runs the training forward.
+//  - on CUDA: `saved` holds the forward's intermediates, so that the
+//    backward recomputes only the probabilities. (The training forward's
+//    dozen launches replay as one CUDA graph once a call repeats, fastaxial.h,
+//    so a small problem's host time no longer favours the two-launch fused
+//    forward plus a recompute in the backward.)
 // The backward: the operator axial_attention_backward (its fused CPU and
 // CUDA kernels); on devices or head dims those do not serve (CUDA head dims
 // above kCudaBackwardMaxHeadDim, other devices), the forward recomputed with
@@ -88,17 +87,6 @@ bool cuda_training(const at::Tensor& x, int64_t heads) {
   return x.is_cuda() && cuda_compiled() && x.dim() == 4 && heads >= 1 && x.size(3) / heads <= kCudaBackwardMaxHeadDim;
 }
 
-// Whether x's CUDA forward runs the fused kernels on both passes (the plan of x's device).
-bool fused_forward(const at::Tensor& x, int64_t heads) {
-  if (x.dim() != 4 || heads < 1) return false;  // the kernels' checks say what is wrong
-  const c10::DeviceGuard guard(x.device());
-  AxialParams p;
-  p.batch = x.size(0), p.height = x.size(1), p.width = x.size(2), p.dim = x.size(3), p.heads = heads;
-  CudaPlan plan;
-  return plan_cuda(p, &plan).ok() && plan.row.family == KernelFamily::kFused &&
-         plan.col.family == KernelFamily::kFused;
-}
-
 const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
   static const auto handle = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("fastaxial::axial_attention_backward", "")
@@ -132,7 +120,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["dropout"] = dropout;
-    if (dropout > 0 || (cuda_training(x, heads) && !fused_forward(x, heads))) {
+    if (dropout > 0 || cuda_training(x, heads)) {
       // The training forward: the output, and what its backward reads (the intermediates on CUDA,
       // the dropout mask's seed and offset).
       const at::AutoDispatchBelowADInplaceOrView below;

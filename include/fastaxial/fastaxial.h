@@ -313,6 +313,13 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
 // be grad_out). p.out is not read. With p.dropout > 0 (pass the forward's rate) the mask is drawn
 // again from the seed and offset the forward wrote into `saved` (p.seed, p.offset and the
 // device pointers are not read). Launches only, as above.
+//
+// Both training calls replay a CUDA graph of their launches where a call comes again with the
+// same sizes, pointers and plan (as each step of a training loop does when its allocator hands
+// out the same buffers): the second such call captures its launches, later ones launch the graph
+// at the cost of one launch (a call's 10 to 40 launches otherwise take longer to issue than a
+// small problem's GPU work). The results are the same bits. Calls on a stream being captured
+// launch directly into that capture; FASTAXIAL_CUDA_GRAPHS=0 turns replays off.
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
                      size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream,
                      void* blas_handle = nullptr);

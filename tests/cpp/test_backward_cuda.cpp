@@ -2,7 +2,8 @@
 // and backward_cuda from its saved intermediates against the float64 reference backward
 // (reference.h, itself checked against finite differences in test_backward_cpu.cpp), on short
 // and long axes and head dims 1 to 256; null gradients, grad_x in place of grad_out, bitwise
-// determinism, the empty problem, and the plan's, saved buffer's and workspace's checks.
+// determinism, the empty problem, the plan's, saved buffer's and workspace's checks, and graph
+// replays of repeated calls against direct launches.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../../src/cuda/graph_replay.h"
 #include "backward_util.h"
 #include "cuda_test_util.h"
 
@@ -308,6 +310,86 @@ TEST_F(CudaBackwardRuns, CallersBlasHandle) {
   CUDA_OK(cudaStreamCreate(&other));
   expect_invalid(backward_cuda(dp, g, plan, saved.get(), sb, ws.get(), wb, other, h), "another stream");
   CUDA_OK(cudaStreamDestroy(other));
+}
+
+// A call that comes back with the same pointers replays a CUDA graph of its launches
+// (src/cuda/graph_replay.h): the second call captures it, the third replays. Outputs and
+// gradients are bitwise those of direct launches, and stay so after the inputs' values change in
+// place (a graph reads memory when it runs; an optimizer step leaves the pointers alone).
+TEST_F(CudaBackwardRuns, GraphReplayMatchesDirectLaunches) {
+  s = Shape{3, 16, 16, 64, 4};
+  p = random_problem(s, 99);
+  gout = random_grad(s.B * s.H * s.W * s.D, 13);
+  gout_f.assign(gout.begin(), gout.end());
+  dp = dev.params(p);
+  CudaBackwardPlan plan;
+  ASSERT_TRUE(plan_backward_cuda(dp, &plan).ok());
+  const size_t n = gout_f.size(), sb = plan.saved_bytes, wb = plan.workspace_bytes;
+  DevicePtr ws = device_alloc(wb / sizeof(float) + 1), saved = device_alloc(sb / sizeof(float) + 1);
+  DevicePtr out = device_alloc(n), go = device_alloc(n);
+  CUDA_OK(cudaMemcpy(go.get(), gout_f.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  Grads shape_of(s);
+  std::vector<DevicePtr> bufs;
+  for (auto& [buf, name] : shape_of.all()) bufs.push_back(device_alloc(buf->size()));
+  AxialGrads g;
+  g.grad_out = go.get();
+  g.grad_x = bufs[0].get();
+  g.row = {bufs[1].get(), bufs[2].get(), bufs[3].get(), bufs[4].get(), bufs[5].get()};
+  g.col = {bufs[6].get(), bufs[7].get(), bufs[8].get(), bufs[9].get(), bufs[10].get()};
+  AxialParams fp = dp;
+  fp.out = out.get();
+  // One training step into poisoned buffers: the output and every gradient, copied back.
+  const auto step = [&](std::vector<float>* out_host, Grads* grads) {
+    const std::vector<float> poison(n, kNaN);
+    CUDA_OK(cudaMemcpy(out.get(), poison.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    for (size_t i = 0; i < bufs.size(); ++i) CUDA_OK(cudaMemset(bufs[i].get(), 0xff, grads->all()[i].first->size() * 4));
+    Status st = forward_cuda_training(fp, plan, saved.get(), sb, ws.get(), wb, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    st = backward_cuda(dp, g, plan, saved.get(), sb, ws.get(), wb, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    CUDA_OK(cudaDeviceSynchronize());
+    out_host->resize(n);
+    CUDA_OK(cudaMemcpy(out_host->data(), out.get(), n * sizeof(float), cudaMemcpyDeviceToHost));
+    auto list = grads->all();
+    for (size_t i = 0; i < list.size(); ++i)
+      CUDA_OK(cudaMemcpy(list[i].first->data(), bufs[i].get(), list[i].first->size() * sizeof(float),
+                         cudaMemcpyDeviceToHost));
+  };
+  const auto expect_same = [](const std::vector<float>& out_a, Grads& a, const std::vector<float>& out_b, Grads& b,
+                              const char* what) {
+    EXPECT_TRUE(same_bits(out_a, out_b)) << "output, " << what;
+    for (size_t i = 0; i < a.all().size(); ++i)
+      EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first)) << a.all()[i].second << ", " << what;
+  };
+
+  cuda::set_graph_replay(false);
+  std::vector<float> out_direct;
+  Grads direct(s);
+  step(&out_direct, &direct);
+  cuda::set_graph_replay(true);
+  const int before = cuda::graphs_cached();
+  for (int call = 1; call <= 3; ++call) {  // seen, captured, replayed
+    std::vector<float> out_graph;
+    Grads graphed(s);
+    step(&out_graph, &graphed);
+    if (HasFatalFailure()) return;
+    expect_same(out_direct, direct, out_graph, graphed, call == 1 ? "first call" : call == 2 ? "capture" : "replay");
+  }
+  EXPECT_EQ(cuda::graphs_cached(), before + 2) << "the training forward's graph and the backward's";
+
+  // New values in the same buffers: the replay reads them.
+  const Problem q = random_problem(s, 100);
+  CUDA_OK(cudaMemcpy(const_cast<float*>(dp.x), q.x.data(), q.x.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(const_cast<float*>(dp.row.qkv_weight), q.row.qkv_w.data(), q.row.qkv_w.size() * sizeof(float),
+                     cudaMemcpyHostToDevice));
+  std::vector<float> out_replay, out_fresh;
+  Grads replayed(s), fresh(s);
+  step(&out_replay, &replayed);
+  cuda::set_graph_replay(false);
+  step(&out_fresh, &fresh);
+  cuda::set_graph_replay(true);
+  EXPECT_FALSE(same_bits(out_replay, out_direct)) << "the new inputs changed nothing";
+  expect_same(out_fresh, fresh, out_replay, replayed, "replay after the inputs changed");
 }
 
 }  // namespace

@@ -45,6 +45,7 @@
 #include "../../common/plan.h"
 #include "../../common/validate.h"
 #include "../detail/host.h"
+#include "../graph_replay.h"
 #include "../kernels.h"
 #include "../staged/flash_attention.h"
 #include "../staged/gemm.h"
@@ -171,7 +172,15 @@ class Training {
         return cuda_error(e, "add_bias launch");
       beta = 1.0f;
     }
-    return cuda::gemm(blas_, false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
+    return blas_gemm(false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
+  }
+
+  // cuBLAS's product (blas.h), where the call has a handle: a call being captured into a graph has
+  // none (graph_replay.h), and is then run directly instead.
+  Status blas_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                   const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const char* what) {
+    if (blas_ == nullptr) return {StatusCode::kUnsupported, std::string(what) + ": cuBLAS is not captured"};
+    return cuda::gemm(blas_, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, what);
   }
 
   // A weight's gradient c (N, D) = a^T b over the T positions, a (T, N), b (T, D): on the tensor
@@ -185,7 +194,7 @@ class Training {
         return cuda_error(e, what);
       return Status::Ok();
     }
-    return cuda::gemm(blas_, true, false, N, D_, T_, a, N, b, D_, 0.0f, c, D_, what);
+    return blas_gemm(true, false, N, D_, T_, a, N, b, D_, 0.0f, c, D_, what);
   }
 
   // xn = LayerNorm(src), qkv = xn Wqkv^T, attn and lse = attention of qkv (pass 0: rows, 1: columns).
@@ -358,6 +367,36 @@ static Status call_blas(const CudaBackwardPlan& plan, void* caller_handle, char*
   return caller->bind(*blas, stream);
 }
 
+// What a training call's launches take (graph_replay.h): the problem, the gradients, the plan
+// and the buffers. `kind` tells the forward's key from the backward's.
+static cuda::CallKey call_key(int kind, const AxialParams& p, const AxialGrads* g, const CudaBackwardPlan& plan,
+                       const void* saved, const void* workspace) {
+  cuda::CallKey k;
+  k.add(kind);
+  for (int64_t v : {p.batch, p.height, p.width, p.dim, p.heads}) k.add(v);
+  k.add(p.eps), k.add(p.dropout), k.add(p.seed), k.add(p.offset);
+  for (const void* ptr : {static_cast<const void*>(p.x), static_cast<const void*>(p.out),
+                          static_cast<const void*>(p.seed_device), static_cast<const void*>(p.offset_device)})
+    k.add(ptr);
+  for (const AxisWeights* w : {&p.row, &p.col})
+    for (const float* ptr : {w->norm_weight, w->norm_bias, w->qkv_weight, w->out_weight, w->out_bias}) k.add(ptr);
+  if (g != nullptr) {
+    k.add(g->grad_out), k.add(g->grad_x);
+    for (const AxisGrads* a : {&g->row, &g->col})
+      for (const float* ptr : {a->norm_weight, a->norm_bias, a->qkv_weight, a->out_weight, a->out_bias}) k.add(ptr);
+  }
+  for (const CudaBackwardPlan::Pass* b : {&plan.row, &plan.col})
+    for (size_t v : {b->norm, b->stats, b->qkv, b->attn, b->lse}) k.add(static_cast<uint64_t>(v));
+  for (size_t v : {plan.row_output, plan.dropout_state, plan.saved_bytes, plan.grad_row_output, plan.grad_attn,
+                   plan.grad_qkv, plan.grad_norm, plan.delta, plan.column_partials, plan.blas, plan.blas_bytes,
+                   plan.weight_planes, plan.weight_grad_partials, plan.weight_grad_partials_bytes,
+                   plan.workspace_bytes})
+    k.add(static_cast<uint64_t>(v));
+  k.add(plan.caller_blas), k.add(plan.tensor_core_products), k.add(plan.tensor_core_weight_grads);
+  k.add(saved), k.add(workspace);
+  return k;
+}
+
 Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan, void* saved, size_t saved_bytes,
                              void* workspace, size_t workspace_bytes, CUstream_st* stream, void* blas_handle) {
   if (Status s = validate(p); !s.ok()) return s;
@@ -368,8 +407,13 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
   cublasHandle_t blas = nullptr;
   cuda::CallerBlas caller;
   if (Status s = call_blas(plan, blas_handle, ws, stream, &caller, &blas); !s.ok()) return s;
-  if (Status s = zero_saved_gaps(p, plan, static_cast<char*>(saved), stream); !s.ok()) return s;
-  return Training(p, plan, static_cast<char*>(saved), ws, dev, stream, blas).forward(p.out);
+  const auto enqueue = [&](cudaStream_t s, bool capturing) {
+    if (Status st = zero_saved_gaps(p, plan, static_cast<char*>(saved), s); !st.ok()) return st;
+    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas).forward(p.out);
+  };
+  // A seed passed by value changes every call: such a call never repeats, so it is not looked up.
+  if (p.dropout > 0.0f && p.seed_device == nullptr) return enqueue(stream, false);
+  return cuda::run_graphed(call_key(0, p, nullptr, plan, saved, workspace), stream, dev.device, enqueue);
 }
 
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
@@ -385,8 +429,13 @@ Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwa
   cublasHandle_t blas = nullptr;
   cuda::CallerBlas caller;
   if (Status s = call_blas(plan, blas_handle, ws, stream, &caller, &blas); !s.ok()) return s;
-  // The saved forward is only read: the const is cast away for the shared buffer layout.
-  return Training(p, plan, static_cast<char*>(const_cast<void*>(saved)), ws, dev, stream, blas).backward(g);
+  // The saved forward is only read: the const is cast away for the shared buffer layout. The
+  // backward reads the dropout mask's seed and offset from it, so a replay draws the right mask.
+  char* kept = static_cast<char*>(const_cast<void*>(saved));
+  const auto enqueue = [&](cudaStream_t s, bool capturing) {
+    return Training(p, plan, kept, ws, dev, s, capturing ? nullptr : blas).backward(g);
+  };
+  return cuda::run_graphed(call_key(1, p, &g, plan, saved, workspace), stream, dev.device, enqueue);
 }
 
 }  // namespace fastaxial
