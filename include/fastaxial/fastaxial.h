@@ -225,8 +225,9 @@ Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_byte
 // Precision and order: fp32 throughout. The projections and the activations' gradients through
 // them run on Hopper's tensor cores with 3xTF32 where the forward's staged path can (an sm_90a
 // build on a compute-capability 9.0 GPU, dim a multiple of 8), else as cuBLAS fp32 GEMMs; the
-// projection weights' gradients (sums over all B H W positions) are cuBLAS fp32 GEMMs (no
-// TF32); the bias and LayerNorm gradients are column sums in a fixed order; the attention is
+// projection weights' gradients (sums over all B H W positions) are 3xTF32 tensor-core sums
+// over chunks of positions, the chunks added in a fixed order (cuBLAS fp32 where that kernel
+// does not fit the device); the bias and LayerNorm gradients are column sums in a fixed order; the attention is
 // fp32 arithmetic. Deterministic: no floating-point atomics anywhere, so the same inputs on
 // the same GPU give bitwise identical gradients.
 
@@ -299,8 +300,9 @@ Status cuda_saved_bytes(const AxialParams& p, size_t* bytes);
 // backward_cuda (every one of its plan.saved_bytes bytes written: the alignment gaps with zeros;
 // with p.dropout > 0 the mask's seed and offset as the kernels read them, else zeros, in its last
 // 16 bytes). `saved` and `workspace` are 256-byte aligned device buffers; the workspace
-// holds workspace_bytes >= plan.workspace_bytes bytes. Launches only (no allocation, no
-// synchronisation), so it can be captured in a graph.
+// holds workspace_bytes >= plan.workspace_bytes bytes. Launches only (no device allocation, no
+// synchronisation), so it can be captured in a graph; the second call of a key (below) also
+// captures and instantiates its own graph, on a stream of the library's.
 // blas_handle: where plan.caller_blas, the caller's cuBLAS handle (a cublasHandle_t) bound to
 // `stream`, with its workspace set; its math mode is set to fp32 for the call's products and
 // restored after. Null otherwise.
@@ -318,8 +320,10 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
 // same sizes, pointers and plan (as each step of a training loop does when its allocator hands
 // out the same buffers): the second such call captures its launches, later ones launch the graph
 // at the cost of one launch (a call's 10 to 40 launches otherwise take longer to issue than a
-// small problem's GPU work). The results are the same bits. Calls on a stream being captured
-// launch directly into that capture; FASTAXIAL_CUDA_GRAPHS=0 turns replays off.
+// small problem's GPU work). The results are the same bits. Only calls that run no cuBLAS
+// product are captured (the tensor-core products: an sm_90a build on a compute-capability 9.0
+// GPU, 16-byte aligned activations); others always launch directly, as do calls on a stream
+// being captured (into that capture). FASTAXIAL_CUDA_GRAPHS=0 turns replays off.
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
                      size_t saved_bytes, void* workspace, size_t workspace_bytes, CUstream_st* stream,
                      void* blas_handle = nullptr);

@@ -27,6 +27,7 @@ def _op_traced(*args):
     # Traced, a call with dropout takes its mask's (seed, offset) as an input drawn by a random op
     # of the graph: compilers never merge random ops, so two calls on equal tensors (which would
     # look like one pure call) keep masks of their own.
+    # (A call that passes rng_state, even None, takes it as given.)
     if len(args) == _DROPOUT_ARG + 1 and args[_DROPOUT_ARG] > 0:
         rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=args[0].device)
         return _OVERLOAD(*args, rng_state)

@@ -88,7 +88,11 @@ def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_w
     """Fused axial attention on x (B, H, W, D), float32; the arguments of reference.axial_attention,
     with dropout > 0 meaning attention dropout as in training mode (the mask drawn from PyTorch's
     default generator of x's device, or from rng_state where given: an int64 tensor (seed, offset)
-    on x's device)."""
+    on x's device). Under torch.compile a call with dropout and no rng_state takes one drawn by a
+    random op of the compiled graph, as the module's calls do, so that the compiler never merges
+    two calls on equal tensors into one mask."""
+    if rng_state is None and dropout > 0 and torch.compiler.is_compiling():
+        rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=x.device)
     return torch.ops.fastaxial.axial_attention(
         x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
         col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps, dropout,

@@ -1,23 +1,24 @@
-// run_graphed (graph_replay.h): a small cache of keys seen once and of instantiated graphs, each
-// list most recently used first, under one mutex. Keys are a few dozen words, so a linear scan
-// with a hash compared first costs well under a microsecond, against the several microseconds
-// of each launch a replay saves.
+// run_graphed (graph_replay.h): the keys seen once and the instantiated graphs in a
+// ReplayCache (common/replay_cache.h) under one mutex. Captures and launches both run under it:
+// a graph exec is not to be launched from two threads at once, and one capture at a time uses
+// the device's capture stream.
 #include "graph_replay.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <list>
 #include <memory>
 #include <mutex>
 
+#include "../common/replay_cache.h"
 #include "detail/host.h"
 
 namespace fastaxial::cuda {
 namespace {
 
-constexpr size_t kMaxGraphs = 16;  // graphs kept (and keys that could not be captured)
-constexpr size_t kMaxSeen = 64;    // keys seen once, waiting for a second call
+// Training calls of models with up to a few hundred fastaxial layers per step (two keys a layer).
+constexpr size_t kMaxGraphs = 512;  // graphs kept (and keys that could not be captured)
+constexpr size_t kMaxSeen = 1024;   // keys seen once, waiting for a second call
 constexpr int kMaxDevices = 64;
 
 struct GraphExec {
@@ -25,18 +26,12 @@ struct GraphExec {
   explicit GraphExec(cudaGraphExec_t e) : exec(e) {}
   GraphExec(const GraphExec&) = delete;
   GraphExec& operator=(const GraphExec&) = delete;
-  ~GraphExec() { cudaGraphExecDestroy(exec); }
-};
-
-struct Entry {
-  std::vector<uint64_t> key;  // the call's words, then the device
-  uint64_t hash = 0;
-  std::shared_ptr<GraphExec> graph;  // null in `seen`, and for a key that could not be captured
+  ~GraphExec() { cudaGraphExecDestroy(exec); }  // one still running is freed when it completes
 };
 
 struct Cache {
   std::mutex mutex;
-  std::list<Entry> graphs, seen;
+  ReplayCache<std::shared_ptr<GraphExec>> graphs{kMaxGraphs, kMaxSeen};
   cudaStream_t capture_stream[kMaxDevices] = {};  // per device, created on the first capture
 };
 
@@ -51,18 +46,6 @@ std::atomic<bool>& enabled() {
     return v == nullptr || std::strcmp(v, "0") != 0;
   }()};
   return on;
-}
-
-uint64_t hash_words(const std::vector<uint64_t>& words) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over words
-  for (uint64_t w : words) h = (h ^ w) * 1099511628211ull;
-  return h;
-}
-
-std::list<Entry>::iterator find(std::list<Entry>& list, const std::vector<uint64_t>& key, uint64_t hash) {
-  for (auto it = list.begin(); it != list.end(); ++it)
-    if (it->hash == hash && it->key == key) return it;
-  return list.end();
 }
 
 // The graph of enqueue's launches, captured on the device's own stream; null where the call
@@ -107,30 +90,27 @@ Status run_graphed(const CallKey& call_key, cudaStream_t stream, int device, con
   if (cudaError_t e = cudaStreamIsCapturing(stream, &capturing); e != cudaSuccess)
     return cuda_error(e, "cudaStreamIsCapturing");
   if (capturing != cudaStreamCaptureStatusNone) return enqueue(stream, false);  // into the caller's graph
+  // An error already pending is the caller's to see: a capture would clear it.
+  if (cudaPeekAtLastError() != cudaSuccess) return enqueue(stream, false);
 
   std::vector<uint64_t> key = call_key.words();
   key.push_back(static_cast<uint64_t>(device));
-  const uint64_t hash = hash_words(key);
+  using Cached = ReplayCache<std::shared_ptr<GraphExec>>;
   Cache& c = cache();
-  std::shared_ptr<GraphExec> graph;
   {
-    std::unique_lock<std::mutex> lock(c.mutex);
-    if (auto it = find(c.graphs, key, hash); it != c.graphs.end()) {
-      c.graphs.splice(c.graphs.begin(), c.graphs, it);
-      graph = it->graph;
-    } else if (auto seen = find(c.seen, key, hash); seen != c.seen.end()) {
-      c.seen.erase(seen);  // the second call: capture it
+    const std::lock_guard<std::mutex> lock(c.mutex);
+    std::shared_ptr<GraphExec> graph;
+    if (c.graphs.find(key, &graph) == Cached::Lookup::kSecond) {  // the second call: capture it
       graph = capture(c, device, enqueue);
-      c.graphs.push_front(Entry{std::move(key), hash, graph});
-      if (c.graphs.size() > kMaxGraphs) c.graphs.pop_back();  // a launch in flight keeps its graph alive
-    } else {
-      c.seen.push_front(Entry{std::move(key), hash, nullptr});
-      if (c.seen.size() > kMaxSeen) c.seen.pop_back();
+      c.graphs.put(key, graph);  // null: this key runs directly from now on
+    }
+    if (graph != nullptr) {
+      if (cudaError_t e = cudaGraphLaunch(graph->exec, stream); e != cudaSuccess)
+        return cuda_error(e, "cudaGraphLaunch");
+      return Status::Ok();
     }
   }
-  if (graph == nullptr) return enqueue(stream, false);
-  if (cudaError_t e = cudaGraphLaunch(graph->exec, stream); e != cudaSuccess) return cuda_error(e, "cudaGraphLaunch");
-  return Status::Ok();
+  return enqueue(stream, false);  // outside the lock: other threads' calls go on meanwhile
 }
 
 void set_graph_replay(bool on) { enabled().store(on, std::memory_order_relaxed); }
@@ -139,7 +119,7 @@ int graphs_cached() {
   Cache& c = cache();
   const std::lock_guard<std::mutex> lock(c.mutex);
   int n = 0;
-  for (const Entry& e : c.graphs) n += e.graph != nullptr;
+  c.graphs.for_each_value([&](const std::shared_ptr<GraphExec>& g) { n += g != nullptr; });
   return n;
 }
 

@@ -12,7 +12,10 @@
 // (fresh dropout seeds, changing shapes) cost a key lookup and nothing else.
 //
 // Replays are exact: a graph's kernels take the arguments the key lists, by
-// value, as the direct launches would. Calls made while the caller's stream
+// value, as the direct launches would. A call whose enqueue cannot be captured
+// (a cuBLAS product, see Enqueue) keeps running directly. The cache holds
+// hundreds of keys (common/replay_cache.h), as a training step of a model of
+// n layers cycles through 2n of them. Calls made while the caller's stream
 // is itself being captured (a CUDA graph of the caller's own) launch
 // directly, into that capture. FASTAXIAL_CUDA_GRAPHS=0 in the environment
 // turns replays off.

@@ -133,7 +133,7 @@ TEST_P(WeightGradient, MatchesDoubleProductAndRepeatsBitwise) {
   for (std::vector<float>& o : out) {
     CUDA_OK(cudaMemset(dc.get(), 0xff, c_floats * 4));  // NaN everywhere, the stride's gap included
     CUDA_OK(cudaMemset(dp.get(), 0xff, std::max<size_t>(partial_floats, 1) * 4));
-    CUDA_OK(cuda::weight_gradient(g, partial_floats > 0 ? dp.get() : nullptr, dev, nullptr));
+    CUDA_OK(cuda::weight_gradient(g, partial_floats > 0 ? dp.get() : nullptr, partial_floats * 4, dev, nullptr));
     CUDA_OK(cudaDeviceSynchronize());
     o.resize(c_floats);
     CUDA_OK(cudaMemcpy(o.data(), dc.get(), c_floats * 4, cudaMemcpyDeviceToHost));
@@ -205,6 +205,27 @@ TEST(WeightGradientSplit, CasesCoverOneAndManyChunks) {
   EXPECT_EQ(weight_gradient_partials_floats(200, 72, 24, dev), 0u);
   EXPECT_EQ(weight_gradient_partials_floats(64, 64, 64, dev), 0u);
   EXPECT_GT(weight_gradient_partials_floats(4096, 64, 64, dev), 0u);
+}
+
+// Partials missing or smaller than the split needs (a plan made for another device, say) are
+// refused before anything is launched.
+TEST(WeightGradientSplit, RefusesMissingOrShortPartials) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DeviceCaps dev;
+  ASSERT_TRUE(read_device_caps(&dev));
+  if (!cuda::weight_gradient_available(dev)) GTEST_SKIP() << "the kernel does not run on this device";
+  const int64_t T = 4096, N = 64, K = 64;
+  const size_t floats = weight_gradient_partials_floats(T, N, K, dev);
+  ASSERT_GT(floats, 0u);
+  const DevicePtr da = device_alloc(T * N), db = device_alloc(T * K), dc = device_alloc(N * K),
+                  dp = device_alloc(floats);
+  ASSERT_TRUE(da && db && dc && dp);
+  cuda::WeightGradientArgs g;
+  g.a = da.get(), g.b = db.get(), g.c = dc.get(), g.T = T, g.lda = N, g.ldb = K, g.ldc = K, g.N = N, g.K = K;
+  EXPECT_EQ(cuda::weight_gradient(g, nullptr, floats * 4, dev, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::weight_gradient(g, dp.get(), floats * 4 - 4, dev, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::weight_gradient(g, dp.get(), floats * 4, dev, nullptr), cudaSuccess);
+  CUDA_OK(cudaDeviceSynchronize());
 }
 
 }  // namespace

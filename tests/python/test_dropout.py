@@ -210,7 +210,8 @@ def test_explicit_rng_state_draws_its_mask(device):
     other = torch.ops.fastaxial.axial_attention(x, *w, heads, 1e-5, p, rng + 1)
     assert not torch.equal(out, other)
     torch.library.opcheck(TRAINING, (x, *w, heads, 1e-5, p, rng))
-    for bad, match in ((rng.int(), "int64"), (rng[:1], "2 elements"), (rng.view(2, 1).expand(2, 2), "2 elements")):
+    strided = torch.stack([rng, rng], dim=1)[:, 0]  # 2 elements, not contiguous
+    for bad, match in ((rng.int(), "int64"), (rng[:1], "2 elements"), (strided, "contiguous int64")):
         with pytest.raises(ValueError, match=match):
             TRAINING(x, *w, heads, 1e-5, p, bad)
     if x.is_cuda:
@@ -239,11 +240,16 @@ def test_compiled_calls_on_equal_inputs_draw_their_own_masks(device, backend):
     ga, = torch.autograd.grad((a * g).sum(), xg, retain_graph=True)
     gb, = torch.autograd.grad((b * g).sum(), xg)
     assert torch.isfinite(ga).all() and torch.isfinite(gb).all() and not torch.equal(ga, gb)
+    w = list(new.weights())
+    functional = torch.compile(lambda x: (fastaxial.ops.axial_attention(x, *w, 2, 1e-5, 0.5),
+                                          fastaxial.ops.axial_attention(x, *w, 2, 1e-5, 0.5)),
+                               backend=backend, fullgraph=True)
+    a, b = functional(x)
+    assert not torch.equal(a, b), "fastaxial.ops.axial_attention: two calls on equal tensors shared a mask"
     if backend == "aot_eager":
         # The graph's random ops run as ATen ops, from the default generator in program order: the
         # eager operator given the same two states gives the same outputs and gradients, so each
         # call's backward drew its own forward's mask.
-        w = list(new.weights())
         torch.manual_seed(77)
         a, b = twice(xg)
         ga, = torch.autograd.grad((a * g).sum(), xg, retain_graph=True)
@@ -255,6 +261,26 @@ def test_compiled_calls_on_equal_inputs_draw_their_own_masks(device, backend):
             expect_grad, = torch.autograd.grad((expect * g).sum(), xg)
             assert torch.equal(out, expect) and torch.equal(grad, expect_grad)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")
+def test_replayed_training_calls_read_their_rng_state():
+    """The training forward with rng_state repeats with the same pointers, so from its third call
+    on it replays a CUDA graph of its launches (src/cuda/graph_replay.h): each replay reads the
+    state's current contents, as a direct launch would."""
+    B, H, W, D, heads, p = 2, 5, 7, 16, 2, 0.3
+    _, new = make_pair(D, heads, H, W, "cuda", dropout=p)
+    x = torch.randn(B, H, W, D, device="cuda")
+    w = [t.detach() for t in new.weights()]
+    rng = torch.zeros(2, dtype=torch.int64, device="cuda")
+    for i in range(5):
+        state = (1000 + i, 3 * i)
+        rng.copy_(torch.tensor(state))
+        out, saved = TRAINING(x, *w, heads, 1e-5, p, rng)
+        assert fastaxial.ops.dropout_state(saved) == state, i
+        exact, *_ = reference_with_mask(new, x, state, p)
+        torch.testing.assert_close(out.double(), exact.detach(), atol=1e-4, rtol=1e-4)
+        del out, saved  # the next call gets the same blocks from the allocator
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")

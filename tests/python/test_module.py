@@ -85,7 +85,7 @@ def test_shape_matrix(B, H, W, D, heads, device):
     check_against_reference(B, H, W, D, heads, device, seed=B * 1000 + H * 100 + W + D)
 
 
-def test_grad_mode_uses_fused_forward_and_matches_gradients(device):
+def test_grad_mode_runs_the_fused_operator_and_matches_gradients(device):
     ref, new = make_pair(32, 4, 5, 6, device, seed=3)
     randomize_(ref, 3)
     new.load_state_dict(ref.state_dict())

@@ -93,7 +93,10 @@ class Training {
     d_x1_ = in(ws, plan.grad_row_output), d_attn_ = in(ws, plan.grad_attn), d_qkv_ = in(ws, plan.grad_qkv);
     d_norm_ = in(ws, plan.grad_norm), delta_ = in(ws, plan.delta), partials_ = in(ws, plan.column_partials);
     tensor_core_weight_grads_ = plan.tensor_core_weight_grads && cuda::weight_gradient_available(dev);
-    if (plan.weight_grad_partials != CudaBackwardPlan::kNone) weight_partials_ = in(ws, plan.weight_grad_partials);
+    if (plan.weight_grad_partials != CudaBackwardPlan::kNone) {
+      weight_partials_ = in(ws, plan.weight_grad_partials);
+      weight_partials_bytes_ = plan.weight_grad_partials_bytes;
+    }
     if (plan.tensor_core_products) {
       const int64_t dd = (int64_t)D_ * D_;
       for (int i = 0; i < 2; ++i) {
@@ -190,7 +193,8 @@ class Training {
     if (tensor_core_weight_grads_) {
       cuda::WeightGradientArgs g;
       g.a = a, g.b = b, g.c = c, g.T = T_, g.lda = N, g.ldb = D_, g.ldc = D_, g.N = N, g.K = D_;
-      if (cudaError_t e = cuda::weight_gradient(g, weight_partials_, dev_, stream_); e != cudaSuccess)
+      if (cudaError_t e = cuda::weight_gradient(g, weight_partials_, weight_partials_bytes_, dev_, stream_);
+          e != cudaSuccess)
         return cuda_error(e, what);
       return Status::Ok();
     }
@@ -291,6 +295,7 @@ class Training {
   float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
   bool tensor_core_weight_grads_ = false;  // the weight gradients on weight_gradient.cu, else cuBLAS
   float* weight_partials_ = nullptr;       // their partial tiles where the positions are split
+  size_t weight_partials_bytes_ = 0;
 };
 
 // Zeros in every wanted weight gradient: the gradients of an empty problem.

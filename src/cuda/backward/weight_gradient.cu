@@ -9,8 +9,11 @@
 // Why a kernel of its own: T is every position of the grid (up to millions),
 // N and K are D or 3D, so the product is a long reduction into a small
 // output. cuBLAS runs it in fp32 on the FFMA units (its TF32 modes lose
-// precision), about a third of a large backward on an H200; 3xTF32 on
-// mma.sync does the same sums at fp32 accuracy at several times the FFMA rate.
+// precision), about a third of a large backward on an H200. 3xTF32 on
+// mma.sync does the same sums at fp32 accuracy; it was expected at twice the
+// FFMA rate and measures at cuBLAS's (perf notes, v32), but it keeps the
+// backward off cuBLAS, so that a training call can be replayed as a CUDA
+// graph (graph_replay.h).
 //
 // Shape. A block owns a 128 x 64 tile of C (kWeightGradTileN x
 // kWeightGradTileK: rows over N, columns over K) and one chunk of rows
@@ -320,13 +323,16 @@ cudaError_t launch_chunks(const Product& p, unsigned tiles, unsigned splits, con
 
 bool weight_gradient_available(const DeviceCaps& dev) { return weight_gradient_fits(dev); }
 
-cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, const DeviceCaps& dev, cudaStream_t stream) {
+cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t partials_bytes, const DeviceCaps& dev,
+                            cudaStream_t stream) {
   if (g.T < 0 || g.N < 0 || g.K < 0 || g.ldc < g.K) return cudaErrorInvalidValue;
   if (g.N == 0 || g.K == 0) return cudaSuccess;
   if (g.c == nullptr) return cudaErrorInvalidValue;
   if (g.T > 0 && (g.a == nullptr || g.b == nullptr || g.lda < g.N || g.ldb < g.K)) return cudaErrorInvalidValue;
   const WeightGradSplit split = weight_gradient_split(g.T, g.N, g.K, dev);
-  if (split.splits > 1 && partials == nullptr) return cudaErrorInvalidValue;
+  if (split.splits > 1 &&
+      (partials == nullptr || partials_bytes / sizeof(float) / (size_t)g.N / (size_t)g.K < (size_t)split.splits))
+    return cudaErrorInvalidValue;
   const int64_t tiles_k = (g.K + BN - 1) / BN, tiles = (g.N + BM - 1) / BM * tiles_k;
   if (tiles > INT_MAX) return cudaErrorInvalidValue;  // grid.x
 

@@ -30,8 +30,10 @@ struct WeightGradientArgs {
 bool weight_gradient_available(const DeviceCaps& dev);
 
 // Launches C = A^T B on `stream` (programmatic dependents, detail/launch.cuh). `partials`: scratch
-// of weight_gradient_partials_floats(T, N, K, dev) floats (plan.h); null where that is 0.
-// cudaErrorInvalidValue for negative sizes, strides below a row, or missing partials.
-cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, const DeviceCaps& dev, cudaStream_t stream);
+// of partials_bytes >= 4 weight_gradient_partials_floats(T, N, K, dev) bytes (plan.h); may be null
+// where that is 0. cudaErrorInvalidValue for negative sizes, strides below a row, or partials
+// missing or too small (a plan made for another device, say).
+cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t partials_bytes, const DeviceCaps& dev,
+                            cudaStream_t stream);
 
 }  // namespace fastaxial::cuda
