@@ -81,10 +81,18 @@ const c10::TypedOperatorHandle<TrainingSignature>& training_op() {
 }
 
 // Whether the fused CUDA training path (axial_attention_training, then axial_attention_backward with its
-// `saved`) serves x; else the backward differentiates the reference math.
+// `saved`) serves x: its head dim, and x's GPU (compute capability 8.0 or newer, plan_backward_cuda);
+// else grad mode runs the plain forward and the backward differentiates the reference math.
 bool cuda_training(const at::Tensor& x, int64_t heads) {
   // (heads < 1: the kernels' checks say what is wrong)
-  return x.is_cuda() && cuda_compiled() && x.dim() == 4 && heads >= 1 && x.size(3) / heads <= kCudaBackwardMaxHeadDim;
+  if (!(x.is_cuda() && cuda_compiled() && x.dim() == 4 && heads >= 1 && x.size(3) / heads <= kCudaBackwardMaxHeadDim))
+    return false;
+  const c10::DeviceGuard guard(x.device());
+  AxialParams p;
+  p.batch = x.size(0), p.height = x.size(1), p.width = x.size(2), p.dim = x.size(3), p.heads = heads;
+  CudaBackwardPlan plan;
+  // Other refusals (sizes) are the kernels' to report.
+  return plan_backward_cuda(p, &plan).code != StatusCode::kUnsupported;
 }
 
 const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {

@@ -36,6 +36,18 @@ def _op_traced(*args):
 _HAS_CPU, _HAS_CUDA = ops.has_kernel("cpu"), ops.has_kernel("cuda")
 _CUDA_TRAINING_MAX_HEAD_DIM = 256  # fastaxial.h: kCudaBackwardMaxHeadDim
 _HAS_DROPOUT = ops.dropout_available()  # built with Random123
+_CUDA_TRAINING_MIN_MAJOR = 8  # fastaxial.h: the CUDA training path needs compute capability 8.0
+_CUDA_TRAINING_DEVICES = {}  # device index -> whether the CUDA training path runs there
+
+
+def _cuda_training_device(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _CUDA_TRAINING_DEVICES.get(index)
+    if known is None:
+        known = _CUDA_TRAINING_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= _CUDA_TRAINING_MIN_MAJOR
+    return known
+
+
 _SUBMODULES = frozenset(m for m, _ in reference._WEIGHT_NAMES)
 _PARAM_NAMES = tuple(p for _, p in reference._WEIGHT_NAMES)
 
@@ -83,10 +95,13 @@ class AxialAttention(reference.AxialAttentionReference):
 
     def _dropout_supported(self, x):
         """Whether the fused kernels apply attention dropout to x: in a build with dropout, everywhere
-        but CUDA head dims above the CUDA training path's largest (fastaxial.h: kCudaBackwardMaxHeadDim)."""
+        but CUDA head dims above the CUDA training path's largest (fastaxial.h: kCudaBackwardMaxHeadDim)
+        and GPUs the CUDA training path does not run on (compute capability below 8.0)."""
         if not _HAS_DROPOUT:
             return False
-        return not x.is_cuda or x.dim() != 4 or x.shape[3] // self.num_heads <= _CUDA_TRAINING_MAX_HEAD_DIM
+        if not x.is_cuda or x.dim() != 4:
+            return True
+        return x.shape[3] // self.num_heads <= _CUDA_TRAINING_MAX_HEAD_DIM and _cuda_training_device(x.device)
 
     def __call__(self, *args, **kwargs):
         # nn.Module.__call__ without its two Python frames where it would go
@@ -139,6 +154,9 @@ class AxialAttention(reference.AxialAttentionReference):
         if self.training and mods["dropout"].p > 0 and not self._dropout_supported(x):
             if not _HAS_DROPOUT:
                 return "this build has no attention dropout (it was built without Random123)"
+            if not _cuda_training_device(x.device):
+                return ("attention dropout on CUDA needs compute capability 8.0 or newer, got "
+                        + ".".join(map(str, torch.cuda.get_device_capability(x.device))))
             return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
                     f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:
