@@ -27,13 +27,25 @@ void check_weight(const at::Tensor& w, const char* axis, const char* name, at::I
                     ", got ", w.sizes());
 }
 
+// An explicit dropout state (the ops' `rng_state`), where given: a contiguous int64 (seed, offset)
+// pair on x's device.
+void check_rng_state(const std::optional<at::Tensor>& rng_state, const at::Tensor& x, const char* op) {
+  if (!rng_state.has_value()) return;
+  const at::Tensor& r = *rng_state;
+  TORCH_CHECK_VALUE(r.scalar_type() == at::kLong && r.numel() == 2 && r.is_contiguous(), op,
+                    ": rng_state must be a contiguous int64 tensor of 2 elements (seed, offset), got ",
+                    r.scalar_type(), " of shape ", r.sizes());
+  TORCH_CHECK_VALUE(r.device() == x.device(), op, ": rng_state is on ", r.device(), " but x is on ", x.device());
+}
+
 }  // namespace
 
-Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at::Tensor& row_norm_bias,
-                const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight, const at::Tensor& row_out_bias,
-                const at::Tensor& col_norm_weight, const at::Tensor& col_norm_bias,
+Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_weight,
+                const at::Tensor& row_norm_bias, const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight,
+                const at::Tensor& row_out_bias, const at::Tensor& col_norm_weight, const at::Tensor& col_norm_bias,
                 const at::Tensor& col_qkv_weight, const at::Tensor& col_out_weight, const at::Tensor& col_out_bias,
-                int64_t num_heads, double eps) {
+                int64_t num_heads, double eps, double dropout, const std::optional<at::Tensor>& rng_state) {
+  check_dropout(dropout, op);
   TORCH_CHECK_VALUE(x.dim() == 4, "fastaxial.axial_attention: x must have 4 dimensions (B, H, W, D), got ",
                     x.dim(), " with shape ", x.sizes());
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "fastaxial.axial_attention: x must be float32, got ",
@@ -55,6 +67,8 @@ Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at
       check_weight(*given[axis][i], axis == 0 ? "row_" : "col_", kWeightNames[i], shapes[i], x);
       (axis == 0 ? c.row : c.col)[i] = given[axis][i]->contiguous();
     }
+  check_rng_state(rng_state, c.x, op);
+  c.dropout = dropout;
   return c;
 }
 
@@ -93,15 +107,6 @@ std::array<const at::Tensor*, 11> Call::inputs() const {
 
 void check_dropout(double dropout, const char* op) {
   TORCH_CHECK_VALUE(dropout >= 0.0 && dropout <= 1.0, op, ": dropout must be in [0, 1], got ", dropout);
-}
-
-void check_rng_state(const std::optional<at::Tensor>& rng_state, const at::Tensor& x, const char* op) {
-  if (!rng_state.has_value()) return;
-  const at::Tensor& r = *rng_state;
-  TORCH_CHECK_VALUE(r.scalar_type() == at::kLong && r.numel() == 2 && r.is_contiguous(), op,
-                    ": rng_state must be a contiguous int64 tensor of 2 elements (seed, offset), got ",
-                    r.scalar_type(), " of shape ", r.sizes());
-  TORCH_CHECK_VALUE(r.device() == x.device(), op, ": rng_state is on ", r.device(), " but x is on ", x.device());
 }
 
 AxialParams Call::params() const {

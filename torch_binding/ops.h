@@ -42,18 +42,18 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
 // Checks an attention dropout rate argument: in [0, 1].
 void check_dropout(double dropout, const char* op);
 
-// Checks an explicit dropout state (the ops' `rng_state`): a contiguous int64 (seed, offset) pair
-// on x's device, where given.
-void check_rng_state(const std::optional<at::Tensor>& rng_state, const at::Tensor& x, const char* op);
 
 // The dropout state (seed, offset) kept in the last 16 bytes of a training forward's `saved`
 // (CUDA: CudaBackwardPlan::dropout_state; CPU: `saved` is those 16 bytes alone).
 constexpr int64_t kDropoutStateFloats = 4;
 
-Call check_call(const at::Tensor& x, const at::Tensor& row_norm_weight, const at::Tensor& row_norm_bias,
-                const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight, const at::Tensor& row_out_bias,
-                const at::Tensor& col_norm_weight, const at::Tensor& col_norm_bias,
+// The checks every operator kernel makes, `op` naming it: the dropout rate (check_dropout), x and
+// the weights, and rng_state where the operator takes one (check_rng_state); c.dropout = dropout.
+Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_weight,
+                const at::Tensor& row_norm_bias, const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight,
+                const at::Tensor& row_out_bias, const at::Tensor& col_norm_weight, const at::Tensor& col_norm_bias,
                 const at::Tensor& col_qkv_weight, const at::Tensor& col_out_weight, const at::Tensor& col_out_bias,
-                int64_t num_heads, double eps);
+                int64_t num_heads, double eps, double dropout,
+                const std::optional<at::Tensor>& rng_state = std::nullopt);
 
 }  // namespace fastaxial::torch_binding

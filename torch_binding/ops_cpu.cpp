@@ -51,10 +51,8 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
                                double dropout, const std::optional<at::Tensor>& rng_state) {
-  check_dropout(dropout, "fastaxial.axial_attention");
-  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  check_rng_state(rng_state, c.x, "fastaxial.axial_attention");
-  c.dropout = dropout;
+  Call c = check_call("fastaxial.axial_attention", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads,
+                      eps, dropout, rng_state);
   AxialParams p;
   return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
@@ -65,10 +63,8 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
     const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout,
     const std::optional<at::Tensor>& rng_state) {
-  check_dropout(dropout, "fastaxial.axial_attention_training");
-  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  check_rng_state(rng_state, c.x, "fastaxial.axial_attention_training");
-  c.dropout = dropout;
+  Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
+                      num_heads, eps, dropout, rng_state);
   AxialParams p;
   at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training");
   at::Tensor saved = at::empty({kDropoutStateFloats}, c.x.options());
@@ -83,9 +79,8 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
     double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved, double dropout) {
-  check_dropout(dropout, "fastaxial.axial_attention_backward");
-  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  c.dropout = dropout;
+  Call c = check_call("fastaxial.axial_attention_backward", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
+                      num_heads, eps, dropout);
   AxialParams p = c.params();
   if (saved.has_value())
     TORCH_CHECK_VALUE(saved->is_cpu() && saved->scalar_type() == at::kFloat && saved->is_contiguous() &&

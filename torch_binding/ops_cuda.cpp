@@ -64,10 +64,8 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
                                 const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                 const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
                                 double dropout, const std::optional<at::Tensor>& rng_state) {
-  check_dropout(dropout, "fastaxial.axial_attention");
-  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  check_rng_state(rng_state, c.x, "fastaxial.axial_attention");
-  c.dropout = dropout;
+  Call c = check_call("fastaxial.axial_attention", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads,
+                      eps, dropout, rng_state);
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
@@ -123,10 +121,8 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
     const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout,
     const std::optional<at::Tensor>& rng_state) {
-  check_dropout(dropout, "fastaxial.axial_attention_training");
-  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  check_rng_state(rng_state, c.x, "fastaxial.axial_attention_training");
-  c.dropout = dropout;
+  Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
+                      num_heads, eps, dropout, rng_state);
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   AxialParams p = c.params(out);
@@ -148,9 +144,8 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
     double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg, double dropout) {
-  check_dropout(dropout, "fastaxial.axial_attention_backward");
-  Call c = check_call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads, eps);
-  c.dropout = dropout;
+  Call c = check_call("fastaxial.axial_attention_backward", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
+                      num_heads, eps, dropout);
   TORCH_CHECK_VALUE(dropout == 0 || saved_arg.has_value() || c.x.numel() == 0,
                     "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from axial_attention_training) "
                     "is required: it holds the forward's dropout seed and offset");
