@@ -29,6 +29,16 @@ inline std::vector<double> random_grad(int64_t n, uint32_t seed) {
   return g;
 }
 
+// The gradients at eleven buffers in the order of Grads::all() (x; then per axis, rows first: LayerNorm
+// weight and bias, QKV weight, output weight and bias); a null buffer: that gradient is not wanted.
+inline AxialGrads grads_at(const std::vector<float*>& ptr) {
+  AxialGrads g;
+  g.grad_x = ptr[0];
+  g.row = {ptr[1], ptr[2], ptr[3], ptr[4], ptr[5]};
+  g.col = {ptr[6], ptr[7], ptr[8], ptr[9], ptr[10]};
+  return g;
+}
+
 // The eleven gradients of backward_cpu, each in its own (poisoned) buffer.
 struct Grads {
   std::vector<float> x;
@@ -57,11 +67,7 @@ struct Grads {
     std::vector<float*> ptr;
     auto list = all();
     for (size_t i = 0; i < list.size(); ++i) ptr.push_back(wanted[i] ? list[i].first->data() : nullptr);
-    AxialGrads g;
-    g.grad_x = ptr[0];
-    g.row = {ptr[1], ptr[2], ptr[3], ptr[4], ptr[5]};
-    g.col = {ptr[6], ptr[7], ptr[8], ptr[9], ptr[10]};
-    return g;
+    return grads_at(ptr);
   }
 };
 

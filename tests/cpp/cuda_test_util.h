@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "../../src/common/plan.h"
 
@@ -36,6 +37,13 @@ inline DevicePtr device_alloc(size_t count) {
   float* p = nullptr;
   if (cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(float)) != cudaSuccess) return nullptr;
   return DevicePtr(p);
+}
+
+// The buffers' device pointers.
+inline std::vector<float*> raw(const std::vector<DevicePtr>& bufs) {
+  std::vector<float*> ptr;
+  for (const DevicePtr& b : bufs) ptr.push_back(b.get());
+  return ptr;
 }
 
 // The current device's attributes as src/cuda/entry.cu reads them; sm90a is

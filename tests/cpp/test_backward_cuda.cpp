@@ -61,11 +61,9 @@ Status run_backward(const AxialParams& dp, const std::vector<float>& gout, Grads
   }
   DevicePtr d_gout = device_alloc(gout.size());
   cudaMemcpy(d_gout.get(), gout.data(), gout.size() * sizeof(float), cudaMemcpyHostToDevice);
-  AxialGrads g;
+  AxialGrads g = grads_at(ptr);
   g.grad_out = d_gout.get();
-  g.grad_x = grad_x_in_place ? d_gout.get() : ptr[0];
-  g.row = {ptr[1], ptr[2], ptr[3], ptr[4], ptr[5]};
-  g.col = {ptr[6], ptr[7], ptr[8], ptr[9], ptr[10]};
+  if (grad_x_in_place) g.grad_x = d_gout.get();
   CudaBackwardPlan plan;
   Status s = plan_backward_cuda(dp, &plan);
   if (!s.ok()) return s;
@@ -275,11 +273,8 @@ TEST_F(CudaBackwardRuns, CallersBlasHandle) {
     bufs.push_back(device_alloc(buf->size()));
     CUDA_OK(cudaMemcpy(bufs.back().get(), buf->data(), buf->size() * sizeof(float), cudaMemcpyHostToDevice));
   }
-  AxialGrads g;
+  AxialGrads g = grads_at(raw(bufs));
   g.grad_out = go.get();
-  g.grad_x = bufs[0].get();
-  g.row = {bufs[1].get(), bufs[2].get(), bufs[3].get(), bufs[4].get(), bufs[5].get()};
-  g.col = {bufs[6].get(), bufs[7].get(), bufs[8].get(), bufs[9].get(), bufs[10].get()};
   AxialParams fp = dp;
   fp.out = out.get();
   const size_t sb = plan.saved_bytes, wb = plan.workspace_bytes;
@@ -331,11 +326,8 @@ TEST_F(CudaBackwardRuns, GraphReplayMatchesDirectLaunches) {
   Grads shape_of(s);
   std::vector<DevicePtr> bufs;
   for (auto& [buf, name] : shape_of.all()) bufs.push_back(device_alloc(buf->size()));
-  AxialGrads g;
+  AxialGrads g = grads_at(raw(bufs));
   g.grad_out = go.get();
-  g.grad_x = bufs[0].get();
-  g.row = {bufs[1].get(), bufs[2].get(), bufs[3].get(), bufs[4].get(), bufs[5].get()};
-  g.col = {bufs[6].get(), bufs[7].get(), bufs[8].get(), bufs[9].get(), bufs[10].get()};
   AxialParams fp = dp;
   fp.out = out.get();
   // One training step into poisoned buffers: the output and every gradient, copied back.

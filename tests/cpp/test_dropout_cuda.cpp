@@ -57,11 +57,8 @@ class DeviceStep {
     auto list = r.grads.all();
     std::vector<DevicePtr> bufs;
     for (auto& [buf, name] : list) bufs.push_back(upload_buffer(*buf));
-    AxialGrads g;
+    AxialGrads g = grads_at(raw(bufs));
     g.grad_out = d_gout.get();
-    g.grad_x = bufs[0].get();
-    g.row = {bufs[1].get(), bufs[2].get(), bufs[3].get(), bufs[4].get(), bufs[5].get()};
-    g.col = {bufs[6].get(), bufs[7].get(), bufs[8].get(), bufs[9].get(), bufs[10].get()};
     p.out = out.get();
     if (r.status = forward_cuda_training(p, plan, saved.get(), plan.saved_bytes, ws.get(), plan.workspace_bytes,
                                          nullptr);
