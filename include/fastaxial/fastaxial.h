@@ -270,9 +270,10 @@ struct CudaBackwardPlan {
   bool tensor_core_products = false;
   size_t weight_planes = kNone;
   // Where the weight gradients (sums over all T positions) run on the tensor cores (3xTF32
-  // mma.sync, compute capability 8.0 on), the partial sums of chunks of positions, [S][N][K]
-  // floats, where the positions are split (S > 1): sized for the larger product, d_Wqkv or d_Wo,
-  // and reused by each product in turn; else kNone.
+  // wgmma on sm_90a, else mma.sync, compute capability 8.0 on), the partial sums of chunks of
+  // positions, [S][N][K] floats, where the positions are split (S > 1): sized for the larger
+  // product, d_Wqkv or d_Wo, and the larger split of the two kernels, and reused by each product
+  // in turn; else kNone.
   bool tensor_core_weight_grads = false;
   size_t weight_grad_partials = kNone;
   size_t weight_grad_partials_bytes = 0;

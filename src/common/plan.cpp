@@ -248,20 +248,56 @@ bool weight_gradient_fits(const DeviceCaps& dev) {
   return dev.cc_major >= 8 && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradSmemBytes;
 }
 
-// S: the grid (tiles x S blocks) about two waves of the device's resident blocks, S rounded down
-// so that the last wave is full or nearly (rounding up would add a wave of a few blocks); at
-// least kWeightGradMinSplitRows rows a chunk, so that a block's partial tile (32 KB written, then
-// read once more) stays small beside its rows' reads (192 floats a row: 192 KB at 256 rows).
-WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev) {
-  const int64_t step = kWeightGradStageRows;
-  T = std::max<int64_t>(T, 0);
-  const int64_t tiles = std::max<int64_t>(1, (N + kWeightGradTileN - 1) / kWeightGradTileN) *
-                        std::max<int64_t>(1, (K + kWeightGradTileK - 1) / kWeightGradTileK);
+bool weight_gradient_wgmma_fits(const DeviceCaps& dev) {
+  return dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradWgmmaSmemBytes;
+}
+
+namespace {
+
+// Chunks for the mma.sync kernel: the grid (tiles x S blocks) about two waves of the device's
+// resident blocks, S rounded down so that the last wave is full or nearly (rounding up would add
+// a wave of a few blocks).
+int64_t mma_sync_splits(int64_t tiles, const DeviceCaps& dev) {
   // Blocks an SM holds: two where its shared memory takes two (the kernel's registers are bounded for two).
   const int64_t smem = std::max(dev.smem_optin, 0);
   const int64_t per_sm = std::clamp<int64_t>(smem / (int64_t)kWeightGradSmemBytes, 1, 2);
   const int64_t resident = std::max(dev.sms, 1) * per_sm;
-  int64_t splits = std::min<int64_t>({2 * resident / tiles, T / kWeightGradMinSplitRows, 65535});  // 65535: grid.y
+  return 2 * resident / tiles;
+}
+
+// Chunks for the wgmma kernel: one block an SM (its shared memory, and 200-odd registers a
+// thread), all running from the start to the end of the product, so one wave: S = SMs / tiles.
+// Where the tiles alone fill a wave or more, the fewest S (up to kWeightGradWgmmaMaxWaveSplits)
+// whose blocks fill their waves to 90%, else the S that fills them best (192 tiles on 132 SMs: S
+// 2, 384 blocks in 3 waves of 132, 97% full, against 73% for S 1).
+int64_t wgmma_splits(int64_t tiles, const DeviceCaps& dev) {
+  const int64_t sms = std::max(dev.sms, 1);
+  if (tiles <= sms) return sms / tiles;
+  int64_t best = 1, best_waves = (tiles + sms - 1) / sms;  // fill of s: tiles s / (waves(s) sms)
+  for (int64_t s = 1; s <= kWeightGradWgmmaMaxWaveSplits; ++s) {
+    const int64_t waves = (tiles * s + sms - 1) / sms;
+    if (10 * tiles * s >= 9 * waves * sms) return s;
+    if (s * best_waves > best * waves) best = s, best_waves = waves;
+  }
+  return best;
+}
+
+}  // namespace
+
+// S from the kernel's rule, then at least kWeightGradMinSplitRows rows a chunk, so that a block's
+// partial tile (32 or 64 KB written, then read once more) stays small beside its rows' reads (192
+// or 256 floats a row: 192 or 256 KB at 256 rows).
+WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev,
+                                      WeightGradKernel kernel) {
+  const int64_t step = kWeightGradStageRows;
+  T = std::max<int64_t>(T, 0);
+  const bool wgmma = kernel == WeightGradKernel::kWgmma;
+  const int64_t tile_n = wgmma ? kWeightGradWgmmaTileN : kWeightGradTileN;
+  const int64_t tile_k = wgmma ? kWeightGradWgmmaTileK : kWeightGradTileK;
+  const int64_t tiles =
+      std::max<int64_t>(1, (N + tile_n - 1) / tile_n) * std::max<int64_t>(1, (K + tile_k - 1) / tile_k);
+  const int64_t wanted = wgmma ? wgmma_splits(tiles, dev) : mma_sync_splits(tiles, dev);
+  int64_t splits = std::min<int64_t>({wanted, T / kWeightGradMinSplitRows, 65535});  // 65535: grid.y
   splits = std::max<int64_t>({splits, 1, (T + kWeightGradMaxChunkRows - 1) / kWeightGradMaxChunkRows});
   const int64_t per = (T + splits - 1) / splits;
   WeightGradSplit s;
@@ -271,8 +307,10 @@ WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const Dev
 }
 
 size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev) {
-  const WeightGradSplit s = weight_gradient_split(T, N, K, dev);
-  return s.splits > 1 ? (size_t)s.splits * (size_t)N * (size_t)K : 0;
+  int64_t splits = weight_gradient_split(T, N, K, dev, WeightGradKernel::kMmaSync).splits;
+  if (weight_gradient_wgmma_fits(dev))
+    splits = std::max(splits, weight_gradient_split(T, N, K, dev, WeightGradKernel::kWgmma).splits);
+  return splits > 1 ? (size_t)splits * (size_t)N * (size_t)K : 0;
 }
 
 size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCaps& dev) {
@@ -326,7 +364,10 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   // (d_Wqkv, then d_Wo, then the other pass's: one after another on the stream, so one region).
   c.tensor_core_weight_grads = weight_gradient_fits(dev);
   if (c.tensor_core_weight_grads) {
-    // S N K <= 2 resident blocks' tiles of 128 x 64 floats (weight_gradient_split): no overflow.
+    // S N K <= 2 resident blocks' tiles of 128 x 64 floats (mma.sync), one wave's tiles of 128 x
+    // 128 (wgmma), or kWeightGradWgmmaMaxWaveSplits N K = 12 D^2 (wgmma, where the tiles alone
+    // fill a wave): bytes below 64 D^2.
+    if (D > limit / D / 4) return invalid("the workspace size overflows size_t");
     const size_t partials = weight_gradient_pass_partials_floats((int64_t)T, (int64_t)D, dev) * sizeof(float);
     if (partials > 0) {
       fits = fits && append(&end, partials, &c.weight_grad_partials);
@@ -353,7 +394,7 @@ std::string CudaBackwardPlan::describe() const {
   std::ostringstream s;
   s << "training: the forward with its intermediates saved (" << (tensor_core_products ? "3xTF32 wgmma" : "cuBLAS fp32")
     << " projections, flash attention with log-sum-exp), then column and row passes back (weight gradients as "
-    << (tensor_core_weight_grads ? "3xTF32 mma.sync" : "cuBLAS fp32")
+    << (tensor_core_weight_grads ? "3xTF32 tensor-core" : "cuBLAS fp32")
     << " products, flash-style attention backward); saved " << saved_bytes << " B, workspace " << workspace_bytes
     << " B, "
     << (caller_blas ? std::string("cuBLAS on the caller's handle")

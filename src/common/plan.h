@@ -66,35 +66,59 @@ size_t backward_blas_bytes(const DeviceCaps& dev);
 
 // ---- the backward's weight gradients (backward/weight_gradient.cu) --------------------------
 // C (N, K) = A^T B summed over T rows (d_Wo = dy^T o, d_Wqkv = dqkv^T xn) on the tensor cores: a
-// block per (kWeightGradTileN x kWeightGradTileK output tile, chunk of rows); with S > 1 chunks
-// each block writes its partial tile into [S][N][K] floats, which a second kernel adds in a fixed
-// order. The rule for S lives here, in host code, so that the plan sizes that scratch
-// (CudaBackwardPlan::weight_grad_partials) without a GPU.
+// block per (output tile, chunk of rows); with S > 1 chunks each block writes its partial tile
+// into [S][N][K] floats, which a second kernel adds in a fixed order. Two kernels: 3xTF32 wgmma
+// (sm_90a; 128 x 128 tiles, one block an SM) where the operands are 16-byte aligned with row
+// strides and K multiples of 4, else 3xTF32 mma.sync (compute capability 8.0; 128 x 64 tiles, two
+// blocks an SM). Each has its rule for S; the rules live here, in host code, so that the plan
+// sizes the scratch for whichever kernel a call runs (CudaBackwardPlan::weight_grad_partials)
+// without a GPU.
 
+enum class WeightGradKernel { kMmaSync, kWgmma };
+
+// The mma.sync kernel.
 constexpr int kWeightGradTileN = 128, kWeightGradTileK = 64;  // a block's output tile
-constexpr int kWeightGradStageRows = 32;                      // rows of A and B a pipeline stage holds
+constexpr int kWeightGradStageRows = 32;                      // rows of A and B a pipeline stage holds (both kernels)
 constexpr int kWeightGradStages = 3;                          // stages in shared memory
 // Shared-memory rows padded by 8 floats (row strides 8 mod 32 words: the fragment loads meet
-// distinct banks, weight_gradient.cu).
+// distinct banks, weight_gradient.cu). The wgmma kernel stores its A tiles the same way.
 constexpr int kWeightGradLdA = kWeightGradTileN + 8, kWeightGradLdB = kWeightGradTileK + 8;
 constexpr size_t kWeightGradSmemBytes =
     (size_t)kWeightGradStages * kWeightGradStageRows * (kWeightGradLdA + kWeightGradLdB) * sizeof(float);
-// Fewest rows a chunk has when the rows are split (see weight_gradient_split), and most (the
-// kernel counts a chunk's rows in int).
-constexpr int64_t kWeightGradMinSplitRows = 256, kWeightGradMaxChunkRows = int64_t{1} << 30;
 
-// The device runs the kernel: mma.sync of TF32 (compute capability 8.0) and its shared memory.
+// The wgmma kernel: 128 x 128 tiles (128 x 64 where K <= 64: the same count of tiles); a ring of
+// kWeightGradWgmmaStagesA A tiles (32 rows of 136 floats), two B stages (hi and lo planes of
+// 128 x 32 TF32 values, 128-byte swizzled), + 1024 bytes to align the planes.
+constexpr int kWeightGradWgmmaTileN = 128, kWeightGradWgmmaTileK = 128;
+constexpr int kWeightGradWgmmaStagesA = 4;
+constexpr size_t kWeightGradWgmmaSmemBytes =
+    1024 + 2 * 2 * (size_t)kWeightGradWgmmaTileK * kWeightGradStageRows * sizeof(float) +
+    (size_t)kWeightGradWgmmaStagesA * kWeightGradStageRows * kWeightGradLdA * sizeof(float);
+static_assert(kWeightGradWgmmaTileN + 8 == kWeightGradLdA, "the wgmma kernel's A tiles are the mma.sync kernel's");
+
+// Fewest rows a chunk has when the rows are split (see weight_gradient_split), and most (the
+// kernels count a chunk's rows in int).
+constexpr int64_t kWeightGradMinSplitRows = 256, kWeightGradMaxChunkRows = int64_t{1} << 30;
+// Most chunks the wgmma kernel's rule takes where its tiles alone fill a wave of the device.
+constexpr int64_t kWeightGradWgmmaMaxWaveSplits = 4;
+
+// The device runs the mma.sync kernel: mma.sync of TF32 (compute capability 8.0) and its shared
+// memory. The weight gradients run on the tensor cores where this holds.
 bool weight_gradient_fits(const DeviceCaps& dev);
 
-// How a product over T rows is split: `splits` chunks (S) of `rows` rows each (a multiple of
-// kWeightGradStageRows; the last chunk may have fewer). Depends on T, N, K and the device's SMs
-// and shared memory alone, so the result is the same on every call.
+// The device runs the wgmma kernel too: sm_90a code (dev.sm90a) and its shared memory.
+bool weight_gradient_wgmma_fits(const DeviceCaps& dev);
+
+// How a product over T rows is split for `kernel`: `splits` chunks (S) of `rows` rows each (a
+// multiple of kWeightGradStageRows; the last chunk may have fewer). Depends on T, N, K, the
+// kernel and the device's SMs and shared memory alone, so the result is the same on every call.
 struct WeightGradSplit {
   int64_t splits = 1, rows = 0;
 };
-WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev);
+WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev, WeightGradKernel kernel);
 
-// Floats of partials the product needs: S N K, or 0 where S = 1 (the blocks write C directly).
+// Floats of partials the product needs, whichever kernel runs it on dev: S N K for the larger S
+// of the kernels dev runs, or 0 where each has S = 1 (the blocks write C directly).
 size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev);
 
 // The larger of a pass's two weight-gradient products: d_Wqkv (3D, D) and d_Wo (D, D).

@@ -439,15 +439,15 @@ TEST(BackwardPlan, TensorCoreProductsWhereTheStagedProductRuns) {
   }
 }
 
-// The weight gradients' chunks of rows (weight_gradient_split): the grid (tiles x S) at most two
-// waves of the resident blocks, chunks of whole 32-row stages and at least 256 rows, covering
-// the T rows exactly once; S depends on the device's SMs and shared memory.
+// The weight gradients' chunks of rows (weight_gradient_split), for the mma.sync kernel: the grid
+// (tiles x S) at most two waves of the resident blocks, chunks of whole 32-row stages and at least
+// 256 rows, covering the T rows exactly once; S depends on the device's SMs and shared memory.
 TEST(BackwardPlan, WeightGradientSplitRule) {
   for (const DeviceCaps& dev : {h200(), a100()}) {
     const int64_t resident = 2 * (int64_t)dev.sms;  // both devices hold two 78 KB blocks an SM
     for (int64_t T : {1, 31, 255, 511, 512, 1000, 4096, 32768, 40000, 3000000})
       for (const auto& [N, K] : {std::pair<int64_t, int64_t>{1, 1}, {64, 64}, {192, 64}, {768, 256}, {3072, 1024}}) {
-        const WeightGradSplit s = weight_gradient_split(T, N, K, dev);
+        const WeightGradSplit s = weight_gradient_split(T, N, K, dev, WeightGradKernel::kMmaSync);
         const int64_t tiles = (N + 127) / 128 * ((K + 63) / 64);
         const std::string what = "T " + std::to_string(T) + ", N " + std::to_string(N) + ", K " + std::to_string(K);
         EXPECT_GE(s.splits, 1) << what;
@@ -459,19 +459,61 @@ TEST(BackwardPlan, WeightGradientSplitRule) {
           EXPECT_GE(s.rows, kWeightGradMinSplitRows) << what;
         }
         if (T < 2 * kWeightGradMinSplitRows || tiles >= 2 * resident) EXPECT_EQ(s.splits, 1) << what;
-        EXPECT_EQ(weight_gradient_partials_floats(T, N, K, dev), s.splits > 1 ? (size_t)(s.splits * N * K) : 0u)
-            << what;
       }
   }
   // d_Wqkv (384, 128) over 32768 rows on an H200: 6 tiles, 264 resident blocks, so at most 88
   // chunks: 373 rows, rounded up to 384, make 86.
-  const WeightGradSplit s = weight_gradient_split(32768, 384, 128, h200());
+  const WeightGradSplit s = weight_gradient_split(32768, 384, 128, h200(), WeightGradKernel::kMmaSync);
   EXPECT_EQ(s.rows, 384);
   EXPECT_EQ(s.splits, 86);
   DeviceCaps small_smem = a100();
   small_smem.smem_optin = 99 * 1024;  // one block an SM (compute capability 8.6, 8.9)
-  EXPECT_EQ(weight_gradient_split(32768, 384, 128, small_smem).splits, 36) << "216 / 6 chunks of 911 -> 928 rows";
+  EXPECT_EQ(weight_gradient_split(32768, 384, 128, small_smem, WeightGradKernel::kMmaSync).splits, 36)
+      << "216 / 6 chunks of 911 -> 928 rows";
   EXPECT_TRUE(weight_gradient_fits(small_smem));
+  EXPECT_FALSE(weight_gradient_wgmma_fits(small_smem));
+}
+
+// The same for the wgmma kernel (128 x 128 tiles, one block an SM): one wave, S = SMs / tiles,
+// where the tiles leave room; where they fill a wave or more, the fewest S up to 4 that fill the
+// waves to 90%.
+TEST(BackwardPlan, WeightGradientWgmmaSplitRule) {
+  const DeviceCaps dev = h200();
+  EXPECT_TRUE(weight_gradient_wgmma_fits(dev));
+  for (int64_t T : {1, 31, 255, 511, 512, 1000, 4096, 32768, 40000, 3000000})
+    for (const auto& [N, K] : {std::pair<int64_t, int64_t>{1, 1}, {64, 64}, {192, 64}, {768, 256}, {3072, 1024}}) {
+      const WeightGradSplit s = weight_gradient_split(T, N, K, dev, WeightGradKernel::kWgmma);
+      const int64_t tiles = (N + 127) / 128 * ((K + 127) / 128);
+      const std::string what = "T " + std::to_string(T) + ", N " + std::to_string(N) + ", K " + std::to_string(K);
+      EXPECT_GE(s.splits, 1) << what;
+      EXPECT_EQ(s.rows % 32, 0) << what;
+      EXPECT_GE(s.splits * s.rows, T) << what;
+      EXPECT_LT((s.splits - 1) * s.rows, T) << what << ": no empty chunk";
+      if (s.splits > 1) EXPECT_GE(s.rows, kWeightGradMinSplitRows) << what;
+      if (tiles <= dev.sms) EXPECT_LE(tiles * s.splits, dev.sms) << what << ": one wave";
+      if (tiles > dev.sms) EXPECT_LE(s.splits, kWeightGradWgmmaMaxWaveSplits) << what;
+      if (T < 2 * kWeightGradMinSplitRows) EXPECT_EQ(s.splits, 1) << what;
+      // The partials serve whichever kernel runs: the larger S.
+      const int64_t mma = weight_gradient_split(T, N, K, dev, WeightGradKernel::kMmaSync).splits;
+      const int64_t most = std::max(mma, s.splits);
+      EXPECT_EQ(weight_gradient_partials_floats(T, N, K, dev), most > 1 ? (size_t)(most * N * K) : 0u) << what;
+      // A device without the wgmma kernel sizes them for mma.sync alone.
+      EXPECT_EQ(weight_gradient_partials_floats(T, N, K, a100()),
+                weight_gradient_split(T, N, K, a100(), WeightGradKernel::kMmaSync).splits > 1
+                    ? (size_t)(weight_gradient_split(T, N, K, a100(), WeightGradKernel::kMmaSync).splits * N * K)
+                    : 0u)
+          << what;
+    }
+  // d_Wqkv at D 256 over 32768 rows: 6 x 2 tiles, 11 chunks of 2979 -> 3008 rows, 132 blocks.
+  const WeightGradSplit qkv = weight_gradient_split(32768, 768, 256, dev, WeightGradKernel::kWgmma);
+  EXPECT_EQ(qkv.rows, 3008);
+  EXPECT_EQ(qkv.splits, 11);
+  // d_Wo at D 128: one tile, 132 chunks wanted, 128 allowed (256 rows each).
+  EXPECT_EQ(weight_gradient_split(32768, 128, 128, dev, WeightGradKernel::kWgmma).splits, 128);
+  // (3072, 1024): 192 tiles on 132 SMs; S 1 fills 2 waves to 73%, S 2 fills 3 to 97%.
+  EXPECT_EQ(weight_gradient_split(3000000, 3072, 1024, dev, WeightGradKernel::kWgmma).splits, 2);
+  // K <= 64 (128 x 64 tiles): as many tiles as at 128 columns.
+  EXPECT_EQ(weight_gradient_split(40000, 192, 64, dev, WeightGradKernel::kWgmma).splits, 66);
 }
 
 // The weight gradients' partial tiles: a workspace region where the rows are split, sized for
@@ -481,13 +523,14 @@ TEST(BackwardPlan, WeightGradientPartialsWhereTheRowsSplit) {
   const CudaBackwardPlan big = backward_plan_of(problem(8, 64, 64, 128, 4), h200());  // T 32768, D 128
   EXPECT_TRUE(big.tensor_core_weight_grads);
   ASSERT_NE(big.weight_grad_partials, CudaBackwardPlan::kNone);
-  EXPECT_EQ(big.weight_grad_partials_bytes, 86u * 384 * 128 * 4) << "d_Wqkv's 86 chunks (d_Wo's: 128 of 128 x 128)";
+  EXPECT_EQ(big.weight_grad_partials_bytes, 86u * 384 * 128 * 4)
+      << "d_Wqkv's 86 chunks on mma.sync (43 on wgmma; d_Wo's: 128 of 128 x 128 on either)";
   EXPECT_EQ(big.weight_grad_partials_bytes, weight_gradient_pass_partials_floats(32768, 128, h200()) * 4);
   EXPECT_EQ(big.weight_grad_partials % 256, 0u);
   EXPECT_GE(big.weight_grad_partials, big.weight_planes + 32 * 128 * 128 * 4) << "after the last other region";
   EXPECT_EQ(big.weight_grad_partials + big.weight_grad_partials_bytes, big.workspace_bytes);
   const std::string d = big.describe();
-  EXPECT_NE(d.find("weight gradients as 3xTF32 mma.sync"), std::string::npos) << d;
+  EXPECT_NE(d.find("weight gradients as 3xTF32 tensor-core"), std::string::npos) << d;
   EXPECT_NE(d.find("weight-gradient partials at " + std::to_string(big.weight_grad_partials)), std::string::npos) << d;
 
   const CudaBackwardPlan small = backward_plan_of(problem(1, 7, 5, 9, 3), h200());  // 35 positions: one chunk

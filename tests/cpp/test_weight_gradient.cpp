@@ -1,8 +1,10 @@
 // The backward's weight-gradient product (src/cuda/backward/weight_gradient.cu) on its own:
 // C (N, K) = A^T B summed over T rows, against a float64 product on the host, over the edges of
-// its 128 x 64 tiles and 32-row stages, one chunk of rows and many, aligned and misaligned
-// operands, C with a row stride past K; and two calls give the same bits. Skipped without a
-// device that runs it (compute capability 8.0).
+// its tiles (128 x 64 on mma.sync, 128 x 128 and 128 x 64 on wgmma) and 32-row stages, one chunk
+// of rows and many, aligned and misaligned operands, C with a row stride past K; and two calls
+// give the same bits. Each case runs on the kernel weight_gradient picks and, where that is the
+// wgmma one (sm_90a), again on mma.sync (WeightGradientArgs::mma_sync), both held to the same
+// bound. Skipped without a device that runs it (compute capability 8.0).
 //
 // Bound: what an fp32 dot product would give, measured on the host, plus the split's own error.
 // With ref the float64 sum of each element,
@@ -83,7 +85,10 @@ std::string name(const Case& c) {
 
 std::vector<Case> cases() {
   std::vector<Case> list;
-  const int shapes[][2] = {{1, 1}, {3, 5}, {64, 64}, {192, 64}, {72, 24}, {768, 256}, {130, 257}};
+  // K 64 and 24: wgmma's 128 x 64 tiles; 100, 128, 256: its 128 x 128 ones (100: columns past K
+  // inside a tile); K 1, 5, 257 (not multiples of 4): mma.sync only.
+  const int shapes[][2] = {{1, 1},   {3, 5},     {64, 64},   {192, 64}, {72, 24},
+                           {768, 256}, {130, 257}, {200, 100}, {64, 128}};
   for (int64_t T : {1, 7, 64, 1000})
     for (const auto& s : shapes) list.push_back({T, s[0], s[1]});
   for (const auto& s : shapes)
@@ -97,6 +102,9 @@ std::vector<Case> cases() {
   // many chunks; B alone, three floats past, with an odd stride, in one chunk.
   list.push_back({4096, 130, 257, 131, 0, 0, 1, 0});
   list.push_back({200, 72, 24, 0, 25, 0, 0, 3});
+  // Aligned with row strides past a row (wgmma where it runs), one chunk and many.
+  list.push_back({1000, 130, 132, 136, 132, 0, 4, 8});
+  list.push_back({4096, 200, 100, 204, 104});
   // C with a row stride past K: 16-byte stores (80) and 4-byte ones (67), one chunk and many.
   for (int64_t T : {64, 4096})
     for (int64_t ldc : {80, 67}) list.push_back({T, 64, 64, 0, 0, ldc});
@@ -129,19 +137,6 @@ TEST_P(WeightGradient, MatchesDoubleProductAndRepeatsBitwise) {
   cuda::WeightGradientArgs g;
   g.a = da.get() + c.a_offset, g.b = db.get() + c.b_offset, g.c = dc.get();
   g.T = T, g.lda = lda, g.ldb = ldb, g.ldc = ldc, g.N = (int)N, g.K = (int)K;
-  std::vector<float> out[2];
-  for (std::vector<float>& o : out) {
-    CUDA_OK(cudaMemset(dc.get(), 0xff, c_floats * 4));  // NaN everywhere, the stride's gap included
-    CUDA_OK(cudaMemset(dp.get(), 0xff, std::max<size_t>(partial_floats, 1) * 4));
-    CUDA_OK(cuda::weight_gradient(g, partial_floats > 0 ? dp.get() : nullptr, partial_floats * 4, dev, nullptr));
-    CUDA_OK(cudaDeviceSynchronize());
-    o.resize(c_floats);
-    CUDA_OK(cudaMemcpy(o.data(), dc.get(), c_floats * 4, cudaMemcpyDeviceToHost));
-  }
-  EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), c_floats * 4), 0) << "two calls differ";
-  for (int64_t n = 0; n + 1 < N; ++n)
-    for (int64_t k = K; k < ldc; ++k)
-      ASSERT_EQ(bits(out[0][n * ldc + k]), 0xffffffffu) << "wrote the stride's gap at (" << n << ", " << k << ")";
 
   // The host's sums, t outer (rows of A and B read in order): over every row of C, or some rows
   // of the largest case (each tile's edges and a few inside).
@@ -170,21 +165,47 @@ TEST_P(WeightGradient, MatchesDoubleProductAndRepeatsBitwise) {
       }
     }
   }
-  double R = 0.0, E32 = 0.0, Q = 0.0, worst = 0.0;
-  int64_t bad_n = -1, bad_k = -1;
-  for (size_t r = 0; r < rows.size(); ++r)
-    for (int64_t k = 0; k < K; ++k) {
-      const size_t e = r * K + k;
-      R = std::max(R, std::fabs(ref3[e] - ref[e]));
-      E32 = std::max(E32, std::fabs((double)s32[e] - ref[e]));
-      Q = std::max(Q, std::ldexp(std::sqrt(q[e]), -24));
-      const double err = std::fabs((double)out[0][rows[r] * ldc + k] - ref[e]);
-      if (!(err <= worst)) worst = err, bad_n = rows[r], bad_k = k;  // NaN counts as worst
-    }
+  double R = 0.0, E32 = 0.0, Q = 0.0;
+  for (size_t e = 0; e < E; ++e) {
+    R = std::max(R, std::fabs(ref3[e] - ref[e]));
+    E32 = std::max(E32, std::fabs((double)s32[e] - ref[e]));
+    Q = std::max(Q, std::ldexp(std::sqrt(q[e]), -24));
+  }
   const double allowed = R + 2.0 * std::max(E32, Q);
-  EXPECT_LE(worst, allowed) << "worst element (" << bad_n << ", " << bad_k << "): split error " << R
-                            << ", fp32 loop's " << E32 << " (expected size " << Q << "), chunks "
-                            << weight_gradient_split(T, N, K, dev).splits;
+
+  // The kernel weight_gradient picks, then mma.sync where that was wgmma.
+  const bool wgmma = cuda::weight_gradient_wgmma(g, dev);
+  for (const bool mma_sync : {false, true}) {
+    if (mma_sync && !wgmma) break;
+    g.mma_sync = mma_sync;
+    const bool on_wgmma = cuda::weight_gradient_wgmma(g, dev);
+    const std::string kernel = on_wgmma ? "wgmma" : "mma.sync";
+    const int64_t splits =
+        weight_gradient_split(T, N, K, dev, on_wgmma ? WeightGradKernel::kWgmma : WeightGradKernel::kMmaSync).splits;
+    std::vector<float> out[2];
+    for (std::vector<float>& o : out) {
+      CUDA_OK(cudaMemset(dc.get(), 0xff, c_floats * 4));  // NaN everywhere, the stride's gap included
+      CUDA_OK(cudaMemset(dp.get(), 0xff, std::max<size_t>(partial_floats, 1) * 4));
+      CUDA_OK(cuda::weight_gradient(g, partial_floats > 0 ? dp.get() : nullptr, partial_floats * 4, dev, nullptr));
+      CUDA_OK(cudaDeviceSynchronize());
+      o.resize(c_floats);
+      CUDA_OK(cudaMemcpy(o.data(), dc.get(), c_floats * 4, cudaMemcpyDeviceToHost));
+    }
+    EXPECT_EQ(std::memcmp(out[0].data(), out[1].data(), c_floats * 4), 0) << kernel << ": two calls differ";
+    for (int64_t n = 0; n + 1 < N; ++n)
+      for (int64_t k = K; k < ldc; ++k)
+        ASSERT_EQ(bits(out[0][n * ldc + k]), 0xffffffffu)
+            << kernel << ": wrote the stride's gap at (" << n << ", " << k << ")";
+    double worst = 0.0;
+    int64_t bad_n = -1, bad_k = -1;
+    for (size_t r = 0; r < rows.size(); ++r)
+      for (int64_t k = 0; k < K; ++k) {
+        const double err = std::fabs((double)out[0][rows[r] * ldc + k] - ref[r * K + k]);
+        if (!(err <= worst)) worst = err, bad_n = rows[r], bad_k = k;  // NaN counts as worst
+      }
+    EXPECT_LE(worst, allowed) << kernel << ": worst element (" << bad_n << ", " << bad_k << "): split error " << R
+                              << ", fp32 loop's " << E32 << " (expected size " << Q << "), chunks " << splits;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, WeightGradient, ::testing::ValuesIn(cases()),
@@ -197,7 +218,8 @@ TEST(WeightGradientSplit, CasesCoverOneAndManyChunks) {
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
   int one = 0, many = 0;
-  for (const Case& c : cases()) (weight_gradient_partials_floats(c.T, c.N, c.K, dev) == 0 ? one : many) += 1;
+  for (const Case& c : cases())
+    (weight_gradient_split(c.T, c.N, c.K, dev, WeightGradKernel::kMmaSync).splits == 1 ? one : many) += 1;
   EXPECT_GT(one, 0);
   EXPECT_GT(many, 0);
   // The misaligned and strided cases both ways too.
@@ -205,6 +227,50 @@ TEST(WeightGradientSplit, CasesCoverOneAndManyChunks) {
   EXPECT_EQ(weight_gradient_partials_floats(200, 72, 24, dev), 0u);
   EXPECT_EQ(weight_gradient_partials_floats(64, 64, 64, dev), 0u);
   EXPECT_GT(weight_gradient_partials_floats(4096, 64, 64, dev), 0u);
+}
+
+// The arguments of a case as weight_gradient sees them, for its choice of kernel: pointers with
+// the case's offsets from a 256-byte aligned address, never read.
+cuda::WeightGradientArgs args_of(const Case& c) {
+  const float* base = reinterpret_cast<const float*>(uintptr_t{1} << 20);
+  cuda::WeightGradientArgs g;
+  g.a = base + c.a_offset, g.b = base + c.b_offset, g.c = const_cast<float*>(base);
+  g.T = c.T, g.N = c.N, g.K = c.K;
+  g.lda = c.lda ? c.lda : c.N, g.ldb = c.ldb ? c.ldb : c.K, g.ldc = c.ldc ? c.ldc : c.K;
+  return g;
+}
+
+// Where the device runs the wgmma kernel (an sm_90a build on a compute-capability 9.0 GPU), the
+// cases run it with one chunk and many, in both its tile widths, and run mma.sync unforced too
+// (misaligned operands, K off multiples of 4); the forced runs of the test above cover mma.sync
+// on the others.
+TEST(WeightGradientKernels, CasesCoverBothKernels) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DeviceCaps dev;
+  ASSERT_TRUE(read_device_caps(&dev));
+  if (!cuda::weight_gradient_wgmma(args_of({64, 64, 64}), dev))
+    GTEST_SKIP() << "no wgmma kernel on this device or build";
+  int wgmma_one = 0, wgmma_many = 0, narrow = 0, wide = 0, mma = 0;
+  for (const Case& c : cases()) {
+    if (!cuda::weight_gradient_wgmma(args_of(c), dev)) {
+      ++mma;
+      continue;
+    }
+    (weight_gradient_split(c.T, c.N, c.K, dev, WeightGradKernel::kWgmma).splits == 1 ? wgmma_one : wgmma_many) += 1;
+    (c.K <= 64 ? narrow : wide) += 1;
+  }
+  EXPECT_GT(wgmma_one, 0);
+  EXPECT_GT(wgmma_many, 0);
+  EXPECT_GT(narrow, 0);
+  EXPECT_GT(wide, 0);
+  EXPECT_GT(mma, 0);
+  EXPECT_FALSE(cuda::weight_gradient_wgmma(args_of({4096, 130, 257, 131, 0, 0, 1, 0}), dev)) << "misaligned A";
+  EXPECT_FALSE(cuda::weight_gradient_wgmma(args_of({200, 72, 24, 0, 25, 0, 0, 3}), dev)) << "misaligned B";
+  EXPECT_FALSE(cuda::weight_gradient_wgmma(args_of({64, 3, 5}), dev)) << "K 5";
+  EXPECT_TRUE(cuda::weight_gradient_wgmma(args_of({4096, 200, 100, 204, 104}), dev));
+  cuda::WeightGradientArgs forced = args_of({64, 64, 64});
+  forced.mma_sync = true;
+  EXPECT_FALSE(cuda::weight_gradient_wgmma(forced, dev));
 }
 
 // Partials missing or smaller than the split needs (a plan made for another device, say) are

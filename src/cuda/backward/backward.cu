@@ -20,8 +20,9 @@
 // (the staged path's wgmma product, staged/gemm.cu, weights split into
 // planes once a call: weight_planes.cu), else cuBLAS fp32. The projection
 // weights' gradients, sums over all T positions into (D, D) and (3D, D),
-// on the tensor cores too (weight_gradient.cu: 3xTF32 mma.sync, compute
-// capability 8.0 on, which every device the backward plans for has): on
+// on the tensor cores too (weight_gradient.cu: 3xTF32 on wgmma on sm_90a
+// with aligned operands, else on mma.sync, compute capability 8.0 on, which
+// every device the backward plans for has): on
 // cuBLAS they ran in fp32 on the FFMA units, about a third of a large
 // backward. cuBLAS stays their fallback where the plan says the kernel
 // cannot run (plan.tensor_core_weight_grads). No sum over positions needs

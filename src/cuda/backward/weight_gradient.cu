@@ -9,12 +9,16 @@
 // Why a kernel of its own: T is every position of the grid (up to millions),
 // N and K are D or 3D, so the product is a long reduction into a small
 // output. cuBLAS runs it in fp32 on the FFMA units (its TF32 modes lose
-// precision), about a third of a large backward on an H200. 3xTF32 on
-// mma.sync does the same sums at fp32 accuracy; it was expected at twice the
-// FFMA rate and measures at cuBLAS's (perf notes, v32), but it keeps the
-// backward off cuBLAS, so that a training call can be replayed as a CUDA
-// graph (graph_replay.h).
+// precision), about a third of a large backward on an H200. Two kernels:
+// 3xTF32 on wgmma (sm_90a, below) where the build, the device and the
+// operands allow it, else 3xTF32 on mma.sync (compute capability 8.0). The
+// mma.sync kernel was expected at twice the FFMA rate and measures at
+// cuBLAS's (perf notes, v32: 46 to 51 TFLOP/s), half the rate of the
+// forward's wgmma product of the same FLOPs; both keep the backward off
+// cuBLAS, so that a training call can be replayed as a CUDA graph
+// (graph_replay.h).
 //
+// ---- The mma.sync kernel ----
 // Shape. A block owns a 128 x 64 tile of C (kWeightGradTileN x
 // kWeightGradTileK: rows over N, columns over K) and one chunk of rows
 // (positions); grid (tiles, S), blockIdx.x the tile, blockIdx.y the chunk,
@@ -57,6 +61,88 @@
 // fragments a lane then holds rows 4g .. 4g + 3 and columns 8t .. 8t + 7 of
 // the piece: two 16-byte stores a row.
 //
+// ---- The wgmma kernel (sm_90a) ----
+// wgmma reads a TF32 operand from shared memory only K-major, K being the
+// reduction, here the positions t, while A and B both have their rows along
+// t. So:
+//   - wgmma's A operand (64 x 8: rows n of C by positions) is A^T, taken from
+//     registers: A's rows reach shared memory as they are ([t][n], cp.async
+//     into the mma.sync kernel's padded tile), and each thread loads its
+//     fragment elements and splits them, as gemm.cu does;
+//   - wgmma's B operand (8 x BN: positions by columns k of C) is B itself and
+//     must lie [k][t] in shared memory: the tile is transposed on its way in,
+//     through registers (16-byte loads along k), split there, and stored as a
+//     hi and a lo plane in the 128-byte swizzled K-major layout (desc_sw128:
+//     rows of 32 positions, 16-byte piece c of row r at piece c ^ (r % 8)).
+//     The B stores cannot be cp.async: the data changes places on the way.
+//
+// Shape. A block of two warpgroups (256 threads) owns a 128 x 128 tile of C
+// (kWeightGradWgmmaTileN x kWeightGradWgmmaTileK; 128 x 64 where K <= 64, the
+// same count of tiles at half the tensor work), warpgroup wg its rows 64 wg ..
+// 64 wg + 63: one wgmma.m64n128k8 per product. Registers a thread: 64 for the
+// running sum, 64 for the fresh accumulator of a run, 16 + 16 for the split A
+// fragments of two runs (the next run's are loaded while one runs), 16 for the
+// B block in flight (below): 176, plus addresses and the copies' set-up
+// (ptxas, CUDA 13.0, sm_90a: 254 registers at BN 128, ptxas taking what the
+// bound allows, as for gemm.cu's kernels; 167 at BN 64; no spills, no stack),
+// so one block an SM (__launch_bounds__(256, 1)), as the shared memory below
+// wants anyway. gemm.cu alternates two fresh accumulators per warpgroup, one
+// run's products going on while the other's are added; with the B block on top
+// that would be 240 registers before any address. Here the two warpgroups
+// alternate instead: while one waits for its run and adds it (64 fp32 adds a
+// thread), the tensor cores run the other's (6 wgmma, 384 cycles at BN 128),
+// two warps a sub-partition, one of each warpgroup; both of a step's barriers
+// come with a run of each warpgroup in flight. Why 128 x 128: the largest tile
+// these registers allow, and each row of a chunk is read once per tile (256
+// floats a row for 16384 outputs, against 192 for 8192 in the mma.sync
+// kernel).
+//
+// Stages of 32 positions (four 8-deep k-steps, two runs). A: a ring of
+// kWeightGradWgmmaStagesA = 4 tiles of 32 rows of 136 floats (cp.async, three
+// stages ahead). B: two stages in shared memory (hi and lo planes of BN rows
+// of 32 positions, 16 KB each at BN 128, 1024-byte aligned) and a third in
+// registers. 133 KB in all (kWeightGradWgmmaSmemBytes). Step i:
+//   run 0 (k-steps 0-1) issued on fragments loaded before; run 1's fragments
+//   loaded; barrier: every product of step i - 1 has completed, so its B
+//   stage and A tile are free; the B block of step i + 1 (loaded during step
+//   i - 1) split and stored into that stage, step i + 2's block loaded, step
+//   i + 3's A copies issued; wait for run 0, add it; run 1 issued; step
+//   i + 1's A copies waited for, the B stores fenced for the async proxy
+//   (fence.proxy.async), barrier; step i + 1's run-0 fragments loaded; wait
+//   for run 1, add it. Nothing is in flight across a loop turn. A block's B
+//   loads thus have a whole step to arrive, its A copies three.
+//
+// The B transpose. Thread x (x < 128 at BN 64) owns a 4 x 4 block of each
+// stage's B tile: positions 4 tb .. 4 tb + 3 and columns 4 kb .. 4 kb + 3,
+// with warp w and lane 8 q + r: tb = 4 (w % 2) + r / 2, kb = 8 (w / 2) + 2 q
+// + r % 2. It loads the block as 4 float4, one a position, so that a warp's
+// load instruction reads 4 rows x 128 contiguous bytes; for each column
+// k = 4 kb + kk it stores the 4 positions' hi values as one 16-byte piece,
+// piece tb of plane row k, at its swizzled place tb ^ (k % 8), then their lo
+// values likewise in the lo plane. In one store instruction a quarter warp
+// (q and kk fixed, r = 0..7) has k % 8 = 4 (r % 2) + kk and tb = 4 (w % 2) +
+// r / 2, so its 8 pieces go to the 8 distinct places (r / 2 + 4 (r % 2 ^ w % 2))
+// ^ kk of rows 128 bytes apart: the 32 banks once. (Had a warp's lanes one tb
+// each, one row a load instruction, a quarter warp's 8 pieces would fall on 2
+// places: 4-way conflicts.)
+//
+// The A fragments. Fragment rows g and g + 8 of warp w of a warpgroup
+// (detail/wgmma.cuh, g = lane / 4, t = lane % 4) stand for its tile rows
+// 16 w + 2 g and 16 w + 2 g + 1 (a relabelling of C's rows, undone at the
+// store), so a thread's two values at a position are one 8-byte load, two a
+// k-step; with the row stride 8 mod 32 words a half warp's (t = 0..3,
+// g = 4 h .. 4 h + 3) cover the 32 banks once. The positions keep their
+// order: k-step s reads positions 8 s + t and 8 s + t + 4 of the stage, and
+// its B operand starts 32 bytes into the planes' rows per step.
+//
+// Where it runs: an sm_90a build on a compute-capability 9.0 GPU with the
+// shared memory (weight_gradient_wgmma_fits), A and B 16-byte aligned with row
+// strides and K multiples of 4 (16-byte loads; a float4 of B lies wholly
+// inside K or outside): weight_gradient_wgmma. N is free (the A copies
+// zero-fill the columns past N, the B blocks past K are stored as zeros, rows
+// past the chunk both); a warpgroup whose rows start past N only copies.
+//
+// ---- Both ----
 // Accuracy (tf32x3.cuh): each element is split in registers as it is loaded
 // (hi + lo); per run of two 8-row steps the products lo*hi, hi*lo, hi*hi go
 // into a fresh accumulator, which is then added in fp32 to the running sum:
@@ -65,13 +151,17 @@
 // chunk's runs in order). Error: the split's (at most about 3 2^-22 of each
 // term, typically far less) plus that of fp32 sums of T / 16 runs, against T
 // terms for a plain fp32 loop (test_weight_gradient.cpp bounds it by that
-// loop's error plus the split's).
+// loop's error plus the split's). The two kernels sum the same runs, each
+// run's terms in another order inside the tensor cores, and split the rows
+// into other chunks: their results differ in the last bits, each call of one
+// kernel gives the same bits.
 //
 // Split over rows, for the device's sake and determinism: with few tiles
 // (D 64: one tile for d_Wo, two for d_Wqkv) one block a tile would leave the
-// device idle, so the rows are cut into S chunks, S from (T, N, K, SMs,
-// shared memory) alone (plan.h's weight_gradient_split: tiles x S about two
-// waves of the resident blocks, chunks of at least 256 rows). S = 1: the
+// device idle, so the rows are cut into S chunks, S from (T, N, K, the
+// kernel, SMs, shared memory) alone (plan.h's weight_gradient_split: for
+// mma.sync tiles x S about two waves of the resident blocks, for wgmma one
+// wave of one block an SM; chunks of at least 256 rows). S = 1: the
 // blocks store C. S > 1: each stores its partial tile into partials [S][N][K]
 // and a second kernel adds each element's S partials: 8 lanes, lane l adding
 // chunks l, l + 8, ... in order, then the lanes' sums in lane order. Every
@@ -82,11 +172,13 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
 #include "../detail/tf32x3.cuh"
+#include "../detail/wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -283,6 +375,268 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_product_kernel(const Produc
     }
 }
 
+// ---- The wgmma kernel --------------------------------------------------------
+
+constexpr int kStagesA = kWeightGradWgmmaStagesA;  // the A ring
+constexpr int kWgBM = kWeightGradWgmmaTileN;        // two warpgroups of 64 rows
+static_assert(kWgBM == 128 && kThreads == 256, "two warpgroups, one 64-row wgmma each");
+
+// The shared memory of a block whose tiles are BN (128 or 64) columns wide: two B stages (hi
+// plane, then lo plane, each BN rows of 32 positions), then the ring of A tiles.
+template <int BN_>
+struct WgTiling {
+  static constexpr int BN = BN_;
+  static constexpr int kBPlane = BN * BK * 4;     // bytes: BN rows of 128
+  static constexpr int kBStage = 2 * kBPlane;     // hi, lo
+  static constexpr int kATile = BK * LDA * 4;     // bytes: 32 rows of 136 floats
+  static constexpr int kBBlocks = BN * BK / 16;   // 4 x 4 blocks of a stage's B tile, one a thread
+  static constexpr size_t kSmemBytes = 1024 + 2 * (size_t)kBStage + (size_t)kStagesA * kATile;
+};
+static_assert(WgTiling<128>::kSmemBytes == kWeightGradWgmmaSmemBytes, "plan.h's size");
+static_assert(WgTiling<128>::kBBlocks == kThreads && WgTiling<64>::kBBlocks == kThreads / 2,
+              "BN 128: a block a thread; BN 64: a block a thread of warps 0-3");
+static_assert(BK == 32 && WgTiling<64>::kBStage % 1024 == 0 && WgTiling<128>::kATile % 16 == 0,
+              "rows of 32 positions (128 bytes); planes 1024-byte aligned; A tiles 16");
+
+#if FASTAXIAL_SM90A_DEVICE
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
+
+// This thread's share of the A tiles' copies: the 16-byte piece at column c = 4 (x % 32) of rows
+// x / 32 + 8 u (u < 4) of each stage, x = threadIdx.x. Set up once; a step's copies then cost an
+// add an address, in step order.
+struct ACopies {
+  const float* next;  // A at the next step's row x / 32, column m0 + c
+  int64_t ld8, step;  // 8 rows of A; a step's BK rows
+  int left;           // the chunk's rows from the next step's row x / 32 on
+  int bytes;          // of the piece inside N: 16, fewer at N's edge, 0 past it
+  uint32_t dst;       // bytes into an A tile
+
+  __device__ __forceinline__ ACopies(const float* a, int64_t lda, int m0, int N, int rows) {
+    const int r = threadIdx.x / 32, c = threadIdx.x % 32 * 4;
+    const int in_n = N - m0 - c;
+    next = a + r * lda + m0 + c;
+    ld8 = 8 * lda, step = BK * lda;
+    left = rows - r;
+    bytes = in_n <= 0 ? 0 : 4 * min(4, in_n);
+    dst = (uint32_t)(r * LDA + c) * 4;
+  }
+  // The next step's rows into the A tile at shared address tile: rows past the chunk and columns
+  // past N zero-filled (`any`: an address the copies that read nothing may name).
+  __device__ __forceinline__ void copy(uint32_t tile, const float* any) {
+    static_assert(kThreads == 8 * 32 && BK == 4 * 8 && kWgBM == 32 * 4, "a warp a row, 4 passes");
+    const float* p = next;
+#pragma unroll
+    for (int u = 0; u < 4; ++u, p += ld8) {
+      const bool in = bytes > 0 && 8 * u < left;
+      copy_async16(tile + dst + u * 8 * LDA * 4, in ? p : any, in ? bytes : 0);
+    }
+    next += step, left -= BK;
+  }
+};
+
+// This thread's share of the B tiles (the header): the 4 x 4 block of positions 4 tb .. 4 tb + 3
+// of each stage and columns 4 kb .. 4 kb + 3 of the tile. Loaded a step at a time, in step order.
+struct BBlock {
+  const float* next;  // B at the next step's row 4 tb, column n0 + 4 kb
+  int64_t ld, step;   // B's row stride; a step's BK rows
+  int left;           // the chunk's rows from the next step's row 4 tb on
+  bool in;            // a thread with a block, its columns inside K (K % 4 = 0: all four or none)
+  uint32_t row;       // bytes into a plane of row 4 kb (its 8-row group, then row 4 (kb % 2) of it)
+  int piece;          // tb ^ (4 kb) % 8: the swizzled piece of row 4 kb; row 4 kb + kk's is piece ^ kk
+
+  template <int BN>
+  __device__ __forceinline__ void init(const float* b, int64_t ldb, int n0, int K, int rows) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int tb = 4 * (warp % 2) + lane % 8 / 2, kb = 8 * (warp / 2) + 2 * (lane / 8) + lane % 2;
+    next = b + (int64_t)(4 * tb) * ldb + n0 + 4 * kb;
+    ld = ldb, step = BK * ldb;
+    left = rows - 4 * tb;
+    in = threadIdx.x < WgTiling<BN>::kBBlocks && n0 + 4 * kb < K;
+    row = (uint32_t)(kb / 2 * 1024 + kb % 2 * 512);
+    piece = tb ^ (4 * (kb % 2));
+  }
+  // The next step's block into v: positions past the chunk, and columns past K, as zeros.
+  __device__ __forceinline__ void load(float4 (&v)[4]) {
+    const float* p = next;
+#pragma unroll
+    for (int i = 0; i < 4; ++i, p += ld)
+      v[i] = in && i < left ? *reinterpret_cast<const float4*>(p) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    next += step, left -= BK;
+  }
+};
+
+__device__ __forceinline__ float element(const float4& v, int kk) {
+  return kk == 0 ? v.x : kk == 1 ? v.y : kk == 2 ? v.z : v.w;
+}
+
+// v split into the B stage at shared address stage: for each column 4 kb + kk of the block, its 4
+// positions' hi values as one 16-byte piece of the hi plane's row 4 kb + kk, the lo values at the
+// same place of the lo plane.
+template <int BN>
+__device__ __forceinline__ void store_b(const float4 (&v)[4], const BBlock& s, uint32_t stage) {
+  if (threadIdx.x >= WgTiling<BN>::kBBlocks) return;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) split(element(v[i], kk), hi[i], lo[i]);
+    const uint32_t at = stage + s.row + kk * 128 + ((uint32_t)(s.piece ^ kk) << 4);
+    st_shared_v4(at, hi[0], hi[1], hi[2], hi[3]);
+    st_shared_v4(at + WgTiling<BN>::kBPlane, lo[0], lo[1], lo[2], lo[3]);
+  }
+}
+
+// This thread's A fragments (detail/wgmma.cuh) of k-steps ks and ks + 1 of the A tile at sa (BK
+// rows of LDA floats, [position][row of C]), split: fragment rows g and g + 8 are the tile's rows
+// a_row = 64 wg + 16 w + 2 g and a_row + 1, one 8-byte load a position.
+__device__ __forceinline__ void load_a_frags(FragA (&f)[2], const float* sa, int a_row, int ks) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const float* p = sa + (8 * (ks + k) + t) * LDA + a_row;
+    const float2 r0 = *reinterpret_cast<const float2*>(p);            // position 8 (ks + k) + t
+    const float2 r1 = *reinterpret_cast<const float2*>(p + 4 * LDA);  // and t + 4
+    f[k] = make_a(r0.x, r0.y, r1.x, r1.y);
+  }
+}
+
+// The three products of k-steps ks and ks + 1 of the B stage at shared address stage into t (fresh),
+// A from the fragments f of those steps; one commit group.
+template <int BN>
+__device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], uint32_t stage, int ks) {
+  const uint64_t b[2] = {desc_sw128(stage + ks * 32), desc_sw128(stage + ks * 32 + 32)};
+  wgmma_3xtf32_run<BN>(t, f, b, WgTiling<BN>::kBPlane >> 4);
+}
+#endif  // FASTAXIAL_SM90A_DEVICE
+
+// The block's tile of C (blockIdx.x) over its chunk of rows (blockIdx.y), into p.out, on wgmma.
+// A and B 16-byte aligned, lda, ldb and K multiples of 4 (weight_gradient_wgmma).
+template <int BN>
+__global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const Product p) {
+#if FASTAXIAL_SM90A_DEVICE
+  using Tl = WgTiling<BN>;
+  extern __shared__ float4 smem4[];
+  // B planes must start on 1024-byte boundaries (the swizzle): the stages from base, then the A ring.
+  float* const sm = reinterpret_cast<float*>(smem4);
+  const uint32_t raw = smem_addr(sm), base = (raw + 1023) & ~1023u;
+  float* const ring = sm + (base - raw + 2 * Tl::kBStage) / 4;
+  // The warpgroup, through a shuffle so that ptxas sees it uniform in the warp: branches on it
+  // around wgmma are then not divergent (else ptxas serialises the wgmma, warning C7518).
+  const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0), g = threadIdx.x % 32 / 4;
+  const int a_row = 64 * wg + 16 * (threadIdx.x % 128 / 32) + 2 * g;  // fragment rows g, g + 8 (the permutation)
+  const int m0 = (int)(blockIdx.x / (unsigned)p.tiles_k) * kWgBM, n0 = (int)(blockIdx.x % (unsigned)p.tiles_k) * BN;
+  const int64_t r0 = (int64_t)blockIdx.y * p.rows;
+  const int rows = (int)max((int64_t)0, min(p.T - r0, p.rows)), steps = (rows + BK - 1) / BK;
+  const float* const a = p.a + r0 * p.lda;
+  const float* const b = p.b + r0 * p.ldb;
+  const bool active = m0 + 64 * wg < p.N;  // else the warpgroup's rows are all padding: it only copies
+  ACopies ac(a, p.lda, m0, p.N, rows);
+  BBlock bb;
+  bb.init<BN>(b, p.ldb, n0, p.K, rows);
+  const uint32_t ring_addr = smem_addr(ring);
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const auto a_tile = [&](int step) { return ring + step % kStagesA * (Tl::kATile / 4); };
+  const auto b_stage = [&](int step) { return base + (uint32_t)(step % 2) * Tl::kBStage; };
+  // Step `step`'s A copies; steps in order.
+  const auto copy_a = [&](int step) { ac.copy(ring_addr + (uint32_t)(step % kStagesA) * Tl::kATile, p.a); };
+
+  float c[BN / 2], t[BN / 2];  // accumulators (m64nBNk8): the running sum, a run's fresh one
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) c[i] = t[i] = 0.0f;
+  FragA fa[2], fb[2];  // the split A fragments of runs 0 and 1 of a step
+  float4 v[4];         // the B block in flight
+
+  // A copies of steps 0 .. kStagesA - 2, a group each, empty or not (as in the mma.sync kernel);
+  // step 0's B block stored, step 1's loaded.
+#pragma unroll
+  for (int s = 0; s < kStagesA - 1; ++s) {
+    if (s < steps) copy_a(s);
+    copy_async_commit();
+  }
+  bb.load(v);
+  store_b<BN>(v, bb, b_stage(0));
+  bb.load(v);
+  copy_async_wait<kStagesA - 2>();
+  fence_async_smem();  // the B stores (generic proxy) before wgmma reads them (async proxy)
+  __syncthreads();     // step 0 is in for all
+  if (active && steps > 0) load_a_frags(fa, a_tile(0), a_row, 0);
+
+  // The steps, in one loop for working warpgroups and one for those that only copy: with one loop
+  // and branches on `active` around the wgmma, ptxas sees a path (its analysis ignores that both
+  // branches take the same side) where a run is still in flight at the loop's back edge, and waits
+  // there (warning C7517).
+  const auto all_steps = [&](auto working) {
+    constexpr bool kWork = decltype(working)::value;
+    for (int i = 0; i < steps; ++i) {
+      const float* const sa = a_tile(i);
+      const uint32_t sb = b_stage(i);
+      if constexpr (kWork) {
+        run_products<BN>(t, fa, sb, 0);
+        load_a_frags(fb, sa, a_row, 2);
+      }
+      // Every product of step i - 1 has completed (each warpgroup waited for its runs before
+      // this): its B stage takes step i + 1's block, its A tile step i + kStagesA - 1's copies.
+      __syncthreads();
+      store_b<BN>(v, bb, b_stage(i + 1));
+      bb.load(v);  // step i + 2's
+      if (i + kStagesA - 1 < steps) copy_a(i + kStagesA - 1);
+      copy_async_commit();
+      if constexpr (kWork) {
+        wgmma_wait<0>();
+        fence_frags(fa);
+        add_to(c, t);
+        run_products<BN>(t, fb, sb, 2);
+      }
+      copy_async_wait<kStagesA - 2>();  // this thread's copies of step i + 1
+      fence_async_smem();
+      __syncthreads();  // step i + 1 is in for all, A and B
+      if constexpr (kWork) {
+        if (i + 1 < steps) load_a_frags(fa, a_tile(i + 1), a_row, 0);
+        wgmma_wait<0>();
+        fence_frags(fb);
+        add_to(c, t);
+      }
+    }
+  };
+  if (active)
+    all_steps(std::true_type{});
+  else
+    all_steps(std::false_type{});
+  copy_async_wait<0>();  // the empty groups of the last steps
+
+  if (!active) return;
+  // Accumulator d[4 j .. 4 j + 3] (wgmma.cuh): fragment rows g, g + 8, i.e. tile rows a_row and
+  // a_row + 1, columns 8 j + 2 t and 8 j + 2 t + 1.
+  float* const out = p.out + (int64_t)blockIdx.y * p.N * p.K;  // chunk 0: also C itself
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int col = n0 + 8 * j + 2 * (threadIdx.x % 4);
+    if (col >= p.K) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = m0 + a_row + h;
+      if (row >= p.N) continue;
+      const float x = c[4 * j + 2 * h], y = c[4 * j + 2 * h + 1];
+      float* const dst = out + row * p.ld_out + col;
+      if (p.vec_out && col + 2 <= p.K) {
+        *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+      } else {
+        dst[0] = x;
+        if (col + 1 < p.K) dst[1] = y;
+      }
+    }
+  }
+#else
+  (void)p;
+  __trap();  // built without sm_90a: weight_gradient_wgmma() is false and nothing launches this
+#endif
+}
+
 // c (N, K, stride ldc) = the sum of the `splits` partial tiles [splits][N][K]. Element e (of N K,
 // row-major) by threadIdx.x of a block of 32 elements, lane threadIdx.y adding partials y,
 // y + 8, ... in order, then lane 0 the 8 lanes' sums in order. Lanes rather than one thread an
@@ -319,9 +673,27 @@ cudaError_t launch_chunks(const Product& p, unsigned tiles, unsigned splits, con
   return launch_kernel<kernel>(dim3(tiles, splits), dim3(kThreads), kWeightGradSmemBytes, stream, dev, p);
 }
 
+template <int BN>
+cudaError_t launch_wgmma(const Product& p, unsigned tiles, unsigned splits, const DeviceCaps& dev,
+                         cudaStream_t stream) {
+  constexpr auto kernel = chunk_product_wgmma_kernel<BN>;
+  if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  return launch_kernel<kernel>(dim3(tiles, splits), dim3(kThreads), WgTiling<BN>::kSmemBytes, stream, dev, p);
+}
+
 }  // namespace
 
 bool weight_gradient_available(const DeviceCaps& dev) { return weight_gradient_fits(dev); }
+
+bool weight_gradient_wgmma(const WeightGradientArgs& g, const DeviceCaps& dev) {
+#if defined(FASTAXIAL_WGMMA)
+  return !g.mma_sync && weight_gradient_wgmma_fits(dev) && g.K % 4 == 0 && aligned16(g.a) && aligned16(g.b) &&
+         g.lda % 4 == 0 && g.ldb % 4 == 0;
+#else
+  (void)g, (void)dev;
+  return false;
+#endif
+}
 
 cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t partials_bytes, const DeviceCaps& dev,
                             cudaStream_t stream) {
@@ -329,12 +701,17 @@ cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t
   if (g.N == 0 || g.K == 0) return cudaSuccess;
   if (g.c == nullptr) return cudaErrorInvalidValue;
   if (g.T > 0 && (g.a == nullptr || g.b == nullptr || g.lda < g.N || g.ldb < g.K)) return cudaErrorInvalidValue;
-  const WeightGradSplit split = weight_gradient_split(g.T, g.N, g.K, dev);
+  const bool wgmma = weight_gradient_wgmma(g, dev);
+  const WeightGradSplit split =
+      weight_gradient_split(g.T, g.N, g.K, dev, wgmma ? WeightGradKernel::kWgmma : WeightGradKernel::kMmaSync);
   if (split.splits > 1 &&
       (partials == nullptr || partials_bytes / sizeof(float) / (size_t)g.N / (size_t)g.K < (size_t)split.splits))
     return cudaErrorInvalidValue;
-  const int64_t tiles_k = (g.K + BN - 1) / BN, tiles = (g.N + BM - 1) / BM * tiles_k;
+  // Tiles: 128 rows by 64 columns (mma.sync), or by 128 (wgmma; 64 where K <= 64).
+  const int bn = !wgmma ? BN : g.K <= 64 ? 64 : 128;
+  const int64_t tiles_k = (g.K + bn - 1) / bn, tiles = (g.N + BM - 1) / BM * tiles_k;
   if (tiles > INT_MAX) return cudaErrorInvalidValue;  // grid.x
+  static_assert(BM == kWgBM, "both kernels' tiles have 128 rows");
 
   Product p;
   p.a = g.a, p.b = g.b, p.lda = g.lda, p.ldb = g.ldb;
@@ -343,10 +720,14 @@ cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t
   p.ld_out = split.splits > 1 ? g.K : g.ldc;
   p.vec_out = aligned16(p.out) && p.ld_out % 4 == 0;
   const bool vec = aligned16(g.a) && aligned16(g.b) && g.lda % 4 == 0 && g.ldb % 4 == 0;
-  if (cudaError_t e = vec ? launch_chunks<true>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream)
-                          : launch_chunks<false>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream);
-      e != cudaSuccess)
-    return e;
+  cudaError_t e;
+  if (wgmma)
+    e = bn == 64 ? launch_wgmma<64>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream)
+                 : launch_wgmma<128>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream);
+  else
+    e = vec ? launch_chunks<true>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream)
+            : launch_chunks<false>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream);
+  if (e != cudaSuccess) return e;
   if (split.splits == 1) return cudaSuccess;
   const int64_t blocks = ((int64_t)g.N * g.K + kSumCols - 1) / kSumCols;
   if (blocks > INT_MAX) return cudaErrorInvalidValue;  // not reached: S > 1 only for small products

@@ -1,11 +1,12 @@
 // The backward's weight gradients on the tensor cores: C (N, K) = A^T B for
 // row-major A (T, N) and B (T, K), summed over all T rows (d_Wo = dy^T o,
-// d_Wqkv = dqkv^T xn: T = B H W positions), fp32-accurate (3xTF32 on
+// d_Wqkv = dqkv^T xn: T = B H W positions), fp32-accurate (3xTF32, on wgmma
+// where the device has sm_90a code and the operands allow it, else on
 // mma.sync) and deterministic: the rows are cut into S chunks by a rule of
-// (T, N, K, the device) alone (common/plan.h: weight_gradient_split), each
-// chunk summed in a fixed order, and the chunks' partial tiles added in a
-// fixed order by a second kernel; no atomics, so two calls on the same inputs
-// give the same bits (weight_gradient.cu).
+// (T, N, K, the kernel, the device) alone (common/plan.h:
+// weight_gradient_split), each chunk summed in a fixed order, and the chunks'
+// partial tiles added in a fixed order by a second kernel; no atomics, so two
+// calls on the same inputs give the same bits (weight_gradient.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,11 +24,20 @@ struct WeightGradientArgs {
   int64_t T = 0;             // rows summed over; 0 gives zeros
   int64_t lda = 0, ldb = 0, ldc = 0;
   int N = 0, K = 0;
+  // Run the mma.sync kernel even where the wgmma one would (tests, comparisons); the partials
+  // that weight_gradient_partials_floats sizes serve both.
+  bool mma_sync = false;
 };
 
-// True when the device runs the kernel (compute capability 8.0 or newer, and its shared memory):
-// weight_gradient_fits of plan.h.
+// True when the device runs the mma.sync kernel (compute capability 8.0 or newer, and its shared
+// memory: weight_gradient_fits of plan.h), and so every call; where weight_gradient_wgmma says so
+// a call runs the wgmma kernel instead.
 bool weight_gradient_available(const DeviceCaps& dev);
+
+// True when weight_gradient runs g on the wgmma kernel: a build with sm_90a code on a device that
+// runs it (plan.h: weight_gradient_wgmma_fits), a and b 16-byte aligned, lda, ldb and K multiples
+// of 4, and g.mma_sync unset. Else the mma.sync kernel (any alignment, stride and K).
+bool weight_gradient_wgmma(const WeightGradientArgs& g, const DeviceCaps& dev);
 
 // Launches C = A^T B on `stream` (programmatic dependents, detail/launch.cuh). `partials`: scratch
 // of partials_bytes >= 4 weight_gradient_partials_floats(T, N, K, dev) bytes (plan.h); may be null
