@@ -387,5 +387,74 @@ TEST_F(CudaBackwardRuns, GraphReplayMatchesDirectLaunches) {
   expect_same(out_fresh, fresh, out_replay, replayed, "replay after the inputs changed");
 }
 
+// Dropout with the seed passed by value (as the torch binding passes it outside torch's graph
+// capture): the seed is written before the graph, so the training calls replay, and each replay
+// draws its own call's mask: output and gradients bitwise those of direct launches with that seed.
+TEST_F(CudaBackwardRuns, DropoutGraphReplayDrawsEachCallsMask) {
+  s = Shape{2, 12, 20, 32, 2};
+  p = random_problem(s, 7);
+  gout = random_grad(s.B * s.H * s.W * s.D, 8);
+  gout_f.assign(gout.begin(), gout.end());
+  dp = dev.params(p);
+  dp.dropout = 0.25f;
+  CudaBackwardPlan plan;
+  ASSERT_TRUE(plan_backward_cuda(dp, &plan).ok());
+  const size_t n = gout_f.size(), sb = plan.saved_bytes, wb = plan.workspace_bytes;
+  DevicePtr ws = device_alloc(wb / sizeof(float) + 1), saved = device_alloc(sb / sizeof(float) + 1);
+  DevicePtr out = device_alloc(n), go = device_alloc(n);
+  CUDA_OK(cudaMemcpy(go.get(), gout_f.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  Grads shape_of(s);
+  std::vector<DevicePtr> bufs;
+  for (auto& [buf, name] : shape_of.all()) bufs.push_back(device_alloc(buf->size()));
+  AxialGrads g = grads_at(raw(bufs));
+  g.grad_out = go.get();
+  // One training step with (seed, offset) into poisoned buffers: the output and the gradients.
+  const auto step = [&](uint64_t seed, uint64_t offset, std::vector<float>* out_host, Grads* grads) {
+    AxialParams fp = dp;
+    fp.seed = seed, fp.offset = offset, fp.out = out.get();
+    const std::vector<float> poison(n, kNaN);
+    CUDA_OK(cudaMemcpy(out.get(), poison.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    for (size_t i = 0; i < bufs.size(); ++i) CUDA_OK(cudaMemset(bufs[i].get(), 0xff, grads->all()[i].first->size() * 4));
+    Status st = forward_cuda_training(fp, plan, saved.get(), sb, ws.get(), wb, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    st = backward_cuda(fp, g, plan, saved.get(), sb, ws.get(), wb, nullptr);
+    ASSERT_TRUE(st.ok()) << st.message;
+    CUDA_OK(cudaDeviceSynchronize());
+    out_host->resize(n);
+    CUDA_OK(cudaMemcpy(out_host->data(), out.get(), n * sizeof(float), cudaMemcpyDeviceToHost));
+    auto list = grads->all();
+    for (size_t i = 0; i < list.size(); ++i)
+      CUDA_OK(cudaMemcpy(list[i].first->data(), bufs[i].get(), list[i].first->size() * sizeof(float),
+                         cudaMemcpyDeviceToHost));
+  };
+  const uint64_t seeds[4][2] = {{11, 0}, {11, 4}, {12, 0}, {11, 0}};
+  std::vector<float> out_direct[4];
+  std::vector<Grads> direct(4, Grads(s));
+  cuda::set_graph_replay(false);
+  for (int c = 0; c < 4; ++c) step(seeds[c][0], seeds[c][1], &out_direct[c], &direct[c]);
+  cuda::set_graph_replay(true);
+  if (HasFatalFailure()) return;
+  EXPECT_FALSE(same_bits(out_direct[0], out_direct[1])) << "a new offset drew the same mask";
+  EXPECT_FALSE(same_bits(out_direct[0], out_direct[2])) << "a new seed drew the same mask";
+  EXPECT_TRUE(same_bits(out_direct[0], out_direct[3])) << "the same seed and offset drew another mask";
+
+  const int before = cuda::graphs_cached();
+  for (int round = 0; round < 2; ++round)  // seen and captured, then replayed
+    for (int c = 0; c < 4; ++c) {
+      std::vector<float> out_graph;
+      Grads graphed(s);
+      step(seeds[c][0], seeds[c][1], &out_graph, &graphed);
+      if (HasFatalFailure()) return;
+      const std::string what = "call " + std::to_string(4 * round + c);
+      EXPECT_TRUE(same_bits(out_direct[c], out_graph)) << "output, " << what;
+      for (size_t i = 0; i < graphed.all().size(); ++i)
+        EXPECT_TRUE(same_bits(*direct[c].all()[i].first, *graphed.all()[i].first))
+            << graphed.all()[i].second << ", " << what;
+    }
+  // One graph for the forward whatever the seed, one for the backward (where no cuBLAS product runs).
+  const int graphs = plan.tensor_core_products && plan.tensor_core_weight_grads ? 2 : 0;
+  EXPECT_EQ(cuda::graphs_cached(), before + graphs);
+}
+
 }  // namespace
 }  // namespace fastaxial::test

@@ -107,15 +107,17 @@ class Training {
     }
   }
 
-  // out = the forward of x, each pass's intermediates kept.
-  Status forward(float* out) {
+  // out = the forward of x, each pass's intermediates kept. `state_written`: the caller has already
+  // written the mask's seed and offset into saved (forward_cuda_training, for a seed passed by value).
+  Status forward(float* out, bool state_written) {
     // The mask's seed and offset (zeros without dropout: every byte of saved is written).
     const bool drop = p_.dropout > 0.0f;
-    if (cudaError_t e = cuda::write_dropout_state(drop ? p_.seed : 0, drop ? p_.offset : 0,
-                                                  drop ? p_.seed_device : nullptr, drop ? p_.offset_device : nullptr,
-                                                  dropout_state_, dev_, stream_);
-        e != cudaSuccess)
-      return cuda_error(e, "write_dropout_state launch");
+    if (!state_written)
+      if (cudaError_t e = cuda::write_dropout_state(drop ? p_.seed : 0, drop ? p_.offset : 0,
+                                                    drop ? p_.seed_device : nullptr, drop ? p_.offset_device : nullptr,
+                                                    dropout_state_, dev_, stream_);
+          e != cudaSuccess)
+        return cuda_error(e, "write_dropout_state launch");
     if (Status s = split_planes(false); !s.ok()) return s;
     if (Status s = forward_pass(0, row_view(p_), p_.row, p_.x, row_, planes_[0]); !s.ok()) return s;
     if (Status s = output_product(p_.row, p_.x, row_, planes_[0], x1_); !s.ok()) return s;
@@ -374,7 +376,8 @@ static Status call_blas(const CudaBackwardPlan& plan, void* caller_handle, char*
 }
 
 // What a training call's launches take (graph_replay.h): the problem, the gradients, the plan
-// and the buffers. `kind` tells the forward's key from the backward's.
+// and the buffers. `kind` tells the forward's key (0; 2 where the seed, passed by value, is written
+// before the graph) from the backward's (1).
 static cuda::CallKey call_key(int kind, const AxialParams& p, const AxialGrads* g, const CudaBackwardPlan& plan,
                        const void* saved, const void* workspace) {
   cuda::CallKey k;
@@ -413,13 +416,25 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
   cublasHandle_t blas = nullptr;
   cuda::CallerBlas caller;
   if (Status s = call_blas(plan, blas_handle, ws, stream, &caller, &blas); !s.ok()) return s;
+  // A seed passed by value changes every call, so it stays out of the graph: one launch of its own
+  // writes it into saved's dropout state, where the graph's kernels read it, and the graph is keyed
+  // without it. A training step with dropout then replays as one without does.
+  const bool seed_by_value = p.dropout > 0.0f && p.seed_device == nullptr;
+  if (seed_by_value)
+    if (cudaError_t e = cuda::write_dropout_state(
+            p.seed, p.offset, nullptr, nullptr,
+            reinterpret_cast<uint64_t*>(static_cast<char*>(saved) + plan.dropout_state), dev, stream);
+        e != cudaSuccess)
+      return cuda_error(e, "write_dropout_state launch");
   const auto enqueue = [&](cudaStream_t s, bool capturing) {
     if (Status st = zero_saved_gaps(p, plan, static_cast<char*>(saved), s); !st.ok()) return st;
-    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas).forward(p.out);
+    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas)
+        .forward(p.out, seed_by_value);
   };
-  // A seed passed by value changes every call: such a call never repeats, so it is not looked up.
-  if (p.dropout > 0.0f && p.seed_device == nullptr) return enqueue(stream, false);
-  return cuda::run_graphed(call_key(0, p, nullptr, plan, saved, workspace), stream, dev.device, enqueue);
+  AxialParams keyed = p;
+  if (seed_by_value) keyed.seed = keyed.offset = 0;
+  return cuda::run_graphed(call_key(seed_by_value ? 2 : 0, keyed, nullptr, plan, saved, workspace), stream,
+                           dev.device, enqueue);
 }
 
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
