@@ -383,10 +383,14 @@ static cuda::CallKey call_key(int kind, const AxialParams& p, const AxialGrads* 
   cuda::CallKey k;
   k.add(kind);
   for (int64_t v : {p.batch, p.height, p.width, p.dim, p.heads}) k.add(v);
-  k.add(p.eps), k.add(p.dropout), k.add(p.seed), k.add(p.offset);
-  for (const void* ptr : {static_cast<const void*>(p.x), static_cast<const void*>(p.out),
-                          static_cast<const void*>(p.seed_device), static_cast<const void*>(p.offset_device)})
-    k.add(ptr);
+  k.add(p.eps), k.add(p.dropout);
+  // The mask's seed and offset enter the launches of a forward of kind 0 with dropout alone: kind
+  // 2's are written before its graph, and the backward reads them from saved.
+  if (kind == 0 && p.dropout > 0.0f) {
+    k.add(p.seed), k.add(p.offset);
+    k.add(static_cast<const void*>(p.seed_device)), k.add(static_cast<const void*>(p.offset_device));
+  }
+  k.add(static_cast<const void*>(p.x)), k.add(static_cast<const void*>(p.out));
   for (const AxisWeights* w : {&p.row, &p.col})
     for (const float* ptr : {w->norm_weight, w->norm_bias, w->qkv_weight, w->out_weight, w->out_bias}) k.add(ptr);
   if (g != nullptr) {
@@ -431,10 +435,8 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
     return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas)
         .forward(p.out, seed_by_value);
   };
-  AxialParams keyed = p;
-  if (seed_by_value) keyed.seed = keyed.offset = 0;
-  return cuda::run_graphed(call_key(seed_by_value ? 2 : 0, keyed, nullptr, plan, saved, workspace), stream,
-                           dev.device, enqueue);
+  return cuda::run_graphed(call_key(seed_by_value ? 2 : 0, p, nullptr, plan, saved, workspace), stream, dev.device,
+                           enqueue);
 }
 
 Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwardPlan& plan, const void* saved,
