@@ -139,6 +139,15 @@ class CudaBackwardRuns : public ::testing::Test {
   DeviceProblem dev;
   AxialParams dp = dev.params(p);
 
+  // Another problem: shape, inputs and weights from problem_seed, output gradient from grad_seed.
+  void use(const Shape& shape, unsigned problem_seed, unsigned grad_seed) {
+    s = shape;
+    p = random_problem(s, problem_seed);
+    gout = random_grad(s.B * s.H * s.W * s.D, grad_seed);
+    gout_f.assign(gout.begin(), gout.end());
+    dp = dev.params(p);
+  }
+
   Grads run(const std::vector<bool>& wanted = std::vector<bool>(11, true), bool in_place = false) {
     Grads r(s);
     const Status st = run_backward(dp, gout_f, &r, wanted, in_place);
@@ -178,11 +187,7 @@ TEST_F(CudaBackwardRuns, GradXMayBeGradOut) {
 }
 
 TEST_F(CudaBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
-  s = Shape{2, 48, 40, 64, 4};  // 3840 positions: the weight gradients sum over many
-  p = random_problem(s, 17);
-  gout = random_grad(s.B * s.H * s.W * s.D, 12);
-  gout_f.assign(gout.begin(), gout.end());
-  dp = dev.params(p);
+  use(Shape{2, 48, 40, 64, 4}, 17, 12);  // 3840 positions: the weight gradients sum over many
   Grads a = run(), b = run();
   for (size_t i = 0; i < a.all().size(); ++i)
     EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first)) << a.all()[i].second;
@@ -307,114 +312,30 @@ TEST_F(CudaBackwardRuns, CallersBlasHandle) {
   CUDA_OK(cudaStreamDestroy(other));
 }
 
-// A call that comes back with the same pointers replays a CUDA graph of its launches
-// (src/cuda/graph_replay.h): the second call captures it, the third replays. Outputs and
-// gradients are bitwise those of direct launches, and stay so after the inputs' values change in
-// place (a graph reads memory when it runs; an optimizer step leaves the pointers alone).
-TEST_F(CudaBackwardRuns, GraphReplayMatchesDirectLaunches) {
-  s = Shape{3, 16, 16, 64, 4};
-  p = random_problem(s, 99);
-  gout = random_grad(s.B * s.H * s.W * s.D, 13);
-  gout_f.assign(gout.begin(), gout.end());
-  dp = dev.params(p);
-  CudaBackwardPlan plan;
-  ASSERT_TRUE(plan_backward_cuda(dp, &plan).ok());
-  const size_t n = gout_f.size(), sb = plan.saved_bytes, wb = plan.workspace_bytes;
-  DevicePtr ws = device_alloc(wb / sizeof(float) + 1), saved = device_alloc(sb / sizeof(float) + 1);
-  DevicePtr out = device_alloc(n), go = device_alloc(n);
-  CUDA_OK(cudaMemcpy(go.get(), gout_f.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  Grads shape_of(s);
-  std::vector<DevicePtr> bufs;
-  for (auto& [buf, name] : shape_of.all()) bufs.push_back(device_alloc(buf->size()));
-  AxialGrads g = grads_at(raw(bufs));
-  g.grad_out = go.get();
-  AxialParams fp = dp;
-  fp.out = out.get();
-  // One training step into poisoned buffers: the output and every gradient, copied back.
-  const auto step = [&](std::vector<float>* out_host, Grads* grads) {
-    const std::vector<float> poison(n, kNaN);
-    CUDA_OK(cudaMemcpy(out.get(), poison.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-    for (size_t i = 0; i < bufs.size(); ++i) CUDA_OK(cudaMemset(bufs[i].get(), 0xff, grads->all()[i].first->size() * 4));
-    Status st = forward_cuda_training(fp, plan, saved.get(), sb, ws.get(), wb, nullptr);
-    ASSERT_TRUE(st.ok()) << st.message;
-    st = backward_cuda(dp, g, plan, saved.get(), sb, ws.get(), wb, nullptr);
-    ASSERT_TRUE(st.ok()) << st.message;
-    CUDA_OK(cudaDeviceSynchronize());
-    out_host->resize(n);
-    CUDA_OK(cudaMemcpy(out_host->data(), out.get(), n * sizeof(float), cudaMemcpyDeviceToHost));
-    auto list = grads->all();
-    for (size_t i = 0; i < list.size(); ++i)
-      CUDA_OK(cudaMemcpy(list[i].first->data(), bufs[i].get(), list[i].first->size() * sizeof(float),
-                         cudaMemcpyDeviceToHost));
-  };
-  const auto expect_same = [](const std::vector<float>& out_a, Grads& a, const std::vector<float>& out_b, Grads& b,
-                              const char* what) {
-    EXPECT_TRUE(same_bits(out_a, out_b)) << "output, " << what;
-    for (size_t i = 0; i < a.all().size(); ++i)
-      EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first)) << a.all()[i].second << ", " << what;
-  };
-
-  cuda::set_graph_replay(false);
-  std::vector<float> out_direct;
-  Grads direct(s);
-  step(&out_direct, &direct);
-  cuda::set_graph_replay(true);
-  const int before = cuda::graphs_cached();
-  for (int call = 1; call <= 3; ++call) {  // seen, captured, replayed
-    std::vector<float> out_graph;
-    Grads graphed(s);
-    step(&out_graph, &graphed);
-    if (HasFatalFailure()) return;
-    expect_same(out_direct, direct, out_graph, graphed, call == 1 ? "first call" : call == 2 ? "capture" : "replay");
+// The buffers of training steps (forward_cuda_training, then backward_cuda) on one problem, kept
+// across steps as a training loop keeps them, so that the calls can replay their graphs.
+struct TrainingSteps {
+  TrainingSteps(const Shape& s, const AxialParams& dp, const std::vector<float>& gout)
+      : s(s), n(gout.size()), out(device_alloc(n)), go(device_alloc(n)) {
+    setup = plan_backward_cuda(dp, &plan);
+    ws = device_alloc(plan.workspace_bytes / sizeof(float) + 1);
+    saved = device_alloc(plan.saved_bytes / sizeof(float) + 1);
+    const cudaError_t e = cudaMemcpy(go.get(), gout.data(), n * sizeof(float), cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) setup = {StatusCode::kCudaError, std::string("copying the output gradient: ") + cudaGetErrorString(e)};
+    Grads shape_of(s);
+    for (auto& [buf, name] : shape_of.all()) bufs.push_back(device_alloc(buf->size()));
+    g = grads_at(raw(bufs));
+    g.grad_out = go.get();
   }
-  // Graphs where the calls run no cuBLAS product (the tensor-core products: Hopper with an sm_90a
-  // build); elsewhere they cannot be captured and run directly, as checked above all the same.
-  const int graphs = plan.tensor_core_products && plan.tensor_core_weight_grads ? 2 : 0;
-  EXPECT_EQ(cuda::graphs_cached(), before + graphs) << "the training forward's graph and the backward's";
 
-  // New values in the same buffers: the replay reads them.
-  const Problem q = random_problem(s, 100);
-  CUDA_OK(cudaMemcpy(const_cast<float*>(dp.x), q.x.data(), q.x.size() * sizeof(float), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(const_cast<float*>(dp.row.qkv_weight), q.row.qkv_w.data(), q.row.qkv_w.size() * sizeof(float),
-                     cudaMemcpyHostToDevice));
-  std::vector<float> out_replay, out_fresh;
-  Grads replayed(s), fresh(s);
-  step(&out_replay, &replayed);
-  cuda::set_graph_replay(false);
-  step(&out_fresh, &fresh);
-  cuda::set_graph_replay(true);
-  EXPECT_FALSE(same_bits(out_replay, out_direct)) << "the new inputs changed nothing";
-  expect_same(out_fresh, fresh, out_replay, replayed, "replay after the inputs changed");
-}
-
-// Dropout with the seed passed by value (as the torch binding passes it outside torch's graph
-// capture): the seed is written before the graph, so the training calls replay, and each replay
-// draws its own call's mask: output and gradients bitwise those of direct launches with that seed.
-TEST_F(CudaBackwardRuns, DropoutGraphReplayDrawsEachCallsMask) {
-  s = Shape{2, 12, 20, 32, 2};
-  p = random_problem(s, 7);
-  gout = random_grad(s.B * s.H * s.W * s.D, 8);
-  gout_f.assign(gout.begin(), gout.end());
-  dp = dev.params(p);
-  dp.dropout = 0.25f;
-  CudaBackwardPlan plan;
-  ASSERT_TRUE(plan_backward_cuda(dp, &plan).ok());
-  const size_t n = gout_f.size(), sb = plan.saved_bytes, wb = plan.workspace_bytes;
-  DevicePtr ws = device_alloc(wb / sizeof(float) + 1), saved = device_alloc(sb / sizeof(float) + 1);
-  DevicePtr out = device_alloc(n), go = device_alloc(n);
-  CUDA_OK(cudaMemcpy(go.get(), gout_f.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  Grads shape_of(s);
-  std::vector<DevicePtr> bufs;
-  for (auto& [buf, name] : shape_of.all()) bufs.push_back(device_alloc(buf->size()));
-  AxialGrads g = grads_at(raw(bufs));
-  g.grad_out = go.get();
-  // One training step with (seed, offset) into poisoned buffers: the output and the gradients.
-  const auto step = [&](uint64_t seed, uint64_t offset, std::vector<float>* out_host, Grads* grads) {
-    AxialParams fp = dp;
-    fp.seed = seed, fp.offset = offset, fp.out = out.get();
+  // One step of fp (its out replaced by this object's) into poisoned buffers: the output and every
+  // gradient, copied back.
+  void step(AxialParams fp, std::vector<float>* out_host, Grads* grads) {
+    fp.out = out.get();
     const std::vector<float> poison(n, kNaN);
     CUDA_OK(cudaMemcpy(out.get(), poison.data(), n * sizeof(float), cudaMemcpyHostToDevice));
     for (size_t i = 0; i < bufs.size(); ++i) CUDA_OK(cudaMemset(bufs[i].get(), 0xff, grads->all()[i].first->size() * 4));
+    const size_t sb = plan.saved_bytes, wb = plan.workspace_bytes;
     Status st = forward_cuda_training(fp, plan, saved.get(), sb, ws.get(), wb, nullptr);
     ASSERT_TRUE(st.ok()) << st.message;
     st = backward_cuda(fp, g, plan, saved.get(), sb, ws.get(), wb, nullptr);
@@ -426,12 +347,87 @@ TEST_F(CudaBackwardRuns, DropoutGraphReplayDrawsEachCallsMask) {
     for (size_t i = 0; i < list.size(); ++i)
       CUDA_OK(cudaMemcpy(list[i].first->data(), bufs[i].get(), list[i].first->size() * sizeof(float),
                          cudaMemcpyDeviceToHost));
+  }
+
+  // Graphs the steps add to the cache: the training forward's and the backward's, where the calls run
+  // no cuBLAS product (the tensor-core products: Hopper with an sm_90a build); elsewhere they cannot
+  // be captured and launch directly.
+  int graphs_per_problem() const { return plan.tensor_core_products && plan.tensor_core_weight_grads ? 2 : 0; }
+
+  Shape s;
+  size_t n;
+  CudaBackwardPlan plan;
+  Status setup;  // the plan's status, or the output gradient copy's error
+  DevicePtr out, go, ws, saved;
+  std::vector<DevicePtr> bufs;
+  AxialGrads g;
+};
+
+void expect_same_step(const std::vector<float>& out_a, Grads& a, const std::vector<float>& out_b, Grads& b,
+                      const std::string& what) {
+  EXPECT_TRUE(same_bits(out_a, out_b)) << "output, " << what;
+  for (size_t i = 0; i < a.all().size(); ++i)
+    EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first)) << a.all()[i].second << ", " << what;
+}
+
+// A call that comes back with the same pointers replays a CUDA graph of its launches
+// (src/cuda/graph_replay.h): the second call captures it, the third replays. Outputs and
+// gradients are bitwise those of direct launches, and stay so after the inputs' values change in
+// place (a graph reads memory when it runs; an optimizer step leaves the pointers alone).
+TEST_F(CudaBackwardRuns, GraphReplayMatchesDirectLaunches) {
+  use(Shape{3, 16, 16, 64, 4}, 99, 13);
+  TrainingSteps t(s, dp, gout_f);
+  ASSERT_TRUE(t.setup.ok()) << t.setup.message;
+
+  cuda::set_graph_replay(false);
+  std::vector<float> out_direct;
+  Grads direct(s);
+  t.step(dp, &out_direct, &direct);
+  cuda::set_graph_replay(true);
+  const int before = cuda::graphs_cached();
+  for (int call = 1; call <= 3; ++call) {  // seen, captured, replayed
+    std::vector<float> out_graph;
+    Grads graphed(s);
+    t.step(dp, &out_graph, &graphed);
+    if (HasFatalFailure()) return;
+    expect_same_step(out_direct, direct, out_graph, graphed,
+                     call == 1 ? "first call" : call == 2 ? "capture" : "replay");
+  }
+  EXPECT_EQ(cuda::graphs_cached(), before + t.graphs_per_problem()) << "the training forward's graph and the backward's";
+
+  // New values in the same buffers: the replay reads them.
+  const Problem q = random_problem(s, 100);
+  CUDA_OK(cudaMemcpy(const_cast<float*>(dp.x), q.x.data(), q.x.size() * sizeof(float), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(const_cast<float*>(dp.row.qkv_weight), q.row.qkv_w.data(), q.row.qkv_w.size() * sizeof(float),
+                     cudaMemcpyHostToDevice));
+  std::vector<float> out_replay, out_fresh;
+  Grads replayed(s), fresh(s);
+  t.step(dp, &out_replay, &replayed);
+  cuda::set_graph_replay(false);
+  t.step(dp, &out_fresh, &fresh);
+  cuda::set_graph_replay(true);
+  EXPECT_FALSE(same_bits(out_replay, out_direct)) << "the new inputs changed nothing";
+  expect_same_step(out_fresh, fresh, out_replay, replayed, "replay after the inputs changed");
+}
+
+// Dropout with the seed passed by value (as the torch binding passes it outside torch's graph
+// capture): the seed is written before the graph, so the training calls replay, and each replay
+// draws its own call's mask: output and gradients bitwise those of direct launches with that seed.
+TEST_F(CudaBackwardRuns, DropoutGraphReplayDrawsEachCallsMask) {
+  use(Shape{2, 12, 20, 32, 2}, 7, 8);
+  dp.dropout = 0.25f;
+  TrainingSteps t(s, dp, gout_f);
+  ASSERT_TRUE(t.setup.ok()) << t.setup.message;
+  const auto with_seed = [&](const uint64_t seed_offset[2]) {
+    AxialParams fp = dp;
+    fp.seed = seed_offset[0], fp.offset = seed_offset[1];
+    return fp;
   };
   const uint64_t seeds[4][2] = {{11, 0}, {11, 4}, {12, 0}, {11, 0}};
   std::vector<float> out_direct[4];
   std::vector<Grads> direct(4, Grads(s));
   cuda::set_graph_replay(false);
-  for (int c = 0; c < 4; ++c) step(seeds[c][0], seeds[c][1], &out_direct[c], &direct[c]);
+  for (int c = 0; c < 4; ++c) t.step(with_seed(seeds[c]), &out_direct[c], &direct[c]);
   cuda::set_graph_replay(true);
   if (HasFatalFailure()) return;
   EXPECT_FALSE(same_bits(out_direct[0], out_direct[1])) << "a new offset drew the same mask";
@@ -443,17 +439,11 @@ TEST_F(CudaBackwardRuns, DropoutGraphReplayDrawsEachCallsMask) {
     for (int c = 0; c < 4; ++c) {
       std::vector<float> out_graph;
       Grads graphed(s);
-      step(seeds[c][0], seeds[c][1], &out_graph, &graphed);
+      t.step(with_seed(seeds[c]), &out_graph, &graphed);
       if (HasFatalFailure()) return;
-      const std::string what = "call " + std::to_string(4 * round + c);
-      EXPECT_TRUE(same_bits(out_direct[c], out_graph)) << "output, " << what;
-      for (size_t i = 0; i < graphed.all().size(); ++i)
-        EXPECT_TRUE(same_bits(*direct[c].all()[i].first, *graphed.all()[i].first))
-            << graphed.all()[i].second << ", " << what;
+      expect_same_step(out_direct[c], direct[c], out_graph, graphed, "call " + std::to_string(4 * round + c));
     }
-  // One graph for the forward whatever the seed, one for the backward (where no cuBLAS product runs).
-  const int graphs = plan.tensor_core_products && plan.tensor_core_weight_grads ? 2 : 0;
-  EXPECT_EQ(cuda::graphs_cached(), before + graphs);
+  EXPECT_EQ(cuda::graphs_cached(), before + t.graphs_per_problem()) << "one forward graph whatever the seed";
 }
 
 }  // namespace
