@@ -9,7 +9,9 @@
 // the call's key (every size, pointer and value its launches take), then
 // replays that graph with one cudaGraphLaunch whenever the key comes again.
 // A call seen once runs its launches directly, so calls that never repeat
-// (fresh dropout seeds, changing shapes) cost a key lookup and nothing else.
+// (changing shapes) cost a key lookup and nothing else. (A dropout seed that
+// changes every call stays out of the graph: the training forward writes it
+// to device memory by a launch of its own, backward/backward.cu.)
 //
 // Replays are exact: a graph's kernels take the arguments the key lists, by
 // value, as the direct launches would. A call whose enqueue cannot be captured
