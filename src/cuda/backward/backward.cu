@@ -107,17 +107,9 @@ class Training {
     }
   }
 
-  // out = the forward of x, each pass's intermediates kept. `state_written`: the caller has already
-  // written the mask's seed and offset into saved (forward_cuda_training, for a seed passed by value).
-  Status forward(float* out, bool state_written) {
-    // The mask's seed and offset (zeros without dropout: every byte of saved is written).
-    const bool drop = p_.dropout > 0.0f;
-    if (!state_written)
-      if (cudaError_t e = cuda::write_dropout_state(drop ? p_.seed : 0, drop ? p_.offset : 0,
-                                                    drop ? p_.seed_device : nullptr, drop ? p_.offset_device : nullptr,
-                                                    dropout_state_, dev_, stream_);
-          e != cudaSuccess)
-        return cuda_error(e, "write_dropout_state launch");
+  // out = the forward of x, each pass's intermediates kept; the mask's seed and offset are already in
+  // saved (forward_cuda_training writes them).
+  Status forward(float* out) {
     if (Status s = split_planes(false); !s.ok()) return s;
     if (Status s = forward_pass(0, row_view(p_), p_.row, p_.x, row_, planes_[0]); !s.ok()) return s;
     if (Status s = output_product(p_.row, p_.x, row_, planes_[0], x1_); !s.ok()) return s;
@@ -292,7 +284,7 @@ class Training {
   int64_t T_;
   int D_;
   DropoutParams dropout_;   // the mask's sizes and rate; its seed and offset are read from dropout_state_
-  uint64_t* dropout_state_;  // saved's {seed, offset}: written by forward(), read by the kernels
+  uint64_t* dropout_state_;  // saved's {seed, offset}: written by forward_cuda_training, read by the kernels
   PassBuffers row_, col_;
   Planes planes_[2];  // row, column
   float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
@@ -420,20 +412,26 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
   cublasHandle_t blas = nullptr;
   cuda::CallerBlas caller;
   if (Status s = call_blas(plan, blas_handle, ws, stream, &caller, &blas); !s.ok()) return s;
-  // A seed passed by value changes every call, so it stays out of the graph: one launch of its own
-  // writes it into saved's dropout state, where the graph's kernels read it, and the graph is keyed
-  // without it. A training step with dropout then replays as one without does.
-  const bool seed_by_value = p.dropout > 0.0f && p.seed_device == nullptr;
-  if (seed_by_value)
+  // The mask's seed and offset into saved, where the kernels read them (zeros without dropout: every
+  // byte of saved is written). A seed passed by value changes every call, so it stays out of the
+  // graph: its write is a launch of its own before it, and the graph is keyed without it. A
+  // training step with dropout then replays as one without does.
+  const bool drop = p.dropout > 0.0f, seed_by_value = drop && p.seed_device == nullptr;
+  const auto write_state = [&](cudaStream_t s) -> Status {
     if (cudaError_t e = cuda::write_dropout_state(
-            p.seed, p.offset, nullptr, nullptr,
-            reinterpret_cast<uint64_t*>(static_cast<char*>(saved) + plan.dropout_state), dev, stream);
+            drop ? p.seed : 0, drop ? p.offset : 0, drop ? p.seed_device : nullptr, drop ? p.offset_device : nullptr,
+            reinterpret_cast<uint64_t*>(static_cast<char*>(saved) + plan.dropout_state), dev, s);
         e != cudaSuccess)
       return cuda_error(e, "write_dropout_state launch");
+    return Status::Ok();
+  };
+  if (seed_by_value)
+    if (Status st = write_state(stream); !st.ok()) return st;
   const auto enqueue = [&](cudaStream_t s, bool capturing) {
     if (Status st = zero_saved_gaps(p, plan, static_cast<char*>(saved), s); !st.ok()) return st;
-    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas)
-        .forward(p.out, seed_by_value);
+    if (!seed_by_value)
+      if (Status st = write_state(s); !st.ok()) return st;
+    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas).forward(p.out);
   };
   return cuda::run_graphed(call_key(seed_by_value ? 2 : 0, p, nullptr, plan, saved, workspace), stream, dev.device,
                            enqueue);
