@@ -439,6 +439,21 @@ TEST(BackwardPlan, TensorCoreProductsWhereTheStagedProductRuns) {
   }
 }
 
+// What every split of T rows holds, whichever kernel: S >= 1 chunks of whole 32-row stages, at
+// least kWeightGradMinSplitRows rows each where there are several, covering the rows exactly once.
+void expect_chunks_cover(const WeightGradSplit& s, int64_t T, const std::string& what) {
+  EXPECT_GE(s.splits, 1) << what;
+  EXPECT_EQ(s.rows % 32, 0) << what;
+  EXPECT_GE(s.splits * s.rows, T) << what;
+  EXPECT_LT((s.splits - 1) * s.rows, T) << what << ": no empty chunk";
+  if (s.splits > 1) EXPECT_GE(s.rows, kWeightGradMinSplitRows) << what;
+}
+
+// The partials' floats for the S of `s`: S N K, or 0 for one chunk.
+size_t partials_of(const WeightGradSplit& s, int64_t N, int64_t K) {
+  return s.splits > 1 ? (size_t)(s.splits * N * K) : 0u;
+}
+
 // The weight gradients' chunks of rows (weight_gradient_split), for the mma.sync kernel: the grid
 // (tiles x S) at most two waves of the resident blocks, chunks of whole 32-row stages and at least
 // 256 rows, covering the T rows exactly once; S depends on the device's SMs and shared memory.
@@ -450,14 +465,8 @@ TEST(BackwardPlan, WeightGradientSplitRule) {
         const WeightGradSplit s = weight_gradient_split(T, N, K, dev, WeightGradKernel::kMmaSync);
         const int64_t tiles = (N + 127) / 128 * ((K + 63) / 64);
         const std::string what = "T " + std::to_string(T) + ", N " + std::to_string(N) + ", K " + std::to_string(K);
-        EXPECT_GE(s.splits, 1) << what;
-        EXPECT_EQ(s.rows % 32, 0) << what;
-        EXPECT_GE(s.splits * s.rows, T) << what;
-        EXPECT_LT((s.splits - 1) * s.rows, T) << what << ": no empty chunk";
-        if (s.splits > 1) {
-          EXPECT_LE(tiles * s.splits, 2 * resident) << what;
-          EXPECT_GE(s.rows, kWeightGradMinSplitRows) << what;
-        }
+        expect_chunks_cover(s, T, what);
+        if (s.splits > 1) EXPECT_LE(tiles * s.splits, 2 * resident) << what;
         if (T < 2 * kWeightGradMinSplitRows || tiles >= 2 * resident) EXPECT_EQ(s.splits, 1) << what;
       }
   }
@@ -485,23 +494,17 @@ TEST(BackwardPlan, WeightGradientWgmmaSplitRule) {
       const WeightGradSplit s = weight_gradient_split(T, N, K, dev, WeightGradKernel::kWgmma);
       const int64_t tiles = (N + 127) / 128 * ((K + 127) / 128);
       const std::string what = "T " + std::to_string(T) + ", N " + std::to_string(N) + ", K " + std::to_string(K);
-      EXPECT_GE(s.splits, 1) << what;
-      EXPECT_EQ(s.rows % 32, 0) << what;
-      EXPECT_GE(s.splits * s.rows, T) << what;
-      EXPECT_LT((s.splits - 1) * s.rows, T) << what << ": no empty chunk";
-      if (s.splits > 1) EXPECT_GE(s.rows, kWeightGradMinSplitRows) << what;
+      expect_chunks_cover(s, T, what);
       if (tiles <= dev.sms) EXPECT_LE(tiles * s.splits, dev.sms) << what << ": one wave";
       if (tiles > dev.sms) EXPECT_LE(s.splits, kWeightGradWgmmaMaxWaveSplits) << what;
       if (T < 2 * kWeightGradMinSplitRows) EXPECT_EQ(s.splits, 1) << what;
       // The partials serve whichever kernel runs: the larger S.
-      const int64_t mma = weight_gradient_split(T, N, K, dev, WeightGradKernel::kMmaSync).splits;
-      const int64_t most = std::max(mma, s.splits);
-      EXPECT_EQ(weight_gradient_partials_floats(T, N, K, dev), most > 1 ? (size_t)(most * N * K) : 0u) << what;
+      const WeightGradSplit mma = weight_gradient_split(T, N, K, dev, WeightGradKernel::kMmaSync);
+      EXPECT_EQ(weight_gradient_partials_floats(T, N, K, dev), std::max(partials_of(mma, N, K), partials_of(s, N, K)))
+          << what;
       // A device without the wgmma kernel sizes them for mma.sync alone.
       EXPECT_EQ(weight_gradient_partials_floats(T, N, K, a100()),
-                weight_gradient_split(T, N, K, a100(), WeightGradKernel::kMmaSync).splits > 1
-                    ? (size_t)(weight_gradient_split(T, N, K, a100(), WeightGradKernel::kMmaSync).splits * N * K)
-                    : 0u)
+                partials_of(weight_gradient_split(T, N, K, a100(), WeightGradKernel::kMmaSync), N, K))
           << what;
     }
   // d_Wqkv at D 256 over 32768 rows: 6 x 2 tiles, 11 chunks of 2979 -> 3008 rows, 132 blocks.
