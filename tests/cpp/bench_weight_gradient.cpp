@@ -22,6 +22,7 @@
 
 #include "../../src/common/plan.h"
 #include "../../src/cuda/backward/weight_gradient.h"
+#include "cuda_test_util.h"
 
 namespace {
 
@@ -36,19 +37,6 @@ namespace cuda = fastaxial::cuda;
       std::exit(1);                                                                          \
     }                                                                                        \
   } while (0)
-
-// As src/cuda/entry.cu reads the device (sm90a: compute capability 9.0; the library adds whether
-// the build has sm_90a code).
-DeviceCaps read_caps() {
-  DeviceCaps d;
-  CHECK(cudaGetDevice(&d.device));
-  CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, d.device));
-  CHECK(cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d.device));
-  CHECK(cudaDeviceGetAttribute(&d.cc_major, cudaDevAttrComputeCapabilityMajor, d.device));
-  CHECK(cudaDeviceGetAttribute(&d.cc_minor, cudaDevAttrComputeCapabilityMinor, d.device));
-  d.sm90a = d.cc_major == 9 && d.cc_minor == 0;
-  return d;
-}
 
 struct Shape {
   int64_t T;
@@ -66,7 +54,11 @@ int main(int argc, char** argv) {
     shapes = {{4096, 64, 64},     {4096, 192, 64},    {32768, 128, 128}, {32768, 384, 128},
               {32768, 256, 256},  {32768, 768, 256},  {65536, 128, 128}, {65536, 384, 128},
               {131072, 768, 256}, {32768, 1536, 512}};
-  const DeviceCaps dev = read_caps();
+  DeviceCaps dev;
+  if (!fastaxial::test::read_device_caps(&dev)) {
+    std::fprintf(stderr, "reading the device's attributes failed\n");
+    return 1;
+  }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, dev.device));
   std::printf("%s, %d SMs; mean of %d calls, L2 flushed before each\n", prop.name, dev.sms, reps);
