@@ -313,6 +313,21 @@ size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const De
   return splits > 1 ? (size_t)splits * (size_t)N * (size_t)K : 0;
 }
 
+GemmTiling gemm_tiling(int64_t M, int64_t N, int sms) {
+  const int64_t row_tiles = (M + 127) / 128, s = std::max(sms, 1);
+  const auto tiles = [&](int64_t cols) { return row_tiles * ((N + cols - 1) / cols); };
+  GemmTiling t;
+  t.cols = (N + 95) / 96 * 96 < (N + 127) / 128 * 128 ? 96 : 128;  // the narrower padding
+  if (2 * tiles(t.cols) <= s) {
+    t.rows = 64;
+    return t;
+  }
+  // Two-warpgroup tiles: rounds x width, in percent of a 128-column tile's width.
+  const auto cost = [&](int64_t cols, int64_t weight) { return (tiles(cols) + s - 1) / s * cols * weight; };
+  if (cost(96, 115) < cost(128, 100)) t.cols = 96;
+  return t;
+}
+
 size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCaps& dev) {
   return std::max(weight_gradient_partials_floats(T, 3 * D, D, dev), weight_gradient_partials_floats(T, D, D, dev));
 }

@@ -124,6 +124,20 @@ size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const De
 // The larger of a pass's two weight-gradient products: d_Wqkv (3D, D) and d_Wo (D, D).
 size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCaps& dev);
 
+// ---- the staged path's products (staged/gemm.cu) ------------------------------------------
+// One block an SM loops over BM x BN tiles of C (M, N), so a product takes about ceil(tiles / SMs)
+// rounds of one tile's time, and a round where few SMs have a tile costs as much as a full one.
+struct GemmTiling {
+  int rows = 128, cols = 128;  // rows 64 (one warpgroup) or 128 (two); cols 96 or 128
+};
+// The tiles of C (M, N) on `sms` multiprocessors. Rows: 64 where 128-row tiles would leave half
+// the SMs idle or more, with 96 columns where N pads less to a multiple of 96 than of 128. Else
+// 128 rows, and 96 or 128 columns, whichever costs less as rounds x width, a 96-column tile's
+// width weighted 1.15 (its lower rate per column: a thread loads and splits the same A fragments
+// for either width; 1.07 to 1.16 measured on dim 96's products, perf notes v22c); ties go to 128,
+// and the narrower padding always wins.
+GemmTiling gemm_tiling(int64_t M, int64_t N, int sms);
+
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------
 
 // Head dims the fused kernel and the staged path's own attention kernel

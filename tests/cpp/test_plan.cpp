@@ -422,6 +422,48 @@ TEST(BackwardPlan, BlasWorkspaceUnlessTheCallerBringsAHandle) {
   EXPECT_NE(caller.describe().find("caller's handle"), std::string::npos) << caller.describe();
 }
 
+// The staged products' tiles on an H200 (132 SMs), common/plan.h: gemm_tiling.
+TEST(GemmTiling, FewestRoundsTimesWidth) {
+  struct Case {
+    int64_t M, N;
+    int rows, cols;
+    const char* why;
+  };
+  const Case cases[] = {
+      // The products of the six benchmark shapes (T = B H W rows; N = 3D and D) keep their tiles.
+      {32768, 384, 128, 128, "dim 128, qkv: 6 rounds of 128 columns against 8 of 96"},
+      {32768, 128, 128, 128, "dim 128, out: 2 rounds against 4"},
+      {32768, 768, 128, 128, "dim 256, qkv: 12 rounds against 16"},
+      {32768, 256, 128, 128, "dim 256, out: 4 rounds against 6"},
+      {65536, 384, 128, 128, "(1, 256, 256, 128): 12 rounds against 16"},
+      {11520, 288, 128, 96, "dim 96, qkv: three 96-column tiles, against a third 128-wide tile a quarter used"},
+      {11520, 96, 128, 96, "dim 96, out: one 96-column tile against a 128-wide one"},
+      {8192, 576, 128, 96, "(8, 32, 32, 192), qkv: 576 pads less to 96"},
+      // Fewer rounds of narrower tiles where 128 columns leave the last round nearly empty.
+      {4096, 1152, 128, 96, "(4, 32, 32, 384), qkv: 288 tiles of 128 columns take 3 rounds, 384 of 96 too"},
+      {4096, 384, 128, 96, "(4, 32, 32, 384), out: 96 tiles of 128 columns, 128 of 96, one round each"},
+
+      {8192, 1152, 128, 128, "(2, 64, 64, 384), qkv: 5 rounds of 128 columns against 6 of 96"},
+      {8192, 384, 128, 96, "(2, 64, 64, 384), out: 2 rounds either way"},
+      {8192, 1536, 128, 128, "(2, 64, 64, 512), qkv: 6 rounds against 8"},
+      {5632, 256, 128, 96, "one round of 132 tiles against one of 88, though 96 columns pad more"},
+      // 64-row tiles where 128-row ones would leave half the SMs idle or more, their columns by
+      // padding alone.
+      {128, 128, 64, 128, "one tile"},
+      {300, 200, 64, 128, "six tiles; 200 pads to 256 or 288"},
+      {4096, 64, 64, 96, "dim 64, out: 32 tiles"},
+      {40000, 8, 128, 96, "313 row tiles"},
+  };
+  for (const Case& c : cases) {
+    const GemmTiling t = gemm_tiling(c.M, c.N, 132);
+    EXPECT_EQ(t.rows, c.rows) << c.M << " x " << c.N << ": " << c.why;
+    EXPECT_EQ(t.cols, c.cols) << c.M << " x " << c.N << ": " << c.why;
+  }
+  // A device of one SM: every tile is a round, so the narrower tile wins only where it pads less.
+  for (int64_t N : {128, 256, 384, 1152}) EXPECT_EQ(gemm_tiling(1024, N, 1).cols, 128) << N;
+  for (int64_t N : {96, 288, 480}) EXPECT_EQ(gemm_tiling(1024, N, 1).cols, 96) << N;
+}
+
 // The projections on the tensor cores where the staged path's product runs: sm_90a code and
 // dim a multiple of 8; the weights' planes then have their region, else none.
 TEST(BackwardPlan, TensorCoreProductsWhereTheStagedProductRuns) {

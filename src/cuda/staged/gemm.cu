@@ -7,9 +7,10 @@
 // warpgroup 64 rows (64 accumulators a thread); one block an SM, looping over
 // tiles. Where 128-row tiles would leave half the SMs or more idle (the
 // output product of a small pass), a block of one warpgroup computes 64-row
-// tiles instead, twice as many; where N pads less to a multiple of 96 than of
-// 128 (dim 96: N = 96, 288), tiles are 96 columns wide (48 accumulators a
-// thread). K advances 32 at a time through a 4-stage cp.async ring that runs
+// tiles instead, twice as many; tiles are 96 columns wide (48 accumulators a
+// thread) where N pads less to a multiple of 96 than of 128 (dim 96: N = 96,
+// 288), or where they take fewer rounds of the SMs (common/plan.h:
+// gemm_tiling). K advances 32 at a time through a 4-stage cp.async ring that runs
 // on across tiles, so a tile's first copies overlap the previous tile's last
 // products and its epilogue; a stage holds the fp32 A tile and the hi and lo
 // planes of the W tile, each row 128 bytes in the 128-byte swizzled layout
@@ -314,17 +315,13 @@ bool gemm_tf32x3_available(const DeviceCaps& dev) {
 cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceCaps& dev, cudaStream_t stream) {
   if (g.M == 0 || g.N == 0) return cudaSuccess;
   if (!gemm_tf32x3_available(dev)) return cudaErrorInvalidDeviceFunction;
-  // One block an SM (the ring takes most of its shared memory), each looping
-  // over tiles; 64-row tiles where they all fit one wave and 128-row tiles
-  // would leave half the SMs idle or more; 96-column tiles where they pad N
-  // less than 128-column ones (N = 96, 288: the products of dim 96).
-  const bool narrow = (g.N + 95) / 96 * 96 < (g.N + 127) / 128 * 128;
-  const int bn = narrow ? 96 : 128;
-  const int64_t ntiles = (g.N + bn - 1) / bn, tiles128 = (g.M + 127) / 128 * ntiles,
-                tiles64 = (g.M + 63) / 64 * ntiles;
-  const bool wide = 2 * tiles128 > dev.sms;
-  if (narrow) return wide ? launch_tiles<2, 96>(g, tiles128, dev, stream) : launch_tiles<1, 96>(g, tiles64, dev, stream);
-  return wide ? launch_tiles<2, 128>(g, tiles128, dev, stream) : launch_tiles<1, 128>(g, tiles64, dev, stream);
+  // One block an SM (the ring takes most of its shared memory), each looping over tiles whose
+  // shape the plan's rule picks (common/plan.h: gemm_tiling) to waste the fewest rounds.
+  const GemmTiling t = gemm_tiling(g.M, g.N, dev.sms);
+  const int64_t tiles = (g.M + t.rows - 1) / t.rows * ((g.N + t.cols - 1) / t.cols);
+  if (t.cols == 96)
+    return t.rows == 128 ? launch_tiles<2, 96>(g, tiles, dev, stream) : launch_tiles<1, 96>(g, tiles, dev, stream);
+  return t.rows == 128 ? launch_tiles<2, 128>(g, tiles, dev, stream) : launch_tiles<1, 128>(g, tiles, dev, stream);
 }
 
 }  // namespace fastaxial::cuda
