@@ -214,12 +214,25 @@ unsigned grid_for(int64_t work, int per_block, const DeviceCaps& dev) {
 
 }  // namespace
 
+int layer_norm_forward_width(int D, const float* src, const float* gamma, const float* beta, const float* out) {
+  return vectorisable(D, {src, gamma, beta, out}) ? float4s_per_lane(D) : 0;
+}
+
+int layer_norm_backward_width(int D, const float* src, const float* gamma, const float* d_norm, const float* d_res,
+                              const float* d_src, const float* d_norm_xhat) {
+  // d_res is read only with d_src.
+  return vectorisable(D, {src, gamma, d_norm, d_src != nullptr ? d_res : nullptr, d_src, d_norm_xhat})
+             ? float4s_per_lane(D)
+             : 0;
+}
+
 cudaError_t layer_norm_forward(const float* src, const float* gamma, const float* beta, float eps, int64_t T, int D,
                                float* out, float* stats, const DeviceCaps& dev, cudaStream_t stream) {
   if (T == 0) return cudaSuccess;
   const unsigned grid = grid_for(T, kWarps, dev);
   float2* stats2 = reinterpret_cast<float2*>(stats);
-  if (!vectorisable(D, {src, gamma, beta, out}))
+  const int width = layer_norm_forward_width(D, src, gamma, beta, out);
+  if (width == 0)
     return launch_kernel<layer_norm_forward_kernel>(grid, 32 * kWarps, 0, stream, dev, src, gamma, beta, eps, T, D,
                                                     out, stats2);
   const auto launch = [&](auto per_lane) {
@@ -227,7 +240,7 @@ cudaError_t layer_norm_forward(const float* src, const float* gamma, const float
         grid, 32 * kWarps, 0, stream, dev, reinterpret_cast<const float4*>(src), reinterpret_cast<const float4*>(gamma),
         reinterpret_cast<const float4*>(beta), eps, T, D, reinterpret_cast<float4*>(out), stats2);
   };
-  switch (float4s_per_lane(D)) {
+  switch (width) {
     case 1: return launch(std::integral_constant<int, 1>());
     case 2: return launch(std::integral_constant<int, 2>());
     case 4: return launch(std::integral_constant<int, 4>());
@@ -248,7 +261,8 @@ cudaError_t layer_norm_backward(const float* src, const float* stats, const floa
   if (T == 0) return cudaSuccess;
   const unsigned grid = grid_for(T, kWarps, dev);
   const float2* stats2 = reinterpret_cast<const float2*>(stats);
-  if (!vectorisable(D, {src, gamma, d_norm, d_res, d_src, d_norm_xhat}))
+  const int width = layer_norm_backward_width(D, src, gamma, d_norm, d_res, d_src, d_norm_xhat);
+  if (width == 0)
     return launch_kernel<layer_norm_backward_kernel>(grid, 32 * kWarps, 0, stream, dev, src, stats2, gamma, d_norm,
                                                      d_res, T, D, d_src, d_norm_xhat);
   const auto launch = [&](auto per_lane) {
@@ -258,7 +272,7 @@ cudaError_t layer_norm_backward(const float* src, const float* stats, const floa
         reinterpret_cast<const float4*>(d_res), T, D, reinterpret_cast<float4*>(d_src),
         reinterpret_cast<float4*>(d_norm_xhat));
   };
-  switch (float4s_per_lane(D)) {
+  switch (width) {
     case 1: return launch(std::integral_constant<int, 1>());
     case 2: return launch(std::integral_constant<int, 2>());
     case 4: return launch(std::integral_constant<int, 4>());
