@@ -29,4 +29,11 @@ cudaError_t layer_norm_backward(const float* src, const float* stats, const floa
                                 const float* d_res, int64_t T, int D, float* d_src, float* d_norm_xhat,
                                 const DeviceCaps& dev, cudaStream_t stream);
 
+// Float4s a lane holds where the vectorised kernels (norm.cu) run these arguments: 1, 2, 4 or 8;
+// 0 where the scalar ones do (D not a multiple of 4 or above 1024, or a pointer the kernel reads
+// or writes not 16-byte aligned; null pointers, and d_res without d_src, are not read).
+int layer_norm_forward_width(int D, const float* src, const float* gamma, const float* beta, const float* out);
+int layer_norm_backward_width(int D, const float* src, const float* gamma, const float* d_norm, const float* d_res,
+                              const float* d_src, const float* d_norm_xhat);
+
 }  // namespace fastaxial::cuda
