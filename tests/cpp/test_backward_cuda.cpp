@@ -527,6 +527,10 @@ TEST(CudaLayerNorm, BothPathsMatchDoubleReference) {
       CUDA_OK(cudaDeviceSynchronize());
 
       std::vector<double> out(n), stats(2 * T), ds(n), nx(n);
+      // d_src = d_res + rstd (g - mean(g) - xhat mean(g xhat)) amplifies rounding by rstd, which
+      // reaches about 90 on rows of D = 4; its bound is that of the other gradients (fastaxial's
+      // rule): 2x the error of the same formula evaluated plainly in float32, or 1e-5 if larger.
+      std::vector<float> ds_f32(n);
       for (int64_t t = 0; t < T; ++t) {
         const float* xt = &x[t * D];
         double mean = 0, sq = 0;
@@ -546,6 +550,20 @@ TEST(CudaLayerNorm, BothPathsMatchDoubleReference) {
           const double xhat = (xt[c] - mean) * rstd, g = (double)dn[t * D + c] * gamma[c];
           ds[t * D + c] = dres[t * D + c] + rstd * (g - g_mean - xhat * gx_mean);
         }
+        float mean_f = 0, sq_f = 0, g_mean_f = 0, gx_mean_f = 0;
+        for (int c = 0; c < D; ++c) mean_f += xt[c];
+        mean_f /= D;
+        for (int c = 0; c < D; ++c) sq_f += (xt[c] - mean_f) * (xt[c] - mean_f);
+        const float rstd_f = 1 / std::sqrt(sq_f / D + eps);
+        for (int c = 0; c < D; ++c) {
+          const float g = dn[t * D + c] * gamma[c];
+          g_mean_f += g, gx_mean_f += g * ((xt[c] - mean_f) * rstd_f);
+        }
+        g_mean_f /= D, gx_mean_f /= D;
+        for (int c = 0; c < D; ++c) {
+          const float xhat = (xt[c] - mean_f) * rstd_f, g = dn[t * D + c] * gamma[c];
+          ds_f32[t * D + c] = dres[t * D + c] + rstd_f * (g - g_mean_f - xhat * gx_mean_f);
+        }
       }
       const std::vector<float> got_out = get(d_out, n), got_stats = get(d_stats, 2 * T), got_ds = get(d_src, n),
                                got_nx = get(d_nx, n), got_in_place = get(d_res_in_place, n),
@@ -553,7 +571,9 @@ TEST(CudaLayerNorm, BothPathsMatchDoubleReference) {
       ASSERT_TRUE(ok) << "copying the results back";
       EXPECT_LE(worst_error(got_out, out), 1e-5) << "out";
       EXPECT_LE(worst_error(got_stats, stats), 1e-5) << "stats";
-      EXPECT_LE(worst_error(got_ds, ds), 1e-5) << "d_src";
+      const double ds_f32_error = worst_error(ds_f32, ds);
+      EXPECT_LE(worst_error(got_ds, ds), std::max(1e-5, 2 * ds_f32_error))
+          << "d_src (a float32 evaluation errs by " << ds_f32_error << ")";
       EXPECT_LE(worst_error(got_nx, nx), 1e-5) << "d_norm_xhat";
       EXPECT_TRUE(same_bits(got_in_place, got_ds)) << "d_src in place of d_res";
       EXPECT_TRUE(same_bits(got_nx_alone, got_nx)) << "d_norm_xhat without d_src";
