@@ -289,8 +289,9 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   expect_matches_reference(pr, r, [](int64_t, int64_t) { return std::vector<float>(); });
 }
 
-// L across the 64-query tiles and the key tiles (64 keys up to head_dim 64,
-// 32 up to 128, 16 beyond); head_dim across the padded sizes (8, 16, 32, 48,
+// L across the 64-query tiles, the 32-query blocks of short sequences
+// (L <= 32) and the key tiles (64 keys up to head_dim 64, 32 up to
+// 128, 16 beyond; one buffer where L is a single tile); head_dim across the padded sizes (8, 16, 32, 48,
 // 64, 96, 128, 192, 256), odd ones on the 4-byte copies, aligned ones too
 // where qkv is misaligned; up to a few hundred sequences; some views that
 // leave sequences out, so that stray writes land in rows that must stay
@@ -312,7 +313,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{1024, 48, 2, true, 1, 1, 0, 3}, Case{65, 80, 3, false, 2, 5, 0, 0},
                       Case{200, 160, 1, true, 2, 3, 0, 0}, Case{64, 24, 4, true, 1, 8, 0, 0},
                       Case{7, 40, 1, false, 10, 30, 0, 0}, Case{200, 1, 3, true, 1, 12, 0, 0},
-                      Case{65, 256, 2, true, 1, 6, 5, 0}, Case{200, 64, 4, false, 2, 4, 0, 0}),
+                      Case{65, 256, 2, true, 1, 6, 5, 0}, Case{200, 64, 4, false, 2, 4, 0, 0},
+                      Case{32, 128, 3, false, 4, 32, 0, 0}, Case{48, 40, 4, true, 4, 48, 0, 0},
+                      Case{45, 96, 2, false, 2, 7, 0, 1}, Case{30, 256, 1, true, 1, 5, 2, 0},
+                      Case{17, 24, 2, false, 3, 4, 0, 0}, Case{33, 128, 1, true, 2, 3, 0, 0}),
     [](const auto& info) { return case_name(info.param); });
 
 // ---- split-KV ------------------------------------------------------------------------------------
@@ -468,6 +472,8 @@ const DropoutCase kDropoutCases[] = {
     {Case{40, 192, 1, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 17, 4, 0}},
     {Case{256, 64, 2, true, 1, 2, 0, 0}, DropoutSpec{1.0f, 1, 2, 0}},
     {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
+    {Case{32, 128, 2, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 31, 6, 0}},
+    {Case{48, 48, 2, true, 1, 4, 0, 0}, DropoutSpec{0.1f, 5, 2, 0}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttentionDropout, ::testing::ValuesIn(kDropoutCases),

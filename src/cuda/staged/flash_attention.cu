@@ -12,7 +12,11 @@
 // 16 query rows. The keys and values go through shared memory BN at a time,
 // double-buffered: the copy of tile j + 1 (cp.async) is in flight while tile
 // j is computed, one barrier per tile. Nothing of a whole sequence is held,
-// so shared memory does not grow with L.
+// so shared memory does not grow with L. A short sequence (L <= 32) takes
+// blocks of 2 warps, so that every warp has queries, and one that is a
+// single key tile one buffer: such blocks are latency-bound, and the
+// registers and shared memory they no longer hold let more of them share an
+// SM.
 //
 // Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh):
 //   s (16, BN) = q (16, HDP) k^T (HDP, BN)       runs of two 8-deep steps
@@ -83,33 +87,50 @@
 namespace fastaxial::cuda {
 namespace {
 
+// Warps a block, each owning 16 queries: 4 (64 queries) in general, 2 where
+// the sequence has 32 positions or fewer, so that no warp of the block only
+// copies and the registers and shared memory (q rows) of a block go to warps
+// that compute: such blocks are latency-bound, and twice as many of their
+// (sequence, head) items then run side by side on an SM (perf notes, v38;
+// 3 warps for L <= 48 measured no faster, so there is no such block).
 constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
-constexpr int kBM = 16 * kWarps;  // queries a block
+constexpr int kBM = 16 * kWarps;  // queries a block of kWarps warps
 static_assert(kBM == kFlashQueryTile, "smem_layout.h's split rule counts these query tiles");
+// The warps a block for a sequence of length L (splits take kWarps).
+constexpr int flash_warps(int64_t len) { return len <= 32 ? 2 : kWarps; }
 constexpr int kMaxLen = 1 << 30;  // L below this: tile arithmetic in int
 
-// Shared memory of the kernel for padded head dim HDP, in floats:
-//   q: (kBM, HDP) at row stride ldk
-//   k: 2 stages of (BN, HDP) at row stride ldk
-//   v: 2 stages of (BN, HDP) at row stride ldv
+// Shared memory of the kernel for padded head dim HDP and W warps, in floats:
+//   q: (16 W, HDP) at row stride ldk
+//   k: `stages` stages of (BN, HDP) at row stride ldk
+//   v: `stages` stages of (BN, HDP) at row stride ldv
+// Two stages (the next key tile's copy overlaps this one's work), or one
+// where the sequence is a single key tile: less shared memory, more blocks
+// an SM.
 // q and k are read by 8-byte fragment loads (load_a_perm, load_bt_perm: a
 // half warp reads words 2t, 2t + 1 of rows g = 0..3), so ldk is 8 or 24 mod
 // 32 (common/smem_layout.h); v by 4-byte loads of rows 2t, 2t + 1 at column
 // g (t = 0..3, g = 0..7), distinct banks when 2 ldv is 8 or 24 mod 32: ldv =
 // HDP + 4 with HDP a multiple of 8. Both are multiples of 4 floats, so every
 // row starts 16-byte aligned for cp.async.
-template <int HDP>
+template <int HDP, int W = kWarps>
 struct FlashTile {
   static_assert(HDP % 8 == 0 && HDP >= 8 && HDP <= 256, "padded head dim");
+  static_assert(W == 2 || W == kWarps, "warps a block: flash_warps");
+  static constexpr int BM = 16 * W;  // queries a block
   static constexpr int BN = flash_key_tile(HDP);  // keys a tile: 64 up to HDP 64, 32 up to 128, 16 beyond
   static constexpr int ldk = float2_row_words(HDP);
   static constexpr int ldv = HDP + 4;
-  static constexpr int q_floats = kBM * ldk;
+  static constexpr int q_floats = BM * ldk;
   static constexpr int k_floats = BN * ldk;  // one stage
   static constexpr int v_floats = BN * ldv;  // one stage
-  static constexpr int floats = q_floats + 2 * k_floats + 2 * v_floats;
+  static constexpr int floats = q_floats + 2 * k_floats + 2 * v_floats;  // two stages
   static constexpr size_t bytes = (size_t)floats * sizeof(float);
+  // Stages for a sequence of `len` positions, and the bytes they take.
+  __host__ __device__ static constexpr int stages(int len) { return len > BN ? 2 : 1; }
+  static constexpr size_t bytes_for(int len) {
+    return (size_t)(q_floats + stages(len) * (k_floats + v_floats)) * sizeof(float);
+  }
   static_assert(ldk % 32 == 8 || ldk % 32 == 24, "q, k rows: conflict-free 8-byte fragment loads");
   static_assert((2 * ldv) % 32 == 8 || (2 * ldv) % 32 == 24, "v rows: conflict-free 4-byte fragment loads");
   static_assert(ldk % 4 == 0 && ldv % 4 == 0 && q_floats % 4 == 0 && k_floats % 4 == 0 && v_floats % 4 == 0,
@@ -152,36 +173,39 @@ struct SplitArgs {
 // kSplit: key tiles of split `split` of sp.splits only, blockIdx.x =
 // ((n * heads + h) * sp.splits + split) * q_tiles + query tile, o, m and l
 // to sp.partials unnormalised (a.o and a.lse unused).
-template <int HDP, bool kVec, bool kDropout, bool kSplit>
-__global__ void __launch_bounds__(kThreads)
+template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
+__global__ void __launch_bounds__(32 * W)
     flash_attention_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
                            const SplitArgs sp) {
   static_assert(!(kSplit && kDropout), "splits only without dropout (the inference forward)");
-  using Tile = FlashTile<HDP>;
+  static_assert(!kSplit || W == kWarps, "smem_layout.h's split rule counts blocks of kBM queries");
+  using Tile = FlashTile<HDP, W>;
+  constexpr int BM = Tile::BM, kThreads = 32 * W;
   constexpr int BN = Tile::BN, KS = HDP / 8, NT = BN / 8, ldk = Tile::ldk, ldv = Tile::ldv;
+  const int hd = a.D / a.heads, L = (int)a.pos.len;
+  const int stages = kSplit ? 2 : Tile::stages(L);  // as the launcher sized shared memory (splits: L >= 1024)
   extern __shared__ float4 smem4[];
-  float* qs = reinterpret_cast<float*>(smem4);  // q is (kBM, HDP), row stride ldk
+  float* qs = reinterpret_cast<float*>(smem4);  // q is (BM, HDP), row stride ldk
   float* ks = qs + Tile::q_floats;              // k stage s at ks + s * k_floats: (BN, HDP), row stride ldk
-  float* vs = ks + 2 * Tile::k_floats;          // v stage s at vs + s * v_floats: (BN, HDP), row stride ldv
+  float* vs = ks + stages * Tile::k_floats;     // v stage s at vs + s * v_floats: (BN, HDP), row stride ldv
 
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
-  const int hd = a.D / a.heads, L = (int)a.pos.len;
   const int qt = (int)(blockIdx.x % (unsigned)q_tiles);
   const unsigned rest = blockIdx.x / (unsigned)q_tiles;  // (n * heads + h) [* splits + split]
   const int split = kSplit ? (int)(rest % (unsigned)sp.splits) : 0;
   const int64_t item = kSplit ? rest / (unsigned)sp.splits : rest;  // n * heads + h
   const int h = (int)(item % a.heads);
   const int64_t n = item / a.heads;
-  const int q0 = qt * kBM;
+  const int q0 = qt * BM;
 
   // Columns hd..HDP-1 of every buffer are zero for the whole block: the
   // copies below never write them. Shared memory only, so before the wait.
   if (hd < HDP) {
     const int pad = HDP - hd;
-    constexpr int rows = kBM + 4 * BN;  // q, then k's two stages, then v's (contiguous)
+    const int qk_rows = BM + stages * BN, rows = qk_rows + stages * BN;  // q, k's stages, v's (contiguous)
     for (int e = tid; e < rows * pad; e += kThreads) {
       const int r = e / pad, c = hd + e % pad;
-      float* p = r < kBM + 2 * BN ? qs + r * ldk : vs + (r - kBM - 2 * BN) * ldv;  // q and k share ldk
+      float* p = r < qk_rows ? qs + r * ldk : vs + (r - qk_rows) * ldv;  // q and k share ldk
       p[c] = 0.0f;
     }
   }
@@ -232,7 +256,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   };
-  using RowsQ = std::integral_constant<int, kBM>;
+  using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
   using LdK = std::integral_constant<int, ldk>;
   using LdV = std::integral_constant<int, ldv>;
@@ -480,18 +504,23 @@ __global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const Ke
 // The padded head dim that serves head_dim (0: none).
 int padded_head_dim(int64_t head_dim) { return flash_padded_head_dim(head_dim); }
 
-template <int HDP, bool kVec, bool kDropout, bool kSplit>
-cudaError_t launch_flash(const FlashArgs& a, float scale_log2, int q_tiles, int64_t blocks, const SplitArgs& sp,
-                         const DeviceCaps& dev, cudaStream_t stream) {
-  constexpr auto kernel = flash_attention_kernel<HDP, kVec, kDropout, kSplit>;
-  constexpr size_t smem = FlashTile<HDP>::bytes;
-  if (smem > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
-  if constexpr (smem > 48 * 1024)
+// One launch of the kernel with W warps a block: a block per (sequence,
+// head, query tile of 16 W) [, split].
+template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
+cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const SplitArgs& sp, const DeviceCaps& dev,
+                         cudaStream_t stream) {
+  using Tile = FlashTile<HDP, W>;
+  constexpr auto kernel = flash_attention_kernel<HDP, W, kVec, kDropout, kSplit>;
+  if (Tile::bytes > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
+  if constexpr (Tile::bytes > 48 * 1024)
     if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  const int L = (int)a.pos.len;
+  const int q_tiles = (L + Tile::BM - 1) / Tile::BM;
+  const int64_t blocks = a.pos.num_seq * a.heads * q_tiles;  // <= 2^31 - 1 (flash_attention checks it for kBM)
   const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
   const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
-  if (cudaError_t e = launch_kernel<kernel>(dim3((unsigned)(blocks * sp.splits)), dim3(kThreads), smem, stream, dev,
-                                            k, scale_log2, q_tiles, dpass, sp);
+  if (cudaError_t e = launch_kernel<kernel>(dim3((unsigned)(blocks * sp.splits)), dim3(32 * W), Tile::bytes_for(L),
+                                            stream, dev, k, scale_log2, q_tiles, dpass, sp);
       e != cudaSuccess || !kSplit)
     return e;
   const int64_t combine_blocks = (sp.rows * (a.D / a.heads) + kCombineThreads - 1) / kCombineThreads;
@@ -499,18 +528,25 @@ cudaError_t launch_flash(const FlashArgs& a, float scale_log2, int q_tiles, int6
                                              sp);
 }
 
-template <int HDP>
-cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, int q_tiles, int64_t blocks,
-                         const SplitArgs& sp, const DeviceCaps& dev, cudaStream_t stream) {
+template <int HDP, int W>
+cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const SplitArgs& sp, const DeviceCaps& dev,
+                         cudaStream_t stream) {
   if constexpr (kDropoutAvailable)
     if (a.dropout.threshold != 0)
-      return vec ? launch_flash<HDP, true, true, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream)
-                 : launch_flash<HDP, false, true, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream);
+      return vec ? launch_flash<HDP, W, true, true, false>(a, scale_log2, sp, dev, stream)
+                 : launch_flash<HDP, W, false, true, false>(a, scale_log2, sp, dev, stream);
+  return vec ? launch_flash<HDP, W, true, false, false>(a, scale_log2, sp, dev, stream)
+             : launch_flash<HDP, W, false, false, false>(a, scale_log2, sp, dev, stream);
+}
+
+template <int HDP>
+cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const SplitArgs& sp, const DeviceCaps& dev,
+                         cudaStream_t stream) {
   if (sp.splits > 1)
-    return vec ? launch_flash<HDP, true, false, true>(a, scale_log2, q_tiles, blocks, sp, dev, stream)
-               : launch_flash<HDP, false, false, true>(a, scale_log2, q_tiles, blocks, sp, dev, stream);
-  return vec ? launch_flash<HDP, true, false, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream)
-             : launch_flash<HDP, false, false, false>(a, scale_log2, q_tiles, blocks, sp, dev, stream);
+    return vec ? launch_flash<HDP, kWarps, true, false, true>(a, scale_log2, sp, dev, stream)
+               : launch_flash<HDP, kWarps, false, false, true>(a, scale_log2, sp, dev, stream);
+  if (flash_warps(a.pos.len) == 2) return launch_flash<HDP, 2>(a, vec, scale_log2, sp, dev, stream);
+  return launch_flash<HDP, kWarps>(a, vec, scale_log2, sp, dev, stream);
 }
 
 // Dropout's arguments, where it applies: the {seed, offset} pair given, and
@@ -559,9 +595,10 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   const int hdp = padded_head_dim(hd);
   if (hdp == 0 || !dropout_args_ok(a)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
+  // Blocks of kBM queries, or fewer where the sequence is short (flash_warps): at most 2^31 - 1,
+  // gridDim.x's limit (a short sequence is one query tile whatever the block).
   const int q_tiles = (int)((a.pos.len + kBM - 1) / kBM);
   if (a.pos.num_seq > INT32_MAX / ((int64_t)a.heads * q_tiles)) return cudaErrorInvalidValue;
-  const int64_t blocks = a.pos.num_seq * a.heads * q_tiles;  // <= 2^31 - 1, gridDim.x's limit
   // 16-byte copies where every head slice of every row starts 16-byte
   // aligned: row r's slice of head h begins hd h + r 3D (+ D, + 2D) floats
   // after qkv, and hd % 4 == 0 makes D % 4 == 0 too.
@@ -574,15 +611,15 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)
     sp.splits = flash_kv_splits(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
   switch (hdp) {
-    case 8: return launch_flash<8>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 16: return launch_flash<16>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 32: return launch_flash<32>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 48: return launch_flash<48>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 64: return launch_flash<64>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 96: return launch_flash<96>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 128: return launch_flash<128>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 192: return launch_flash<192>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
-    case 256: return launch_flash<256>(a, vec, scale_log2, q_tiles, blocks, sp, dev, stream);
+    case 8: return launch_flash<8>(a, vec, scale_log2, sp, dev, stream);
+    case 16: return launch_flash<16>(a, vec, scale_log2, sp, dev, stream);
+    case 32: return launch_flash<32>(a, vec, scale_log2, sp, dev, stream);
+    case 48: return launch_flash<48>(a, vec, scale_log2, sp, dev, stream);
+    case 64: return launch_flash<64>(a, vec, scale_log2, sp, dev, stream);
+    case 96: return launch_flash<96>(a, vec, scale_log2, sp, dev, stream);
+    case 128: return launch_flash<128>(a, vec, scale_log2, sp, dev, stream);
+    case 192: return launch_flash<192>(a, vec, scale_log2, sp, dev, stream);
+    case 256: return launch_flash<256>(a, vec, scale_log2, sp, dev, stream);
   }
   return cudaErrorInvalidValue;
 }
