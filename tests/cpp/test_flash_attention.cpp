@@ -316,7 +316,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{65, 256, 2, true, 1, 6, 5, 0}, Case{200, 64, 4, false, 2, 4, 0, 0},
                       Case{32, 128, 3, false, 4, 32, 0, 0}, Case{48, 40, 4, true, 4, 48, 0, 0},
                       Case{45, 96, 2, false, 2, 7, 0, 1}, Case{30, 256, 1, true, 1, 5, 2, 0},
-                      Case{17, 24, 2, false, 3, 4, 0, 0}, Case{33, 128, 1, true, 2, 3, 0, 0}),
+                      Case{17, 24, 2, false, 3, 4, 0, 0}, Case{33, 128, 1, true, 2, 3, 0, 0},
+                      Case{24, 192, 2, false, 2, 3, 0, 1}, Case{29, 64, 2, true, 2, 5, 3, 0},
+                      Case{21, 16, 3, false, 2, 4, 0, 2}),
     [](const auto& info) { return case_name(info.param); });
 
 // ---- split-KV ------------------------------------------------------------------------------------
@@ -474,6 +476,7 @@ const DropoutCase kDropoutCases[] = {
     {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
     {Case{32, 128, 2, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 31, 6, 0}},
     {Case{48, 48, 2, true, 1, 4, 0, 0}, DropoutSpec{0.1f, 5, 2, 0}},
+    {Case{27, 256, 1, true, 1, 3, 0, 0}, DropoutSpec{0.5f, 8, 3, 0}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttentionDropout, ::testing::ValuesIn(kDropoutCases),

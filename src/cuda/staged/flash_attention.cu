@@ -4,13 +4,14 @@
 // read from the (T, 3D) qkv rows the QKV product wrote and written into the
 // (T, D) o rows, with the per-row log-sum-exp on request (for a backward).
 //
-// Shape of the work. A block takes 64 queries (BM) of one (sequence, head):
+// Shape of the work. A block takes 64 queries (BM; 32 for a short sequence,
+// below) of one (sequence, head):
 // the grid is (query tile, head, sequence), flattened with the query tile
 // fastest so that the blocks of one (sequence, head) run side by side and
 // share its keys and values in L2, and so that a single long sequence still
-// fills the device (L = 2048, 4 heads: 128 blocks). Each of the 4 warps owns
+// fills the device (L = 2048, 4 heads: 128 blocks). Each of its 4 warps owns
 // 16 query rows. The keys and values go through shared memory BN at a time,
-// double-buffered: the copy of tile j + 1 (cp.async) is in flight while tile
+// double-buffered where the sequence has more than one key tile: the copy of tile j + 1 (cp.async) is in flight while tile
 // j is computed, one barrier per tile. Nothing of a whole sequence is held,
 // so shared memory does not grow with L. A short sequence (L <= 32) takes
 // blocks of 2 warps, so that every warp has queries, and one that is a
@@ -98,6 +99,9 @@ constexpr int kBM = 16 * kWarps;  // queries a block of kWarps warps
 static_assert(kBM == kFlashQueryTile, "smem_layout.h's split rule counts these query tiles");
 // The warps a block for a sequence of length L (splits take kWarps).
 constexpr int flash_warps(int64_t len) { return len <= 32 ? 2 : kWarps; }
+// A sequence short enough for fewer warps is one query tile of kBM as well, so the grid-size
+// check in flash_attention, which counts tiles of kBM, counts the blocks launched.
+static_assert(flash_warps(kBM) == kWarps && flash_warps(kBM + 1) == kWarps, "short blocks: L < kBM only");
 constexpr int kMaxLen = 1 << 30;  // L below this: tile arithmetic in int
 
 // Shared memory of the kernel for padded head dim HDP and W warps, in floats:
@@ -167,7 +171,7 @@ struct SplitArgs {
   int splits;
 };
 
-// One block: queries q0 .. q0 + 63 of head h of sequence n, where blockIdx.x =
+// One block: queries q0 .. q0 + 16 W - 1 of head h of sequence n, where blockIdx.x =
 // (n * heads + h) * q_tiles + query tile. kVec: the 16-byte copies (every
 // head slice 16-byte aligned). kDropout: dpass applies (threshold != 0).
 // kSplit: key tiles of split `split` of sp.splits only, blockIdx.x =
@@ -183,7 +187,9 @@ __global__ void __launch_bounds__(32 * W)
   constexpr int BM = Tile::BM, kThreads = 32 * W;
   constexpr int BN = Tile::BN, KS = HDP / 8, NT = BN / 8, ldk = Tile::ldk, ldv = Tile::ldv;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
-  const int stages = kSplit ? 2 : Tile::stages(L);  // as the launcher sized shared memory (splits: L >= 1024)
+  // As the launcher sized shared memory (bytes_for(L)); a split has L >= 1024, hence two stages,
+  // written as a constant so that the split kernels' code is that of before.
+  const int stages = kSplit ? 2 : Tile::stages(L);
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);  // q is (BM, HDP), row stride ldk
   float* ks = qs + Tile::q_floats;              // k stage s at ks + s * k_floats: (BN, HDP), row stride ldk

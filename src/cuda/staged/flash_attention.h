@@ -62,8 +62,9 @@ bool flash_attention_supports(int64_t head_dim);
 size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
                                       const DeviceCaps& dev);
 
-// Shared memory the launch for this head_dim takes (the plan checks it
-// against the device); 0 where the head_dim is not supported.
+// The most shared memory a launch for this head_dim takes (blocks of 64
+// queries, two key buffers; short sequences take less); the plan checks it
+// against the device; 0 where the head_dim is not supported.
 size_t flash_attention_smem_bytes(int64_t head_dim);
 
 // Launches the kernel on `stream`, a programmatic dependent of the stream's
