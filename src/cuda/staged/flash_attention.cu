@@ -5,14 +5,14 @@
 // (T, D) o rows, with the per-row log-sum-exp on request (for a backward).
 //
 // Shape of the work. A block takes 64 queries (BM; 32 for a short sequence,
-// below) of one (sequence, head):
-// the grid is (query tile, head, sequence), flattened with the query tile
-// fastest so that the blocks of one (sequence, head) run side by side and
-// share its keys and values in L2, and so that a single long sequence still
-// fills the device (L = 2048, 4 heads: 128 blocks). Each of its 4 warps owns
-// 16 query rows. The keys and values go through shared memory BN at a time,
-// double-buffered where the sequence has more than one key tile: the copy of tile j + 1 (cp.async) is in flight while tile
-// j is computed, one barrier per tile. Nothing of a whole sequence is held,
+// below) of one (sequence, head): the grid is (query tile, head, sequence),
+// flattened with the query tile fastest so that the blocks of one (sequence,
+// head) run side by side and share its keys and values in L2, and so that a
+// single long sequence still fills the device (L = 2048, 4 heads: 128
+// blocks). Each of its 4 warps owns 16 query rows. The keys and values go
+// through shared memory BN at a time, double-buffered where the sequence has
+// more than one key tile: the copy of tile j + 1 (cp.async) is in flight
+// while tile j is computed, one barrier per tile. Nothing of a whole sequence is held,
 // so shared memory does not grow with L. A short sequence (L <= 32) takes
 // blocks of 2 warps, so that every warp has queries, and one that is a
 // single key tile one buffer: such blocks are latency-bound, and the
@@ -128,13 +128,11 @@ struct FlashTile {
   static constexpr int q_floats = BM * ldk;
   static constexpr int k_floats = BN * ldk;  // one stage
   static constexpr int v_floats = BN * ldv;  // one stage
-  static constexpr int floats = q_floats + 2 * k_floats + 2 * v_floats;  // two stages
-  static constexpr size_t bytes = (size_t)floats * sizeof(float);
-  // Stages for a sequence of `len` positions, and the bytes they take.
+  // Stages for a sequence of `len` positions; the bytes of q and `st` stages.
   __host__ __device__ static constexpr int stages(int len) { return len > BN ? 2 : 1; }
-  static constexpr size_t bytes_for(int len) {
-    return (size_t)(q_floats + stages(len) * (k_floats + v_floats)) * sizeof(float);
-  }
+  static constexpr size_t bytes_of(int st) { return (size_t)(q_floats + st * (k_floats + v_floats)) * sizeof(float); }
+  static constexpr size_t bytes = bytes_of(2);  // the most a launch takes
+  static constexpr size_t bytes_for(int len) { return bytes_of(stages(len)); }
   static_assert(ldk % 32 == 8 || ldk % 32 == 24, "q, k rows: conflict-free 8-byte fragment loads");
   static_assert((2 * ldv) % 32 == 8 || (2 * ldv) % 32 == 24, "v rows: conflict-free 4-byte fragment loads");
   static_assert(ldk % 4 == 0 && ldv % 4 == 0 && q_floats % 4 == 0 && k_floats % 4 == 0 && v_floats % 4 == 0,
