@@ -205,6 +205,18 @@ int float4s_per_lane(int D) {
   return v;
 }
 
+// launch(std::integral_constant<int, V>()) for the V = width (1, 2, 4 or 8) of
+// float4s_per_lane: the vectorised kernels' template argument.
+template <class Launch>
+cudaError_t with_float4s_per_lane(int width, Launch launch) {
+  switch (width) {
+    case 1: return launch(std::integral_constant<int, 1>());
+    case 2: return launch(std::integral_constant<int, 2>());
+    case 4: return launch(std::integral_constant<int, 4>());
+    default: return launch(std::integral_constant<int, 8>());
+  }
+}
+
 // Blocks for `work` items of `per_block` each, at most what keeps every
 // multiprocessor busy several times over (the kernels loop).
 unsigned grid_for(int64_t work, int per_block, const DeviceCaps& dev) {
@@ -240,12 +252,7 @@ cudaError_t layer_norm_forward(const float* src, const float* gamma, const float
         grid, 32 * kWarps, 0, stream, dev, reinterpret_cast<const float4*>(src), reinterpret_cast<const float4*>(gamma),
         reinterpret_cast<const float4*>(beta), eps, T, D, reinterpret_cast<float4*>(out), stats2);
   };
-  switch (width) {
-    case 1: return launch(std::integral_constant<int, 1>());
-    case 2: return launch(std::integral_constant<int, 2>());
-    case 4: return launch(std::integral_constant<int, 4>());
-    default: return launch(std::integral_constant<int, 8>());
-  }
+  return with_float4s_per_lane(width, launch);
 }
 
 cudaError_t add_bias(const float* x, const float* bias, int64_t T, int D, float* out, const DeviceCaps& dev,
@@ -272,12 +279,7 @@ cudaError_t layer_norm_backward(const float* src, const float* stats, const floa
         reinterpret_cast<const float4*>(d_res), T, D, reinterpret_cast<float4*>(d_src),
         reinterpret_cast<float4*>(d_norm_xhat));
   };
-  switch (width) {
-    case 1: return launch(std::integral_constant<int, 1>());
-    case 2: return launch(std::integral_constant<int, 2>());
-    case 4: return launch(std::integral_constant<int, 4>());
-    default: return launch(std::integral_constant<int, 8>());
-  }
+  return with_float4s_per_lane(width, launch);
 }
 
 }  // namespace fastaxial::cuda
