@@ -42,7 +42,6 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
 // Checks an attention dropout rate argument: in [0, 1].
 void check_dropout(double dropout, const char* op);
 
-
 // The dropout state (seed, offset) kept in the last 16 bytes of a training forward's `saved`
 // (CUDA: CudaBackwardPlan::dropout_state; CPU: `saved` is those 16 bytes alone).
 constexpr int64_t kDropoutStateFloats = 4;
