@@ -14,6 +14,9 @@
 // or two long sequences, whose keys the launcher splits over several
 // blocks and merges, against the same float64 reference, bitwise
 // repeatable.
+// On an sm_90a device, every case that the wgmma kernel takes (head dims 17
+// to 32, L > 64) runs twice, on it and on the mma.sync kernel, each against
+// the reference; the dropout cases it takes draw their mask there.
 // Skipped without a device, but for the host-side rules.
 #include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
 
@@ -112,8 +115,9 @@ struct Result {
 // {seed, offset} (null: none given).
 // With `partials`, a poisoned split-KV buffer of flash_attention_partials_bytes
 // for the pass (none where that is 0).
+// mma_sync: the mma.sync kernel even where the wgmma one applies.
 void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
-             const uint64_t* philox_seed_offset = nullptr, bool partials = false) {
+             const uint64_t* philox_seed_offset = nullptr, bool partials = false, bool mma_sync = false) {
   const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
   const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
                   dlse = device_alloc((size_t)(lse_n + kGuardLse));
@@ -130,6 +134,7 @@ void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, 
 
   cuda::FlashArgs a;
   a.pos = pr.view, a.qkv = qkv_at, a.o = dout.get(), a.lse = dlse.get(), a.D = (int)D, a.heads = pr.heads;
+  a.mma_sync = mma_sync;
   if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
   DevicePtr dpart;
   if (partials) {
@@ -272,6 +277,20 @@ int64_t rows_differing(const Problem& pr, const Result& x, const Result& y) {
   return differ;
 }
 
+// An H200's multiprocessors, for the kernel rules without a device.
+DeviceCaps h200_like() {
+  DeviceCaps d;
+  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.sm90a = true;
+  return d;
+}
+
+// Whether flash_attention runs pr's pass on the wgmma kernel on dev.
+bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
+  cuda::FlashArgs a;
+  a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads;
+  return cuda::flash_wgmma_applies(a, dev);
+}
+
 class FlashAttention : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FlashAttention, MatchesDoubleReference) {
@@ -286,7 +305,14 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   Result r;
   run_gpu(pr, c.misalign, dev, &r);
   if (HasFatalFailure()) return;
-  expect_matches_reference(pr, r, [](int64_t, int64_t) { return std::vector<float>(); });
+  const auto no_mask = [](int64_t, int64_t) { return std::vector<float>(); };
+  expect_matches_reference(pr, r, no_mask);
+  if (takes_wgmma(pr, dev)) {  // the mma.sync kernel as well
+    Result m;
+    run_gpu(pr, c.misalign, dev, &m, nullptr, nullptr, false, true);
+    if (HasFatalFailure()) return;
+    expect_matches_reference(pr, m, no_mask);
+  }
 }
 
 // L across the 64-query tiles, the 32-query blocks of short sequences
@@ -318,17 +344,50 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{45, 96, 2, false, 2, 7, 0, 1}, Case{30, 256, 1, true, 1, 5, 2, 0},
                       Case{17, 24, 2, false, 3, 4, 0, 0}, Case{33, 128, 1, true, 2, 3, 0, 0},
                       Case{24, 192, 2, false, 2, 3, 0, 1}, Case{29, 64, 2, true, 2, 5, 3, 0},
-                      Case{21, 16, 3, false, 2, 4, 0, 2}),
+                      Case{21, 16, 3, false, 2, 4, 0, 2},
+                      // The wgmma kernel (head dims 17..32, L > 64) and its edges (L = 33 and 64, head
+                      // dims 9..16 stay on mma.sync): two key tiles and more, partial query and key
+                      // tiles, odd head dims on the 4-byte copies, misaligned qkv, a sequence of
+                      // 4096; more units than an H200's 132 blocks, so that blocks take several
+                      // units in turn (640 and 320 units).
+                      Case{100, 32, 4, false, 4, 40, 0, 0}, Case{100, 20, 4, true, 2, 40, 0, 1},
+                      Case{33, 32, 2, true, 2, 9, 0, 0}, Case{64, 16, 4, false, 3, 7, 0, 0},
+                      Case{65, 32, 1, false, 1, 9, 4, 0}, Case{127, 20, 2, true, 2, 3, 0, 0},
+                      Case{128, 32, 4, false, 2, 5, 0, 1}, Case{129, 9, 3, true, 1, 4, 0, 0},
+                      Case{256, 32, 4, true, 1, 6, 0, 0}, Case{300, 17, 2, false, 1, 3, 0, 3},
+                      Case{4096, 32, 1, false, 1, 1, 0, 0}, Case{1000, 12, 2, true, 1, 2, 1, 0}),
     [](const auto& info) { return case_name(info.param); });
 
-// ---- split-KV ------------------------------------------------------------------------------------
-
-// An H200's multiprocessors, for the split rule without a device.
-DeviceCaps h200_like() {
-  DeviceCaps d;
-  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.sm90a = true;
-  return d;
+// The kernel flash_attention picks: wgmma for padded head dim 32 past
+// kFlashWgmmaMinLen on sm_90a code, unless the mma.sync kernel is asked for.
+TEST(FlashAttentionRules, WgmmaKernelWhereItApplies) {
+  DeviceCaps h = h200_like();
+  cuda::FlashArgs a;
+  a.pos = {2, 65, 1, 65, 1, 130};
+  a.heads = 4;
+  for (int hd : {17, 24, 32}) {
+    a.D = 4 * hd;
+    EXPECT_TRUE(cuda::flash_wgmma_applies(a, h)) << hd;
+  }
+  for (int hd : {1, 8, 9, 16, 33, 48, 64, 128}) {
+    a.D = 4 * hd;
+    EXPECT_FALSE(cuda::flash_wgmma_applies(a, h)) << hd;
+  }
+  a.D = 4 * 32;
+  a.pos.len = cuda::kFlashWgmmaMinLen;
+  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
+  a.pos.len = 33;
+  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
+  a.pos.len = 4096;
+  EXPECT_TRUE(cuda::flash_wgmma_applies(a, h));
+  a.mma_sync = true;
+  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
+  a.mma_sync = false;
+  h.sm90a = false;  // another GPU, or a build without sm_90a
+  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
 }
+
+// ---- split-KV ------------------------------------------------------------------------------------
 
 class FlashAttentionSplit : public ::testing::TestWithParam<Case> {};
 
@@ -450,6 +509,13 @@ TEST_P(FlashAttentionDropout, MatchesDoubleReference) {
   if (HasFatalFailure()) return;
   EXPECT_EQ(rows_differing(pr, r, again), 0) << "rows differ between two calls";
   EXPECT_EQ(std::memcmp(r.lse.data(), again.lse.data(), lse_n * sizeof(float)), 0) << "lse differs between two calls";
+
+  if (takes_wgmma(pr, dev)) {  // the mma.sync kernel draws the same mask
+    Result m;
+    run_gpu(pr, c.misalign, dev, &m, &given, pair, false, true);
+    if (HasFatalFailure()) return;
+    expect_matches_reference(pr, m, [&](int64_t n, int64_t h) { return dropout_multipliers(d, pr.pass, n, h, pr.L); });
+  }
 }
 
 // Both passes (the column view's mask has base[1] = the row pass's element
@@ -477,6 +543,9 @@ const DropoutCase kDropoutCases[] = {
     {Case{32, 128, 2, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 31, 6, 0}},
     {Case{48, 48, 2, true, 1, 4, 0, 0}, DropoutSpec{0.1f, 5, 2, 0}},
     {Case{27, 256, 1, true, 1, 3, 0, 0}, DropoutSpec{0.5f, 8, 3, 0}},
+    {Case{300, 32, 2, false, 1, 3, 0, 0}, DropoutSpec{0.1f, 19, 5, 0}},
+    {Case{129, 20, 2, true, 2, 3, 0, 1}, DropoutSpec{0.5f, 29, 1, (uint64_t{1} << 32) - 7}},
+    {Case{130, 24, 4, false, 2, 40, 0, 0}, DropoutSpec{0.1f, 37, 3, 0}},  // 160 units
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttentionDropout, ::testing::ValuesIn(kDropoutCases),

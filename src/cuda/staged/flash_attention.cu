@@ -614,6 +614,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   const size_t need = flash_partials_bytes(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
   if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)
     sp.splits = flash_kv_splits(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
+  if (sp.splits == 1 && flash_wgmma_applies(a, dev)) return flash_attention_wgmma(a, vec, scale_log2, dev, stream);
   switch (hdp) {
     case 8: return launch_flash<8>(a, vec, scale_log2, sp, dev, stream);
     case 16: return launch_flash<16>(a, vec, scale_log2, sp, dev, stream);

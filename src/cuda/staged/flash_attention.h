@@ -49,6 +49,9 @@ struct FlashArgs {
   // forward passes no partials); the layout is smem_layout.h's flash_partials_bytes.
   float* partials = nullptr;
   size_t partials_bytes = 0;
+  // Run the mma.sync kernel even where the wgmma one applies (flash_wgmma_applies): for tests
+  // and benchmarks that compare the two.
+  bool mma_sync = false;
 };
 
 // True when the kernel serves this head_dim (1..256).
@@ -77,5 +80,22 @@ size_t flash_attention_smem_bytes(int64_t head_dim);
 // problem (no sequences or L = 0) launches nothing. With S > 1, two kernels:
 // the split blocks, then the combine (both programmatic dependents).
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream);
+
+// ---- The wgmma kernel (flash_attention_wgmma.cu) ------------------------------------------
+// Where it applies, flash_attention launches a kernel on Hopper's warpgroup products instead of
+// the mma.sync one: the same products, softmax and dropout mask in the same order (on an H200
+// its o and lse have come out bitwise equal to the mma.sync kernel's). It takes head dims 17 to
+// 32 (padded head dim 32) on sm_90a code (dev.sm90a), sequences longer than kFlashWgmmaMinLen
+// (two key tiles or more: a single tile leaves nothing to overlap and measured slower; so did
+// head dim 16), and no split-KV (the split blocks stay on mma.sync).
+constexpr int64_t kFlashWgmmaMinLen = 64;
+
+// Whether flash_attention runs a's pass (split-KV aside) on the wgmma kernel on dev.
+bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev);
+
+// The launch flash_attention makes where flash_wgmma_applies (sizes already checked there);
+// vec: every head slice of qkv 16-byte aligned; scale_log2 = log2(e) / sqrt(hd).
+cudaError_t flash_attention_wgmma(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
+                                  cudaStream_t stream);
 
 }  // namespace fastaxial::cuda

@@ -1,0 +1,512 @@
+// The flash attention step (flash_attention.h) on Hopper's warpgroup
+// products (wgmma, sm_90a), for padded head dim 32 and sequences of two key
+// tiles or more: for each sequence n and head h,
+//   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
+// with the per-row log-sum-exp and attention dropout as the mma.sync kernel
+// of flash_attention.cu computes them: the same splits, products, softmax
+// and mask in the same order.
+//
+// Why a second kernel. The mma.sync kernel gives each warp 16 queries and
+// builds every B fragment from shared memory, split on the fly, for each
+// warp; at head dim 32 it runs at about a third of the rate the wgmma GEMMs
+// reach (docs/perf-notes.md, v37). Here a warpgroup (4 warps) owns 64
+// queries and issues each product as asynchronous 64 x N x 8 steps whose B
+// operand the tensor cores read from shared memory; k and v are split into
+// TF32 (hi, lo) planes once a tile for the whole block, not once a warp,
+// and that split runs while the tile before it is in the products.
+//
+// Shape of the work. A block (two warpgroups, 128 queries: a unit) streams
+// a unit's keys 64 at a time (a step), and takes units in turn: one block
+// an SM (its registers and shared memory), units u = blockIdx.x, +
+// gridDim.x, ... (unit u: query tile u % q_tiles of item u / q_tiles =
+// n heads + h), so the steps of consecutive units form one stream and a
+// unit's first copies overlap the last products of the one before. Step s:
+//   1. s (64, 64) = q k^T per warpgroup, issued: q's A fragments from
+//      registers (split once a unit), k's (hi, lo) planes as B (keys as
+//      128-byte rows, the swizzled layout of detail/wgmma.cuh).
+//   2. while it runs: step s + 2's cp.async copies (raw k and v rows, and q
+//      with a unit's first step) and step s + 1's split: k's rows rounded
+//      to TF32 into the hi plane, the rest into the lo plane; v transposed
+//      into v^T's planes, keys permuted inside each group of 8 (slot t for
+//      key 2t, t + 4 for key 2t + 1).
+//   3. the online softmax on s in registers (wgmma's accumulator layout is
+//      mma.sync's C layout per warp, so this is flash_attention.cu's code).
+//   4. o (64, 32) += p v: p's A fragments straight from s's registers (k in
+//      the permuted order), v^T's planes as B.
+//   5. one barrier: step s + 1's planes visible, step s's buffers free.
+// 3xTF32 throughout (detail/tf32x3.cuh): lo*hi, hi*lo, hi*hi a step, runs of
+// two 8-deep steps into fresh accumulators, each added to its total in fp32.
+//
+// Shared memory (137 KB from a 1024-byte aligned base), each kind twice:
+//   k:   (hi, lo) planes, 64 rows of 128 bytes (features 0..31)
+//   v^T: (hi, lo) planes, 2 atoms (keys 0..31, 32..63) of 32 rows of 128 bytes
+//   raw: a step's k rows, then its v rows, (64, 32) at row stride 36
+//   q:   a unit's raw (128, 32) at row stride 36
+// Positions >= L are zero-filled by the copies and their scores set to
+// -inf; columns hd..31 are zeroed once and never copied.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/host.h"
+#include "../detail/launch.cuh"
+#include "../detail/tf32x3.cuh"
+#include "../detail/wgmma.cuh"
+#include "flash_attention.h"
+
+namespace fastaxial::cuda {
+namespace {
+
+// Sizes and byte offsets of a block's shared memory (see the header comment).
+template <int HDP>
+struct WgFlashTile {
+  static_assert(HDP == 32, "k rows are one 128-byte swizzle row; head dim 16 measured slower than mma.sync");
+  static constexpr int BM = 128, BN = 64, kThreads = 256;  // two warpgroups of 64 queries
+  static constexpr int ld = HDP + 4;  // raw rows: conflict-free fragment and transposing reads
+  static constexpr int k_plane = BN * 128;
+  static constexpr int vt_atom = HDP * 128;  // 32 keys of every feature
+  static constexpr int vt_plane = (BN / 32) * vt_atom;
+  static constexpr int raw_k = BN * ld * 4;  // a stage: k's rows, then v's
+  // Two buffers of each kind: q (a unit's while the next one's comes), raw rows and planes
+  // (a step's while the next one's are split).
+  static constexpr int k_off = 0;  // (hi, lo) planes of k, per buffer
+  static constexpr int vt_off = k_off + 2 * 2 * k_plane;
+  static constexpr int raw_off = vt_off + 2 * 2 * vt_plane;
+  static constexpr int q_off = raw_off + 2 * 2 * raw_k;
+  static constexpr int bytes = q_off + 2 * BM * ld * 4 + 1024;  // + room to align the base
+  // Per thread and tile: 16-byte pieces of k split, elements of v transposed and split.
+  static constexpr int k_pieces = BN * (HDP / 4) / kThreads, v_elems = BN * HDP / kThreads;
+  static_assert(k_plane % 1024 == 0 && vt_atom % 1024 == 0 && raw_k % 16 == 0 && (ld * 4) % 16 == 0,
+                "swizzled planes on 1024-byte boundaries, cp.async rows on 16-byte ones");
+  static_assert(k_pieces * kThreads == BN * (HDP / 4) && v_elems * kThreads == BN * HDP, "whole rounds");
+};
+
+struct KernelArgs {
+  AxisView pos;
+  const float* qkv;
+  float* o;
+  float* lse;
+  int D, heads;
+};
+
+#if FASTAXIAL_SM90A_DEVICE
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// Word of key kk (0..63), feature n in a v^T plane: slot s of the key in its
+// group of 8 permuted (slot t holds key 2t, slot t + 4 key 2t + 1), then
+// atom s / 32, row n, swizzled 16-byte piece.
+template <int HDP>
+__device__ __forceinline__ int vt_word(int kk, int n) {
+  const int s = (kk & ~7) | ((kk & 7) >> 1) | ((kk & 1) << 2);
+  return (s >> 5) * HDP * 32 + n * 32 + ((((s >> 2) & 7) ^ (n & 7)) << 2) + (s & 3);
+}
+
+// q's A fragment of 8-deep step kk for the warp's rows (row 0 at qw, stride LD).
+template <int LD>
+__device__ __forceinline__ FragA q_frag(const float* qw, int kk, int g, int t) {
+  const float* p = qw + g * LD + 8 * kk + t;
+  return make_a(p[0], p[8 * LD], p[4], p[8 * LD + 4]);
+}
+#endif
+
+// A block's units (a unit: 128 queries of one (sequence, head); unit u is
+// query tile u % q_tiles of item u / q_tiles = n heads + h) are u =
+// blockIdx.x, + gridDim.x, ...; their key tiles run as one stream of steps,
+// so the copies and splits of a unit's first tiles overlap the products of
+// the one before it. Every unit has two key tiles or more (L > 64): the q
+// buffer of unit i + 2 is then copied after every thread read unit i's q.
+// kVec: 16-byte copies.
+template <int HDP, bool kVec, bool kDropout>
+__global__ void __launch_bounds__(256, 1)
+    flash_wgmma_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass) {
+#if FASTAXIAL_SM90A_DEVICE
+  using Tile = WgFlashTile<HDP>;
+  constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
+  constexpr int KS = HDP / 8, NT = BN / 8, NO = HDP / 2;  // q k^T steps, key n-tiles, o accumulators
+  const int hd = a.D / a.heads, L = (int)a.pos.len;
+  extern __shared__ float4 smem4[];
+  const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
+  char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
+  float* qs = reinterpret_cast<float*>(sm + Tile::q_off);       // q buffer b at + b BM LD: (BM, HDP), stride LD
+  float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);   // stage s: k rows, then v rows, stride LD
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+
+  // Columns hd..HDP-1 of both q buffers and both raw stages: zero for the
+  // whole block (the copies never write them; the split carries the zeros
+  // into the planes).
+  if (hd < HDP) {
+    const int pad = HDP - hd;
+    constexpr int kQRows = 2 * BM;
+    for (int e = tid; e < (kQRows + 2 * 2 * BN) * pad; e += kThreads) {
+      const int r = e / pad, c = hd + e % pad;
+      if (r < kQRows)
+        qs[r * LD + c] = 0.0f;
+      else
+        raws[(r - kQRows) * LD + c] = 0.0f;  // the stages' rows are contiguous
+    }
+  }
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles;
+  const int tiles = (L + BN - 1) / BN;
+  const int64_t my_units = (units - blockIdx.x + gridDim.x - 1) / gridDim.x;  // this block's
+  const int64_t steps = my_units * tiles;
+  const int64_t ps = a.pos.pos_stride;
+  const int64_t row_words = 3 * (int64_t)a.D;
+
+  // Unit i of this block: its item, first query, row of position 0 and q columns of row 0 (k at + D, v at + 2D).
+  struct Unit {
+    int64_t item;
+    int q0;
+    int64_t seq;
+    int col;  // h hd
+    const float* qg;
+  };
+  const auto unit_at = [&](int64_t i) {
+    const int64_t u = blockIdx.x + i * gridDim.x;
+    Unit x;
+    x.item = u / q_tiles;
+    x.q0 = (int)(u % q_tiles) * BM;
+    const int h = (int)(x.item % a.heads);
+    x.seq = a.pos.offset(x.item / a.heads, 0);
+    x.col = h * hd;
+    x.qg = a.qkv + x.seq * row_words + x.col;
+    return x;
+  };
+
+  // Rows p0 .. p0 + ROWS - 1 of a head slice (src: row 0's) into shared
+  // memory at dst (row stride LD); positions >= L as zeros.
+  const auto copy_rows = [&](auto rows_c, uint32_t dst, const float* src, int p0) {
+    constexpr int ROWS = decltype(rows_c)::value;
+    if constexpr (kVec) {
+      constexpr int C = HDP / 4;
+#pragma unroll 4
+      for (int e = tid; e < ROWS * C; e += kThreads) {
+        const int r = e / C, c = 4 * (e % C);
+        if (c >= hd) continue;
+        const int l = p0 + r;
+        const bool valid = l < L;
+        copy_async16(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * row_words + c : a.qkv,
+                     valid ? 16 : 0);
+      }
+    } else {
+#pragma unroll 4
+      for (int e = tid; e < ROWS * HDP; e += kThreads) {
+        const int r = e / HDP, c = e % HDP;
+        if (c >= hd) continue;
+        const int l = p0 + r;
+        const bool valid = l < L;
+        copy_async4(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * row_words + c : a.qkv,
+                    valid ? 4 : 0);
+      }
+    }
+  };
+  using RowsQ = std::integral_constant<int, BM>;
+  using RowsKV = std::integral_constant<int, BN>;
+  // The copies run ahead of the products: the next step to copy is tile cj of this block's unit
+  // ci (cu), step cs. copy_next brings its raw k and v rows into stage cs % 2, and with a unit's
+  // first tile its q (buffer ci % 2), then moves on (the unit's sizes computed once a unit).
+  int64_t ci = 0, cs = 0;
+  int cj = 0;
+  Unit cu = unit_at(0);
+  const auto copy_next = [&]() {
+    if (cj == 0) copy_rows(RowsQ(), base + Tile::q_off + (uint32_t)((ci & 1) * BM * LD * 4), cu.qg, cu.q0);
+    const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
+    copy_rows(RowsKV(), d, cu.qg + a.D, cj * BN);
+    copy_rows(RowsKV(), d + Tile::raw_k, cu.qg + 2 * a.D, cj * BN);
+    copy_async_commit();
+    ++cs;
+    if (++cj == tiles) {
+      cj = 0;
+      if (++ci < my_units) cu = unit_at(ci);
+    }
+  };
+
+  // A thread's elements of v's transposing split, the same every tile: key
+  // 8 (e / 64 % 8) + 2 (e / 8 % 4) + e / 32 % 2, feature 8 (e / 512) + e % 8
+  // for e = tid + i kThreads, so that a warp's 32 reads (keys 2j + b, 8
+  // features) and writes (slots j, 8 swizzled pieces) hit 32 banks. Packed:
+  // the raw word (low 16 bits) and the plane word (high 16).
+  uint32_t vmap[Tile::v_elems];
+#pragma unroll
+  for (int i = 0; i < Tile::v_elems; ++i) {
+    const int e = tid + i * kThreads;
+    const int nf = 8 * (e / (8 * BN)) + (e & 7), key = 8 * ((e >> 6) % (BN / 8)) + 2 * ((e >> 3) & 3) + ((e >> 5) & 1);
+    vmap[i] = (uint32_t)(key * LD + nf) | (uint32_t)vt_word<HDP>(key, nf) << 16;
+  }
+  // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k's (hi,
+  // lo) as 128-byte swizzled rows, v's transposed into v^T's.
+  const auto split_step = [&](int64_t st) {
+    const float* kr = raws + (st & 1) * 2 * (Tile::raw_k / 4);
+    const float* vr = kr + Tile::raw_k / 4;
+    char* kp = sm + Tile::k_off + (st & 1) * 2 * Tile::k_plane;
+    float* vt = reinterpret_cast<float*>(sm + Tile::vt_off + (st & 1) * 2 * Tile::vt_plane);
+    constexpr int C = HDP / 4;
+#pragma unroll
+    for (int i = 0; i < Tile::k_pieces; ++i) {
+      const int e = tid + i * kThreads, r = e / C, c = e % C;
+      const float4 x = *reinterpret_cast<const float4*>(kr + r * LD + 4 * c);
+      uint32_t h0, h1, h2, h3, w0, w1, w2, w3;
+      split(x.x, h0, w0), split(x.y, h1, w1), split(x.z, h2, w2), split(x.w, h3, w3);
+      char* at = kp + r * 128 + (((c ^ r) & 7) << 4);
+      *reinterpret_cast<uint4*>(at) = make_uint4(h0, h1, h2, h3);
+      *reinterpret_cast<uint4*>(at + Tile::k_plane) = make_uint4(w0, w1, w2, w3);
+    }
+#pragma unroll
+    for (int i = 0; i < Tile::v_elems; ++i) {
+      uint32_t hv, lv;
+      split(vr[vmap[i] & 0xffffu], hv, lv);
+      vt[vmap[i] >> 16] = __uint_as_float(hv);
+      vt[Tile::vt_plane / 4 + (vmap[i] >> 16)] = __uint_as_float(lv);
+    }
+  };
+
+  // Steps 0 and 1 in, step 0 split.
+  copy_next();
+  if (steps > 1) copy_next();
+  copy_async_wait<0>();
+  __syncthreads();
+  split_step(0);
+  fence_async_smem();  // the planes were written by ordinary stores; wgmma reads them through the async proxy
+  __syncthreads();
+
+  // The current unit; q's A fragments, split once a unit: steps 0, 1 in qa, 2, 3 in qb.
+  Unit cur;
+  int64_t ui = 0;
+  FragA qa[2], qb[2];
+  DropoutParams drop;
+  if constexpr (kDropout) drop = dropout_read(dpass);
+  uint64_t e_warp = 0;  // with dropout: the element of the warp's first query row, key 0
+  // Rows g (o[4f], o[4f + 1]; m0, l0) and g + 8 (o[4f + 2], o[4f + 3]; m1,
+  // l1) of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
+  float o[NO];
+  float m0, m1, l0, l1;
+
+  // Step s = tile j of unit ui: its planes are split and visible, step s + 1's raw rows are in.
+  int j = 0;
+  for (int64_t st = 0; st < steps; ++st) {
+    if (j == 0) {
+      cur = unit_at(ui);
+      const float* qw = qs + ((ui & 1) * BM + 16 * warp) * LD;  // the warp's q rows
+      qa[0] = q_frag<LD>(qw, 0, g, t), qa[1] = q_frag<LD>(qw, 1, g, t);
+      if constexpr (KS == 4) qb[0] = q_frag<LD>(qw, 2, g, t), qb[1] = q_frag<LD>(qw, 3, g, t);
+      if constexpr (kDropout)
+        e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
+#pragma unroll
+      for (int i = 0; i < NO; ++i) o[i] = 0.0f;
+      m0 = m1 = -INFINITY, l0 = l1 = 0.0f;
+    }
+    // s (64, BN) = q k^T, issued: s[4 jn + e] is key 8 jn + 2t + e of row g,
+    // s[4 jn + 2 + e] of row g + 8; steps 2, 3 into ts, added after the wait.
+    float s[BN / 2], ts[BN / 2];
+    {
+      const uint32_t kb = base + Tile::k_off + (uint32_t)((st & 1) * 2 * Tile::k_plane);
+      const uint64_t d0[2] = {desc_sw128(kb), desc_sw128(kb + 32)};
+      wgmma_3xtf32_run<BN>(s, qa, d0, Tile::k_plane >> 4);
+      if constexpr (KS == 4) {
+        const uint64_t d1[2] = {desc_sw128(kb + 64), desc_sw128(kb + 96)};
+        wgmma_3xtf32_run<BN>(ts, qb, d1, Tile::k_plane >> 4);
+      }
+    }
+    // While the products run: step s + 2's copies into the stage step s
+    // left, and step s + 1's split into the other plane buffer (both free:
+    // every warpgroup finished step s - 1 before the last barrier).
+    if (st + 2 < steps) copy_next();  // step s + 2
+    if (st + 1 < steps) split_step(st + 1);
+
+    // Dropout's keep bits of the tile: n-tiles jn, jn + 1 in keep[jn / 2], 16
+    // bits each (as flash_attention.cu).
+    uint32_t keep[NT / 2];
+    if constexpr (kDropout) {
+#pragma unroll
+      for (int jn = 0; jn < NT; jn += 2) {
+        const uint64_t e_tile = e_warp + (uint64_t)(j * BN + 8 * jn);
+        const unsigned b0 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile, L, g, t)), t);
+        const unsigned b1 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile + 8, L, g, t)), t);
+        keep[jn / 2] = b0 | b1 << 16;
+      }
+    }
+
+    wgmma_wait<0>();
+    fence_frags(qa);
+    fence_regs(s);
+    if constexpr (KS == 4) {
+      fence_frags(qb);
+      add_to(s, ts);
+    }
+
+    // Scores in base 2, keys >= L at -inf, the online softmax (flash_attention.cu's).
+    const int key0 = j * BN;
+    const bool partial = key0 + BN > L;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x0 = s[4 * jn + e] * scale_log2, x1 = s[4 * jn + 2 + e] * scale_log2;
+        if (partial && key0 + 8 * jn + 2 * t + e >= L) x0 = x1 = -INFINITY;
+        s[4 * jn + e] = x0, s[4 * jn + 2 + e] = x1;
+        mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
+      }
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, m));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, m));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
+    m0 = mn0, m1 = mn1;
+    l0 *= c0, l1 *= c1;
+#pragma unroll
+    for (int f = 0; f < NO / 4; ++f) o[4 * f] *= c0, o[4 * f + 1] *= c0, o[4 * f + 2] *= c1, o[4 * f + 3] *= c1;
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[4 * jn + e] = exp2f(s[4 * jn + e] - m0);
+        s[4 * jn + 2 + e] = exp2f(s[4 * jn + 2 + e] - m1);
+        l0 += s[4 * jn + e], l1 += s[4 * jn + 2 + e];
+      }
+    if constexpr (kDropout) {
+#pragma unroll
+      for (int jn = 0; jn < NT; ++jn) {
+        const uint32_t bits = keep[jn / 2] >> (16 * (jn & 1));
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (!((bits >> dropout_bit_rows(t, k)) & 1u)) s[4 * jn + k] = 0.0f;
+      }
+    }
+
+    // o += p v: runs of two key groups (8-deep steps) into fresh
+    // accumulators t0 and t1 in turn, so one run's products go on while the
+    // other's total is added.
+    {
+      const uint32_t vb = base + Tile::vt_off + (uint32_t)((st & 1) * 2 * Tile::vt_plane);
+      const auto run = [&](float(&acc)[NO], FragA(&f)[2], int r) {
+        uint64_t d[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int jg = 2 * r + k;  // key group: keys 8 jg .. 8 jg + 7
+          f[k] = make_a(s[4 * jg], s[4 * jg + 2], s[4 * jg + 1], s[4 * jg + 3]);
+          d[k] = desc_sw128(vb + (jg / 4) * Tile::vt_atom + (jg % 4) * 32);
+        }
+        wgmma_3xtf32_run<HDP>(acc, f, d, Tile::vt_plane >> 4);
+      };
+      float t0[NO], t1[NO];
+      FragA f0[2], f1[2];
+      run(t0, f0, 0);
+      run(t1, f1, 1);
+      wgmma_wait<1>();
+      fence_frags(f0);
+      add_to(o, t0);
+      run(t0, f0, 2);
+      wgmma_wait<1>();
+      fence_frags(f1);
+      add_to(o, t1);
+      run(t1, f1, 3);
+      wgmma_wait<1>();
+      fence_frags(f0);
+      add_to(o, t0);
+      wgmma_wait<0>();
+      fence_frags(f1);
+      add_to(o, t1);
+    }
+
+    if (++j == tiles) {  // the unit's last tile: o / l and the lse out
+      j = 0;
+      ++ui;
+#pragma unroll
+      for (int m = 1; m <= 2; m <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, m);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, m);
+      }
+      const int r0 = cur.q0 + 16 * warp + g, r1 = r0 + 8;
+      const bool in0 = r0 < L, in1 = r1 < L;
+      const float num = kDropout ? dpass.scale : 1.0f;
+      const float inv0 = num / l0, inv1 = num / l1;
+      float* o0 = a.o + (cur.seq + (int64_t)r0 * ps) * a.D + cur.col;
+      float* o1 = a.o + (cur.seq + (int64_t)r1 * ps) * a.D + cur.col;
+#pragma unroll
+      for (int f = 0; f < NO / 4; ++f)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * f + 2 * t + e;
+          if (c >= hd) continue;
+          if (in0) o0[c] = o[4 * f + e] * inv0;
+          if (in1) o1[c] = o[4 * f + 2 + e] * inv1;
+        }
+      if (a.lse && t == 0) {
+        constexpr float kLn2 = 0.6931471805599453f;
+        float* lse = a.lse + cur.item * L;
+        if (in0) lse[r0] = m0 * kLn2 + logf(l0);
+        if (in1) lse[r1] = m1 * kLn2 + logf(l1);
+      }
+    }
+    if (st + 1 < steps) {
+      // Step s + 2's raw rows in (this thread's copies, then everyone's),
+      // step s + 1's planes visible to wgmma, every warpgroup done with step s.
+      if (st + 2 < steps) copy_async_wait<0>();
+      fence_async_smem();
+      __syncthreads();
+    }
+  }
+#else
+  (void)a, (void)scale_log2, (void)q_tiles, (void)dpass;
+  __trap();  // built without sm_90a: flash_wgmma_applies is false there
+#endif
+}
+
+template <int HDP, bool kVec, bool kDropout>
+cudaError_t launch(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, cudaStream_t stream) {
+  using Tile = WgFlashTile<HDP>;
+  constexpr auto kernel = flash_wgmma_kernel<HDP, kVec, kDropout>;
+  if ((size_t)Tile::bytes > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
+  if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  const int L = (int)a.pos.len;
+  if (L <= Tile::BN) return cudaErrorInvalidValue;  // units of two key tiles or more
+  const int q_tiles = (L + Tile::BM - 1) / Tile::BM;
+  const int64_t units = a.pos.num_seq * a.heads * q_tiles;  // <= flash_attention's count of 64-query tiles
+  const int64_t blocks = std::min<int64_t>(units, std::max(dev.sms, 1));  // a block an SM, taking units in turn
+  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
+  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(Tile::kThreads), Tile::bytes, stream, dev, k, scale_log2,
+                               q_tiles, dpass);
+}
+
+template <int HDP>
+cudaError_t launch(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev, cudaStream_t stream) {
+  if constexpr (kDropoutAvailable)
+    if (a.dropout.threshold != 0)
+      return vec ? launch<HDP, true, true>(a, scale_log2, dev, stream)
+                 : launch<HDP, false, true>(a, scale_log2, dev, stream);
+  return vec ? launch<HDP, true, false>(a, scale_log2, dev, stream)
+             : launch<HDP, false, false>(a, scale_log2, dev, stream);
+}
+
+}  // namespace
+
+bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev) {
+  const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
+  const int hdp = flash_padded_head_dim(hd);
+  return !a.mma_sync && dev.sm90a && hdp == 32 && a.pos.len > kFlashWgmmaMinLen &&
+         (size_t)WgFlashTile<32>::bytes <= (size_t)dev.smem_optin;
+}
+
+cudaError_t flash_attention_wgmma(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
+                                  cudaStream_t stream) {
+  if (flash_padded_head_dim(a.D / a.heads) != 32) return cudaErrorInvalidValue;
+  return launch<32>(a, vec, scale_log2, dev, stream);
+}
+
+}  // namespace fastaxial::cuda

@@ -1,0 +1,135 @@
+// Timing of the staged path's flash attention (src/cuda/staged/flash_attention.cu): one pass of
+// N sequences of length L, `heads` heads of head_dim hd, qkv and o contiguous rows (as a row pass
+// of a (1, N, L, heads hd) grid), on the kernel flash_attention picks (wgmma where it applies)
+// and on the mma.sync kernel (FlashArgs::mma_sync), with the log-sum-exp written (as the
+// training forward does) and without a split-KV buffer. Each time is the mean of `reps` calls,
+// each after the L2 is flushed (a 256 MB memset), between CUDA events around the call alone.
+// Also prints the two outputs' largest difference relative to max |o| (a sanity check;
+// test_flash_attention holds the accuracy bounds against float64).
+// Rate: 4 N heads L^2 hd floating-point operations a pass (two products), fp32-equivalent.
+// Not a test: built on request (ninja bench_flash_attention), run on a GPU.
+//   build/tests/cpp/bench_flash_attention [reps] [N L hd heads]...
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "../../src/common/axis.h"
+#include "../../src/common/plan.h"
+#include "../../src/cuda/staged/flash_attention.h"
+#include "cuda_test_util.h"
+
+namespace {
+
+using fastaxial::DeviceCaps;
+namespace cuda = fastaxial::cuda;
+
+#define CHECK(call)                                                                          \
+  do {                                                                                       \
+    const auto e_ = (call);                                                                  \
+    if (e_ != 0) {                                                                           \
+      std::fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #call, (int)e_); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+struct Shape {
+  int64_t N, L;
+  int hd, heads;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20;
+  std::vector<Shape> shapes;
+  if (argc > 1) reps = std::max(1, std::atoi(argv[1]));
+  for (int i = 2; i + 3 < argc; i += 4)
+    shapes.push_back({std::atoll(argv[i]), std::atoll(argv[i + 1]), std::atoi(argv[i + 2]), std::atoi(argv[i + 3])});
+  if (shapes.empty())  // passes of the training benchmark's shapes and of long axes
+    shapes = {{256, 256, 32, 4}, {256, 128, 32, 8}, {96, 80, 32, 3},  {160, 48, 32, 3},
+              {512, 64, 16, 8},  {32, 1024, 32, 8}, {16, 2048, 32, 2}, {512, 512, 16, 4}};
+  DeviceCaps dev;
+  if (!fastaxial::test::read_device_caps(&dev)) {
+    std::fprintf(stderr, "reading the device's attributes failed\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, dev.device));
+  std::printf("%s, %d SMs; mean of %d calls, L2 flushed before each\n", prop.name, dev.sms, reps);
+  float* flush = nullptr;
+  const size_t flush_bytes = size_t{256} << 20;
+  CHECK(cudaMalloc(&flush, flush_bytes));
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+
+  std::printf("%6s %5s %4s %5s | %-22s | %-18s | %s\n", "N", "L", "hd", "heads", "flash_attention (kernel)",
+              "mma.sync forced", "max diff / max |o|");
+  for (const Shape& s : shapes) {
+    const int64_t D = (int64_t)s.hd * s.heads, T = s.N * s.L;
+    fastaxial::AxialParams p;
+    p.batch = 1, p.height = s.N, p.width = s.L, p.dim = D, p.heads = s.heads;
+    const fastaxial::AxisView fv = fastaxial::row_view(p);
+    const fastaxial::AxisView view = {fv.num_seq, fv.len, fv.inner, fv.seq_stride / D, fv.pos_stride / D,
+                                      fv.batch_stride / D};
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> hqkv((size_t)(T * 3 * D));
+    for (float& x : hqkv) x = normal(rng);
+    float *qkv, *o[2], *lse;
+    CHECK(cudaMalloc(&qkv, hqkv.size() * 4));
+    for (float*& oi : o) CHECK(cudaMalloc(&oi, (size_t)(T * D) * 4));
+    CHECK(cudaMalloc(&lse, (size_t)(s.N * s.heads * s.L) * 4));
+    CHECK(cudaMemcpy(qkv, hqkv.data(), hqkv.size() * 4, cudaMemcpyHostToDevice));
+
+    cuda::FlashArgs a;
+    a.pos = view, a.qkv = qkv, a.lse = lse, a.D = (int)D, a.heads = s.heads;
+    // variant 0: as picked; 1: mma.sync. Returns the mean time in ms.
+    const auto time = [&](int variant) {
+      cuda::FlashArgs av = a;
+      av.o = o[variant], av.mma_sync = variant == 1;
+      float total = 0.0f;
+      for (int r = 0; r <= reps; ++r) {  // call 0 warms up (shared-memory opt-in)
+        CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+        CHECK(cudaEventRecord(start));
+        CHECK(cuda::flash_attention(av, dev, nullptr));
+        CHECK(cudaEventRecord(stop));
+        CHECK(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (r > 0) total += ms;
+      }
+      return total / reps;
+    };
+    double ms[2];
+    for (int v = 0; v < 2; ++v) ms[v] = time(v);
+    std::vector<float> out[2];
+    for (int v = 0; v < 2; ++v) {
+      out[v].resize((size_t)(T * D));
+      CHECK(cudaMemcpy(out[v].data(), o[v], out[v].size() * 4, cudaMemcpyDeviceToHost));
+    }
+    double omax = 0.0, diff = 0.0;
+    for (size_t e = 0; e < out[0].size(); ++e) {
+      omax = std::max(omax, (double)std::fabs(out[1][e]));
+      diff = std::max(diff, (double)std::fabs(out[0][e] - out[1][e]));
+    }
+    const double flop = 4.0 * (double)s.N * s.heads * (double)s.L * (double)s.L * s.hd;
+    cuda::FlashArgs ap = a;
+    ap.o = o[0];
+    const bool wgmma = cuda::flash_wgmma_applies(ap, dev);
+    std::printf("%6lld %5lld %4d %5d | %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", (long long)s.N,
+                (long long)s.L, s.hd, s.heads, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma",
+                1e3 * ms[1], flop / ms[1] * 1e-9, diff / omax);
+    CHECK(cudaFree(qkv));
+    for (float* oi : o) CHECK(cudaFree(oi));
+    CHECK(cudaFree(lse));
+  }
+  CHECK(cudaFree(flush));
+  return 0;
+}
