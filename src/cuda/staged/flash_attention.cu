@@ -32,6 +32,10 @@
 // (keys) at column g (feature): two 4-byte loads from v stored as it comes,
 // key-major, at a row stride that puts them in 32 distinct banks.
 //
+// On sm_90a code, head dims 17 to 32 on sequences longer than 64 go to a
+// wgmma version of this kernel instead (flash_attention_wgmma.cu, the same
+// results; FlashArgs::mma_sync keeps them here).
+//
 // Head dims: the kernel is a template on a padded head dim HDP (8, 16, 32,
 // 48, 64, 96, 128, 192, 256); columns hd..HDP-1 of q, k and v are zero in
 // shared memory (they change no score, and the output columns they make are

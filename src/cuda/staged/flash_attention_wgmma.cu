@@ -3,8 +3,10 @@
 // tiles or more: for each sequence n and head h,
 //   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
 // with the per-row log-sum-exp and attention dropout as the mma.sync kernel
-// of flash_attention.cu computes them: the same splits, products, softmax
-// and mask in the same order.
+// of flash_attention.cu computes them: the same splits, runs of products,
+// softmax and mask (q k^T sums its features in natural order here, permuted
+// inside each group of 8 there; on an H200 the two kernels' o and lse have
+// come out bitwise equal).
 //
 // Why a second kernel. The mma.sync kernel gives each warp 16 queries and
 // builds every B fragment from shared memory, split on the fly, for each
@@ -72,8 +74,9 @@ struct WgFlashTile {
   static constexpr int vt_atom = HDP * 128;  // 32 keys of every feature
   static constexpr int vt_plane = (BN / 32) * vt_atom;
   static constexpr int raw_k = BN * ld * 4;  // a stage: k's rows, then v's
-  // Two buffers of each kind: q (a unit's while the next one's comes), raw rows and planes
-  // (a step's while the next one's are split).
+  // Two buffers of each kind: q (a unit's while the next one's comes), raw rows (step s + 1's
+  // being split while step s + 2's arrive) and planes (step s's in the products while step
+  // s + 1's are written).
   static constexpr int k_off = 0;  // (hi, lo) planes of k, per buffer
   static constexpr int vt_off = k_off + 2 * 2 * k_plane;
   static constexpr int raw_off = vt_off + 2 * 2 * vt_plane;
@@ -435,8 +438,8 @@ __global__ void __launch_bounds__(256, 1)
       const bool in0 = r0 < L, in1 = r1 < L;
       const float num = kDropout ? dpass.scale : 1.0f;
       const float inv0 = num / l0, inv1 = num / l1;
-      float* o0 = a.o + (cur.seq + (int64_t)r0 * ps) * a.D + cur.col;
-      float* o1 = a.o + (cur.seq + (int64_t)r1 * ps) * a.D + cur.col;
+      float* o0 = in0 ? a.o + (cur.seq + (int64_t)r0 * ps) * a.D + cur.col : nullptr;
+      float* o1 = in1 ? a.o + (cur.seq + (int64_t)r1 * ps) * a.D + cur.col : nullptr;
 #pragma unroll
       for (int f = 0; f < NO / 4; ++f)
 #pragma unroll
@@ -497,15 +500,23 @@ cudaError_t launch(const FlashArgs& a, bool vec, float scale_log2, const DeviceC
 }  // namespace
 
 bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev) {
+#if defined(FASTAXIAL_WGMMA)
+  // dev.sm90a: a compute-capability 9.0 GPU (entry.cu sets it only in a build with sm_90a code;
+  // the macro makes that hold for callers who fill DeviceCaps themselves too).
   const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
   const int hdp = flash_padded_head_dim(hd);
   return !a.mma_sync && dev.sm90a && hdp == 32 && a.pos.len > kFlashWgmmaMinLen &&
          (size_t)WgFlashTile<32>::bytes <= (size_t)dev.smem_optin;
+#else
+  (void)a, (void)dev;
+  return false;  // no sm_90a code in this build: the kernel's body is a trap
+#endif
 }
 
 cudaError_t flash_attention_wgmma(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
                                   cudaStream_t stream) {
-  if (flash_padded_head_dim(a.D / a.heads) != 32) return cudaErrorInvalidValue;
+  if (a.heads <= 0 || a.D % a.heads != 0 || flash_padded_head_dim(a.D / a.heads) != 32) return cudaErrorInvalidValue;
+  if (a.pos.num_seq <= 0) return a.pos.num_seq == 0 ? cudaSuccess : cudaErrorInvalidValue;
   return launch<32>(a, vec, scale_log2, dev, stream);
 }
 
