@@ -7,6 +7,10 @@
 // Also prints the two outputs' largest difference relative to max |o| (a sanity check;
 // test_flash_attention holds the accuracy bounds against float64).
 // Rate: 4 N heads L^2 hd floating-point operations a pass (two products), fp32-equivalent.
+// Then the pass's attention backward (src/cuda/backward/attention_backward.cu: delta, dk and
+// dv, dq) from that forward's o and lse and a random d_o, as picked (dq on wgmma where it
+// applies) and with AttentionBackwardArgs::mma_sync; rate: 14 N heads L^2 hd (seven products,
+// S and dP computed on both sides), and the largest difference of dqkv relative to max |dqkv|.
 // Not a test: built on request (ninja bench_flash_attention), run on a GPU.
 //   build/tests/cpp/bench_flash_attention [reps] [N L hd heads]...
 #include <cuda_runtime.h>
@@ -21,6 +25,7 @@
 
 #include "../../src/common/axis.h"
 #include "../../src/common/plan.h"
+#include "../../src/cuda/backward/attention_backward.h"
 #include "../../src/cuda/staged/flash_attention.h"
 #include "cuda_test_util.h"
 
@@ -126,6 +131,52 @@ int main(int argc, char** argv) {
     std::printf("%6lld %5lld %4d %5d | %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", (long long)s.N,
                 (long long)s.L, s.hd, s.heads, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma",
                 1e3 * ms[1], flop / ms[1] * 1e-9, diff / omax);
+    // The backward from variant 0's o and lse.
+    std::vector<float> hdo((size_t)(T * D));
+    for (float& x : hdo) x = normal(rng);
+    float *d_o, *delta, *dqkv[2];
+    CHECK(cudaMalloc(&d_o, hdo.size() * 4));
+    CHECK(cudaMalloc(&delta, (size_t)(s.N * s.heads * s.L) * 4));
+    for (float*& di : dqkv) CHECK(cudaMalloc(&di, (size_t)(T * 3 * D) * 4));
+    CHECK(cudaMemcpy(d_o, hdo.data(), hdo.size() * 4, cudaMemcpyHostToDevice));
+    cuda::AttentionBackwardArgs b;
+    b.pos = view, b.qkv = qkv, b.o = o[0], b.d_o = d_o, b.lse = lse, b.delta = delta, b.D = (int)D;
+    b.heads = s.heads;
+    const auto time_backward = [&](int variant) {
+      cuda::AttentionBackwardArgs bv = b;
+      bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1;
+      float total = 0.0f;
+      for (int r = 0; r <= reps; ++r) {
+        CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+        CHECK(cudaEventRecord(start));
+        CHECK(cuda::attention_backward(bv, dev, nullptr));
+        CHECK(cudaEventRecord(stop));
+        CHECK(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        CHECK(cudaEventElapsedTime(&ms, start, stop));
+        if (r > 0) total += ms;
+      }
+      return total / reps;
+    };
+    double bms[2];
+    for (int v = 0; v < 2; ++v) bms[v] = time_backward(v);
+    std::vector<float> grad[2];
+    for (int v = 0; v < 2; ++v) {
+      grad[v].resize((size_t)(T * 3 * D));
+      CHECK(cudaMemcpy(grad[v].data(), dqkv[v], grad[v].size() * 4, cudaMemcpyDeviceToHost));
+    }
+    double gmax = 0.0, gdiff = 0.0;
+    for (size_t e = 0; e < grad[0].size(); ++e) {
+      gmax = std::max(gmax, (double)std::fabs(grad[1][e]));
+      gdiff = std::max(gdiff, (double)std::fabs(grad[0][e] - grad[1][e]));
+    }
+    const double bflop = 3.5 * flop;
+    std::printf("%6s %5s %4s %5s | backward %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", "", "", "", "",
+                1e3 * bms[0], bflop / bms[0] * 1e-9, cuda::query_grads_wgmma_applies(b, dev) ? "wgmma" : "mma",
+                1e3 * bms[1], bflop / bms[1] * 1e-9, gdiff / gmax);
+    CHECK(cudaFree(d_o));
+    CHECK(cudaFree(delta));
+    for (float* di : dqkv) CHECK(cudaFree(di));
     CHECK(cudaFree(qkv));
     for (float* oi : o) CHECK(cudaFree(oi));
     CHECK(cudaFree(lse));

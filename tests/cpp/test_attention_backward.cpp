@@ -30,6 +30,7 @@
 #include "../../src/common/axis.h"
 #include "../../src/common/plan.h"
 #include "../../src/cuda/backward/attention_backward.h"
+#include "../../src/cuda/staged/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
 #include "../../src/cuda/staged/flash_attention.h"
 #include "cuda_test_util.h"
 
@@ -63,14 +64,17 @@ std::string case_name(const Case& c) {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
-// The kernels a case runs on: the tensor cores (the default) or the FFMA
-// kernels (AttentionBackwardArgs::ffma).
-enum class Path { kTensorCores, kFfma };
+// The kernels a case runs on: the tensor cores (the default; dq on wgmma
+// where query_grads_wgmma_applies), the tensor cores with dq on mma.sync
+// (AttentionBackwardArgs::mma_sync), or the FFMA kernels
+// (AttentionBackwardArgs::ffma).
+enum class Path { kTensorCores, kMmaSync, kFfma };
 
 using PathCase = std::tuple<Case, Path>;
 
 std::string path_case_name(const PathCase& pc) {
-  return case_name(std::get<0>(pc)) + (std::get<1>(pc) == Path::kFfma ? "_ffma" : "_tc");
+  const Path p = std::get<1>(pc);
+  return case_name(std::get<0>(pc)) + (p == Path::kFfma ? "_ffma" : p == Path::kMmaSync ? "_mma" : "_tc");
 }
 
 // A case's sizes, its view in rows (as the staged path gives it to the
@@ -144,6 +148,7 @@ void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceC
   a.pos = pr.view, a.qkv = qkv_at, a.o = o.get(), a.d_o = d_o_at, a.lse = lse.get(), a.delta = dl.get();
   a.dqkv = dqkv_at, a.D = (int)D, a.heads = (int)pr.heads;
   a.ffma = path == Path::kFfma;
+  a.mma_sync = path == Path::kMmaSync;
   a.dropout = given, a.pass = pr.pass, a.philox = pair;
   CUDA_OK(cuda::attention_backward(a, dev, nullptr));
   CUDA_OK(cudaGetLastError());
@@ -340,6 +345,15 @@ void expect_matches_reference(const Problem& pr, const std::vector<float>& got, 
   EXPECT_EQ(delta_written, 0) << "delta written past (num_seq, heads, L)";
 }
 
+// Whether the tensor-core path computes pr's dq on the wgmma kernel on dev.
+bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
+  cuda::AttentionBackwardArgs a;
+  a.pos = pr.view, a.D = (int)pr.D, a.heads = (int)pr.heads;
+  return cuda::query_grads_wgmma_applies(a, dev);
+}
+
+// On the tensor-core path, where dq takes the wgmma kernel, the mma.sync
+// one too (Path::kMmaSync), each against the reference.
 TEST_P(AttentionBackward, MatchesDoubleReference) {
   const auto [c, path] = GetParam();
   DeviceCaps dev;
@@ -351,6 +365,12 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
   run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta);
   if (HasFatalFailure()) return;
   expect_matches_reference(pr, got, delta);
+  if (path == Path::kTensorCores && takes_wgmma(pr, dev)) {
+    std::vector<float> mma;
+    run_gpu(pr, c.misalign, Path::kMmaSync, 0xff, dev, &mma, &delta);
+    if (HasFatalFailure()) return;
+    expect_matches_reference(pr, mma, delta);
+  }
 }
 
 // L across the kernels' tiles (tensor cores: keys a block 16 a warp, up
@@ -379,7 +399,12 @@ const Case kCases[] = {
     // Enough (sequence, head) items that the tensor-core launches take
     // their largest blocks (4 warps of rows; 2 where L = 32 needs no more).
     Case{64, 16, 4, false, 2, 48, 0, 0}, Case{32, 32, 2, true, 2, 70, 0, 0}, Case{100, 64, 2, false, 2, 70, 0, 1},
-    Case{40, 200, 1, true, 1, 280, 0, 0}};
+    Case{40, 200, 1, true, 1, 280, 0, 0},
+    // dq on wgmma (head dims 17..32, L > 192; the case above at 1030 x 32 too): more 128-query
+    // units than an H200's 132 blocks (160), odd head dims on the 4-byte copies, misaligned
+    // tensors, partial key tiles; and its edge (L = 192 stays on mma.sync).
+    Case{200, 20, 4, true, 1, 20, 0, 1}, Case{256, 32, 2, false, 1, 3, 0, 0}, Case{300, 17, 1, false, 1, 2, 0, 0},
+    Case{192, 32, 2, true, 1, 3, 0, 0}};
 
 const Path kPaths[] = {Path::kTensorCores, Path::kFfma};
 
@@ -420,7 +445,8 @@ TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
 }
 
 const Case kDeterminismCases[] = {Case{1030, 64, 2, true, 1, 2, 0, 0}, Case{517, 128, 2, false, 1, 2, 0, 0},
-                                  Case{300, 5, 3, false, 2, 3, 0, 1}, Case{333, 256, 1, true, 1, 2, 0, 0}};
+                                  Case{300, 5, 3, false, 2, 3, 0, 1}, Case{333, 256, 1, true, 1, 2, 0, 0},
+                                  Case{300, 32, 2, false, 2, 40, 0, 0}};  // dq on wgmma, 480 units
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardDeterminism,
                          ::testing::Combine(::testing::ValuesIn(kDeterminismCases), ::testing::ValuesIn(kPaths)),
@@ -514,6 +540,12 @@ TEST_P(AttentionBackwardDropout, MatchesDoubleReference) {
   run_gpu(pr, c.misalign, path, 0x00, dev, &again, &delta);
   if (HasFatalFailure()) return;
   EXPECT_EQ(rows_differing(pr, got, again), 0) << "of " << pr.N * pr.L << " rows differ between two calls";
+  if (path == Path::kTensorCores && takes_wgmma(pr, dev)) {  // the mma.sync dq draws the same mask
+    std::vector<float> mma;
+    run_gpu(pr, c.misalign, Path::kMmaSync, 0xff, dev, &mma, &delta);
+    if (HasFatalFailure()) return;
+    expect_matches_reference(pr, mma, delta);
+  }
 }
 
 // Both passes (the column view's mask has base[1] = the row pass's element
@@ -540,6 +572,8 @@ const DropoutCase kDropoutCases[] = {
     {Case{257, 64, 1, true, 1, 2, 0, 0}, DropoutSpec{1.0f, 1, 2, 0}},
     {Case{64, 16, 4, false, 2, 48, 0, 0}, DropoutSpec{0.5f, 21, 6, 0}},
     {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
+    {Case{200, 24, 4, false, 1, 20, 0, 0}, DropoutSpec{0.1f, 37, 3, 0}},  // dq on wgmma, 160 units
+    {Case{257, 32, 2, true, 1, 3, 0, 1}, DropoutSpec{0.5f, 29, 1, (uint64_t{1} << 32) - 7}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardDropout,
@@ -620,6 +654,36 @@ TEST(AttentionBackwardRules, RejectsDropoutArguments) {
 #endif  // FASTAXIAL_NO_RANDOM123
 
 // The host-side rules, without a device.
+// dq on wgmma: padded head dim 32 past kQueryGradsWgmmaMinLen (192) on sm_90a code,
+// unless a hook asks for other kernels.
+TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
+  DeviceCaps h;
+  h.sms = 132, h.smem_optin = 227 * 1024, h.cc_major = 9, h.sm90a = true;  // an H200
+  const bool sm90a_build = cuda::gemm_tf32x3_available(h);
+  cuda::AttentionBackwardArgs a;
+  a.pos = {2, 193, 1, 193, 1, 386};
+  a.heads = 2;
+  for (int hd : {17, 20, 32}) {
+    a.D = 2 * hd;
+    EXPECT_EQ(cuda::query_grads_wgmma_applies(a, h), sm90a_build) << hd;
+  }
+  for (int hd : {1, 8, 16, 33, 64, 128}) {
+    a.D = 2 * hd;
+    EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h)) << hd;
+  }
+  a.D = 64;
+  a.pos.len = cuda::kQueryGradsWgmmaMinLen;
+  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+  a.pos.len = 2048;
+  EXPECT_EQ(cuda::query_grads_wgmma_applies(a, h), sm90a_build);
+  a.mma_sync = true;
+  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+  a.mma_sync = false, a.ffma = true;
+  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+  a.ffma = false, h.sm90a = false;
+  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+}
+
 TEST(AttentionBackwardRules, SupportedHeadDims) {
   EXPECT_FALSE(cuda::attention_backward_supports(0));
   EXPECT_FALSE(cuda::attention_backward_supports(257));

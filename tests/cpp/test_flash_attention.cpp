@@ -38,6 +38,7 @@
 #include "../../src/common/plan.h"
 #include "../../src/common/smem_layout.h"
 #include "../../src/cuda/staged/flash_attention.h"
+#include "../../src/cuda/staged/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
 #include "cuda_test_util.h"
 
 namespace fastaxial::test {
@@ -362,12 +363,13 @@ INSTANTIATE_TEST_SUITE_P(
 // kFlashWgmmaMinLen on sm_90a code, unless the mma.sync kernel is asked for.
 TEST(FlashAttentionRules, WgmmaKernelWhereItApplies) {
   DeviceCaps h = h200_like();
+  const bool sm90a_build = cuda::gemm_tf32x3_available(h);  // a build without sm_90a code never takes it
   cuda::FlashArgs a;
   a.pos = {2, 65, 1, 65, 1, 130};
   a.heads = 4;
   for (int hd : {17, 24, 32}) {
     a.D = 4 * hd;
-    EXPECT_TRUE(cuda::flash_wgmma_applies(a, h)) << hd;
+    EXPECT_EQ(cuda::flash_wgmma_applies(a, h), sm90a_build) << hd;
   }
   for (int hd : {1, 8, 9, 16, 33, 48, 64, 128}) {
     a.D = 4 * hd;
@@ -379,7 +381,7 @@ TEST(FlashAttentionRules, WgmmaKernelWhereItApplies) {
   a.pos.len = 33;
   EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
   a.pos.len = 4096;
-  EXPECT_TRUE(cuda::flash_wgmma_applies(a, h));
+  EXPECT_EQ(cuda::flash_wgmma_applies(a, h), sm90a_build);
   a.mma_sync = true;
   EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
   a.mma_sync = false;

@@ -24,6 +24,9 @@
 // reproducible. 7 products of L^2 hd multiply-adds per (sequence, head),
 // against 5 with atomics.
 //
+// Kernel 3 has a third version on Hopper's wgmma for head dims 17 to 32
+// (query_grads_wgmma.cu), which the tensor-core path takes where it applies.
+//
 // Kernels 2 and 3 come twice. The default is the tensor cores (namespace
 // tc): every product on mma.sync m16n8k8 with the 3xTF32 split of
 // detail/tf32x3.cuh, fp32-accurate as the forward. A warp owns 16 rows of
@@ -1388,6 +1391,8 @@ cudaError_t launch_tc(const AttentionBackwardArgs& a, const Launch& s, const Dev
           scale_log2, key_tiles, s.dpass);
       e != cudaSuccess)
     return e;
+  if constexpr (HDP == 32)
+    if (query_grads_wgmma_applies(a, dev)) return query_grads_wgmma(a, kVec, s.scale, s.dpass, dev, stream);
   return launch_grid<tc::query_grads_kernel<HDP, kVec, kDropout>>(s.items * query_tiles, 32 * query_warps,
                                                                   Q::bytes(16 * query_warps), dev, stream, s.k, s.scale,
                                                                   scale_log2, query_tiles, s.dpass);

@@ -46,6 +46,9 @@ struct AttentionBackwardArgs {
   // FFMA kernels only where the tensor-core ones do not fit the device's
   // shared memory.
   bool ffma = false;
+  // Test hook: the dq kernel on mma.sync even where the wgmma one applies
+  // (query_grads_wgmma_applies).
+  bool mma_sync = false;
   // Attention dropout (common/dropout.h): where dropout.threshold != 0, the probability of
   // query i, key j of head h of sequence n is scaled by dropout.scale when
   // dropout_keep(dropout, pass, n, h, i, j), else zeroed (seed and offset read from `philox`).
@@ -77,5 +80,24 @@ size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma = false);
 // memory than the chosen path needs, else the launches' errors. An empty
 // problem (no sequences or L = 0) launches nothing.
 cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream);
+
+// ---- dq on wgmma (query_grads_wgmma.cu) ----------------------------------------------------------
+// Where it applies, the tensor-core path computes dq with a kernel on Hopper's warpgroup products
+// instead of the mma.sync one: the same splits, runs of products, softmax gradient and mask (the
+// score products sum features in another order; on an H200 the two kernels' dq have come out
+// bitwise equal). Head dims 17 to 32 (padded head dim 32) on sm_90a code (dev.sm90a), sequences
+// longer than kQueryGradsWgmmaMinLen (four key tiles or more: the whole backward of a pass
+// measured 3% faster with it at L = 256 and 9-10% at 1024 and 2048, but 3% slower at L = 128
+// and 16% at 80), neither hook set.
+constexpr int64_t kQueryGradsWgmmaMinLen = 192;
+
+// Whether attention_backward computes a's dq on the wgmma kernel on dev.
+bool query_grads_wgmma_applies(const AttentionBackwardArgs& a, const DeviceCaps& dev);
+
+// The dq launch attention_backward makes where query_grads_wgmma_applies (after delta and the
+// key side, as their programmatic dependent); vec: every head slice of qkv, d_o and dqkv 16-byte
+// aligned; scale = 1 / sqrt(hd); dpass: the pass's dropout (threshold 0: none).
+cudaError_t query_grads_wgmma(const AttentionBackwardArgs& a, bool vec, float scale, const DropoutPass& dpass,
+                              const DeviceCaps& dev, cudaStream_t stream);
 
 }  // namespace fastaxial::cuda

@@ -57,6 +57,7 @@
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/split_planes.cuh"
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
 #include "flash_attention.h"
@@ -104,21 +105,6 @@ __device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int s
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
-// Word of key kk (0..63), feature n in a v^T plane: slot s of the key in its
-// group of 8 permuted (slot t holds key 2t, slot t + 4 key 2t + 1), then
-// atom s / 32, row n, swizzled 16-byte piece.
-template <int HDP>
-__device__ __forceinline__ int vt_word(int kk, int n) {
-  const int s = (kk & ~7) | ((kk & 7) >> 1) | ((kk & 1) << 2);
-  return (s >> 5) * HDP * 32 + n * 32 + ((((s >> 2) & 7) ^ (n & 7)) << 2) + (s & 3);
-}
-
-// q's A fragment of 8-deep step kk for the warp's rows (row 0 at qw, stride LD).
-template <int LD>
-__device__ __forceinline__ FragA q_frag(const float* qw, int kk, int g, int t) {
-  const float* p = qw + g * LD + 8 * kk + t;
-  return make_a(p[0], p[8 * LD], p[4], p[8 * LD + 4]);
-}
 #endif
 
 // A block's units (a unit: 128 queries of one (sequence, head); unit u is
@@ -236,43 +222,19 @@ __global__ void __launch_bounds__(256, 1)
     }
   };
 
-  // A thread's elements of v's transposing split, the same every tile: key
-  // 8 (e / 64 % 8) + 2 (e / 8 % 4) + e / 32 % 2, feature 8 (e / 512) + e % 8
-  // for e = tid + i kThreads, so that a warp's 32 reads (keys 2j + b, 8
-  // features) and writes (slots j, 8 swizzled pieces) hit 32 banks. Packed:
-  // the raw word (low 16 bits) and the plane word (high 16).
-  uint32_t vmap[Tile::v_elems];
-#pragma unroll
-  for (int i = 0; i < Tile::v_elems; ++i) {
-    const int e = tid + i * kThreads;
-    const int nf = 8 * (e / (8 * BN)) + (e & 7), key = 8 * ((e >> 6) % (BN / 8)) + 2 * ((e >> 3) & 3) + ((e >> 5) & 1);
-    vmap[i] = (uint32_t)(key * LD + nf) | (uint32_t)vt_word<HDP>(key, nf) << 16;
-  }
-  // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k's (hi,
-  // lo) as 128-byte swizzled rows, v's transposed into v^T's.
+  // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k's rows
+  // into straight planes, v's transposed (detail/split_planes.cuh).
+  const TransposeMap<LD, Tile::v_elems, kThreads> vmap(tid);
   const auto split_step = [&](int64_t st) {
     const float* kr = raws + (st & 1) * 2 * (Tile::raw_k / 4);
-    const float* vr = kr + Tile::raw_k / 4;
     char* kp = sm + Tile::k_off + (st & 1) * 2 * Tile::k_plane;
-    float* vt = reinterpret_cast<float*>(sm + Tile::vt_off + (st & 1) * 2 * Tile::vt_plane);
-    constexpr int C = HDP / 4;
 #pragma unroll
     for (int i = 0; i < Tile::k_pieces; ++i) {
-      const int e = tid + i * kThreads, r = e / C, c = e % C;
-      const float4 x = *reinterpret_cast<const float4*>(kr + r * LD + 4 * c);
-      uint32_t h0, h1, h2, h3, w0, w1, w2, w3;
-      split(x.x, h0, w0), split(x.y, h1, w1), split(x.z, h2, w2), split(x.w, h3, w3);
-      char* at = kp + r * 128 + (((c ^ r) & 7) << 4);
-      *reinterpret_cast<uint4*>(at) = make_uint4(h0, h1, h2, h3);
-      *reinterpret_cast<uint4*>(at + Tile::k_plane) = make_uint4(w0, w1, w2, w3);
+      const int e = tid + i * kThreads;
+      split_piece<LD>(kr, kp, Tile::k_plane, e / (HDP / 4), e % (HDP / 4));
     }
-#pragma unroll
-    for (int i = 0; i < Tile::v_elems; ++i) {
-      uint32_t hv, lv;
-      split(vr[vmap[i] & 0xffffu], hv, lv);
-      vt[vmap[i] >> 16] = __uint_as_float(hv);
-      vt[Tile::vt_plane / 4 + (vmap[i] >> 16)] = __uint_as_float(lv);
-    }
+    vmap.split(kr + Tile::raw_k / 4, reinterpret_cast<float*>(sm + Tile::vt_off + (st & 1) * 2 * Tile::vt_plane),
+               Tile::vt_plane / 4);
   };
 
   // Steps 0 and 1 in, step 0 split.
@@ -302,8 +264,8 @@ __global__ void __launch_bounds__(256, 1)
     if (j == 0) {
       cur = unit_at(ui);
       const float* qw = qs + ((ui & 1) * BM + 16 * warp) * LD;  // the warp's q rows
-      qa[0] = q_frag<LD>(qw, 0, g, t), qa[1] = q_frag<LD>(qw, 1, g, t);
-      if constexpr (KS == 4) qb[0] = q_frag<LD>(qw, 2, g, t), qb[1] = q_frag<LD>(qw, 3, g, t);
+      qa[0] = rows_frag<LD>(qw, 0, g, t), qa[1] = rows_frag<LD>(qw, 1, g, t);
+      if constexpr (KS == 4) qb[0] = rows_frag<LD>(qw, 2, g, t), qb[1] = rows_frag<LD>(qw, 3, g, t);
       if constexpr (kDropout)
         e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
 #pragma unroll

@@ -1,0 +1,424 @@
+// The attention backward's query side (attention_backward.h: dq) on Hopper's
+// warpgroup products (wgmma, sm_90a), for padded head dim 32 and sequences
+// of four key tiles or more (attention_backward.h): for each sequence n,
+// head h and query l,
+//   dq_l = scale sum_k dS_lk k_k,   dS = P * (dP - delta),
+//   P = exp(scale q k^T - lse),     dP = d_o v^T
+// as attention_backward.cu's query_grads_kernel computes it (mma.sync):
+// the same splits, runs of products, softmax gradient and dropout mask.
+//
+// Shaped as the forward's wgmma kernel (staged/flash_attention_wgmma.cu),
+// which this one follows step for step: a block of two warpgroups (128
+// queries: a unit) streams a unit's keys 64 at a time (a step), one block
+// an SM taking units in turn, the copies two steps ahead and the split one
+// step ahead, under the products. Per step and warpgroup:
+//   1. s (64, 64) = q k^T, issued: q's A fragments from registers (split
+//      once a unit), k's straight planes as B.
+//   2. while it runs: step s + 2's copies, step s + 1's split: k into
+//      straight and transposed planes, v into straight ones
+//      (detail/split_planes.cuh).
+//   3. dp (64, 64) = d_o v^T, issued (d_o's A fragments split from shared
+//      memory at each step: registers), v's straight planes as B; while it runs, p = exp2(s scale log2(e) - lse log2(e)).
+//      Then dS = p (dP - delta) (with dropout: dS = p (dP m / (1 - p_drop)
+//      - delta)), keys >= L zero.
+//   4. dq (64, 32) += dS k: dS's A fragments straight from dp's registers,
+//      k's transposed planes as B.
+// After a unit's last step, scale dq goes to the q columns of dqkv.
+//
+// Shared memory (205 KB from a 1024-byte aligned base), each kind twice:
+//   k, v:  straight (hi, lo) planes, 64 rows of 128 bytes
+//   k^T:   transposed (hi, lo) planes, 2 atoms of 32 rows of 128 bytes
+//   raw:   a step's k rows, then its v rows, (64, 32) at row stride 36
+//   q, d_o: a unit's raw (128, 32) each at row stride 36
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/host.h"
+#include "../detail/launch.cuh"
+#include "../detail/split_planes.cuh"
+#include "../detail/tf32x3.cuh"
+#include "../detail/wgmma.cuh"
+#include "attention_backward.h"
+
+namespace fastaxial::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct QgTile {
+  static constexpr int HDP = 32, BM = 128, BN = 64, kThreads = 256;
+  static constexpr int ld = HDP + 4;
+  static constexpr int plane = BN * 128;     // a straight plane (64 keys); a transposed one is as large
+  static constexpr int buffer = 3 * 2 * plane;  // k, v straight and k transposed, (hi, lo) each
+  static constexpr int raw_k = BN * ld * 4;
+  static constexpr int unit_q = BM * ld * 4;  // q's rows of a unit; d_o's follow
+  static constexpr int planes_off = 0;        // buffer b at + b buffer: k, v, k^T
+  static constexpr int raw_off = planes_off + 2 * buffer;
+  static constexpr int q_off = raw_off + 2 * 2 * raw_k;  // unit buffer u at + 2 u unit_q: q, d_o
+  static constexpr int bytes = q_off + 2 * 2 * unit_q + 1024;
+  static constexpr int k_pieces = BN * (HDP / 4) / kThreads;
+  static constexpr int t_elems = BN * HDP / kThreads;  // elements of k's transposing split
+  static_assert(t_elems * kThreads == BN * HDP, "whole rounds");
+  static_assert(plane == (BN / 32) * HDP * 128, "transposed planes: 2 atoms of HDP rows");
+  static_assert(plane % 1024 == 0 && raw_k % 16 == 0 && unit_q % 16 == 0, "alignment");
+  static_assert(k_pieces * kThreads == BN * HDP / 4, "whole rounds");
+};
+
+struct KernelArgs {
+  AxisView pos;
+  const float* qkv;
+  const float* d_o;
+  const float* lse;
+  const float* delta;
+  float* dqkv;
+  int D, heads;
+};
+
+#if FASTAXIAL_SM90A_DEVICE
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+#endif
+
+// A block's units are u = blockIdx.x, + gridDim.x, ... (unit u: query tile
+// u % q_tiles of item u / q_tiles = n heads + h); every unit has two key
+// tiles or more (L > 64), so a unit buffer is copied again only after
+// every thread has read it (as in the forward's kernel). kVec: 16-byte
+// copies and 8-byte stores.
+template <bool kVec, bool kDropout>
+__global__ void __launch_bounds__(256, 1)
+    query_grads_wgmma_kernel(const KernelArgs a, float scale, float scale_log2, int q_tiles, const DropoutPass dpass) {
+#if FASTAXIAL_SM90A_DEVICE
+  using Tile = QgTile;
+  constexpr int HDP = Tile::HDP, BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
+  constexpr int NT = BN / 8, NO = HDP / 2;
+  const int hd = a.D / a.heads, L = (int)a.pos.len;
+  extern __shared__ float4 smem4[];
+  const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
+  char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
+  float* qs = reinterpret_cast<float*>(sm + Tile::q_off);
+  float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+
+  // Columns hd..31 of the unit buffers (q, d_o) and raw stages: zero for the whole block.
+  if (hd < HDP) {
+    const int pad = HDP - hd;
+    constexpr int kQRows = 2 * 2 * BM;
+    for (int e = tid; e < (kQRows + 2 * 2 * BN) * pad; e += kThreads) {
+      const int r = e / pad, c = hd + e % pad;
+      if (r < kQRows)
+        qs[r * LD + c] = 0.0f;
+      else
+        raws[(r - kQRows) * LD + c] = 0.0f;
+    }
+  }
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles;
+  const int tiles = (L + BN - 1) / BN;
+  const int64_t my_units = (units - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int64_t steps = my_units * tiles;
+  const int64_t ps = a.pos.pos_stride;
+  const int64_t W = 3 * (int64_t)a.D;
+
+  struct Unit {
+    int64_t item;
+    int q0;
+    int64_t seq;  // row of position 0
+    int col;      // h hd
+  };
+  const auto unit_at = [&](int64_t i) {
+    const int64_t u = blockIdx.x + i * gridDim.x;
+    Unit x;
+    x.item = u / q_tiles;
+    x.q0 = (int)(u % q_tiles) * BM;
+    x.col = (int)(x.item % a.heads) * hd;
+    x.seq = a.pos.offset(x.item / a.heads, 0);
+    return x;
+  };
+
+  // Rows p0 .. p0 + ROWS - 1 of a head slice (src: row 0's, rows of `words`
+  // floats) into shared memory at dst (row stride LD); positions >= L as zeros.
+  const auto copy_rows = [&](auto rows_c, uint32_t dst, const float* src, int64_t words, int p0) {
+    constexpr int ROWS = decltype(rows_c)::value;
+    if constexpr (kVec) {
+      constexpr int C = HDP / 4;
+#pragma unroll 4
+      for (int e = tid; e < ROWS * C; e += kThreads) {
+        const int r = e / C, c = 4 * (e % C);
+        if (c >= hd) continue;
+        const int l = p0 + r;
+        const bool valid = l < L;
+        copy_async16(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * words + c : a.qkv, valid ? 16 : 0);
+      }
+    } else {
+#pragma unroll 4
+      for (int e = tid; e < ROWS * HDP; e += kThreads) {
+        const int r = e / HDP, c = e % HDP;
+        if (c >= hd) continue;
+        const int l = p0 + r;
+        const bool valid = l < L;
+        copy_async4(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * words + c : a.qkv, valid ? 4 : 0);
+      }
+    }
+  };
+  using RowsQ = std::integral_constant<int, BM>;
+  using RowsKV = std::integral_constant<int, BN>;
+  // The copy cursor, as in the forward's kernel: tile cj of unit ci (cu), step cs.
+  int64_t ci = 0, cs = 0;
+  int cj = 0;
+  Unit cu = unit_at(0);
+  const auto copy_next = [&]() {
+    if (cj == 0) {
+      const uint32_t qd = base + Tile::q_off + (uint32_t)((ci & 1) * 2 * Tile::unit_q);
+      copy_rows(RowsQ(), qd, a.qkv + cu.seq * W + cu.col, W, cu.q0);
+      copy_rows(RowsQ(), qd + Tile::unit_q, a.d_o + cu.seq * a.D + cu.col, a.D, cu.q0);
+    }
+    const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
+    const float* kg = a.qkv + cu.seq * W + a.D + cu.col;
+    copy_rows(RowsKV(), d, kg, W, cj * BN);
+    copy_rows(RowsKV(), d + Tile::raw_k, kg + a.D, W, cj * BN);
+    copy_async_commit();
+    ++cs;
+    if (++cj == tiles) {
+      cj = 0;
+      if (++ci < my_units) cu = unit_at(ci);
+    }
+  };
+
+  // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k and v
+  // straight, k transposed.
+  const TransposeMap<LD, Tile::t_elems, kThreads> kmap(tid);
+  const auto split_step = [&](int64_t st) {
+    const float* kr = raws + (st & 1) * 2 * (Tile::raw_k / 4);
+    char* pb = sm + Tile::planes_off + (st & 1) * Tile::buffer;
+#pragma unroll
+    for (int i = 0; i < Tile::k_pieces; ++i) {
+      const int e = tid + i * kThreads, r = e / (HDP / 4), c = e % (HDP / 4);
+      split_piece<LD>(kr, pb, Tile::plane, r, c);                                           // k
+      split_piece<LD>(kr + Tile::raw_k / 4, pb + 2 * Tile::plane, Tile::plane, r, c);       // v
+    }
+    kmap.split(kr, reinterpret_cast<float*>(pb + 4 * Tile::plane), Tile::plane / 4);  // k^T
+  };
+
+  copy_next();
+  if (steps > 1) copy_next();
+  copy_async_wait<0>();
+  __syncthreads();
+  split_step(0);
+  fence_async_smem();
+  __syncthreads();
+
+  Unit cur;
+  int64_t ui = 0;
+  FragA qa[2], qb[2];  // q's A fragments: steps 0, 1 and 2, 3
+  const float* dw = nullptr;  // the warp's d_o rows (their fragments are split at each step: registers)
+  float lse_log2[2], dl[2];          // of rows g, g + 8
+  DropoutParams drop;
+  if constexpr (kDropout) drop = dropout_read(dpass);
+  uint64_t e_warp = 0;
+  float dq[NO];  // rows g (dq[4f], dq[4f + 1]) and g + 8, columns 8f + 2t, + 1
+
+  int j = 0;
+  for (int64_t st = 0; st < steps; ++st) {
+    if (j == 0) {
+      cur = unit_at(ui);
+      const float* qw = qs + ((ui & 1) * 2 * BM + 16 * warp) * LD;
+      dw = qw + BM * LD;
+      qa[0] = rows_frag<LD>(qw, 0, g, t), qa[1] = rows_frag<LD>(qw, 1, g, t);
+      qb[0] = rows_frag<LD>(qw, 2, g, t), qb[1] = rows_frag<LD>(qw, 3, g, t);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int l = cur.q0 + 16 * warp + g + 8 * r;
+        const bool in = l < L;
+        lse_log2[r] = in ? a.lse[cur.item * L + l] * kLog2e : 0.0f;
+        dl[r] = in ? a.delta[cur.item * L + l] : 0.0f;
+      }
+      if constexpr (kDropout)
+        e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
+#pragma unroll
+      for (int i = 0; i < NO; ++i) dq[i] = 0.0f;
+    }
+    // s = q k^T, issued (steps 2, 3 into ts); dp = d_o v^T after it, below.
+    const uint32_t kb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer);
+    float s[BN / 2], ts[BN / 2];
+    {
+      const uint64_t k0[2] = {desc_sw128(kb), desc_sw128(kb + 32)}, k1[2] = {desc_sw128(kb + 64), desc_sw128(kb + 96)};
+      wgmma_3xtf32_run<BN>(s, qa, k0, Tile::plane >> 4);
+      wgmma_3xtf32_run<BN>(ts, qb, k1, Tile::plane >> 4);
+    }
+    if (st + 2 < steps) copy_next();  // step s + 2
+    if (st + 1 < steps) split_step(st + 1);
+
+    uint32_t keep[NT / 2];
+    if constexpr (kDropout) {
+#pragma unroll
+      for (int jn = 0; jn < NT; jn += 2) {
+        const uint64_t e_tile = e_warp + (uint64_t)(j * BN + 8 * jn);
+        const unsigned b0 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile, L, g, t)), t);
+        const unsigned b1 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile + 8, L, g, t)), t);
+        keep[jn / 2] = b0 | b1 << 16;
+      }
+    }
+
+    wgmma_wait<0>();
+    fence_frags(qa), fence_frags(qb);
+    fence_regs(s);
+    add_to(s, ts);
+    // dp (64, 64) = d_o v^T, issued (steps 2, 3 into tdp); p from s while it runs.
+    float dp[BN / 2], tdp[BN / 2];
+    FragA da[2], db[2];
+    {
+      da[0] = rows_frag<LD>(dw, 0, g, t), da[1] = rows_frag<LD>(dw, 1, g, t);
+      db[0] = rows_frag<LD>(dw, 2, g, t), db[1] = rows_frag<LD>(dw, 3, g, t);
+      const uint32_t vb = kb + 2 * Tile::plane;
+      const uint64_t v0[2] = {desc_sw128(vb), desc_sw128(vb + 32)}, v1[2] = {desc_sw128(vb + 64), desc_sw128(vb + 96)};
+      wgmma_3xtf32_run<BN>(dp, da, v0, Tile::plane >> 4);
+      wgmma_3xtf32_run<BN>(tdp, db, v1, Tile::plane >> 4);
+    }
+    // s -> p in place: key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1) in s[4 jn + e].
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = exp2f(fmaf(s[i], scale_log2, -lse_log2[(i >> 1) & 1]));
+    wgmma_wait<0>();
+    fence_frags(da), fence_frags(db);
+    fence_regs(dp);
+    add_to(dp, tdp);
+
+    // dp -> dS in place (attention_backward.cu's softmax_grad_rows), keys >= L zero.
+    const int k0 = j * BN;
+    const bool partial = k0 + BN > L;
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float p = s[4 * jn + e];
+        float ds;
+        if constexpr (kDropout) {
+          const bool kept = (keep[jn / 2] >> (16 * (jn % 2) + dropout_bit_rows(t, e))) & 1u;
+          const float m = kept ? dpass.scale : 0.0f;
+          ds = p * fmaf(m, dp[4 * jn + e], -dl[r]);
+        } else {
+          ds = p * (dp[4 * jn + e] - dl[r]);
+        }
+        const bool in = !partial || k0 + 8 * jn + 2 * t + (e & 1) < L;
+        dp[4 * jn + e] = in ? ds : 0.0f;
+      }
+
+    // dq += dS k: runs of two key groups into t0 and t1 in turn (as the forward's p v).
+    {
+      const uint32_t tb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer + 4 * Tile::plane);
+      const auto run = [&](float(&acc)[NO], FragA(&f)[2], int r) {
+        uint64_t d[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int jg = 2 * r + k;
+          f[k] = make_a(dp[4 * jg], dp[4 * jg + 2], dp[4 * jg + 1], dp[4 * jg + 3]);
+          d[k] = desc_sw128(tb + (jg / 4) * (HDP * 128) + (jg % 4) * 32);
+        }
+        wgmma_3xtf32_run<HDP>(acc, f, d, Tile::plane >> 4);
+      };
+      float t0[NO], t1[NO];
+      FragA f0[2], f1[2];
+      run(t0, f0, 0);
+      run(t1, f1, 1);
+      wgmma_wait<1>();
+      fence_frags(f0);
+      add_to(dq, t0);
+      run(t0, f0, 2);
+      wgmma_wait<1>();
+      fence_frags(f1);
+      add_to(dq, t1);
+      run(t1, f1, 3);
+      wgmma_wait<1>();
+      fence_frags(f0);
+      add_to(dq, t0);
+      wgmma_wait<0>();
+      fence_frags(f1);
+      add_to(dq, t1);
+    }
+
+    if (++j == tiles) {  // the unit's last tile: scale dq into dqkv's q columns
+      j = 0;
+      ++ui;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int l = cur.q0 + 16 * warp + g + 8 * r;
+        if (l >= L) continue;
+        float* out = a.dqkv + (cur.seq + (int64_t)l * ps) * W + cur.col;
+#pragma unroll
+        for (int f = 0; f < NO / 4; ++f) {
+          const int c = 8 * f + 2 * t;
+          if (c >= hd) continue;
+          const float x = scale * dq[4 * f + 2 * r], y = scale * dq[4 * f + 2 * r + 1];
+          if constexpr (kVec) {
+            *reinterpret_cast<float2*>(out + c) = make_float2(x, y);  // hd % 4 == 0: pairs lie wholly inside
+          } else {
+            out[c] = x;
+            if (c + 1 < hd) out[c + 1] = y;
+          }
+        }
+      }
+    }
+    if (st + 1 < steps) {
+      if (st + 2 < steps) copy_async_wait<0>();
+      fence_async_smem();
+      __syncthreads();
+    }
+  }
+#else
+  (void)a, (void)scale, (void)scale_log2, (void)q_tiles, (void)dpass;
+  __trap();  // built without sm_90a: query_grads_wgmma_applies is false there
+#endif
+}
+
+template <bool kVec, bool kDropout>
+cudaError_t launch(const AttentionBackwardArgs& a, float scale, const DropoutPass& dpass, const DeviceCaps& dev,
+                   cudaStream_t stream) {
+  constexpr auto kernel = query_grads_wgmma_kernel<kVec, kDropout>;
+  if ((size_t)QgTile::bytes > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
+  if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  const int L = (int)a.pos.len;
+  const int q_tiles = (L + QgTile::BM - 1) / QgTile::BM;
+  const int64_t units = a.pos.num_seq * a.heads * q_tiles;
+  const int64_t blocks = std::min<int64_t>(units, std::max(dev.sms, 1));
+  const KernelArgs k = {a.pos, a.qkv, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads};
+  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(QgTile::kThreads), QgTile::bytes, stream, dev, k, scale,
+                               scale * kLog2e, q_tiles, dpass);
+}
+
+}  // namespace
+
+bool query_grads_wgmma_applies(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
+#if defined(FASTAXIAL_WGMMA)
+  const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
+  return !a.mma_sync && !a.ffma && dev.sm90a && flash_padded_head_dim(hd) == 32 && a.pos.len > kQueryGradsWgmmaMinLen &&
+         (size_t)QgTile::bytes <= (size_t)dev.smem_optin;
+#else
+  (void)a, (void)dev;
+  return false;  // no sm_90a code in this build: the kernel's body is a trap
+#endif
+}
+
+cudaError_t query_grads_wgmma(const AttentionBackwardArgs& a, bool vec, float scale, const DropoutPass& dpass,
+                              const DeviceCaps& dev, cudaStream_t stream) {
+  if (a.heads <= 0 || a.D % a.heads != 0 || flash_padded_head_dim(a.D / a.heads) != 32 || a.pos.len <= QgTile::BN)  // units of 2+ tiles
+    return cudaErrorInvalidValue;
+  if (a.pos.num_seq <= 0) return a.pos.num_seq == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  if constexpr (kDropoutAvailable)
+    if (a.dropout.threshold != 0)
+      return vec ? launch<true, true>(a, scale, dpass, dev, stream) : launch<false, true>(a, scale, dpass, dev, stream);
+  return vec ? launch<true, false>(a, scale, dpass, dev, stream) : launch<false, false>(a, scale, dpass, dev, stream);
+}
+
+}  // namespace fastaxial::cuda
