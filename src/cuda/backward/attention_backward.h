@@ -83,9 +83,8 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
 
 // ---- dq on wgmma (query_grads_wgmma.cu) ----------------------------------------------------------
 // Where it applies, the tensor-core path computes dq with a kernel on Hopper's warpgroup products
-// instead of the mma.sync one: the same splits, runs of products, softmax gradient and mask (the
-// score products sum features in another order; on an H200 the two kernels' dq have come out
-// bitwise equal). Head dims 17 to 32 (padded head dim 32) on sm_90a code (dev.sm90a), sequences
+// instead of the mma.sync one: the same splits, runs of products in the same order, softmax
+// gradient and mask (on an H200 the two kernels' dq have come out bitwise equal). Head dims 17 to 32 (padded head dim 32) on sm_90a code (dev.sm90a), sequences
 // longer than kQueryGradsWgmmaMinLen (four key tiles or more: the whole backward of a pass
 // measured 3% faster with it at L = 256 and 9-10% at 1024 and 2048, but 3% slower at L = 128
 // and 16% at 80), neither hook set.

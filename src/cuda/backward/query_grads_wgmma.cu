@@ -1,7 +1,7 @@
 // The attention backward's query side (attention_backward.h: dq) on Hopper's
 // warpgroup products (wgmma, sm_90a), for padded head dim 32 and sequences
-// of four key tiles or more (attention_backward.h): for each sequence n,
-// head h and query l,
+// of two key tiles or more (the dispatch takes it from four:
+// attention_backward.h): for each sequence n, head h and query l,
 //   dq_l = scale sum_k dS_lk k_k,   dS = P * (dP - delta),
 //   P = exp(scale q k^T - lse),     dP = d_o v^T
 // as attention_backward.cu's query_grads_kernel computes it (mma.sync):
@@ -13,16 +13,19 @@
 // an SM taking units in turn, the copies two steps ahead and the split one
 // step ahead, under the products. Per step and warpgroup:
 //   1. s (64, 64) = q k^T, issued: q's A fragments from registers (split
-//      once a unit), k's straight planes as B.
+//      once a unit), k's straight planes as B (its 8-deep k-steps 0, 1 into
+//      s, 2, 3 into ts).
 //   2. while it runs: step s + 2's copies, step s + 1's split: k into
 //      straight and transposed planes, v into straight ones
 //      (detail/split_planes.cuh).
 //   3. dp (64, 64) = d_o v^T, issued (d_o's A fragments split from shared
-//      memory at each step: registers), v's straight planes as B; while it runs, p = exp2(s scale log2(e) - lse log2(e)).
-//      Then dS = p (dP - delta) (with dropout: dS = p (dP m / (1 - p_drop)
-//      - delta)), keys >= L zero.
+//      memory at each step: registers), v's straight planes as B; while it
+//      runs, p = exp2(s scale log2(e) - lse log2(e)). Then dS = p (dP -
+//      delta) (with dropout: dS = p (dP m / (1 - p_drop) - delta)), keys
+//      >= L zero.
 //   4. dq (64, 32) += dS k: dS's A fragments straight from dp's registers,
 //      k's transposed planes as B.
+//   5. one barrier: step s + 1's planes visible, step s's buffers free.
 // After a unit's last step, scale dq goes to the q columns of dqkv.
 //
 // Shared memory (205 KB from a 1024-byte aligned base), each kind twice:
@@ -221,7 +224,7 @@ __global__ void __launch_bounds__(256, 1)
 
   Unit cur;
   int64_t ui = 0;
-  FragA qa[2], qb[2];  // q's A fragments: steps 0, 1 and 2, 3
+  FragA qa[2], qb[2];  // q's A fragments: k-steps 0, 1 and 2, 3
   const float* dw = nullptr;  // the warp's d_o rows (their fragments are split at each step: registers)
   float lse_log2[2], dl[2];          // of rows g, g + 8
   DropoutParams drop;
@@ -249,7 +252,7 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
       for (int i = 0; i < NO; ++i) dq[i] = 0.0f;
     }
-    // s = q k^T, issued (steps 2, 3 into ts); dp = d_o v^T after it, below.
+    // s = q k^T, issued (k-steps 2, 3 into ts); dp = d_o v^T after it, below.
     const uint32_t kb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer);
     float s[BN / 2], ts[BN / 2];
     {
@@ -275,7 +278,7 @@ __global__ void __launch_bounds__(256, 1)
     fence_frags(qa), fence_frags(qb);
     fence_regs(s);
     add_to(s, ts);
-    // dp (64, 64) = d_o v^T, issued (steps 2, 3 into tdp); p from s while it runs.
+    // dp (64, 64) = d_o v^T, issued (k-steps 2, 3 into tdp); p from s while it runs.
     float dp[BN / 2], tdp[BN / 2];
     FragA da[2], db[2];
     {
@@ -412,11 +415,13 @@ bool query_grads_wgmma_applies(const AttentionBackwardArgs& a, const DeviceCaps&
 
 cudaError_t query_grads_wgmma(const AttentionBackwardArgs& a, bool vec, float scale, const DropoutPass& dpass,
                               const DeviceCaps& dev, cudaStream_t stream) {
-  if (a.heads <= 0 || a.D % a.heads != 0 || flash_padded_head_dim(a.D / a.heads) != 32 || a.pos.len <= QgTile::BN)  // units of 2+ tiles
+  // Units of two key tiles or more (L > 64); L below 2^30, as attention_backward checks.
+  if (a.heads <= 0 || a.D % a.heads != 0 || flash_padded_head_dim(a.D / a.heads) != 32 || a.pos.len <= QgTile::BN ||
+      a.pos.len >= (int64_t{1} << 30))
     return cudaErrorInvalidValue;
   if (a.pos.num_seq <= 0) return a.pos.num_seq == 0 ? cudaSuccess : cudaErrorInvalidValue;
   if constexpr (kDropoutAvailable)
-    if (a.dropout.threshold != 0)
+    if (dpass.threshold != 0)
       return vec ? launch<true, true>(a, scale, dpass, dev, stream) : launch<false, true>(a, scale, dpass, dev, stream);
   return vec ? launch<true, false>(a, scale, dpass, dev, stream) : launch<false, false>(a, scale, dpass, dev, stream);
 }

@@ -1,7 +1,8 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only) for fp32 data
 // as TF32: the shared-memory matrix descriptor, the products staged/gemm.cu,
-// the fused kernel (fused/forward.cu), the flash attention
-// (staged/flash_attention_wgmma.cu) and the weight gradients
+// the fused kernel (fused/forward.cu), the flash attention and the
+// backward's dq (staged/flash_attention_wgmma.cu,
+// backward/query_grads_wgmma.cu) and the weight gradients
 // (backward/weight_gradient.cu) use (A from registers, B from shared
 // memory), and the fences around them.
 // Its functions exist only in device code compiled for sm_90a
@@ -111,7 +112,7 @@ __device__ __forceinline__ void wgmma_m64n96k8_rs(float (&d)[48], const uint32_t
 }
 
 // d (64 x 64) = or += A (64 x 8) @ B (8 x 64): the weight gradients' narrow tiles
-// (backward/weight_gradient.cu, K <= 64) and the flash attention's scores (64 keys).
+// (backward/weight_gradient.cu, K <= 64) and the attention kernels' scores (64 keys).
 __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -125,8 +126,9 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// The same for the narrow products of the fused kernel (fused/forward.cu),
-// whose N is a sequence's positions: 8 to 32 a warpgroup.
+// The same for narrow products: the fused kernel's (fused/forward.cu), whose N
+// is a sequence's positions, 8 to 32 a warpgroup, and the attention kernels'
+// products over keys (N = head dim 32).
 __device__ __forceinline__ void wgmma_m64n8k8_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
