@@ -302,6 +302,23 @@ __device__ __forceinline__ unsigned dropout_share16(unsigned run, int c) {
   x |= __shfl_xor_sync(0xffffffffu, x, 2 * kStride);
   return x;
 }
+
+// The keep bits of a warp's score tile of 16 rows (queries) by 8 NT columns (keys) in C
+// fragments (S = q k^T): n-tiles jn and jn + 1 in keep[jn / 2], 16 bits each, c[k]'s at
+// dropout_bit_rows. e_row: the element of (row 0, key 0); key0: the tile's first key; L: the
+// mask's row length.
+template <int NT>
+__device__ __forceinline__ void dropout_keep_rows(uint32_t (&keep)[NT / 2], const DropoutParams& d, uint64_t e_row,
+                                                  int key0, uint64_t L, int g, int t) {
+  static_assert(NT % 2 == 0, "n-tiles in pairs");
+#pragma unroll
+  for (int jn = 0; jn < NT; jn += 2) {
+    const uint64_t e = e_row + static_cast<uint64_t>(key0 + 8 * jn);
+    const unsigned b0 = dropout_share16<1>(dropout_keep_run4(d, dropout_run_rows(e, L, g, t)), t);
+    const unsigned b1 = dropout_share16<1>(dropout_keep_run4(d, dropout_run_rows(e + 8, L, g, t)), t);
+    keep[jn / 2] = b0 | b1 << 16;
+  }
+}
 #endif
 
 }  // namespace fastaxial

@@ -746,16 +746,7 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
       // Dropout's keep bits of the tile, drawn before s and dp are live: key
       // n-tiles jj and jj + 1 in keep[jj / 2], 16 bits each.
       uint32_t keep[NK / 2];
-      if constexpr (kDropout) {
-        static_assert(NK % 2 == 0, "n-tiles in pairs");
-#pragma unroll
-        for (int jj = 0; jj < NK; jj += 2) {
-          const uint64_t e_tile = e_warp + (uint64_t)(k0 + 8 * jj);
-          const unsigned b0 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile, hp.L, g, t)), t);
-          const unsigned b1 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile + 8, hp.L, g, t)), t);
-          keep[jj / 2] = b0 | b1 << 16;
-        }
-      }
+      if constexpr (kDropout) dropout_keep_rows<NK>(keep, drop, e_warp, k0, hp.L, g, t);
       float s[NK][4], dp[NK][4];
       score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
       score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T

@@ -308,15 +308,7 @@ __global__ void __launch_bounds__(32 * W)
     // Dropout's keep bits of the tile, drawn before s is live (fewer
     // registers at once): n-tiles jn and jn + 1 in keep[jn / 2], 16 bits each.
     uint32_t keep[NT / 2];
-    if constexpr (kDropout) {
-#pragma unroll
-      for (int jn = 0; jn < NT; jn += 2) {
-        const uint64_t e_tile = e_warp + (uint64_t)(j * BN + 8 * jn);
-        const unsigned b0 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile, L, g, t)), t);
-        const unsigned b1 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile + 8, L, g, t)), t);
-        keep[jn / 2] = b0 | b1 << 16;
-      }
-    }
+    if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
 
     // s (16, BN) = q k^T: s[jn] is n-tile jn, keys 8 jn .. 8 jn + 7 of the
     // tile; this thread holds keys 8 jn + 2t, + 1 of rows g and g + 8. Runs

@@ -291,17 +291,9 @@ __global__ void __launch_bounds__(256, 1)
     if (st + 1 < steps) split_step(st + 1);
 
     // Dropout's keep bits of the tile: n-tiles jn, jn + 1 in keep[jn / 2], 16
-    // bits each (as flash_attention.cu).
+    // bits each (common/dropout.h).
     uint32_t keep[NT / 2];
-    if constexpr (kDropout) {
-#pragma unroll
-      for (int jn = 0; jn < NT; jn += 2) {
-        const uint64_t e_tile = e_warp + (uint64_t)(j * BN + 8 * jn);
-        const unsigned b0 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile, L, g, t)), t);
-        const unsigned b1 = dropout_share16<1>(dropout_keep_run4(drop, dropout_run_rows(e_tile + 8, L, g, t)), t);
-        keep[jn / 2] = b0 | b1 << 16;
-      }
-    }
+    if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
 
     wgmma_wait<0>();
     fence_frags(qa);
