@@ -27,6 +27,7 @@
 #include "../../src/common/plan.h"
 #include "../../src/cuda/backward/attention_backward.h"
 #include "../../src/cuda/staged/flash_attention.h"
+#include "bench_util.h"
 #include "cuda_test_util.h"
 
 namespace {
@@ -34,19 +35,23 @@ namespace {
 using fastaxial::DeviceCaps;
 namespace cuda = fastaxial::cuda;
 
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    const auto e_ = (call);                                                                  \
-    if (e_ != 0) {                                                                           \
-      std::fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #call, (int)e_); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
-
 struct Shape {
   int64_t N, L;
   int hd, heads;
 };
+
+// max |x - y| / max |y| over n floats of device memory.
+double relative_difference(const float* x, const float* y, size_t n) {
+  std::vector<float> hx(n), hy(n);
+  BENCH_CHECK(cudaMemcpy(hx.data(), x, n * 4, cudaMemcpyDeviceToHost));
+  BENCH_CHECK(cudaMemcpy(hy.data(), y, n * 4, cudaMemcpyDeviceToHost));
+  double ymax = 0.0, diff = 0.0;
+  for (size_t e = 0; e < n; ++e) {
+    ymax = std::max(ymax, (double)std::fabs(hy[e]));
+    diff = std::max(diff, (double)std::fabs(hx[e] - hy[e]));
+  }
+  return diff / ymax;
+}
 
 }  // namespace
 
@@ -65,14 +70,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, dev.device));
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, dev.device));
   std::printf("%s, %d SMs; mean of %d calls, L2 flushed before each\n", prop.name, dev.sms, reps);
-  float* flush = nullptr;
-  const size_t flush_bytes = size_t{256} << 20;
-  CHECK(cudaMalloc(&flush, flush_bytes));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
+  fastaxial::test::ColdTimer timer;
 
   std::printf("%6s %5s %4s %5s | %-22s | %-18s | %s\n", "N", "L", "hd", "heads", "flash_attention (kernel)",
               "mma.sync forced", "max diff / max |o|");
@@ -88,10 +88,10 @@ int main(int argc, char** argv) {
     std::vector<float> hqkv((size_t)(T * 3 * D));
     for (float& x : hqkv) x = normal(rng);
     float *qkv, *o[2], *lse;
-    CHECK(cudaMalloc(&qkv, hqkv.size() * 4));
-    for (float*& oi : o) CHECK(cudaMalloc(&oi, (size_t)(T * D) * 4));
-    CHECK(cudaMalloc(&lse, (size_t)(s.N * s.heads * s.L) * 4));
-    CHECK(cudaMemcpy(qkv, hqkv.data(), hqkv.size() * 4, cudaMemcpyHostToDevice));
+    BENCH_CHECK(cudaMalloc(&qkv, hqkv.size() * 4));
+    for (float*& oi : o) BENCH_CHECK(cudaMalloc(&oi, (size_t)(T * D) * 4));
+    BENCH_CHECK(cudaMalloc(&lse, (size_t)(s.N * s.heads * s.L) * 4));
+    BENCH_CHECK(cudaMemcpy(qkv, hqkv.data(), hqkv.size() * 4, cudaMemcpyHostToDevice));
 
     cuda::FlashArgs a;
     a.pos = view, a.qkv = qkv, a.lse = lse, a.D = (int)D, a.heads = s.heads;
@@ -99,88 +99,43 @@ int main(int argc, char** argv) {
     const auto time = [&](int variant) {
       cuda::FlashArgs av = a;
       av.o = o[variant], av.mma_sync = variant == 1;
-      float total = 0.0f;
-      for (int r = 0; r <= reps; ++r) {  // call 0 warms up (shared-memory opt-in)
-        CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-        CHECK(cudaEventRecord(start));
-        CHECK(cuda::flash_attention(av, dev, nullptr));
-        CHECK(cudaEventRecord(stop));
-        CHECK(cudaEventSynchronize(stop));
-        float ms = 0.0f;
-        CHECK(cudaEventElapsedTime(&ms, start, stop));
-        if (r > 0) total += ms;
-      }
-      return total / reps;
+      return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::flash_attention(av, dev, nullptr)); });
     };
     double ms[2];
     for (int v = 0; v < 2; ++v) ms[v] = time(v);
-    std::vector<float> out[2];
-    for (int v = 0; v < 2; ++v) {
-      out[v].resize((size_t)(T * D));
-      CHECK(cudaMemcpy(out[v].data(), o[v], out[v].size() * 4, cudaMemcpyDeviceToHost));
-    }
-    double omax = 0.0, diff = 0.0;
-    for (size_t e = 0; e < out[0].size(); ++e) {
-      omax = std::max(omax, (double)std::fabs(out[1][e]));
-      diff = std::max(diff, (double)std::fabs(out[0][e] - out[1][e]));
-    }
     const double flop = 4.0 * (double)s.N * s.heads * (double)s.L * (double)s.L * s.hd;
-    cuda::FlashArgs ap = a;
-    ap.o = o[0];
-    const bool wgmma = cuda::flash_wgmma_applies(ap, dev);
+    const bool wgmma = cuda::flash_wgmma_applies(a, dev);
     std::printf("%6lld %5lld %4d %5d | %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", (long long)s.N,
                 (long long)s.L, s.hd, s.heads, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma",
-                1e3 * ms[1], flop / ms[1] * 1e-9, diff / omax);
+                1e3 * ms[1], flop / ms[1] * 1e-9, relative_difference(o[0], o[1], (size_t)(T * D)));
     // The backward from variant 0's o and lse.
     std::vector<float> hdo((size_t)(T * D));
     for (float& x : hdo) x = normal(rng);
     float *d_o, *delta, *dqkv[2];
-    CHECK(cudaMalloc(&d_o, hdo.size() * 4));
-    CHECK(cudaMalloc(&delta, (size_t)(s.N * s.heads * s.L) * 4));
-    for (float*& di : dqkv) CHECK(cudaMalloc(&di, (size_t)(T * 3 * D) * 4));
-    CHECK(cudaMemcpy(d_o, hdo.data(), hdo.size() * 4, cudaMemcpyHostToDevice));
+    BENCH_CHECK(cudaMalloc(&d_o, hdo.size() * 4));
+    BENCH_CHECK(cudaMalloc(&delta, (size_t)(s.N * s.heads * s.L) * 4));
+    for (float*& di : dqkv) BENCH_CHECK(cudaMalloc(&di, (size_t)(T * 3 * D) * 4));
+    BENCH_CHECK(cudaMemcpy(d_o, hdo.data(), hdo.size() * 4, cudaMemcpyHostToDevice));
     cuda::AttentionBackwardArgs b;
     b.pos = view, b.qkv = qkv, b.o = o[0], b.d_o = d_o, b.lse = lse, b.delta = delta, b.D = (int)D;
     b.heads = s.heads;
     const auto time_backward = [&](int variant) {
       cuda::AttentionBackwardArgs bv = b;
       bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1;
-      float total = 0.0f;
-      for (int r = 0; r <= reps; ++r) {
-        CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-        CHECK(cudaEventRecord(start));
-        CHECK(cuda::attention_backward(bv, dev, nullptr));
-        CHECK(cudaEventRecord(stop));
-        CHECK(cudaEventSynchronize(stop));
-        float ms = 0.0f;
-        CHECK(cudaEventElapsedTime(&ms, start, stop));
-        if (r > 0) total += ms;
-      }
-      return total / reps;
+      return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::attention_backward(bv, dev, nullptr)); });
     };
     double bms[2];
     for (int v = 0; v < 2; ++v) bms[v] = time_backward(v);
-    std::vector<float> grad[2];
-    for (int v = 0; v < 2; ++v) {
-      grad[v].resize((size_t)(T * 3 * D));
-      CHECK(cudaMemcpy(grad[v].data(), dqkv[v], grad[v].size() * 4, cudaMemcpyDeviceToHost));
-    }
-    double gmax = 0.0, gdiff = 0.0;
-    for (size_t e = 0; e < grad[0].size(); ++e) {
-      gmax = std::max(gmax, (double)std::fabs(grad[1][e]));
-      gdiff = std::max(gdiff, (double)std::fabs(grad[0][e] - grad[1][e]));
-    }
     const double bflop = 3.5 * flop;
     std::printf("%6s %5s %4s %5s | backward %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", "", "", "", "",
                 1e3 * bms[0], bflop / bms[0] * 1e-9, cuda::query_grads_wgmma_applies(b, dev) ? "wgmma" : "mma",
-                1e3 * bms[1], bflop / bms[1] * 1e-9, gdiff / gmax);
-    CHECK(cudaFree(d_o));
-    CHECK(cudaFree(delta));
-    for (float* di : dqkv) CHECK(cudaFree(di));
-    CHECK(cudaFree(qkv));
-    for (float* oi : o) CHECK(cudaFree(oi));
-    CHECK(cudaFree(lse));
+                1e3 * bms[1], bflop / bms[1] * 1e-9, relative_difference(dqkv[0], dqkv[1], (size_t)(T * 3 * D)));
+    BENCH_CHECK(cudaFree(d_o));
+    BENCH_CHECK(cudaFree(delta));
+    for (float* di : dqkv) BENCH_CHECK(cudaFree(di));
+    BENCH_CHECK(cudaFree(qkv));
+    for (float* oi : o) BENCH_CHECK(cudaFree(oi));
+    BENCH_CHECK(cudaFree(lse));
   }
-  CHECK(cudaFree(flush));
   return 0;
 }

@@ -22,21 +22,13 @@
 
 #include "../../src/common/plan.h"
 #include "../../src/cuda/backward/weight_gradient.h"
+#include "bench_util.h"
 #include "cuda_test_util.h"
 
 namespace {
 
 using fastaxial::DeviceCaps;
 namespace cuda = fastaxial::cuda;
-
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    const auto e_ = (call);                                                                  \
-    if (e_ != 0) {                                                                           \
-      std::fprintf(stderr, "%s:%d: %s failed (%d)\n", __FILE__, __LINE__, #call, (int)e_); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
 
 struct Shape {
   int64_t T;
@@ -60,17 +52,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   cudaDeviceProp prop;
-  CHECK(cudaGetDeviceProperties(&prop, dev.device));
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, dev.device));
   std::printf("%s, %d SMs; mean of %d calls, L2 flushed before each\n", prop.name, dev.sms, reps);
   cublasHandle_t blas;
-  CHECK(cublasCreate(&blas));
-  CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
-  float* flush = nullptr;
-  const size_t flush_bytes = size_t{256} << 20;
-  CHECK(cudaMalloc(&flush, flush_bytes));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
+  BENCH_CHECK(cublasCreate(&blas));
+  BENCH_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
+  fastaxial::test::ColdTimer timer;
 
   std::printf("%8s %5s %5s | %-26s | %-26s | %-18s | %s\n", "T", "N", "K", "weight_gradient (kernel, S)",
               "mma.sync forced (S)", "cuBLAS fp32", "max diff / max |C| (wg, mma)");
@@ -82,45 +69,36 @@ int main(int argc, char** argv) {
     for (float& x : ha) x = normal(rng);
     for (float& x : hb) x = normal(rng);
     float *a, *b, *c[3], *partials = nullptr;
-    CHECK(cudaMalloc(&a, ha.size() * 4));
-    CHECK(cudaMalloc(&b, hb.size() * 4));
-    for (float*& ci : c) CHECK(cudaMalloc(&ci, N * K * 4));
-    CHECK(cudaMemcpy(a, ha.data(), ha.size() * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(b, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
+    BENCH_CHECK(cudaMalloc(&a, ha.size() * 4));
+    BENCH_CHECK(cudaMalloc(&b, hb.size() * 4));
+    for (float*& ci : c) BENCH_CHECK(cudaMalloc(&ci, N * K * 4));
+    BENCH_CHECK(cudaMemcpy(a, ha.data(), ha.size() * 4, cudaMemcpyHostToDevice));
+    BENCH_CHECK(cudaMemcpy(b, hb.data(), hb.size() * 4, cudaMemcpyHostToDevice));
     const size_t pfloats = fastaxial::weight_gradient_partials_floats(T, N, K, dev);
-    if (pfloats > 0) CHECK(cudaMalloc(&partials, pfloats * 4));
+    if (pfloats > 0) BENCH_CHECK(cudaMalloc(&partials, pfloats * 4));
 
     cuda::WeightGradientArgs g;
     g.a = a, g.b = b, g.T = T, g.lda = N, g.ldb = K, g.ldc = K, g.N = s.N, g.K = s.K;
     // variant 0: as picked; 1: mma.sync; 2: cuBLAS. Returns the mean time in ms.
     const auto time = [&](int variant) {
-      float total = 0.0f;
-      for (int r = 0; r <= reps; ++r) {  // call 0 warms up (smem opt-in, cuBLAS heuristics)
-        CHECK(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-        CHECK(cudaEventRecord(start));
+      return timer.mean_ms(reps, [&] {
         if (variant < 2) {
           cuda::WeightGradientArgs gv = g;
           gv.c = c[variant], gv.mma_sync = variant == 1;
-          CHECK(cuda::weight_gradient(gv, partials, pfloats * 4, dev, nullptr));
+          BENCH_CHECK(cuda::weight_gradient(gv, partials, pfloats * 4, dev, nullptr));
         } else {
           const float one = 1.0f, zero = 0.0f;  // column-major: C^T (K, N) = B^T (K, T) A (T, N)
-          CHECK(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, s.K, s.N, (int)T, &one, b, s.K, a, s.N, &zero, c[2],
+          BENCH_CHECK(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, s.K, s.N, (int)T, &one, b, s.K, a, s.N, &zero, c[2],
                             s.K));
         }
-        CHECK(cudaEventRecord(stop));
-        CHECK(cudaEventSynchronize(stop));
-        float ms = 0.0f;
-        CHECK(cudaEventElapsedTime(&ms, start, stop));
-        if (r > 0) total += ms;
-      }
-      return total / reps;
+      });
     };
     double ms[3];
     for (int v = 0; v < 3; ++v) ms[v] = time(v);
     std::vector<float> out[3];
     for (int v = 0; v < 3; ++v) {
       out[v].resize(N * K);
-      CHECK(cudaMemcpy(out[v].data(), c[v], N * K * 4, cudaMemcpyDeviceToHost));
+      BENCH_CHECK(cudaMemcpy(out[v].data(), c[v], N * K * 4, cudaMemcpyDeviceToHost));
     }
     double cmax = 0.0, diff[2] = {0.0, 0.0};
     for (int64_t e = 0; e < N * K; ++e) {
@@ -139,12 +117,11 @@ int main(int argc, char** argv) {
                 (long long)T, s.N, s.K, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma", (long long)splits(wgmma),
                 1e3 * ms[1], flop / ms[1] * 1e-9, (long long)splits(false), 1e3 * ms[2], flop / ms[2] * 1e-9,
                 diff[0] / cmax, diff[1] / cmax);
-    CHECK(cudaFree(a));
-    CHECK(cudaFree(b));
-    for (float* ci : c) CHECK(cudaFree(ci));
-    if (partials) CHECK(cudaFree(partials));
+    BENCH_CHECK(cudaFree(a));
+    BENCH_CHECK(cudaFree(b));
+    for (float* ci : c) BENCH_CHECK(cudaFree(ci));
+    if (partials) BENCH_CHECK(cudaFree(partials));
   }
-  CHECK(cublasDestroy(blas));
-  CHECK(cudaFree(flush));
+  BENCH_CHECK(cublasDestroy(blas));
   return 0;
 }
