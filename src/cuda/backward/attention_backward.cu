@@ -100,14 +100,6 @@ constexpr int kMaxLen = 1 << 30;  // L below this: positions and tile arithmetic
 
 // ---- shared by both paths ---------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_addr(const float* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 4 bytes from global memory at src to shared memory at dst (a shared-space
-// address); with src_bytes = 0 nothing is read and the word is zeroed.
-__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
 // What the kernels read of AttentionBackwardArgs, the dropout fields aside
 // (those go as a DropoutPass of their own): with them it is past 128
 // bytes, where the compiler treats a struct parameter differently, and the

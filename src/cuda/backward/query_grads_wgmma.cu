@@ -83,14 +83,6 @@ struct KernelArgs {
   int D, heads;
 };
 
-#if FASTAXIAL_SM90A_DEVICE
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-#endif
-
 // A block's units are u = blockIdx.x, + gridDim.x, ... (unit u: query tile
 // u % q_tiles of item u / q_tiles = n heads + h); every unit has two key
 // tiles or more (L > 64), so a unit buffer is copied again only after

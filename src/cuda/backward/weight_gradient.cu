@@ -206,14 +206,6 @@ struct Product {
   bool vec_out;  // out 16-byte aligned with ld_out a multiple of 4: 16-byte stores
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const float* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 4 bytes from global memory at src to shared memory at dst (a shared-space address); with
-// src_bytes = 0 nothing is read and the word is zeroed.
-__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
 // COLS columns from col0 of rows row .. row + BK - 1 of m (stride ld) into s (BK, LD): rows
 // from `end` on and columns from `width` on zero-filled, never read. kVec: 16-byte copies (m and
 // ld 16-byte aligned), else 4-byte ones. A thread copies one column (or 16-byte piece) of every

@@ -8,6 +8,15 @@
 
 namespace fastaxial::cuda {
 
+// p (in shared memory) as a shared-space address, as cp.async and wgmma's descriptors take it.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 4 bytes from global memory at src to shared memory at dst (a shared-space
+// address); with src_bytes = 0 nothing is read and the word is zeroed.
+__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
 // 16 bytes from global memory at src to shared memory at dst (a shared-space
 // address); with src_bytes < 16 only that many are read and the rest zeroed.
 __device__ __forceinline__ void copy_async16(uint32_t dst, const void* src, int src_bytes = 16) {

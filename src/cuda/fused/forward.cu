@@ -454,10 +454,6 @@ __device__ __forceinline__ void wg_product(float (&c)[NW / 2], const WgRows& R, 
 #endif
 }
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // ---- The kernel's steps -----------------------------------------------------
 // The kernel is one sequence of steps for both product variants: load the
 // tile, layer_norm, project_qkv, attend, project_out (which stores dst).
@@ -476,7 +472,7 @@ __device__ __forceinline__ float* fused_smem() {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
   if constexpr (kWg) {
-    const uint32_t raw = shared_address(smem4), aligned = (raw + 1023u) & ~1023u;
+    const uint32_t raw = smem_addr(smem4), aligned = (raw + 1023u) & ~1023u;
     smem += (aligned - raw) / sizeof(float);
   }
   return smem;
@@ -532,7 +528,7 @@ struct FusedBlock {
   __device__ __forceinline__ int item_col(int item) const { return 8 * kOutNI * (item / row_tiles) + 2 * t; }
   __device__ __forceinline__ uint64_t desc(int p0) const {
 #if FASTAXIAL_SM90A_DEVICE
-    return desc_sw128(shared_address(xs) + 128 * p0);
+    return desc_sw128(smem_addr(xs) + 128 * p0);
 #else
     (void)p0;
     return uint64_t{0};  // never launched (launch_fused)

@@ -144,14 +144,6 @@ struct FlashTile {
   static_assert(BN % 16 == 0, "P @ V takes the key groups in pairs");
 };
 
-// 4 bytes from global memory at src to shared memory at dst (a shared-space
-// address); with src_bytes = 0 nothing is read and the word is zeroed.
-__device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const float* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
 // What the kernel reads of FlashArgs, the dropout fields aside (those go as
 // a DropoutPass of their own): FlashArgs with them is past 128 bytes, where
 // the compiler treats a struct parameter differently, and the kernels
