@@ -277,6 +277,12 @@ struct CudaBackwardPlan {
   bool tensor_core_weight_grads = false;
   size_t weight_grad_partials = kNone;
   size_t weight_grad_partials_bytes = 0;
+  // The attention backward's score gradients dS^T (num_seq, heads, L, L rounded up to 4 floats), for
+  // the passes whose scratch stays within a few activations (row_scores, col_scores); the dq of the
+  // others recomputes the scores. kNone where neither pass takes it.
+  bool row_scores = false, col_scores = false;
+  size_t attention_scores = kNone;
+  size_t attention_scores_bytes = 0;
   size_t workspace_bytes = 0;  // the whole workspace
 
   // What the plan was made for; the two calls reject another problem or device.

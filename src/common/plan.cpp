@@ -244,6 +244,15 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 
 size_t backward_blas_bytes(const DeviceCaps& dev) { return static_cast<size_t>(dev.cc_major >= 9 ? 32 : 4) << 20; }
 
+size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim) {
+  if (num_seq <= 0 || len <= 0 || heads <= 0 || dim <= 0) return 0;
+  // In long double: num_seq len is T (validate_sizes bounds T dim), but T heads stride need not fit.
+  const long double bytes = (long double)num_seq * len * heads * attention_scores_stride(len) * sizeof(float);
+  const long double activation = (long double)num_seq * len * dim * sizeof(float);
+  const long double cap = std::max<long double>(kAttentionScoresMaxActivations * activation, kAttentionScoresMinBytes);
+  return bytes <= cap && bytes <= (long double)(int64_t{1} << 62) ? (size_t)bytes : 0;
+}
+
 bool weight_gradient_fits(const DeviceCaps& dev) {
   return dev.cc_major >= 8 && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradSmemBytes;
 }
@@ -362,6 +371,13 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   fits = fits && append(&end, td, &c.grad_row_output) && append(&end, td, &c.grad_attn) &&
          append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) && append(&end, th, &c.delta) &&
          append(&end, 3 * kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
+  // dS^T of a pass where it takes the scratch (attention_scores_bytes): one region, sized for the
+  // larger pass, used by each in turn.
+  c.row_scores = attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim) > 0;
+  c.col_scores = attention_scores_bytes(p.batch * p.width, p.height, p.heads, p.dim) > 0;
+  c.attention_scores_bytes = std::max(attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim),
+                                      attention_scores_bytes(p.batch * p.width, p.height, p.heads, p.dim));
+  if (c.attention_scores_bytes > 0) fits = fits && append(&end, c.attention_scores_bytes, &c.attention_scores);
   c.caller_blas = caller_blas;
   c.blas_bytes = caller_blas ? 0 : backward_blas_bytes(dev);
   if (caller_blas)
@@ -416,6 +432,9 @@ std::string CudaBackwardPlan::describe() const {
                     : "of which cuBLAS " + std::to_string(blas_bytes) + " B");
   if (weight_grad_partials != kNone)
     s << ", weight-gradient partials at " << weight_grad_partials << " (" << weight_grad_partials_bytes << " B)";
+  if (attention_scores != kNone)
+    s << ", score gradients (" << (row_scores && col_scores ? "both passes" : row_scores ? "row pass" : "column pass")
+      << ") at " << attention_scores << " (" << attention_scores_bytes << " B)";
   s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
     << device << ")";
   return s.str();

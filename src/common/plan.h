@@ -124,6 +124,25 @@ size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const De
 // The larger of a pass's two weight-gradient products: d_Wqkv (3D, D) and d_Wo (D, D).
 size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCaps& dev);
 
+// ---- the attention backward's score gradients (backward/attention_backward.cu) --------------
+// The tensor-core attention backward stores dS^T, the gradient of a pass's scores, from its dk, dv
+// kernel and computes dq as a product from it: 5 products of L^2 hd a (sequence, head) instead of
+// 7 (a dq kernel of its own recomputing S and dP), for 8 bytes of memory traffic an element of dS.
+// The scratch is one attention matrix a pass, num_seq heads L rows of attention_scores_stride(L)
+// floats (key rows, query columns): taken where it is at most kAttentionScoresMaxActivations times
+// a (T, D) activation of the pass, or kAttentionScoresMinBytes, whichever is larger, so that the
+// workspace stays within a few activations (below the attention matrices an eager backward keeps)
+// and long sequences recompute instead.
+constexpr int64_t kAttentionScoresMaxActivations = 8;
+constexpr size_t kAttentionScoresMinBytes = size_t{256} << 20;
+
+// Floats between rows of the scratch: L rounded up to a multiple of 4 (16-byte rows).
+FASTAXIAL_HOST_DEVICE constexpr int64_t attention_scores_stride(int64_t len) { return (len + 3) / 4 * 4; }
+
+// Bytes of one pass's scratch (num_seq sequences of len positions, `heads` heads, dim D) where the
+// pass takes it, else 0.
+size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim);
+
 // ---- the staged path's products (staged/gemm.cu) ------------------------------------------
 // One block an SM loops over BM x BN tiles of C (M, N), so a product takes about ceil(tiles / SMs)
 // rounds of one tile's time, and a round where few SMs have a tile costs as much as a full one.

@@ -8,9 +8,11 @@
 // test_flash_attention holds the accuracy bounds against float64).
 // Rate: 4 N heads L^2 hd floating-point operations a pass (two products), fp32-equivalent.
 // Then the pass's attention backward (src/cuda/backward/attention_backward.cu: delta, dk and
-// dv, dq) from that forward's o and lse and a random d_o, as picked (dq on wgmma where it
-// applies) and with AttentionBackwardArgs::mma_sync; rate: 14 N heads L^2 hd (seven products,
-// S and dP computed on both sides), and the largest difference of dqkv relative to max |dqkv|.
+// dv, dq) from that forward's o and lse and a random d_o: with dq recomputing the scores, as
+// picked (wgmma where it applies) and with AttentionBackwardArgs::mma_sync, then with dq from
+// the dS^T the dk, dv kernel stores (AttentionBackwardArgs::ds, as the training path's plan gives
+// it where it fits); rate: 14 N heads L^2 hd (the seven products of the recomputing kernels) for
+// all three, and each one's largest difference of dqkv from the first relative to max |dqkv|.
 // Not a test: built on request (ninja bench_flash_attention), run on a GPU.
 //   build/tests/cpp/bench_flash_attention [reps] [N L hd heads]...
 #include <cuda_runtime.h>
@@ -111,7 +113,8 @@ int main(int argc, char** argv) {
     // The backward from variant 0's o and lse.
     std::vector<float> hdo((size_t)(T * D));
     for (float& x : hdo) x = normal(rng);
-    float *d_o, *delta, *dqkv[2];
+    float *d_o, *delta, *dqkv[3], *ds;
+    BENCH_CHECK(cudaMalloc(&ds, (size_t)(s.N * s.heads * s.L * fastaxial::attention_scores_stride(s.L)) * 4));
     BENCH_CHECK(cudaMalloc(&d_o, hdo.size() * 4));
     BENCH_CHECK(cudaMalloc(&delta, (size_t)(s.N * s.heads * s.L) * 4));
     for (float*& di : dqkv) BENCH_CHECK(cudaMalloc(&di, (size_t)(T * 3 * D) * 4));
@@ -121,15 +124,19 @@ int main(int argc, char** argv) {
     b.heads = s.heads;
     const auto time_backward = [&](int variant) {
       cuda::AttentionBackwardArgs bv = b;
-      bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1;
+      bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1, bv.ds = variant == 2 ? ds : nullptr;
       return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::attention_backward(bv, dev, nullptr)); });
     };
-    double bms[2];
-    for (int v = 0; v < 2; ++v) bms[v] = time_backward(v);
+    double bms[3];
+    for (int v = 0; v < 3; ++v) bms[v] = time_backward(v);
     const double bflop = 3.5 * flop;
-    std::printf("%6s %5s %4s %5s | backward %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", "", "", "", "",
-                1e3 * bms[0], bflop / bms[0] * 1e-9, cuda::query_grads_wgmma_applies(b, dev) ? "wgmma" : "mma",
-                1e3 * bms[1], bflop / bms[1] * 1e-9, relative_difference(dqkv[0], dqkv[1], (size_t)(T * 3 * D)));
+    std::printf("%6s %5s %4s %5s | backward %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e | from dS^T %8.1f us "
+                "%5.1f TF | %.1e\n",
+                "", "", "", "", 1e3 * bms[0], bflop / bms[0] * 1e-9,
+                cuda::query_grads_wgmma_applies(b, dev) ? "wgmma" : "mma", 1e3 * bms[1], bflop / bms[1] * 1e-9,
+                relative_difference(dqkv[0], dqkv[1], (size_t)(T * 3 * D)), 1e3 * bms[2], bflop / bms[2] * 1e-9,
+                relative_difference(dqkv[0], dqkv[2], (size_t)(T * 3 * D)));
+    BENCH_CHECK(cudaFree(ds));
     BENCH_CHECK(cudaFree(d_o));
     BENCH_CHECK(cudaFree(delta));
     for (float* di : dqkv) BENCH_CHECK(cudaFree(di));

@@ -1,9 +1,10 @@
 // The attention backward (src/cuda/backward/attention_backward.cu) on its
 // own: dq, dk and dv of one attention pass against float64 on the host,
 // from random qkv and d_o, with o and lse from the forward's flash kernel as
-// the backward gets them. Every case on both paths, the tensor cores (the
-// default) and the FFMA kernels (AttentionBackwardArgs::ffma), with the
-// same bounds. Views as the row and column passes give them, lengths across
+// the backward gets them. Every case on three paths, the tensor cores (the
+// default), the tensor cores with dq from the stored dS^T
+// (AttentionBackwardArgs::ds, as the training path's plan gives it) and the
+// FFMA kernels (AttentionBackwardArgs::ffma), with the same bounds. Views as the row and column passes give them, lengths across
 // the kernels' query and key tiles, head dims across their padded sizes,
 // aligned and misaligned tensors (16-byte and 4-byte copies); two calls
 // bitwise equal; the rules without a device. Attention dropout: the
@@ -40,6 +41,7 @@ namespace {
 constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
 constexpr int64_t kGuardRows = 3;          // rows of dqkv past the T the views address
 constexpr int64_t kGuardDelta = 67;        // delta elements past (num_seq, heads, L)
+constexpr int64_t kGuardScores = 61;       // dS^T scratch elements past (num_seq, heads, L, Lp)
 
 bool is_poison(float x) {
   uint32_t u;
@@ -66,15 +68,17 @@ void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
 // The kernels a case runs on: the tensor cores (the default; dq on wgmma
 // where query_grads_wgmma_applies), the tensor cores with dq on mma.sync
-// (AttentionBackwardArgs::mma_sync), or the FFMA kernels
-// (AttentionBackwardArgs::ffma).
-enum class Path { kTensorCores, kMmaSync, kFfma };
+// (AttentionBackwardArgs::mma_sync), the tensor cores with dS^T stored by
+// the dk, dv kernel and dq a product from it (AttentionBackwardArgs::ds,
+// given a poisoned scratch), or the FFMA kernels (AttentionBackwardArgs::ffma).
+enum class Path { kTensorCores, kMmaSync, kScores, kFfma };
 
 using PathCase = std::tuple<Case, Path>;
 
 std::string path_case_name(const PathCase& pc) {
   const Path p = std::get<1>(pc);
-  return case_name(std::get<0>(pc)) + (p == Path::kFfma ? "_ffma" : p == Path::kMmaSync ? "_mma" : "_tc");
+  return case_name(std::get<0>(pc)) +
+         (p == Path::kFfma ? "_ffma" : p == Path::kMmaSync ? "_mma" : p == Path::kScores ? "_ds" : "_tc");
 }
 
 // A case's sizes, its view in rows (as the staged path gives it to the
@@ -115,8 +119,11 @@ Problem make_problem(const Case& c) {
 // pr.dropout, both kernels draw pr.drop's mask from its seed and offset in
 // device memory (their own DropoutParams holding other ones); `off` gives
 // them instead pr.drop with threshold 0 (and philox where `off_philox`).
+// On Path::kScores the dS^T scratch (poisoned first, kGuardScores past its
+// end) comes back in *scores where given.
 void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceCaps& dev, std::vector<float>* dqkv,
-             std::vector<float>* delta, bool off = false, bool off_philox = false) {
+             std::vector<float>* delta, bool off = false, bool off_philox = false,
+             std::vector<float>* scores = nullptr) {
   const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
   const size_t dqkv_n = (size_t)((T + kGuardRows) * 3 * D), delta_n = (size_t)(lse_n + kGuardDelta);
   const DevicePtr qkv = device_alloc(pr.qkv.size() + misalign), d_o = device_alloc(pr.d_o.size() + misalign),
@@ -150,9 +157,21 @@ void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceC
   a.ffma = path == Path::kFfma;
   a.mma_sync = path == Path::kMmaSync;
   a.dropout = given, a.pass = pr.pass, a.philox = pair;
+  const size_t scores_n = (size_t)(lse_n * attention_scores_stride(pr.L) + kGuardScores);
+  DevicePtr ds;
+  if (path == Path::kScores) {
+    ds = device_alloc(scores_n);
+    ASSERT_TRUE(ds);
+    CUDA_OK(cudaMemset(ds.get(), 0xff, scores_n * sizeof(float)));
+    a.ds = ds.get();
+  }
   CUDA_OK(cuda::attention_backward(a, dev, nullptr));
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
+  if (scores != nullptr && path == Path::kScores) {
+    scores->resize(scores_n);
+    CUDA_OK(cudaMemcpy(scores->data(), ds.get(), scores_n * sizeof(float), cudaMemcpyDeviceToHost));
+  }
   dqkv->resize(dqkv_n);
   delta->resize(delta_n);
   CUDA_OK(cudaMemcpy(dqkv->data(), dqkv_at, dqkv_n * sizeof(float), cudaMemcpyDeviceToHost));
@@ -352,8 +371,21 @@ bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
   return cuda::query_grads_wgmma_applies(a, dev);
 }
 
+// Path::kScores's scratch: every element of (num_seq, heads, L keys, the
+// first L queries) written (finite), nothing past (num_seq, heads, L, Lp).
+void expect_scores_written(const Problem& pr, const std::vector<float>& scores) {
+  const int64_t L = pr.L, Lp = attention_scores_stride(L), rows = pr.N * pr.heads * L;
+  int64_t unwritten = 0, past = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t q = 0; q < L; ++q) unwritten += !std::isfinite(scores[(size_t)(r * Lp + q)]);
+  for (size_t i = (size_t)(rows * Lp); i < scores.size(); ++i) past += !is_poison(scores[i]);
+  EXPECT_EQ(unwritten, 0) << "dS^T elements not written (of " << rows * L << ")";
+  EXPECT_EQ(past, 0) << "dS^T scratch written past its end";
+}
+
 // On the tensor-core path, where dq takes the wgmma kernel, the mma.sync
-// one too (Path::kMmaSync), each against the reference.
+// one too (Path::kMmaSync), each against the reference; on Path::kScores,
+// the scratch written where it should be.
 TEST_P(AttentionBackward, MatchesDoubleReference) {
   const auto [c, path] = GetParam();
   DeviceCaps dev;
@@ -361,10 +393,11 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
   if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
   ASSERT_TRUE(cuda::attention_backward_supports(c.hd));
   const Problem pr = make_problem(c);
-  std::vector<float> got, delta;
-  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta);
+  std::vector<float> got, delta, scores;
+  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, &scores);
   if (HasFatalFailure()) return;
   expect_matches_reference(pr, got, delta);
+  if (path == Path::kScores) expect_scores_written(pr, scores);
   if (path == Path::kTensorCores && takes_wgmma(pr, dev)) {
     std::vector<float> mma;
     run_gpu(pr, c.misalign, Path::kMmaSync, 0xff, dev, &mma, &delta);
@@ -406,7 +439,7 @@ const Case kCases[] = {
     Case{200, 20, 4, true, 1, 20, 0, 1}, Case{256, 32, 2, false, 1, 3, 0, 0}, Case{300, 17, 1, false, 1, 2, 0, 0},
     Case{192, 32, 2, true, 1, 3, 0, 0}};
 
-const Path kPaths[] = {Path::kTensorCores, Path::kFfma};
+const Path kPaths[] = {Path::kTensorCores, Path::kScores, Path::kFfma};
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackward,
                          ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kPaths)),

@@ -387,6 +387,8 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
       ws.push_back({c.weight_planes, 32 * (size_t)p.dim * p.dim * 4, "weight_planes"});
     if (c.weight_grad_partials != CudaBackwardPlan::kNone)
       ws.push_back({c.weight_grad_partials, c.weight_grad_partials_bytes, "weight_grad_partials"});
+    if (c.attention_scores != CudaBackwardPlan::kNone)
+      ws.push_back({c.attention_scores, c.attention_scores_bytes, "attention_scores"});
     for (const auto& [regions, total] : {std::pair{&saved, c.saved_bytes}, std::pair{&ws, c.workspace_bytes}}) {
       const std::vector<Region>& r = *regions;
       for (size_t i = 0; i < r.size(); ++i) {
@@ -591,6 +593,43 @@ TEST(BackwardPlan, WeightGradientPartialsWhereTheRowsSplit) {
   EXPECT_EQ(blas.weight_grad_partials, CudaBackwardPlan::kNone);
   EXPECT_NE(blas.describe().find("weight gradients as cuBLAS fp32"), std::string::npos) << blas.describe();
   EXPECT_EQ(big.saved_bytes, blas.saved_bytes);
+}
+
+// The attention backward's dS^T scratch: one attention matrix of a pass (num_seq heads L rows
+// of L rounded up to 4 floats), where it is at most 8 activations (T D floats) or 256 MiB, sized
+// for the larger pass that takes it; a pass past both recomputes.
+TEST(BackwardPlan, ScoreGradientsWhereTheyStaySmall) {
+  EXPECT_EQ(attention_scores_stride(1), 4);
+  EXPECT_EQ(attention_scores_stride(4), 4);
+  EXPECT_EQ(attention_scores_stride(257), 260);
+  // (1, 256, 256, 128, 4): T 65536, heads 4, L 256 both passes: 256 MiB, exactly 8 activations.
+  const CudaBackwardPlan sq = backward_plan_of(problem(1, 256, 256, 128, 4), h200());
+  EXPECT_TRUE(sq.row_scores && sq.col_scores);
+  EXPECT_EQ(sq.attention_scores_bytes, size_t{65536} * 4 * 256 * 4);
+  ASSERT_NE(sq.attention_scores, CudaBackwardPlan::kNone);
+  EXPECT_NE(sq.describe().find("score gradients (both passes) at " + std::to_string(sq.attention_scores)),
+            std::string::npos)
+      << sq.describe();
+  // The default problem: L 32, far below either bound; odd L rounds its rows up.
+  EXPECT_EQ(backward_plan_of(problem(4, 32, 32, 64, 4), h200()).attention_scores_bytes, size_t{4096} * 4 * 32 * 4);
+  EXPECT_EQ(attention_scores_bytes(7, 5, 3, 9), size_t{7} * 5 * 3 * 8 * 4);
+  // A long row pass (L 2048, head dim 8: 256 activations, 2 GiB) recomputes; its column pass (L 16) keeps.
+  const CudaBackwardPlan wide = backward_plan_of(problem(1, 16, 2048, 64, 8), h200());
+  EXPECT_FALSE(wide.row_scores);
+  EXPECT_TRUE(wide.col_scores);
+  EXPECT_EQ(wide.attention_scores_bytes, attention_scores_bytes(2048, 16, 8, 64));
+  EXPECT_NE(wide.describe().find("score gradients (column pass)"), std::string::npos) << wide.describe();
+  // Past 8 activations but within 256 MiB: kept (L 1024 at head dim 32, 4 sequences: 128 MiB, 32
+  // activations); past both (9 sequences: 288 MiB, 32 activations of 9 MiB): none.
+  EXPECT_EQ(attention_scores_bytes(4, 1024, 8, 256), size_t{128} << 20);
+  EXPECT_EQ(attention_scores_bytes(8, 1024, 8, 256), size_t{256} << 20);
+  EXPECT_EQ(attention_scores_bytes(9, 1024, 8, 256), 0u);
+  const CudaBackwardPlan none = backward_plan_of(problem(1, 9, 1024, 256, 8), h200());
+  EXPECT_FALSE(none.row_scores);
+  EXPECT_TRUE(none.col_scores);
+  EXPECT_EQ(none.attention_scores_bytes, attention_scores_bytes(1024, 9, 8, 256));
+  EXPECT_EQ(attention_scores_bytes(0, 16, 2, 8), 0u);
+  EXPECT_EQ(attention_scores_bytes(3, 0, 2, 8), 0u);
 }
 
 TEST(BackwardPlan, SaysWhatItCannotServe) {

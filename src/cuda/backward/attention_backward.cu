@@ -24,6 +24,13 @@
 // reproducible. 7 products of L^2 hd multiply-adds per (sequence, head),
 // against 5 with atomics.
 //
+// Where the caller gives scratch for dS^T (AttentionBackwardArgs::ds; the
+// training path's plan does where it stays within a few activations:
+// plan.h, attention_scores_bytes), kernel 2 also stores its dS^T tiles and
+// kernel 3 is a product from them (query_grads_ds_kernel): dq = scale dS k,
+// dS read rather than recomputed, 5 products a (sequence, head) in all. dS
+// is the same fixed-order result either way, so dq stays reproducible.
+//
 // Kernel 3 has a third version on Hopper's wgmma for head dims 17 to 32
 // (query_grads_wgmma.cu), which the tensor-core path takes where it applies.
 //
@@ -113,6 +120,7 @@ struct KernelArgs {
   float* delta;
   float* dqkv;
   int D, heads;
+  float* ds;  // AttentionBackwardArgs::ds where kernel 2 stores dS^T and kernel 3 reads it, else null
 };
 
 // One (sequence, head) and tile of the problem, as a block sees it:
@@ -355,6 +363,24 @@ struct QTc<192> : QTiling<192, 2, 16, 2, 2> {};
 template <>
 struct QTc<256> : QTiling<256, 2, 16, 1, 2> {};
 
+// The dq-from-dS kernel's tiles: up to QW = 4 warps of 16 queries (64 a
+// block; the launch takes fewer as for the dq kernel), BN keys a step, two
+// stages. No score tiles in registers, only dq (HDP / 2 a thread), so the
+// key tiles are longer than QTc's. Shared memory a stage, in floats:
+//   dS^T  (BN, ls): ls = 68 = 64 + 4, 4 mod 8, so that load_a_cols's
+//         loads (2t ls + g) hit 32 distinct banks
+//   k     (BN, ld)
+// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32).
+template <int HDP_>
+struct DsTc {
+  static constexpr int HDP = HDP_, QW = 4, BN = HDP <= 64 ? 64 : 32, ST = 2;
+  static constexpr int min_blocks = HDP <= 64 ? 3 : 2;
+  static constexpr int threads = 32 * QW, ld = row_ld<HDP>(), ls = 16 * QW + 4;
+  static constexpr int stage = BN * (ls + ld);
+  static constexpr size_t bytes = (size_t)ST * stage * sizeof(float);
+  static_assert(BN % 16 == 0 && ls % 8 == 4 && stage % 4 == 0, "runs of two k-groups, 16-byte rows");
+};
+
 // ---- fragments from fp32 rows in shared memory (PTX m16n8k8 .tf32 layouts, g = lane / 4, t = lane % 4)
 
 // A (16 x 8) = rows 0..15, elements 0..7 of the rows at p: (g, t), (g + 8,
@@ -537,6 +563,37 @@ __device__ __forceinline__ void store_tiles(float* dst, const float (&acc)[NF][4
   }
 }
 
+// A warp's dS^T (its 16 keys from key0 x 8 NQ queries from q0, C fragments)
+// into the scratch rows of keys < L (ds: the (sequence, head)'s first row,
+// rows of Lp floats): one float2 a pair of queries, pairs from query < L
+// (the second of a pair at L is a zero, as dS is past L; Lp is even).
+template <int NQ>
+__device__ __forceinline__ void store_scores_t(float* ds, const float (&c)[NQ][4], int L, int Lp, int key0, int q0,
+                                               int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + g + 8 * r;
+    if (key >= L) continue;
+    float* row = ds + (int64_t)key * Lp;
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+      const int q = q0 + 8 * j + 2 * t;
+      if (q < L) *reinterpret_cast<float2*>(row + q) = make_float2(c[j][2 * r], c[j][2 * r + 1]);
+    }
+  }
+}
+
+// A (16 x 8) of dS = rows 0..15 (queries), elements 0..7 (keys) read from
+// dS^T stored a row per key at p (row stride LS), k permuted as c_as_a:
+// (g, t) is key 2t, (g, t + 4) key 2t + 1, so that load_b_cols's k rows
+// meet them. LS 4 mod 8 puts the four rows 2t at banks 0, 8, 16, 24 (or
+// their mirror), so a load's 32 words (2t LS + g) meet 32 distinct banks.
+template <int LS>
+__device__ __forceinline__ FragA load_a_cols(const float* p, int g, int t) {
+  const float* r = p + 2 * t * LS + g;
+  return make_a(r[0], r[8], r[LS], r[LS + 8]);
+}
+
 // ---- the kernels -------------------------------------------------------------------------------
 
 // dk and dv of one key tile (hp.tile) of one (sequence, head): 16 keys for
@@ -557,6 +614,7 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const int kw = warp / T::FW, f0 = (warp % T::FW) * T::FP;
   const Head hp = block_head(a, key_tiles);
+  const int Lp = (int)attention_scores_stride(hp.L);         // dS^T's row stride, where stored
   const int k0 = hp.tile * BN, key0 = k0 + 16 * kw;          // the tile's first key, the warp's
   float* const k_sm = sm;                                    // (BN, HDP), then v (BN, HDP)
   float* const q_sm = sm + T::q(BN);                         // stage s at + s stage: q (BM, HDP), then d_o (BM, HDP)
@@ -642,6 +700,9 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
       else
         softmax_grad_cols<NQ, false, kDropout>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t, keep,
                                                dpass.scale);
+      // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
+      if (a.ds != nullptr && f0 == 0)
+        store_scores_t<NQ>(a.ds + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
       grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
       grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
     }
@@ -753,6 +814,85 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
         __syncthreads();
         load_keys(0, (j + 1) * BN);
         copy_async_commit();
+      }
+    }
+  }
+  if (!active) return;
+  store_tiles<NF, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, m0, 0, g, t);
+}
+
+// dq of one query tile (hp.tile) of one (sequence, head) from kernel 2's
+// dS^T (KernelArgs::ds): dq = scale dS k, the products and their order as
+// query_grads_kernel's last one. 16 queries for each of the block's
+// blockDim.x / 32 <= DsTc::QW warps; key tiles of BN streamed through ST
+// stages, each dS^T's (BN keys, the block's queries) piece and k's (BN,
+// HDP) rows. No scores, exponentials or mask: dS holds them.
+template <int HDP, bool kVec>
+__global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
+    query_grads_ds_kernel(const KernelArgs a, float scale, int query_tiles) {
+  using T = DsTc<HDP>;
+  constexpr int BN = T::BN, LD = T::ld, LS = T::ls;
+  constexpr int NK = BN / 8, NF = HDP / 8;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);  // stage s at + s stage: dS^T (BN, LS), then k (BN, LD)
+  const int threads = blockDim.x, BM = threads / 32 * 16;  // queries a tile
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const Head hp = block_head(a, query_tiles);
+  const int q0 = hp.tile * BM, m0 = q0 + 16 * warp;  // the tile's first query, the warp's
+#pragma unroll
+  for (int st = 0; st < T::ST; ++st) zero_padding<LD, HDP>(sm + st * T::stage + BN * LS, BN, hp.hd, threads);
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t W = 3 * (int64_t)a.D;
+  const int Lp = (int)attention_scores_stride(hp.L);
+  const float* dsg = a.ds + hp.item * (int64_t)hp.L * Lp;  // (L, Lp): row key, column query
+  const float* kg = a.qkv + a.D + (int64_t)hp.h * hp.hd;   // head h's k columns
+  // Keys k0 .. k0 + BN - 1 into stage `stage`: dS^T's queries q0 .. q0 + BM - 1 (16-byte
+  // copies: rows of Lp floats, q0 a multiple of 16; keys and queries >= L as zeros) and k's rows.
+  const auto load_keys = [&](int stage, int k0) {
+    float* ss = sm + stage * T::stage;
+    const int C = BM / 4;
+#pragma unroll 1
+    for (int e = threadIdx.x; e < BN * C; e += threads) {
+      const int r = e / C, c = 4 * (e % C), key = k0 + r, q = q0 + c;
+      const bool valid = key < hp.L && q < hp.L;
+      copy_async16(smem_addr(ss + r * LS + c), valid ? dsg + (int64_t)key * Lp + q : dsg,
+                   valid ? 4 * min(4, hp.L - q) : 0);
+    }
+    copy_rows<LD, HDP, kVec>(ss + BN * LS, kg, W, hp, k0, BN, threads);
+  };
+  load_keys(0, 0);
+  copy_async_commit();
+
+  const bool active = m0 < hp.L;  // a warp whose queries are all >= L only copies
+  float dq[NF][4];
+#pragma unroll
+  for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[f][e] = 0.0f;
+  const int k_tiles = (hp.L + BN - 1) / BN;
+  for (int j = 0; j < k_tiles; ++j) {
+    copy_async_wait<0>();
+    __syncthreads();  // tile j in, tile j - 1 done (its stage is copied next)
+    if (j + 1 < k_tiles) {
+      load_keys((j + 1) & 1, (j + 1) * BN);
+      copy_async_commit();
+    }
+    const float* dst = sm + (j & 1) * T::stage + 16 * warp;  // the warp's queries of dS^T
+    const float* k = sm + (j & 1) * T::stage + BN * LS;
+    if (active) {
+      // dq += dS k: runs of two key groups, as grad_tiles. Rolled beyond HDP 32, as in
+      // score_tiles: unrolled, the hoisted fragment loads spill next to dq.
+      constexpr int kUnroll = HDP > 32 ? 1 : NK / 2;
+#pragma unroll kUnroll
+      for (int jj = 0; jj < NK; jj += 2) {
+        const FragA a0 = load_a_cols<LS>(dst + 8 * jj * LS, g, t), a1 = load_a_cols<LS>(dst + 8 * (jj + 1) * LS, g, t);
+        const float* bj = k + 8 * jj * LD;
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+          mma_3xtf32_x2(dq[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1, load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
       }
     }
   }
@@ -1369,11 +1509,21 @@ cudaError_t launch_tc(const AttentionBackwardArgs& a, const Launch& s, const Dev
     return cudaErrorInvalidValue;
   if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
   const float scale_log2 = s.scale * tc::kLog2e;
+  // dq from kernel 2's dS^T where the caller gave the scratch and its tiles fit the device.
+  using Ds = tc::DsTc<HDP>;
+  KernelArgs k = s.k;
+  k.ds = a.ds != nullptr && Ds::bytes <= (size_t)dev.smem_optin ? a.ds : nullptr;
   if (cudaError_t e = launch_grid<tc::key_grads_kernel<HDP, kVec, kDropout>>(
-          s.items * key_tiles, 32 * Kv::FW * key_warps, Kv::bytes(16 * key_warps), dev, stream, s.k, s.scale,
+          s.items * key_tiles, 32 * Kv::FW * key_warps, Kv::bytes(16 * key_warps), dev, stream, k, s.scale,
           scale_log2, key_tiles, s.dpass);
       e != cudaSuccess)
     return e;
+  if (k.ds != nullptr) {
+    const int ds_warps = tc_row_warps(Ds::QW, L, s.items, dev.sms);
+    const int ds_tiles = (int)((L + 16 * ds_warps - 1) / (16 * ds_warps));  // <= query_tiles: tile_counts bounds it
+    return launch_grid<tc::query_grads_ds_kernel<HDP, kVec>>(s.items * ds_tiles, 32 * ds_warps, Ds::bytes, dev,
+                                                            stream, k, s.scale, ds_tiles);
+  }
   if constexpr (HDP == 32)
     if (query_grads_wgmma_applies(a, dev)) return query_grads_wgmma(a, kVec, s.scale, s.dpass, dev, stream);
   return launch_grid<tc::query_grads_kernel<HDP, kVec, kDropout>>(s.items * query_tiles, 32 * query_warps,
@@ -1412,7 +1562,7 @@ cudaError_t launch_backward(const AttentionBackwardArgs& a, const DeviceCaps& de
   const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   s.vec = s.hd % 4 == 0 && aligned16(a.qkv) && aligned16(a.d_o) && aligned16(a.dqkv);
   s.scale = 1.0f / sqrtf((float)s.hd);
-  s.k = {a.pos, a.qkv, a.o, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads};
+  s.k = {a.pos, a.qkv, a.o, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads, nullptr};
   if constexpr (kDropoutAvailable) {
     if (a.dropout.threshold != 0) {
       s.dpass = dropout_pass(a.dropout, a.pass, a.philox);

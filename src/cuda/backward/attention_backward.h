@@ -41,6 +41,12 @@ struct AttentionBackwardArgs {
   // are left alone.
   float* dqkv = nullptr;
   int D = 0, heads = 0;  // hd = D / heads
+  // Scratch for dS^T, the scores' gradient (plan.h: attention_scores_bytes), or null: where given
+  // and the tensor-core path runs, the dk, dv kernel also stores dS^T, (num_seq, heads, L,
+  // attention_scores_stride(L)) floats (a row per key, a column per query), and dq becomes one
+  // product from it (5 products of L^2 hd a (sequence, head) instead of 7). Null: the dq kernel
+  // recomputes S and dP. Either way every output element is summed in a fixed order.
+  float* ds = nullptr;
   // Test hook: run the FFMA kernels even where the tensor-core kernels
   // serve (the tests check both paths). Left false, the launcher takes the
   // FFMA kernels only where the tensor-core ones do not fit the device's

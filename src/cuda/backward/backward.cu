@@ -98,6 +98,10 @@ class Training {
       weight_partials_ = in(ws, plan.weight_grad_partials);
       weight_partials_bytes_ = plan.weight_grad_partials_bytes;
     }
+    if (plan.attention_scores != CudaBackwardPlan::kNone) {
+      float* scores = in(ws, plan.attention_scores);
+      scores_[0] = plan.row_scores ? scores : nullptr, scores_[1] = plan.col_scores ? scores : nullptr;
+    }
     if (plan.tensor_core_products) {
       const int64_t dd = (int64_t)D_ * D_;
       for (int i = 0; i < 2; ++i) {
@@ -254,6 +258,7 @@ class Training {
     a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
     a.D = D_, a.heads = (int)p_.heads;
     a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
+    a.ds = scores_[pass];
     if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "attention_backward launch");
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
@@ -288,6 +293,7 @@ class Training {
   PassBuffers row_, col_;
   Planes planes_[2];  // row, column
   float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
+  float* scores_[2] = {nullptr, nullptr};  // dS^T scratch of the row and column pass, where the plan has it
   bool tensor_core_weight_grads_ = false;  // the weight gradients on weight_gradient.cu, else cuBLAS
   float* weight_partials_ = nullptr;       // their partial tiles where the positions are split
   size_t weight_partials_bytes_ = 0;
@@ -395,9 +401,10 @@ static cuda::CallKey call_key(int kind, const AxialParams& p, const AxialGrads* 
   for (size_t v : {plan.row_output, plan.dropout_state, plan.saved_bytes, plan.grad_row_output, plan.grad_attn,
                    plan.grad_qkv, plan.grad_norm, plan.delta, plan.column_partials, plan.blas, plan.blas_bytes,
                    plan.weight_planes, plan.weight_grad_partials, plan.weight_grad_partials_bytes,
-                   plan.workspace_bytes})
+                   plan.attention_scores, plan.attention_scores_bytes, plan.workspace_bytes})
     k.add(static_cast<uint64_t>(v));
   k.add(plan.caller_blas), k.add(plan.tensor_core_products), k.add(plan.tensor_core_weight_grads);
+  k.add(plan.row_scores), k.add(plan.col_scores);
   k.add(saved), k.add(workspace);
   return k;
 }
