@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["axial_attention", "describe_cuda_plan", "has_kernel", "library_path"]
+__all__ = ["axial_attention", "describe_cuda_plan", "has_kernel", "library_path", "python_entry"]
 
 
 def library_path():
@@ -66,15 +66,51 @@ def _load():
     path = library_path()
     _check_build(path)
     torch.ops.load_library(str(path))
+    return path
 
 
-_load()
+_LIBRARY = _load()
 
 _OP = "fastaxial::axial_attention"
 
 
 # Read once at import: torch.compile traces has_kernel() as a plain lookup.
 _KERNELS = {t: torch._C._dispatch_has_kernel_for_dispatch_key(_OP, t.upper()) for t in ("cpu", "cuda")}
+
+
+def _python_abi():
+    """The running interpreter's ABI as the library names it (torch_binding/ops_python.cpp): "3.11", "3.13t"."""
+    import sys
+    import sysconfig
+
+    free_threaded = "t" if sysconfig.get_config_var("Py_GIL_DISABLED") else ""
+    return f"{sys.version_info[0]}.{sys.version_info[1]}{free_threaded}"
+
+
+def python_entry(fallback=None):
+    """The operator library's Python entry (torch_binding/ops_python.cpp), or None: a builtin function
+    that takes the module's call (x, the ten weights, num_heads, eps, dropout; positional) and makes
+    the call of torch.ops.fastaxial.axial_attention.default through the operator's typed dispatcher
+    handle, with less host time (no conversion of each argument against the schema); it hands every
+    other call (tensor subclasses, a torch function mode, other arguments) to the boxed operator. None where the library was built
+    without it (no Python headers), for another Python (the library loads under any Python 3, the
+    entry only under the one it was compiled for), or where FASTAXIAL_PYTHON_ENTRY=0. `fallback`: what
+    those other calls go to (default: the boxed operator, torch.ops.fastaxial.axial_attention.default._op)."""
+    import ctypes
+    import sys
+
+    if os.environ.get("FASTAXIAL_PYTHON_ENTRY", "1") == "0" or sys.implementation.name != "cpython":
+        return None
+    lib = ctypes.PyDLL(str(_LIBRARY))  # the library torch.ops.load_library loaded: the same handle
+    try:
+        abi, make = lib.fastaxial_python_abi, lib.fastaxial_python_entry
+    except AttributeError:  # built without Python's headers
+        return None
+    abi.restype = ctypes.c_char_p
+    if abi().decode() != _python_abi():
+        return None
+    make.restype, make.argtypes = ctypes.py_object, [ctypes.py_object]
+    return make(torch.ops.fastaxial.axial_attention.default._op if fallback is None else fallback)
 
 
 def has_kernel(device_type):

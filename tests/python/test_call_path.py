@@ -1,6 +1,7 @@
 """The call path: what runs per module call (no Python below the module's forward),
 the operator's C++ autograd, the cached weights staying correct when a user swaps
-parameters, the fallback's messages, and the CUDA plan a forward reports."""
+parameters, the fallback's messages, the CUDA plan a forward reports, and the operator
+library's Python entry that the module calls (the same call as torch.ops, or handed to it)."""
 
 import os
 import sys
@@ -160,3 +161,453 @@ def test_describe_cuda_plan_names_each_pass():
         assert "row: fused" in line and "col: fused" in line, line
     else:
         assert f"row: {forced}" in line, line
+
+
+# ---- the operator library's Python entry (torch_binding/ops_python.cpp) ------------------------
+# The module calls fastaxial.module._CALL: the entry where the library has one, which makes the
+# boxed operator's call (_OP) through the typed dispatcher handle and hands it every call it does not
+# serve itself. Each test below compares it with _OP, or watches what it hands over.
+
+_OP = fastaxial.module._OP
+ENTRY_DISABLED = os.environ.get("FASTAXIAL_PYTHON_ENTRY") == "0"
+
+
+def _recording_entry():
+    """A second entry whose fallback records each call it is handed, then makes it through _OP."""
+    handed = []
+
+    def fallback(*args, **kwargs):
+        handed.append((args, kwargs))
+        return _OP(*args, **kwargs)
+
+    entry = fastaxial.ops.python_entry(fallback)
+    if entry is None:
+        pytest.skip("the operator library has no Python entry here")
+    return entry, handed
+
+
+def _call_args(device, D=32, heads=4, H=3, W=5, seed=12, requires_grad=False):
+    ref, new = make_pair(D, heads, H, W, device, seed=seed)
+    randomize_(ref, seed)
+    new.load_state_dict(ref.state_dict())
+    x = torch.randn(2, H, W, D, device=device)
+    weights = [w.detach().clone().requires_grad_(requires_grad) for w in new.weights()]
+    return [x.requires_grad_(requires_grad), *weights, heads, 1e-5, 0.0]
+
+
+def test_the_module_calls_the_entry_where_the_library_has_one():
+    """The library's build record says whether it holds the entry; the module then calls it."""
+    import runpy
+
+    record = fastaxial.ops.library_path().with_name("_build_info.py")
+    if not record.exists():
+        pytest.skip("the operator library has no build record beside it")
+    built = runpy.run_path(str(record))["PYTHON_ENTRY"]
+    if ENTRY_DISABLED or (built and built != fastaxial.ops._python_abi()):
+        assert fastaxial.module._CALL is _OP
+    else:
+        assert (fastaxial.module._CALL is not _OP) == bool(built)
+        if built:
+            assert type(fastaxial.module._CALL).__name__ == "builtin_function_or_method"
+
+
+def test_no_entry_under_another_python(monkeypatch):
+    """The library loads under any Python 3; its entry, compiled against one Python's headers, is taken
+    only under that one."""
+    _recording_entry()  # skips where there is no entry at all
+    monkeypatch.setattr(fastaxial.ops, "_python_abi", lambda: "3.99t")
+    assert fastaxial.ops.python_entry() is None
+
+
+# What the library takes from Python: functions of every Python 3 the package supports (3.10 on),
+# since torch.ops.load_library binds each symbol when it loads the library, under any Python.
+# A new one here must be in all of them (private _Py* names and PyObject_Vectorcall are not).
+PYTHON_SYMBOLS = {"PyCMethod_New", "PyDict_New", "PyDict_SetItem", "PyErr_Clear", "PyErr_Occurred",
+                  "PyEval_RestoreThread", "PyEval_SaveThread", "PyFloat_Type", "PyLong_AsDouble",
+                  "PyLong_AsLongLongAndOverflow", "PyLong_Type", "PyObject_VectorcallDict", "_Py_Dealloc"}
+
+
+def test_library_takes_only_portable_python_symbols():
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("nm") is None:
+        pytest.skip("needs nm")
+    out = subprocess.run(["nm", "-D", "--undefined-only", str(fastaxial.ops.library_path())],
+                         capture_output=True, text=True, check=True).stdout
+    taken = {m.group(1) for m in re.finditer(r"\bU (_?Py\w+)", out)}
+    assert taken <= PYTHON_SYMBOLS, sorted(taken - PYTHON_SYMBOLS)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+def test_entry_matches_the_boxed_operator_bitwise(device, mode):
+    entry, handed = _recording_entry()
+    grad = mode == "grad"
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": torch.enable_grad}[mode]
+    a = _call_args(device, requires_grad=grad)
+    b = [t.detach().clone().requires_grad_(grad) if isinstance(t, torch.Tensor) else t for t in a]
+    with ctx():
+        got, want = entry(*a), _OP(*b)
+    assert not handed, "the entry handed a plain call to the boxed operator"
+    assert torch.equal(got, want)
+    assert got.is_inference() == want.is_inference() == (mode == "inference_mode")
+    assert got.requires_grad == want.requires_grad == grad
+    if grad:
+        assert got.grad_fn.name() == want.grad_fn.name()
+        g = torch.randn_like(got)
+        got.backward(g)
+        want.backward(g)
+        for i, (s, t) in enumerate(zip(a[:11], b[:11])):
+            assert torch.equal(s.grad, t.grad), i
+
+
+@pytest.mark.skipif(not fastaxial.ops.dropout_available(), reason="built without attention dropout")
+def test_entry_with_dropout_draws_the_boxed_operators_mask(device):
+    entry, handed = _recording_entry()
+    a = _call_args(device, requires_grad=True)
+    a[13] = 0.3
+    b = [t.detach().clone().requires_grad_() if isinstance(t, torch.Tensor) else t for t in a]
+    torch.manual_seed(5)
+    got = entry(*a)
+    torch.manual_seed(5)
+    want = _OP(*b)
+    assert not handed
+    assert torch.equal(got, want)
+    g = torch.randn_like(got)
+    got.backward(g)
+    want.backward(g)
+    assert all(torch.equal(s.grad, t.grad) for s, t in zip(a[:11], b[:11]))
+
+
+class _Traced(torch.Tensor):
+    """A tensor subclass that records the functions its __torch_function__ sees."""
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("where", [0, 4, 10])  # x, a row weight, the last weight
+def test_tensor_subclass_reaches_its_torch_function(device, where):
+    entry, handed = _recording_entry()
+    a = _call_args(device)
+    want = _OP(*a)
+    a[where] = a[where].as_subclass(_Traced)
+    _Traced.seen.clear()
+    got = entry(*a)
+    assert len(handed) == 1
+    assert torch.ops.fastaxial.axial_attention.default in _Traced.seen
+    assert type(got) is _Traced and torch.equal(got.as_subclass(torch.Tensor), want)
+
+
+def test_tensor_subclass_through_the_module(device):
+    _, new = make_pair(32, 4, 3, 5, device, seed=13)
+    x = torch.randn(2, 3, 5, 32, device=device)
+    with torch.no_grad():
+        want = new(x)
+        _Traced.seen.clear()
+        got = new(x.as_subclass(_Traced))
+    assert torch.ops.fastaxial.axial_attention.default in _Traced.seen
+    assert torch.equal(got.as_subclass(torch.Tensor), want)
+
+
+def test_torch_function_mode_sees_the_call(device):
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    entry, handed = _recording_entry()
+    a = _call_args(device)
+    with Record() as mode:
+        got = entry(*a)
+    assert len(handed) == 1 and torch.ops.fastaxial.axial_attention.default in mode.seen
+    assert torch.equal(got, _OP(*a))
+    _, new = make_pair(32, 4, 3, 5, device, seed=14)
+    with torch.no_grad(), Record() as mode:
+        new(torch.randn(1, 3, 5, 32, device=device))
+    assert torch.ops.fastaxial.axial_attention.default in mode.seen
+
+
+def test_torch_dispatch_mode_sees_the_call_on_the_fast_path(device):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    entry, handed = _recording_entry()
+    a = _call_args(device)
+    with Record() as mode:
+        got = entry(*a)
+    assert not handed  # a dispatch mode sits in the dispatcher: the typed call reaches it
+    assert torch.ops.fastaxial.axial_attention.default in mode.seen
+    assert torch.equal(got, _OP(*a))
+    _, new = make_pair(32, 4, 3, 5, device, seed=15)
+    with torch.no_grad(), Record() as mode:
+        new(torch.randn(1, 3, 5, 32, device=device))
+    assert torch.ops.fastaxial.axial_attention.default in mode.seen
+
+
+def test_exception_from_a_dispatch_mode_comes_through(device):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Refuse(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.fastaxial.axial_attention.default:
+                raise KeyError("refused by the mode")
+            return func(*args, **(kwargs or {}))
+
+    entry, _ = _recording_entry()
+    a = _call_args(device)
+    with Refuse(), pytest.raises(KeyError, match="refused by the mode"):
+        entry(*a)
+
+
+def test_fake_tensor_mode_and_profiler(device):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    entry, handed = _recording_entry()
+    a = _call_args(device)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = entry(*a)
+    assert type(out).__name__ == "FakeTensor" and out.shape == a[0].shape
+    with torch.autograd.profiler.profile() as prof:
+        entry(*a)
+    assert not handed
+    assert any(e.name == "fastaxial::axial_attention" for e in prof.function_events)
+
+
+def _bad_calls(device):
+    """(name, arguments, keyword arguments): calls the operator refuses, on the entry's own path (the
+    kernels' checks) and on the calls it hands to the boxed operator (argument parsing)."""
+    a = _call_args(device)
+
+    def but(**changes):
+        b = list(a)
+        for i, v in changes.items():
+            b[int(i[1:])] = v
+        return b
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # named tensors are experimental, torch says
+        named = a[0].detach().clone().refine_names("B", "H", "W", "D")
+    return [
+        ("rank", but(i0=a[0][0]), {}),
+        ("heads 0", but(i11=0), {}),
+        ("heads 5", but(i11=5), {}),
+        ("heads too large", but(i11=2**70), {}),
+        ("heads a float", but(i11=4.0), {}),
+        ("heads a string", but(i11="4"), {}),
+        ("x float64", but(i0=a[0].double()), {}),
+        ("weight shape", but(i3=a[3][..., :-1]), {}),
+        ("weight dtype", but(i9=a[9].double()), {}),
+        ("eps negative", but(i12=-1.0), {}),
+        ("eps too large an int", but(i12=10**400), {}),
+        ("eps a string", but(i12="1e-5"), {}),
+        ("dropout above 1", but(i13=1.5), {}),
+        ("a weight None", but(i5=None), {}),
+        ("x a list", but(i0=[1.0]), {}),
+        ("named x", but(i0=named), {}),
+        ("13 arguments", a[:13], {}),  # dropout has a default: not an error
+        ("12 arguments", a[:12], {}),
+        ("11 arguments", a[:11], {}),
+        ("16 arguments", a + [None, 1], {}),
+        ("unknown keyword", a, {"bogus": 1}),
+        ("rng_state wrong", a, {"rng_state": torch.zeros(3, dtype=torch.int64, device=device)}),
+    ]
+
+
+BAD_CALLS = ("rank", "heads 0", "heads 5", "heads too large", "heads a float", "heads a string", "x float64",
+             "weight shape", "weight dtype", "eps negative", "eps too large an int", "eps a string",
+             "dropout above 1", "a weight None", "x a list", "named x", "13 arguments", "12 arguments",
+             "11 arguments", "16 arguments", "unknown keyword", "rng_state wrong")
+
+
+@pytest.mark.parametrize("name", BAD_CALLS)
+def test_bad_input_raises_what_the_boxed_operator_raises(device, name):
+    entry, _ = _recording_entry()
+    calls = {n: (a, k) for n, a, k in _bad_calls(device)}
+    assert tuple(calls) == BAD_CALLS
+    args, kwargs = calls[name]
+    try:
+        want = _OP(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the boxed operator raises
+        with pytest.raises(type(e)) as got:
+            entry(*args, **kwargs)
+        assert str(got.value) == str(e), name
+    else:  # accepted by both, with the same result
+        assert torch.equal(entry(*args, **kwargs), want), name
+
+
+def test_other_arguments_the_boxed_operator_accepts(device):
+    """Arguments it does not read itself (an int eps, a bool heads, rng_state) give _OP's result."""
+    entry, handed = _recording_entry()
+    a = _call_args(device, heads=1, D=8)
+    for changes in ({12: 0}, {13: 0}, {11: True}):  # an int eps and dropout: read as floats
+        b = list(a)
+        for i, v in changes.items():
+            b[i] = v
+        assert torch.equal(entry(*b), _OP(*b)), changes
+    assert len(handed) == 1  # the bool heads only
+    rng = torch.tensor([3, 4], dtype=torch.int64, device=a[0].device)
+    assert torch.equal(entry(*a, rng), _OP(*a, rng))
+    assert torch.equal(entry(*a, rng_state=rng), _OP(*a, rng_state=rng))
+    assert len(handed) == 3
+
+
+def test_entry_releases_the_gil_while_the_operator_runs(device):
+    """As torch.ops does: another Python thread runs while the operator computes. With a switch
+    interval far longer than the calls, the waiting thread gets the GIL during them only if a call
+    releases it. (The outputs are kept: freeing a tensor releases the GIL too.)"""
+    import threading
+
+    entry, _ = _recording_entry()
+    a = _call_args(device, D=64, heads=4, H=24, W=24)
+    entry(*a)  # warm-up
+    go, state, seen = threading.Event(), {"in_call": False}, []
+    t = threading.Thread(target=lambda: (go.wait(), seen.append(state["in_call"])))
+    t.start()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        go.set()
+        state["in_call"] = True
+        outs = []
+        for _ in range(500):  # until the thread has run: it takes a while to wake
+            outs.append(entry(*a))
+            if seen:
+                break
+        state["in_call"] = False
+        t.join()
+        del outs
+    finally:
+        sys.setswitchinterval(old)
+    assert seen == [True]
+
+
+def test_module_without_the_entry(device, monkeypatch):
+    """A build without the entry: the module calls _OP, with the same results (in-process)."""
+    _, new = make_pair(32, 4, 3, 5, device, seed=16)
+    x = torch.randn(2, 3, 5, 32, device=device)
+    with torch.no_grad():
+        want = new(x)
+    monkeypatch.setattr(fastaxial.module, "_CALL", _OP)
+    with torch.no_grad():
+        assert torch.equal(new(x), want)
+        calls = python_calls(lambda: new(x))
+    assert [c[1] for c in calls[1:]] == ["__call__", "forward"], calls
+    assert "AxialAttentionFunction" in new(x).grad_fn.name()
+
+
+def test_build_without_the_entry_in_a_fresh_process(tmp_path):
+    """FASTAXIAL_PYTHON_ENTRY=0, as a library without the entry: the module falls back to _OP from import
+    on, eager and compiled calls give the entry's results."""
+    import subprocess
+
+    _, new = make_pair(16, 2, 3, 4, "cpu", seed=17)
+    x = torch.randn(1, 3, 4, 16)
+    with torch.no_grad():
+        want = new(x)
+    torch.save({"state": new.state_dict(), "x": x, "want": want}, tmp_path / "case.pt")
+    script = f"""
+import torch, fastaxial
+assert fastaxial.module._CALL is fastaxial.module._OP
+case = torch.load({str(tmp_path / 'case.pt')!r})
+m = fastaxial.AxialAttention(16, 2, 3, 4)
+m.load_state_dict(case["state"])
+with torch.no_grad():
+    assert torch.equal(m(case["x"]), case["want"])
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(case["x"]), case["want"])
+print("ok")
+"""
+    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
+    env = dict(os.environ, FASTAXIAL_PYTHON_ENTRY="0",
+               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_compiled_module_traces_the_entry(device):
+    """torch.compile(fullgraph=True) of the module traces the entry as the operator's overload."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    _, new = make_pair(32, 4, 3, 5, device, seed=18)
+    x = torch.randn(2, 3, 5, 32, device=device)
+    with torch.no_grad():
+        want = new(x)
+        got = torch.compile(new, backend=backend, fullgraph=True)(x)
+    assert torch.equal(got, want)
+    assert "fastaxial.axial_attention.default" in seen, seen
+
+
+def test_key_error_from_the_call_is_not_taken_for_a_stale_slot(device):
+    """forward() rebuilds its weight slots on a KeyError from a parametrized weight; a KeyError raised by
+    the call itself (here by a dispatch mode) propagates after one call, the slots kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Refuse(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.fastaxial.axial_attention.default:
+                Refuse.calls += 1
+                raise KeyError("refused by the mode")
+            return func(*args, **(kwargs or {}))
+
+    _, new = make_pair(32, 4, 3, 5, device, seed=19)
+    x = torch.randn(1, 3, 5, 32, device=device)
+    with torch.no_grad():
+        new(x)  # builds the slots
+        slots = new.__dict__["_slots"]
+        with Refuse(), pytest.raises(KeyError, match="refused by the mode"):
+            new(x)
+    assert Refuse.calls == 1 and new.__dict__["_slots"] is slots
+
+
+def test_jit_trace_records_the_operator(device):
+    """torch.jit.trace (whose check traces the module a second time and compares the graphs, source
+    lines included) records the operator: the entry's call goes through the dispatcher's tracer."""
+    _, new = make_pair(16, 2, 3, 4, device, seed=20)
+    x = torch.randn(1, 3, 4, 16, device=device)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace is deprecated, and warns so
+        traced = torch.jit.trace(new, x)
+        assert torch.equal(traced(x), new(x))
+    assert "fastaxial::axial_attention" in [n.kind() for n in traced.graph.nodes()]
+
+
+def test_weight_parametrized_after_the_first_call(device):
+    """A weight that becomes parametrized once the weight slots exist is read through its parametrization."""
+    ref, new = make_pair(32, 4, 5, 6, device, seed=21)
+    x = torch.randn(2, 5, 6, 32, device=device)
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 0.5 * w
+
+    with torch.no_grad():
+        new(x)  # builds the slots
+        for m in (ref, new):
+            torch.nn.utils.parametrize.register_parametrization(m.col_qkv, "weight", Scale())
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)  # and on the calls after
