@@ -596,8 +596,9 @@ TEST(BackwardPlan, WeightGradientPartialsWhereTheRowsSplit) {
 }
 
 // The attention backward's dS^T scratch: one attention matrix of a pass (num_seq heads L rows
-// of L rounded up to 4 floats), where it is at most 8 activations (T D floats) or 256 MiB, sized
-// for the larger pass that takes it; a pass past both recomputes.
+// of L rounded up to 4 floats, L / hd activations of T D floats), where it is at least 4
+// activations and at most 8 or 256 MiB, sized for the larger pass that takes it; other passes
+// recompute.
 TEST(BackwardPlan, ScoreGradientsWhereTheyStaySmall) {
   EXPECT_EQ(attention_scores_stride(1), 4);
   EXPECT_EQ(attention_scores_stride(4), 4);
@@ -610,24 +611,36 @@ TEST(BackwardPlan, ScoreGradientsWhereTheyStaySmall) {
   EXPECT_NE(sq.describe().find("score gradients (both passes) at " + std::to_string(sq.attention_scores)),
             std::string::npos)
       << sq.describe();
-  // The default problem: L 32, far below either bound; odd L rounds its rows up.
-  EXPECT_EQ(backward_plan_of(problem(4, 32, 32, 64, 4), h200()).attention_scores_bytes, size_t{4096} * 4 * 32 * 4);
-  EXPECT_EQ(attention_scores_bytes(7, 5, 3, 9), size_t{7} * 5 * 3 * 8 * 4);
-  // A long row pass (L 2048, head dim 8: 256 activations, 2 GiB) recomputes; its column pass (L 16) keeps.
-  const CudaBackwardPlan wide = backward_plan_of(problem(1, 16, 2048, 64, 8), h200());
+  // (2, 128, 128, 256, 8): L 128, head dim 32, exactly 4 activations: taken.
+  EXPECT_EQ(backward_plan_of(problem(2, 128, 128, 256, 8), h200()).attention_scores_bytes,
+            size_t{32768} * 8 * 128 * 4);
+  // Fewer than 4 activations: the default problem (L 32, head dim 16: 2) and (2, 48, 80, 96, 3)
+  // (L 80 and 48 at head dim 32) recompute, no scratch.
+  for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(2, 48, 80, 96, 3)}) {
+    const CudaBackwardPlan c = backward_plan_of(p, h200());
+    EXPECT_FALSE(c.row_scores || c.col_scores);
+    EXPECT_EQ(c.attention_scores, CudaBackwardPlan::kNone);
+    EXPECT_EQ(c.attention_scores_bytes, 0u);
+    EXPECT_EQ(c.describe().find("score gradients"), std::string::npos) << c.describe();
+  }
+  EXPECT_EQ(attention_scores_bytes(7, 5, 3, 9), 0u);               // L / hd 8 / 3 (rows of 8 floats)
+  EXPECT_EQ(attention_scores_bytes(7, 13, 3, 9), size_t{7} * 13 * 3 * 16 * 4);  // 16 / 3: taken, rows of 16
+  // A long row pass (L 2048, head dim 8: 256 activations, 2 GiB) recomputes; its column pass (L 32, 4
+  // activations) keeps.
+  const CudaBackwardPlan wide = backward_plan_of(problem(1, 32, 2048, 64, 8), h200());
   EXPECT_FALSE(wide.row_scores);
   EXPECT_TRUE(wide.col_scores);
-  EXPECT_EQ(wide.attention_scores_bytes, attention_scores_bytes(2048, 16, 8, 64));
+  EXPECT_EQ(wide.attention_scores_bytes, attention_scores_bytes(2048, 32, 8, 64));
+  EXPECT_GT(wide.attention_scores_bytes, 0u);
   EXPECT_NE(wide.describe().find("score gradients (column pass)"), std::string::npos) << wide.describe();
   // Past 8 activations but within 256 MiB: kept (L 1024 at head dim 32, 4 sequences: 128 MiB, 32
   // activations); past both (9 sequences: 288 MiB, 32 activations of 9 MiB): none.
   EXPECT_EQ(attention_scores_bytes(4, 1024, 8, 256), size_t{128} << 20);
   EXPECT_EQ(attention_scores_bytes(8, 1024, 8, 256), size_t{256} << 20);
   EXPECT_EQ(attention_scores_bytes(9, 1024, 8, 256), 0u);
-  const CudaBackwardPlan none = backward_plan_of(problem(1, 9, 1024, 256, 8), h200());
-  EXPECT_FALSE(none.row_scores);
-  EXPECT_TRUE(none.col_scores);
-  EXPECT_EQ(none.attention_scores_bytes, attention_scores_bytes(1024, 9, 8, 256));
+  const CudaBackwardPlan none = backward_plan_of(problem(1, 9, 1024, 256, 8), h200());  // its column pass: L 9
+  EXPECT_FALSE(none.row_scores || none.col_scores);
+  EXPECT_EQ(none.attention_scores, CudaBackwardPlan::kNone);
   EXPECT_EQ(attention_scores_bytes(0, 16, 2, 8), 0u);
   EXPECT_EQ(attention_scores_bytes(3, 0, 2, 8), 0u);
 }

@@ -366,7 +366,9 @@ struct QTc<256> : QTiling<256, 2, 16, 1, 2> {};
 // The dq-from-dS kernel's tiles: up to QW = 4 warps of 16 queries (64 a
 // block; the launch takes fewer as for the dq kernel), BN keys a step, two
 // stages. No score tiles in registers, only dq (HDP / 2 a thread), so the
-// key tiles are longer than QTc's. Shared memory a stage, in floats:
+// key tiles are longer than QTc's; min_blocks: 4 blocks (16 warps) an SM up
+// to HDP 32 (128 registers, no spills; the kernel is latency-bound at 3).
+// Shared memory a stage, in floats:
 //   dS^T  (BN, ls): ls = 68 = 64 + 4, 4 mod 8, so that load_a_cols's
 //         loads (2t ls + g) hit 32 distinct banks
 //   k     (BN, ld)
@@ -374,7 +376,7 @@ struct QTc<256> : QTiling<256, 2, 16, 1, 2> {};
 template <int HDP_>
 struct DsTc {
   static constexpr int HDP = HDP_, QW = 4, BN = HDP <= 64 ? 64 : 32, ST = 2;
-  static constexpr int min_blocks = HDP <= 64 ? 3 : 2;
+  static constexpr int min_blocks = HDP <= 32 ? 4 : HDP <= 64 ? 3 : 2;
   static constexpr int threads = 32 * QW, ld = row_ld<HDP>(), ls = 16 * QW + 4;
   static constexpr int stage = BN * (ls + ld);
   static constexpr size_t bytes = (size_t)ST * stage * sizeof(float);
@@ -851,12 +853,14 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
   const float* kg = a.qkv + a.D + (int64_t)hp.h * hp.hd;   // head h's k columns
   // Keys k0 .. k0 + BN - 1 into stage `stage`: dS^T's queries q0 .. q0 + BM - 1 (16-byte
   // copies: rows of Lp floats, q0 a multiple of 16; keys and queries >= L as zeros) and k's rows.
+  // A row's BM / 4 copies are a power of two (BM = 16 warps, warps 1, 2 or 4): shifts, not
+  // divisions by a runtime value (a few dozen instructions each).
+  const int c_shift = 31 - __clz(BM / 4);
   const auto load_keys = [&](int stage, int k0) {
     float* ss = sm + stage * T::stage;
-    const int C = BM / 4;
 #pragma unroll 1
-    for (int e = threadIdx.x; e < BN * C; e += threads) {
-      const int r = e / C, c = 4 * (e % C), key = k0 + r, q = q0 + c;
+    for (int e = threadIdx.x; e < BN * (BM / 4); e += threads) {
+      const int r = e >> c_shift, c = 4 * (e & (BM / 4 - 1)), key = k0 + r, q = q0 + c;
       const bool valid = key < hp.L && q < hp.L;
       copy_async16(smem_addr(ss + r * LS + c), valid ? dsg + (int64_t)key * Lp + q : dsg,
                    valid ? 4 * min(4, hp.L - q) : 0);
