@@ -246,7 +246,7 @@ size_t backward_blas_bytes(const DeviceCaps& dev) { return static_cast<size_t>(d
 
 size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim) {
   if (num_seq <= 0 || len <= 0 || heads <= 0 || dim <= 0) return 0;
-  // L / hd activations: at least kAttentionScoresMinActivations (heads L >= 4 dim).
+  // Lp / hd activations: at least kAttentionScoresMinActivations (heads Lp >= 4 dim).
   if ((long double)heads * attention_scores_stride(len) < (long double)kAttentionScoresMinActivations * dim) return 0;
   // In long double: num_seq len is T (validate_sizes bounds T dim), but T heads stride need not fit.
   const long double bytes = (long double)num_seq * len * heads * attention_scores_stride(len) * sizeof(float);

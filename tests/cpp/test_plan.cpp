@@ -625,7 +625,7 @@ TEST(BackwardPlan, ScoreGradientsWhereTheyStaySmall) {
   }
   EXPECT_EQ(attention_scores_bytes(7, 5, 3, 9), 0u);               // L / hd 8 / 3 (rows of 8 floats)
   EXPECT_EQ(attention_scores_bytes(7, 13, 3, 9), size_t{7} * 13 * 3 * 16 * 4);  // 16 / 3: taken, rows of 16
-  // A long row pass (L 2048, head dim 8: 256 activations, 2 GiB) recomputes; its column pass (L 32, 4
+  // A long row pass (L 2048, head dim 8: 256 activations, 4 GiB) recomputes; its column pass (L 32, 4
   // activations) keeps.
   const CudaBackwardPlan wide = backward_plan_of(problem(1, 32, 2048, 64, 8), h200());
   EXPECT_FALSE(wide.row_scores);
