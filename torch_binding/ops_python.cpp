@@ -18,11 +18,15 @@
 // which this call goes through like the boxed one. Like torch.ops, it releases the GIL while the
 // operator runs.
 //
-// Built only where CMake finds Python's headers (torch_binding/CMakeLists.txt); the torch-free core
-// knows nothing of Python. The library stays loadable by torch.ops.load_library under any Python 3
-// (it takes only Python functions every one of them has: tests/python/test_call_path.py lists
-// them), and python/fastaxial/ops.py takes this entry only where fastaxial_python_abi() names the
-// running interpreter's ABI; elsewhere the module calls the boxed operator.
+// This file is a shared library of its own, _python_entry.so beside _C.so (torch_binding/
+// CMakeLists.txt), built only where CMake finds Python's headers. It holds neither the core nor any
+// operator registration: it finds the operator in the dispatcher, where _C.so (loaded first, by
+// python/fastaxial/ops.py) registered it. So _C.so needs no Python and loads in a process without
+// one (a C++ program running a traced model); only this library links Python and libtorch_python.
+// It is compiled for one Python ABI (fastaxial_python_abi(), also in the build record
+// _build_info.PYTHON_ENTRY), and ops.py opens it only under that one. A GIL build of it takes only
+// Python functions every Python 3 from 3.10 on has (tests/python/test_call_path.py lists them), so
+// it also opens, and then declines, under another one.
 #include <torch/csrc/python_headers.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -44,8 +48,15 @@ using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
 constexpr Py_ssize_t kArgs = 14;    // x, the ten weights, num_heads, eps, dropout
 constexpr Py_ssize_t kTensors = 11;
 
-// Set when Python first asks for the entry (after TORCH_LIBRARY has registered the schema).
-const c10::TypedOperatorHandle<OpSignature>* op_handle = nullptr;
+// The operator's typed handle, looked up once. A function-local static: initialised by the first
+// fastaxial_python_entry() (under the GIL, after _C.so has registered the schema; a throw leaves it
+// unset and the next call tries again), and read by every call with the GIL released, which the
+// static's guard makes safe. No entry function exists before it is set.
+const c10::TypedOperatorHandle<OpSignature>& op_handle() {
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
+  return handle;
+}
 
 // The GIL is released while the operator runs, as torch.ops does: its kernels take milliseconds on
 // the CPU, and other Python threads (data loading) keep running meanwhile.
@@ -116,8 +127,8 @@ PyObject* axial_attention(PyObject* fallback, PyObject* const* args, Py_ssize_t 
     at::Tensor out;
     {
       const ReleaseGil no_gil;
-      out = op_handle->call(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], heads, eps, dropout,
-                            std::nullopt);
+      out = op_handle().call(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], heads, eps,
+                             dropout, std::nullopt);
     }
     return THPVariable_Wrap(std::move(out));
   } catch (...) {
@@ -141,7 +152,7 @@ PyMethodDef axial_attention_def = {
 }  // namespace fastaxial::torch_binding
 
 // The Python ABI this file was compiled for: "3.11", "3.13t" (free-threaded). The Python side
-// takes the entry only under that ABI, since the library itself loads under any Python 3.
+// takes the entry only under that ABI.
 #define FASTAXIAL_STR2(x) #x
 #define FASTAXIAL_STR(x) FASTAXIAL_STR2(x)
 #ifdef Py_GIL_DISABLED
@@ -150,19 +161,30 @@ PyMethodDef axial_attention_def = {
 #define FASTAXIAL_PYTHON_ABI FASTAXIAL_STR(PY_MAJOR_VERSION) "." FASTAXIAL_STR(PY_MINOR_VERSION)
 #endif
 
+// The build record's PYTHON_ENTRY (torch_binding/CMakeLists.txt asks the interpreter) must name the
+// ABI of the headers compiled here: ops.py decides from the record whether to open this library.
+#ifdef FASTAXIAL_RECORDED_PYTHON_ABI
+namespace fastaxial::torch_binding {
+constexpr bool same_text(const char* a, const char* b) {
+  return *a == *b && (*a == '\0' || same_text(a + 1, b + 1));
+}
+static_assert(same_text(FASTAXIAL_PYTHON_ABI, FASTAXIAL_RECORDED_PYTHON_ABI),
+              "the build record's PYTHON_ENTRY differs from the Python headers this file is compiled with");
+}  // namespace fastaxial::torch_binding
+#endif
+
 extern "C" __attribute__((visibility("default"))) const char* fastaxial_python_abi() {
   return FASTAXIAL_PYTHON_ABI;
 }
 
 // A new reference to an entry function whose fallback, for the calls it leaves to the boxed path,
 // is `fallback` (torch.ops.fastaxial.axial_attention.default._op; tests pass a recorder); NULL with a
-// Python error set where the schema is missing. Called through ctypes.PyDLL, with the GIL held.
+// Python error set where the operator is missing from the dispatcher (_C.so not loaded) or its schema
+// has another signature. Called through ctypes.PyDLL, with the GIL held.
 extern "C" __attribute__((visibility("default"))) PyObject* fastaxial_python_entry(PyObject* fallback) {
   using namespace fastaxial::torch_binding;
   try {
-    static const auto handle =
-        c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
-    op_handle = &handle;
+    op_handle();
   } catch (...) {
     torch::translate_exception_to_python(std::current_exception());
     return nullptr;

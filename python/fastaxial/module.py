@@ -18,9 +18,9 @@ _OVERLOAD = torch.ops.fastaxial.axial_attention.default
 # shorter per call; torch.compile traces the OpOverload in its place.
 _OP = _OVERLOAD._op
 # What forward calls: the operator library's Python entry (ops.python_entry,
-# torch_binding/ops_python.cpp), _OP's call through the typed dispatcher handle
-# with less host time, handing every call it does not serve to _OP itself; or
-# _OP, in a build without that entry.
+# torch_binding/ops_python.cpp, _python_entry.so beside _C.so), _OP's call through
+# the typed dispatcher handle with less host time, handing every call it does not
+# serve to _OP itself; or _OP, in a build without that entry or where it failed.
 _CALL = ops.python_entry() or _OP
 
 
@@ -112,7 +112,9 @@ class AxialAttention(reference.AxialAttentionReference):
                 if all(map(contains, map(slots.__getitem__, _SLOT_INDEX), _PARAM_NAMES)):
                     raise  # from the call itself (a dispatch mode, say), not from the slots
                 self.__dict__.pop("_slots", None)  # a weight became parametrized after the slots were built
-                return self.forward(x)
+                # This class's forward, not self.forward: a subclass's forward that calls this one
+                # would run its own part again on x (a second x + pos, say).
+                return AxialAttention.forward(self, x)
         return self._reference_forward(x)
 
     def _dropout_supported(self, x):

@@ -4,11 +4,12 @@ backward operator) and adds, from Python, their fake kernels (shapes for
 torch.compile)."""
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
-__all__ = ["axial_attention", "describe_cuda_plan", "has_kernel", "library_path", "python_entry"]
+__all__ = ["axial_attention", "describe_cuda_plan", "has_kernel", "library_path", "python_entry", "python_entry_path"]
 
 
 def library_path():
@@ -22,14 +23,22 @@ def library_path():
     return path
 
 
-def _check_build(path):
-    """Refuses a library built against another torch: its C++ symbols would not resolve, or worse."""
+def _build_info(path):
+    """The build record beside the library (_build_info.py) as a dict, or None where there is none
+    (a library elsewhere, named by FASTAXIAL_LIBRARY)."""
     info_path = path.with_name("_build_info.py")
-    if not info_path.exists():  # a library built without its record (FASTAXIAL_LIBRARY elsewhere)
-        return
+    if not info_path.exists():
+        return None
     import runpy
 
-    info = runpy.run_path(str(info_path))
+    return runpy.run_path(str(info_path))
+
+
+def _check_build(path):
+    """Refuses a library built against another torch: its C++ symbols would not resolve, or worse."""
+    info = _build_info(path)
+    if info is None:
+        return
     built, have = info["TORCH_VERSION"], str(torch.__version__)
     built_cuda, have_cuda = info["TORCH_CUDA"], torch.version.cuda or ""
     same_torch = built.split("+")[0] == have.split("+")[0]
@@ -79,7 +88,7 @@ _KERNELS = {t: torch._C._dispatch_has_kernel_for_dispatch_key(_OP, t.upper()) fo
 
 
 def _python_abi():
-    """The running interpreter's ABI as the library names it (torch_binding/ops_python.cpp): "3.11", "3.13t"."""
+    """The running interpreter's ABI as the entry library names it (torch_binding/ops_python.cpp): "3.11", "3.13t"."""
     import sys
     import sysconfig
 
@@ -87,30 +96,58 @@ def _python_abi():
     return f"{sys.version_info[0]}.{sys.version_info[1]}{free_threaded}"
 
 
+_ENTRY_NAME = "_python_entry.so"
+
+
+def python_entry_path():
+    """Where the operator library's Python entry would be: _python_entry.so beside the loaded _C.so
+    (beside $FASTAXIAL_LIBRARY's file where that names one)."""
+    return _LIBRARY.with_name(_ENTRY_NAME)
+
+
 def python_entry(fallback=None):
-    """The operator library's Python entry (torch_binding/ops_python.cpp), or None: a builtin function
-    that takes the module's call (x, the ten weights, num_heads, eps, dropout; positional) and makes
-    the call of torch.ops.fastaxial.axial_attention.default through the operator's typed dispatcher
-    handle, with less host time (no conversion of each argument against the schema); it hands every
-    other call (tensor subclasses, a torch function mode, other arguments) to the boxed operator. None where the library was built
-    without it (no Python headers), for another Python (the library loads under any Python 3, the
-    entry only under the one it was compiled for), or where FASTAXIAL_PYTHON_ENTRY=0. `fallback`: what
-    those other calls go to (default: the boxed operator, torch.ops.fastaxial.axial_attention.default._op)."""
+    """The operator library's Python entry (torch_binding/ops_python.cpp, built as _python_entry.so
+    beside _C.so), or None: a builtin function that takes the module's call (x, the ten weights,
+    num_heads, eps, dropout; positional) and makes the call of torch.ops.fastaxial.axial_attention.default
+    through the operator's typed dispatcher handle, with less host time (no conversion of each argument
+    against the schema); it hands every other call (tensor subclasses, a torch function mode, other
+    arguments) to the boxed operator. None where the build made no entry (no Python headers), for
+    another Python (the entry is compiled for one Python ABI, the build record's PYTHON_ENTRY), where
+    FASTAXIAL_PYTHON_ENTRY=0, or, with a warning, where the entry cannot be opened or made (the module
+    then calls the boxed operator). `fallback`: what those other calls go to (default: the boxed
+    operator, torch.ops.fastaxial.axial_attention.default._op)."""
     import ctypes
     import sys
 
     if os.environ.get("FASTAXIAL_PYTHON_ENTRY", "1") == "0" or sys.implementation.name != "cpython":
         return None
-    lib = ctypes.PyDLL(str(_LIBRARY))  # the library torch.ops.load_library loaded: the same handle
+    path, abi = python_entry_path(), _python_abi()
+    info = _build_info(_LIBRARY)
+    recorded = None if info is None else info.get("PYTHON_ENTRY")
+    if recorded is not None and recorded != abi:  # built without the entry (""), or for another Python
+        return None
+    if not path.exists():
+        if recorded:  # the record says the build made one
+            warnings.warn(f"fastaxial: the operator library's Python entry {path} is missing; "
+                          "the module calls the boxed operator", stacklevel=2)
+        return None
+    # Whatever goes wrong from here on (a library that does not open, a missing symbol, an operator
+    # the entry cannot find or whose schema has another signature) costs the entry, never the import.
     try:
-        abi, make = lib.fastaxial_python_abi, lib.fastaxial_python_entry
-    except AttributeError:  # built without Python's headers
+        lib = ctypes.PyDLL(str(path))
+        lib_abi, make = lib.fastaxial_python_abi, lib.fastaxial_python_entry
+        lib_abi.restype = ctypes.c_char_p
+        if lib_abi().decode() != abi:  # no record to say so beforehand
+            return None
+        make.restype, make.argtypes = ctypes.py_object, [ctypes.py_object]
+        entry = make(torch.ops.fastaxial.axial_attention.default._op if fallback is None else fallback)
+        if not callable(entry):
+            raise TypeError(f"made {type(entry).__name__}, not a function")
+        return entry
+    except Exception as e:  # noqa: BLE001 - any failure means: no entry
+        warnings.warn(f"fastaxial: the operator library's Python entry {path} is unusable "
+                      f"({type(e).__name__}: {e}); the module calls the boxed operator", stacklevel=2)
         return None
-    abi.restype = ctypes.c_char_p
-    if abi().decode() != _python_abi():
-        return None
-    make.restype, make.argtypes = ctypes.py_object, [ctypes.py_object]
-    return make(torch.ops.fastaxial.axial_attention.default._op if fallback is None else fallback)
 
 
 def has_kernel(device_type):

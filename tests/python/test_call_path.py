@@ -4,6 +4,7 @@ parameters, the fallback's messages, the CUDA plan a forward reports, and the op
 library's Python entry that the module calls (the same call as torch.ops, or handed to it)."""
 
 import os
+import re
 import sys
 import warnings
 
@@ -196,13 +197,13 @@ def _call_args(device, D=32, heads=4, H=3, W=5, seed=12, requires_grad=False):
 
 
 def test_the_module_calls_the_entry_where_the_library_has_one():
-    """The library's build record says whether it holds the entry; the module then calls it."""
-    import runpy
-
-    record = fastaxial.ops.library_path().with_name("_build_info.py")
-    if not record.exists():
+    """The library's build record says whether the build made the entry, _python_entry.so beside _C.so;
+    the module then calls it."""
+    info = fastaxial.ops._build_info(fastaxial.ops.library_path())
+    if info is None:
         pytest.skip("the operator library has no build record beside it")
-    built = runpy.run_path(str(record))["PYTHON_ENTRY"]
+    built = info["PYTHON_ENTRY"]
+    assert fastaxial.ops.python_entry_path().exists() == bool(built)
     if ENTRY_DISABLED or (built and built != fastaxial.ops._python_abi()):
         assert fastaxial.module._CALL is _OP
     else:
@@ -211,33 +212,226 @@ def test_the_module_calls_the_entry_where_the_library_has_one():
             assert type(fastaxial.module._CALL).__name__ == "builtin_function_or_method"
 
 
+def test_the_record_names_the_entrys_abi():
+    """_build_info.PYTHON_ENTRY, which decides whether the entry is opened, is the ABI the entry was
+    compiled for ("3.13t" for a free-threaded Python, as fastaxial_python_abi() says)."""
+    import ctypes
+
+    info = fastaxial.ops._build_info(fastaxial.ops.library_path())
+    path = fastaxial.ops.python_entry_path()
+    if info is None or not path.exists():
+        pytest.skip("no build record, or no entry library")
+    abi = ctypes.PyDLL(str(path)).fastaxial_python_abi
+    abi.restype = ctypes.c_char_p
+    assert abi().decode() == info["PYTHON_ENTRY"]
+
+
 def test_no_entry_under_another_python(monkeypatch):
-    """The library loads under any Python 3; its entry, compiled against one Python's headers, is taken
-    only under that one."""
+    """The entry, compiled against one Python's headers, is taken only under that one: the record says
+    so before the library is opened, and without a record the library itself."""
     _recording_entry()  # skips where there is no entry at all
     monkeypatch.setattr(fastaxial.ops, "_python_abi", lambda: "3.99t")
-    assert fastaxial.ops.python_entry() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declined, not failed
+        assert fastaxial.ops.python_entry() is None
+        monkeypatch.setattr(fastaxial.ops, "_build_info", lambda path: None)
+        assert fastaxial.ops.python_entry() is None
 
 
-# What the library takes from Python: functions of every Python 3 the package supports (3.10 on),
-# since torch.ops.load_library binds each symbol when it loads the library, under any Python.
-# A new one here must be in all of them (private _Py* names and PyObject_Vectorcall are not).
+class _FakeFunction:
+    def __init__(self, fn):
+        self.fn, self.restype, self.argtypes = fn, None, None
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+class _FakeEntryLibrary:
+    """What ctypes.PyDLL gives for an entry library whose factory fails as the C++ one can."""
+    failure = None
+
+    def __init__(self, path):
+        if self.failure == "open":
+            raise OSError(f"{path}: cannot open shared object file")
+        self.fastaxial_python_abi = _FakeFunction(lambda: fastaxial.ops._python_abi().encode())
+        if self.failure != "symbol":
+            self.fastaxial_python_entry = _FakeFunction(self.make)
+
+    def make(self, fallback):
+        if self.failure == "schema":  # findSchemaOrThrow, translated to Python
+            raise RuntimeError("Could not find schema for fastaxial::axial_attention")
+        if self.failure == "signature":  # typed<>()
+            raise RuntimeError("Tried to access or call an operator with a wrong signature")
+        return None  # a NULL without an error set
+
+
+@pytest.mark.parametrize("failure", ["open", "symbol", "schema", "signature", "none"])
+def test_a_failing_entry_costs_the_entry_with_a_warning(monkeypatch, failure):
+    """Whatever goes wrong in opening the entry library or in its factory, python_entry() warns and
+    returns None, and the module calls the boxed operator: the import never fails for it."""
+    import ctypes
+
+    monkeypatch.delenv("FASTAXIAL_PYTHON_ENTRY", raising=False)
+    monkeypatch.setattr(fastaxial.ops, "python_entry_path", lambda: fastaxial.ops.library_path())  # a file
+    monkeypatch.setattr(fastaxial.ops, "_build_info", lambda path: None)
+    monkeypatch.setattr(_FakeEntryLibrary, "failure", failure)
+    monkeypatch.setattr(ctypes, "PyDLL", _FakeEntryLibrary)
+    with pytest.warns(UserWarning, match="Python entry .* is unusable"):
+        assert fastaxial.ops.python_entry() is None
+
+
+@pytest.mark.parametrize("what", ["the operator library", "not a library"])
+def test_an_entry_library_that_is_no_entry_gives_a_warning(monkeypatch, tmp_path, what):
+    """A real file where the entry should be: a library without its symbols (_C.so), or no library."""
+    monkeypatch.delenv("FASTAXIAL_PYTHON_ENTRY", raising=False)
+    path = fastaxial.ops.library_path()
+    if what == "not a library":
+        path = tmp_path / "_python_entry.so"
+        path.write_text("not an ELF file")
+    monkeypatch.setattr(fastaxial.ops, "python_entry_path", lambda: path)
+    monkeypatch.setattr(fastaxial.ops, "_build_info", lambda path: None)
+    with pytest.warns(UserWarning, match="Python entry .* is unusable"):
+        assert fastaxial.ops.python_entry() is None
+
+
+def _run_python(script, **env):
+    import subprocess
+
+    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]), **env)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_entry_factory_before_the_operator_exists_raises_then_works():
+    """The factory asks the dispatcher for the operator, which _C.so registers: before _C.so is loaded it
+    raises a Python error (not a crash), and the failed lookup leaves nothing behind: once _C.so is loaded
+    the same factory works."""
+    entry_path = fastaxial.ops.python_entry_path()
+    if not entry_path.exists():
+        pytest.skip("the operator library has no Python entry here")
+    script = f"""
+import ctypes, torch
+lib = ctypes.PyDLL({str(entry_path)!r})
+make = lib.fastaxial_python_entry
+make.restype, make.argtypes = ctypes.py_object, [ctypes.py_object]
+try:
+    make(None)
+except RuntimeError as e:
+    assert "fastaxial::axial_attention" in str(e), e
+else:
+    raise AssertionError("made an entry without the operator")
+torch.ops.load_library({str(fastaxial.ops.library_path())!r})
+entry = make(None)
+assert type(entry).__name__ == "builtin_function_or_method"
+print("ok")
+"""
+    r = _run_python(script)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+@pytest.mark.parametrize("beside", ["the entry", "nothing", "a broken entry"])
+def test_entry_beside_a_library_named_by_fastaxial_library(tmp_path, beside):
+    """FASTAXIAL_LIBRARY=/elsewhere/_C.so: the entry is /elsewhere/_python_entry.so, where there is one; a
+    broken one costs the entry with a warning, never the import."""
+    entry_path = fastaxial.ops.python_entry_path()
+    if beside == "the entry" and not entry_path.exists():
+        pytest.skip("the operator library has no Python entry here")
+    (tmp_path / "_C.so").symlink_to(fastaxial.ops.library_path())  # no build record beside it
+    if beside == "the entry":
+        (tmp_path / "_python_entry.so").symlink_to(entry_path)
+    elif beside == "a broken entry":
+        (tmp_path / "_python_entry.so").write_text("not an ELF file")
+    script = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    import torch, fastaxial
+m = fastaxial.AxialAttention(8, 2, 1, 1)
+with torch.no_grad():
+    assert m(torch.randn(1, 1, 1, 8)).shape == (1, 1, 1, 8)
+messages = [str(w.message) for w in caught if "fastaxial" in str(w.message)]
+print(fastaxial.module._CALL is not fastaxial.module._OP, messages)
+"""
+    r = _run_python(script, FASTAXIAL_LIBRARY=str(tmp_path / "_C.so"), FASTAXIAL_PYTHON_ENTRY="1")
+    assert r.returncode == 0, r.stderr
+    entry_used, messages = r.stdout.strip().split(" ", 1)
+    assert entry_used == str(beside == "the entry"), r.stdout
+    if beside == "a broken entry":
+        assert "Python entry" in messages and "unusable" in messages, messages
+    else:
+        assert messages == "[]", messages
+
+
+def _needed(path):
+    import subprocess
+
+    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", out)
+
+
+def _undefined_python_symbols(path):
+    import subprocess
+
+    out = subprocess.run(["nm", "-D", "--undefined-only", str(path)], capture_output=True, text=True, check=True).stdout
+    return {m.group(1) for m in re.finditer(r"\bU (_?Py\w+)", out)}
+
+
+def test_operator_library_needs_no_python():
+    """_C.so serves C++ programs without Python too (a traced model run through libtorch loads it with
+    dlopen): it neither needs libpython nor libtorch_python, nor takes any Python symbol, and a process
+    without Python loads it, binding every symbol (its registrations run there too)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("readelf") is None or shutil.which("nm") is None:
+        pytest.skip("needs readelf and nm")
+    lib = fastaxial.ops.library_path()
+    needed = _needed(lib)
+    assert "libtorch_cpu.so" in needed, needed
+    assert not [n for n in needed if n.startswith(("libpython", "libtorch_python"))], needed
+    assert not _undefined_python_symbols(lib)
+    true = shutil.which("true")
+    # torch's libraries on the search path, as a libtorch program has them (an installed wheel's _C.so
+    # finds them beside it, in site-packages, which a copy elsewhere would not).
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    search = os.pathsep.join(p for p in (torch_lib, os.environ.get("LD_LIBRARY_PATH")) if p)
+
+    def load_without_python(path):
+        env = dict(os.environ, LD_PRELOAD=str(path), LD_BIND_NOW="1", LD_LIBRARY_PATH=search)
+        return subprocess.run([true], env=env, capture_output=True, text=True, timeout=120)
+
+    r = load_without_python(lib)
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    entry = fastaxial.ops.python_entry_path()
+    if entry.exists():  # the check tells: the entry library, which needs Python, does not load there
+        r = load_without_python(entry)
+        assert r.returncode != 0 and "undefined symbol: Py" in r.stderr, (r.returncode, r.stderr)
+
+
+# What the entry library takes from Python: functions of every Python 3 the package supports (3.10
+# on), so that a GIL build of it opens (ctypes binds each symbol at load) under any of them, and says
+# through fastaxial_python_abi() whether it is theirs. A new one here must be in all of them (private
+# _Py* names and PyObject_Vectorcall are not).
 PYTHON_SYMBOLS = {"PyCMethod_New", "PyDict_New", "PyDict_SetItem", "PyErr_Clear", "PyErr_Occurred",
                   "PyEval_RestoreThread", "PyEval_SaveThread", "PyFloat_Type", "PyLong_AsDouble",
                   "PyLong_AsLongLongAndOverflow", "PyLong_Type", "PyObject_VectorcallDict", "_Py_Dealloc"}
 
 
-def test_library_takes_only_portable_python_symbols():
-    import re
+def test_entry_library_takes_only_portable_python_symbols():
     import shutil
-    import subprocess
+    import sysconfig
 
     if shutil.which("nm") is None:
         pytest.skip("needs nm")
-    out = subprocess.run(["nm", "-D", "--undefined-only", str(fastaxial.ops.library_path())],
-                         capture_output=True, text=True, check=True).stdout
-    taken = {m.group(1) for m in re.finditer(r"\bU (_?Py\w+)", out)}
+    entry = fastaxial.ops.python_entry_path()
+    if not entry.exists():
+        pytest.skip("the operator library has no Python entry here")
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        pytest.skip("a free-threaded build's entry takes that ABI's own reference counting; it opens only there")
+    taken = _undefined_python_symbols(entry)
     assert taken <= PYTHON_SYMBOLS, sorted(taken - PYTHON_SYMBOLS)
+    needed = _needed(entry)
+    assert "libtorch_python.so" in needed and not [n for n in needed if n.startswith("libpython")], needed
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
@@ -611,3 +805,28 @@ def test_weight_parametrized_after_the_first_call(device):
             torch.nn.utils.parametrize.register_parametrization(m.col_qkv, "weight", Scale())
         torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(new(x), ref(x), atol=ATOL, rtol=RTOL)  # and on the calls after
+
+
+def test_stale_slots_retry_runs_a_subclass_forward_once(device):
+    """A subclass whose forward adds to x and calls this one: when a weight becomes parametrized after the
+    slots were built, the retry is this class's forward again, not the subclass's (which would add twice)."""
+    ref, new = make_pair(32, 4, 5, 6, device, seed=22)
+    pos = torch.randn(32, device=device)
+
+    class Shifted(fastaxial.AxialAttention):
+        def forward(self, x):
+            return super().forward(x + pos)
+
+    class Scale(nn.Module):
+        def forward(self, w):
+            return 0.5 * w
+
+    shifted = Shifted(32, 4, 5, 6).to(device)
+    shifted.load_state_dict(new.state_dict())
+    x = torch.randn(2, 5, 6, 32, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(shifted(x), ref(x + pos), atol=ATOL, rtol=RTOL)  # builds the slots
+        for m in (ref, shifted):
+            torch.nn.utils.parametrize.register_parametrization(m.row_qkv, "weight", Scale())
+        torch.testing.assert_close(shifted(x), ref(x + pos), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(shifted(x), ref(x + pos), atol=ATOL, rtol=RTOL)
