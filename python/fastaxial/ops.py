@@ -3,6 +3,7 @@ library (which registers its CPU, CUDA and autograd kernels in C++, and the
 backward operator) and adds, from Python, their fake kernels (shapes for
 torch.compile)."""
 
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -23,9 +24,10 @@ def library_path():
     return path
 
 
+@functools.lru_cache(maxsize=None)  # read at import by _check_build and python_entry: once
 def _build_info(path):
     """The build record beside the library (_build_info.py) as a dict, or None where there is none
-    (a library elsewhere, named by FASTAXIAL_LIBRARY)."""
+    (a library elsewhere, named by FASTAXIAL_LIBRARY). Read only."""
     info_path = path.with_name("_build_info.py")
     if not info_path.exists():
         return None

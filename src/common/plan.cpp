@@ -375,10 +375,10 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
          append(&end, 3 * kMaxColumnSumChunks * D * sizeof(float), &c.column_partials);
   // dS^T of a pass where it takes the scratch (attention_scores_bytes): one region, sized for the
   // larger pass, used by each in turn.
-  c.row_scores = attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim) > 0;
-  c.col_scores = attention_scores_bytes(p.batch * p.width, p.height, p.heads, p.dim) > 0;
-  c.attention_scores_bytes = std::max(attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim),
-                                      attention_scores_bytes(p.batch * p.width, p.height, p.heads, p.dim));
+  const size_t row_scores = attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim);
+  const size_t col_scores = attention_scores_bytes(p.batch * p.width, p.height, p.heads, p.dim);
+  c.row_scores = row_scores > 0, c.col_scores = col_scores > 0;
+  c.attention_scores_bytes = std::max(row_scores, col_scores);
   if (c.attention_scores_bytes > 0) fits = fits && append(&end, c.attention_scores_bytes, &c.attention_scores);
   c.caller_blas = caller_blas;
   c.blas_bytes = caller_blas ? 0 : backward_blas_bytes(dev);

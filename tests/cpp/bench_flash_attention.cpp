@@ -66,14 +66,7 @@ int main(int argc, char** argv) {
   if (shapes.empty())  // passes of the training benchmark's shapes and of long axes
     shapes = {{256, 256, 32, 4}, {256, 128, 32, 8}, {96, 80, 32, 3},  {160, 48, 32, 3},
               {512, 64, 16, 8},  {32, 1024, 32, 8}, {16, 2048, 32, 2}, {512, 512, 16, 4}};
-  DeviceCaps dev;
-  if (!fastaxial::test::read_device_caps(&dev)) {
-    std::fprintf(stderr, "reading the device's attributes failed\n");
-    return 1;
-  }
-  cudaDeviceProp prop;
-  BENCH_CHECK(cudaGetDeviceProperties(&prop, dev.device));
-  std::printf("%s, %d SMs; mean of %d calls, L2 flushed before each\n", prop.name, dev.sms, reps);
+  const DeviceCaps dev = fastaxial::test::bench_device(reps);
   fastaxial::test::ColdTimer timer;
 
   std::printf("%6s %5s %4s %5s | %-22s | %-18s | %s\n", "N", "L", "hd", "heads", "flash_attention (kernel)",

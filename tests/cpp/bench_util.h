@@ -1,5 +1,6 @@
 // What the timing tools (bench_weight_gradient, bench_flash_attention) share: a check that
-// stops the tool on a failed call, and the timing of a call on a cold L2.
+// stops the tool on a failed call, the device they time (and its header line), and the timing of
+// a call on a cold L2.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +8,8 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+
+#include "cuda_test_util.h"  // read_device_caps
 
 // Stops the tool where `call` (a CUDA, cuBLAS or library call: 0 on success) fails.
 #define BENCH_CHECK(call)                                                                    \
@@ -19,6 +22,20 @@
   } while (0)
 
 namespace fastaxial::test {
+
+// The current device as the kernels see it, after printing its header line (name, SMs, `reps`);
+// stops the tool where its attributes cannot be read.
+inline DeviceCaps bench_device(int reps) {
+  DeviceCaps dev;
+  if (!read_device_caps(&dev)) {
+    std::fprintf(stderr, "reading the device's attributes failed\n");
+    std::exit(1);
+  }
+  cudaDeviceProp prop;
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, dev.device));
+  std::printf("%s, %d SMs; mean of %d calls, L2 flushed before each\n", prop.name, dev.sms, reps);
+  return dev;
+}
 
 // Mean ms of a call over `reps` calls, each after the L2 is flushed (a 256 MB memset), between
 // CUDA events around the call alone, on the default stream; one call before them warms up

@@ -46,14 +46,7 @@ int main(int argc, char** argv) {
     shapes = {{4096, 64, 64},     {4096, 192, 64},    {32768, 128, 128}, {32768, 384, 128},
               {32768, 256, 256},  {32768, 768, 256},  {65536, 128, 128}, {65536, 384, 128},
               {131072, 768, 256}, {32768, 1536, 512}};
-  DeviceCaps dev;
-  if (!fastaxial::test::read_device_caps(&dev)) {
-    std::fprintf(stderr, "reading the device's attributes failed\n");
-    return 1;
-  }
-  cudaDeviceProp prop;
-  BENCH_CHECK(cudaGetDeviceProperties(&prop, dev.device));
-  std::printf("%s, %d SMs; mean of %d calls, L2 flushed before each\n", prop.name, dev.sms, reps);
+  const DeviceCaps dev = fastaxial::test::bench_device(reps);
   cublasHandle_t blas;
   BENCH_CHECK(cublasCreate(&blas));
   BENCH_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));

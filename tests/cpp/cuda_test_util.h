@@ -62,4 +62,11 @@ inline bool read_device_caps(DeviceCaps* dev) {
   return true;
 }
 
+// An H200 as the kernels' rules see it, for the rule tests without a device.
+inline DeviceCaps h200_caps() {
+  DeviceCaps d;
+  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.sm90a = true;
+  return d;
+}
+
 }  // namespace fastaxial::test

@@ -690,8 +690,7 @@ TEST(AttentionBackwardRules, RejectsDropoutArguments) {
 // dq on wgmma: padded head dim 32 past kQueryGradsWgmmaMinLen (192) on sm_90a code,
 // unless a hook asks for other kernels.
 TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
-  DeviceCaps h;
-  h.sms = 132, h.smem_optin = 227 * 1024, h.cc_major = 9, h.sm90a = true;  // an H200
+  DeviceCaps h = h200_caps();
   const bool sm90a_build = cuda::gemm_tf32x3_available(h);
   cuda::AttentionBackwardArgs a;
   a.pos = {2, 193, 1, 193, 1, 386};

@@ -278,13 +278,6 @@ int64_t rows_differing(const Problem& pr, const Result& x, const Result& y) {
   return differ;
 }
 
-// An H200's multiprocessors, for the kernel rules without a device.
-DeviceCaps h200_like() {
-  DeviceCaps d;
-  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.sm90a = true;
-  return d;
-}
-
 // Whether flash_attention runs pr's pass on the wgmma kernel on dev.
 bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
   cuda::FlashArgs a;
@@ -362,7 +355,7 @@ INSTANTIATE_TEST_SUITE_P(
 // The kernel flash_attention picks: wgmma for padded head dim 32 past
 // kFlashWgmmaMinLen on sm_90a code, unless the mma.sync kernel is asked for.
 TEST(FlashAttentionRules, WgmmaKernelWhereItApplies) {
-  DeviceCaps h = h200_like();
+  DeviceCaps h = h200_caps();
   const bool sm90a_build = cuda::gemm_tf32x3_available(h);  // a build without sm_90a code never takes it
   cuda::FlashArgs a;
   a.pos = {2, 65, 1, 65, 1, 130};
@@ -399,7 +392,7 @@ class FlashAttentionSplit : public ::testing::TestWithParam<Case> {};
 TEST_P(FlashAttentionSplit, MatchesDoubleReference) {
   const Case c = GetParam();
   const Problem pr = make_problem(c);
-  const size_t h200_bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, h200_like());
+  const size_t h200_bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, h200_caps());
   if (c.L >= 1030) EXPECT_GT(h200_bytes, 0u) << "no split on an H200";
   DeviceCaps dev;
   std::string why;
@@ -435,7 +428,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The split rule (smem_layout.h's flash_kv_splits) on an H200, without a device.
 TEST(FlashAttentionRules, SplitRule) {
-  const DeviceCaps h = h200_like();
+  const DeviceCaps h = h200_caps();
   // (1, 1, 4096, 32, 1)'s row pass: 64 query tiles, 64 key tiles -> 5 splits, 320 blocks.
   EXPECT_EQ(flash_kv_splits(1, 4096, 32, 1, h.sms), 5);
   EXPECT_EQ(cuda::flash_attention_partials_bytes(1, 4096, 32, 1, h), 5u * 4096u * 34u * 4u);
