@@ -15,13 +15,23 @@ namespace {
 
 Status invalid(const std::string& what) { return {StatusCode::kInvalidArgument, what}; }
 
-// Dims at which the staged path beats the fused kernel on some passes.
+// Dims at which the staged path beats the fused kernel on passes of longer
+// sequences; and the sequences short enough that many of them take the
+// staged path at any dim (staged_is_faster).
+constexpr int64_t kFusedShortLen = 16;
 bool staged_can_be_faster(int64_t dim) { return dim > 64; }
 
 // Where both fit, by GPU time per forward measured on the H200 (132 SMs;
-// docs/perf-notes.md, "dispatch"):
-// - dim 64 and less: the fused kernel everywhere; its projections are a
-//   small share of its time there.
+// docs/perf-notes.md, "dispatch" and v43):
+// - many very short sequences, at any dim: the staged path. The fused
+//   kernel pads each sequence to 16 rows and runs one at a time an SM, about
+//   3.5 us a round of `sms` sequences however short; a staged pass costs
+//   about 17 us of chained launches plus its positions' work. It wins from
+//   4 rounds for L <= 4 (4096 sequences of L = 1: 114 -> about 30 us a pass)
+//   and from 8 for L <= 16; at 2 rounds, or L = 8 at 4, the fused kernel
+//   wins or ties, and at L = 32 it wins at 4 rounds.
+// - otherwise, dim 64 and less: the fused kernel everywhere; its projections
+//   are a small share of its time there.
 // - wider dims, passes of 16384 positions or more: the staged path, whose
 //   projections run on wgmma over all positions;
 // - wider dims, smaller passes: the fused kernel while its sequences (a
@@ -30,6 +40,7 @@ bool staged_can_be_faster(int64_t dim) { return dim > 64; }
 //   4096 positions up. Below that, the staged path's launches cost more
 //   than they save.
 bool staged_is_faster(int64_t len, int64_t dim, int64_t num_seq, int64_t sms) {
+  if (sms >= 1 && len <= kFusedShortLen && num_seq > sms * (len <= 4 ? 3 : 7)) return true;
   if (!staged_can_be_faster(dim)) return false;
   const int64_t positions = num_seq * len;
   if (positions >= 16384) return true;

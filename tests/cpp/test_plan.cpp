@@ -95,6 +95,20 @@ TEST(Plan, PicksTheFamilyByShapeAndDevice) {
       {64, 512, 2, 64, KernelFamily::kStaged, "head_dim 256"},
       {8, 520, 2, 64, KernelFamily::kGeneric, "head_dim 260: past the flash kernel"},
       {9, 72, 9, 3, KernelFamily::kFused, "head_dim 8"},
+      // Many very short sequences: the staged path (the fused kernel pads each to 16 rows, one an SM).
+      {1, 32, 1, 4096, KernelFamily::kStaged, "(1, 1, 4096, 32, 1), columns: 4096 sequences of 1"},
+      {4, 64, 4, 4096, KernelFamily::kStaged, "(1, 4, 4096, 64, 4), columns"},
+      {2, 64, 4, 512, KernelFamily::kStaged, "(256, 2, 2, 64, 4): 4 rounds of L = 2"},
+      {4, 32, 1, 396, KernelFamily::kFused, "L = 4: 3 rounds of 132"},
+      {4, 32, 1, 397, KernelFamily::kStaged, "L = 4: 4 rounds"},
+      {5, 32, 1, 397, KernelFamily::kFused, "L = 5 wants 8 rounds"},
+      {8, 32, 2, 512, KernelFamily::kFused, "(64, 8, 8, 32, 2): L = 8 at 4 rounds ties"},
+      {16, 64, 2, 2048, KernelFamily::kStaged, "(1, 16, 2048, 64, 2), columns: 16 rounds of L = 16"},
+      {16, 64, 4, 924, KernelFamily::kFused, "L = 16: 7 rounds"},
+      {16, 64, 4, 925, KernelFamily::kStaged, "L = 16: 8 rounds"},
+      {17, 64, 4, 4096, KernelFamily::kFused, "L = 17 and longer: dim 64 stays fused"},
+      {4, 128, 4, 200, KernelFamily::kFused, "dim 128, L = 4: 2 rounds, 800 positions"},
+      {2, 128, 4, 600, KernelFamily::kStaged, "dim 128, L = 2: 5 rounds"},
       {7, 60, 3, 3, KernelFamily::kGeneric, "dim not a multiple of 8"},
   };  for (const Case& c : cases)
     EXPECT_EQ(row_pass(c.len, c.dim, c.heads, c.num_seq, h200()).family, c.family)
@@ -110,7 +124,12 @@ TEST(Plan, WaveFillDependsOnTheDevice) {
   EXPECT_EQ(row_pass(80, 96, 3, 96, dev).family, KernelFamily::kFused);
   dev.sms = 48;
   EXPECT_EQ(row_pass(80, 96, 3, 96, dev).family, KernelFamily::kFused);  // two full waves
-  EXPECT_EQ(row_pass(64, 64, 4, 64, h200()).family, KernelFamily::kFused);  // dim 64 never prefers staged
+  EXPECT_EQ(row_pass(64, 64, 4, 64, h200()).family, KernelFamily::kFused);  // dim 64 prefers staged only for short L
+  // 512 sequences of 4: 4 rounds on 132 SMs, 2 on 256.
+  EXPECT_EQ(row_pass(4, 64, 4, 512, h200()).family, KernelFamily::kStaged);
+  dev = h200();
+  dev.sms = 256;
+  EXPECT_EQ(row_pass(4, 64, 4, 512, dev).family, KernelFamily::kFused);
 }
 
 TEST(Plan, NarrowsToWhatTheDeviceAndPointersAllow) {
@@ -299,7 +318,9 @@ TEST(Plan, FlashPartialsRegion) {
   CudaPlan plan = plan_of(problem(1, 1, 4096, 32, 1), h200());
   ASSERT_EQ(plan.row.family, KernelFamily::kStaged);
   EXPECT_TRUE(plan.row.flash);
-  EXPECT_NE(plan.col.family, KernelFamily::kStaged);
+  // Its column pass (4096 sequences of 1) is staged too, on the whole-sequence kernel: no partials.
+  EXPECT_EQ(plan.col.family, KernelFamily::kStaged);
+  EXPECT_FALSE(plan.col.flash);
   const size_t T = 4096, D = 32, f = sizeof(float);
   ASSERT_NE(plan.flash_partials, CudaPlan::kNone);
   EXPECT_EQ(plan.flash_partials_bytes, flash_partials_bytes(1, 4096, 32, 1, 132));
