@@ -235,7 +235,7 @@ class Training {
     cuda::ColumnSumJobs sums;
     if (grads.out_bias) sums.add(dy, grads.out_bias);
     if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, &sums); !s.ok()) return s;
-    if (cudaError_t e = cuda::column_sums(sums, T_, D_, partials_, dev_, stream_); e != cudaSuccess)
+    if (cudaError_t e = cuda::column_sums(sums, T_, D_, reinterpret_cast<double*>(partials_), dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
     return Status::Ok();
   }

@@ -23,12 +23,12 @@ struct ColumnSumJobs {
 };
 
 // Chunks of rows (at most kMaxColumnSumChunks): partials must hold
-// ColumnSumJobs::kMax * column_sum_chunks(M) * N floats.
+// ColumnSumJobs::kMax * column_sum_chunks(M) * N doubles (the sums run in fp64).
 int64_t column_sum_chunks(int64_t M);
 
 // sums[j] (N) = sum over rows of a[j] (M, N) for each job; partials is scratch (see above).
 // M = 0 gives zeros.
-cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, int N, float* partials, const DeviceCaps& dev,
+cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, int N, double* partials, const DeviceCaps& dev,
                         cudaStream_t stream);
 
 }  // namespace fastaxial::cuda
