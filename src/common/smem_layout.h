@@ -84,16 +84,35 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ?
 // long sequence with few sequences and heads: (1, 1, 4096, 32, 1)'s row
 // pass is 64 blocks on 132 SMs, each streaming all 4096 keys), the key tiles
 // of each (item, query tile) are cut into S contiguous ranges, a block each,
-// which write unnormalised partials that a combine kernel merges. S covers
-// the device about twice (2 sms blocks), at most 16, and leaves every split
-// at least two key tiles; 1 (no split) where the blocks already number
-// 2 sms or more, where that leaves less than 2, or for sequences shorter
-// than kFlashMinSplitLen, whose blocks are short enough that the combine's
-// launch and the partials' round trip through L2 would eat the gain (an
-// estimate, not a measurement). With S > 1 the blocks number fewer than
-// 4 sms and the partials' rows fewer than 4 sms * 64.
+// which write unnormalised partials that a combine kernel merges.
+//
+// S minimises an estimate of the time: the rounds of blocks the device runs
+// at once (flash_split_blocks_per_sm an SM) times the key tiles a block
+// streams plus a fixed cost of 1.3 tiles a block (fitted to the H200's
+// times for S = 3 to 16 at head dims 16 to 128: docs/perf-notes.md, v45).
+// So one long sequence takes the S that fills one round with the fewest
+// tiles a block, and S = 1 is kept where a second round would cost more
+// than the split saves. At most 16, every split at least two key tiles,
+// fewer than 4 sms blocks in all; 1 (no split) where the blocks already
+// number 2 sms or more, or for sequences shorter than kFlashMinSplitLen,
+// whose blocks are short enough that the combine's launch and the
+// partials' round trip through L2 would eat the gain (an estimate, not a
+// measurement). With S > 1 the partials' rows are fewer than 4 sms * 64.
 constexpr int kFlashMaxSplits = 16;
 constexpr int64_t kFlashMinSplitLen = 1024;
+
+// Blocks of the split kernel (flash_attention.cu, 4 warps) an SM holds on
+// sm_90a, by its registers (ptxas) and its two stages of shared memory;
+// test_flash_attention checks them against the occupancy API on the device.
+FASTAXIAL_HOST_DEVICE constexpr int flash_split_blocks_per_sm(int hdp) {
+  return hdp <= 8 ? 6 : hdp <= 16 ? 4 : hdp <= 48 ? 3 : hdp <= 192 ? 2 : 1;
+}
+
+// The estimate, in tenths of a key tile: rounds of `slots` blocks x (10 tiles a block + 13).
+FASTAXIAL_HOST_DEVICE constexpr int64_t flash_split_cost(int64_t blocks, int64_t s, int64_t slots, int64_t key_tiles) {
+  return (blocks * s + slots - 1) / slots * (10 * ((key_tiles + s - 1) / s) + 13);
+}
+
 FASTAXIAL_HOST_DEVICE constexpr int flash_kv_splits(int64_t num_seq, int64_t len, int64_t head_dim, int64_t heads,
                                                     int sms) {
   const int hdp = flash_padded_head_dim(head_dim);
@@ -103,10 +122,11 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_kv_splits(int64_t num_seq, int64_t len
   const int64_t blocks = num_seq * heads * ((len + kFlashQueryTile - 1) / kFlashQueryTile);
   if (blocks >= 2 * (int64_t)sms) return 1;
   const int64_t key_tiles = (len + flash_key_tile(hdp) - 1) / flash_key_tile(hdp);
-  int64_t s = (2 * (int64_t)sms + blocks - 1) / blocks;
-  if (s > key_tiles / 2) s = key_tiles / 2;
-  if (s > kFlashMaxSplits) s = kFlashMaxSplits;
-  return s >= 2 ? (int)s : 1;
+  const int64_t slots = (int64_t)flash_split_blocks_per_sm(hdp) * sms;
+  int64_t best = 1;
+  for (int64_t s = 2; s <= kFlashMaxSplits && 2 * s <= key_tiles && blocks * s < 4 * (int64_t)sms; ++s)
+    if (flash_split_cost(blocks, s, slots, key_tiles) < flash_split_cost(blocks, best, slots, key_tiles)) best = s;
+  return (int)best;
 }
 
 // Bytes of the split kernels' partials for S = flash_kv_splits(...) > 1 (0

@@ -426,16 +426,38 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2051, 3, 2, false, 2, 1, 0, 0}, Case{1030, 96, 2, true, 1, 3, 0, 2}),
     [](const auto& info) { return case_name(info.param); });
 
+// The split rule's blocks an SM (smem_layout.h's flash_split_blocks_per_sm) are those of this
+// build on a Hopper GPU (sm_90a code, 64K registers and 228 KB of shared memory an SM, as the
+// H200 the table was read for): were the kernels' registers to change, the rule would pick its
+// splits from wrong rounds.
+TEST(FlashAttentionSplit, BlocksAnSmAsTheRuleCounts) {
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(8, &dev, &why)) GTEST_SKIP() << why;
+  if (!dev.sm90a) GTEST_SKIP() << "the table is for sm_90a code on a compute-capability 9.0 GPU";
+  for (int hd : {8, 16, 32, 48, 64, 96, 128, 192, 256})
+    EXPECT_EQ(cuda::flash_split_occupancy(hd, dev), flash_split_blocks_per_sm(flash_padded_head_dim(hd)))
+        << "head_dim " << hd;
+}
+
 // The split rule (smem_layout.h's flash_kv_splits) on an H200, without a device.
 TEST(FlashAttentionRules, SplitRule) {
   const DeviceCaps h = h200_caps();
-  // (1, 1, 4096, 32, 1)'s row pass: 64 query tiles, 64 key tiles -> 5 splits, 320 blocks.
-  EXPECT_EQ(flash_kv_splits(1, 4096, 32, 1, h.sms), 5);
-  EXPECT_EQ(cuda::flash_attention_partials_bytes(1, 4096, 32, 1, h), 5u * 4096u * 34u * 4u);
-  // 16 query tiles: up to 17 splits, but each keeps two of the 16 key tiles (64 keys) at
-  // head dim 32, and at most 16 at head dim 256 (64 key tiles of 16); none below 1024 keys.
+  // (1, 1, 4096, 32, 1)'s row pass: 64 query tiles, 64 key tiles, 3 blocks an SM -> 6 splits,
+  // 384 blocks: one round of 396 with 10 or 11 key tiles a block.
+  EXPECT_EQ(flash_kv_splits(1, 4096, 32, 1, h.sms), 6);
+  EXPECT_EQ(cuda::flash_attention_partials_bytes(1, 4096, 32, 1, h), 6u * 4096u * 34u * 4u);
+  // Two blocks an SM at head dims 64 and 128: 4 splits (256 blocks, one round), where 5 took
+  // two rounds (measured slower than 3 and 8: docs/perf-notes.md, v45).
+  EXPECT_EQ(flash_kv_splits(1, 4096, 64, 1, h.sms), 4);
+  EXPECT_EQ(flash_kv_splits(1, 4096, 128, 1, h.sms), 4);
+  EXPECT_EQ(flash_kv_splits(1, 4096, 16, 1, h.sms), 8);  // four blocks an SM: 512 blocks
+  EXPECT_EQ(flash_kv_splits(1, 8192, 32, 1, h.sms), 3);  // 128 query tiles: 384 blocks
+  EXPECT_EQ(flash_kv_splits(4, 4096, 32, 1, h.sms), 1);  // 256 blocks: a second round costs more than S = 2 saves
+  // 16 query tiles: each split keeps two of the 16 key tiles (64 keys) at head dim 32; at head
+  // dim 256 (64 key tiles of 16, one block an SM) 8 splits fill one round; none below 1024 keys.
   EXPECT_EQ(flash_kv_splits(1, 1024, 32, 1, h.sms), 8);
-  EXPECT_EQ(flash_kv_splits(1, 1024, 256, 1, h.sms), 16);
+  EXPECT_EQ(flash_kv_splits(1, 1024, 256, 1, h.sms), 8);
   EXPECT_EQ(flash_kv_splits(1, 1023, 256, 1, h.sms), 1);
   EXPECT_EQ(flash_kv_splits(2, 2051, 64, 1, h.sms), 4);  // 66 blocks
   EXPECT_EQ(flash_kv_splits(1, 65536, 8, 1, h.sms), 1);  // 1024 query tiles fill the device

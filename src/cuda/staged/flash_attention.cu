@@ -541,6 +541,15 @@ cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const S
   return launch_flash<HDP, kWarps>(a, vec, scale_log2, sp, dev, stream);
 }
 
+template <int HDP>
+int split_occupancy(const DeviceCaps& dev) {
+  using Tile = FlashTile<HDP, kWarps>;
+  constexpr auto kernel = flash_attention_kernel<HDP, kWarps, true, false, true>;
+  if (Tile::bytes > (size_t)dev.smem_optin || allow_max_smem<kernel>(dev) != cudaSuccess) return 0;
+  int n = 0;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32 * kWarps, Tile::bytes) == cudaSuccess ? n : 0;
+}
+
 // Dropout's arguments, where it applies: the {seed, offset} pair given, and
 // the mask's sizes those of this pass (its elements are numbered by them).
 bool dropout_args_ok(const FlashArgs& a) {
@@ -558,6 +567,21 @@ static_assert(FlashTile<256>::bytes == kFlashMaxSmemBytes && FlashTile<192>::byt
               "smem_layout.h's kFlashMaxSmemBytes is the largest tiling");
 
 bool flash_attention_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
+
+int flash_split_occupancy(int64_t head_dim, const DeviceCaps& dev) {
+  switch (padded_head_dim(head_dim)) {
+    case 8: return split_occupancy<8>(dev);
+    case 16: return split_occupancy<16>(dev);
+    case 32: return split_occupancy<32>(dev);
+    case 48: return split_occupancy<48>(dev);
+    case 64: return split_occupancy<64>(dev);
+    case 96: return split_occupancy<96>(dev);
+    case 128: return split_occupancy<128>(dev);
+    case 192: return split_occupancy<192>(dev);
+    case 256: return split_occupancy<256>(dev);
+  }
+  return 0;
+}
 
 size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
                                       const DeviceCaps& dev) {

@@ -65,6 +65,11 @@ bool flash_attention_supports(int64_t head_dim);
 size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
                                       const DeviceCaps& dev);
 
+// Blocks of the split kernel for head_dim an SM holds on dev (the occupancy
+// API), for the test that checks smem_layout.h's flash_split_blocks_per_sm
+// against the build; 0 where the head_dim is not served or the query fails.
+int flash_split_occupancy(int64_t head_dim, const DeviceCaps& dev);
+
 // The most shared memory a launch for this head_dim takes (blocks of 64
 // queries, two key buffers; short sequences take less); the plan checks it
 // against the device; 0 where the head_dim is not supported.
