@@ -24,15 +24,17 @@
 //
 // Weight gradients are sums over every position. For determinism without atomics the
 // sequences are cut into at most kMaxChunks chunks of consecutive blocks; one thread walks
-// a chunk's blocks in order, adding into the chunk's own partial (4D^2 + 3D floats), and
+// a chunk's blocks in order, adding into the chunk's own partial (4D^2 floats of the two
+// products' gradients, 3D doubles of the column sums: the LayerNorm weight and shift and the
+// output bias, sums of a term per position, added in fp64 and rounded once, as on CUDA), and
 // after the parallel loop each weight element sums the chunks' partials in chunk order.
 // Block and chunk sizes depend on the shape alone, not on the thread count, so the result
 // does not depend on how many threads run it or which thread takes which chunk.
 //
 // Memory beyond the gradients: x1 (B H W D floats); dx1 (B H W D) only when grad_x is null
 // but row weight gradients are wanted (otherwise dx1 lives in grad_x, and the row pass
-// backward runs in place there); the chunk partials (at most kMaxChunks (4D^2 + 3D) floats,
-// reused by both passes); and per thread one block's scratch.
+// backward runs in place there); the chunk partials (at most kMaxChunks (4D^2 floats + 3D
+// doubles), reused by both passes); and per thread one block's scratch.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -169,12 +171,20 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
   }
 }
 
-// Where a chunk's partial weight gradients lie in its slice of the partials buffer.
+// Where a chunk's partial weight gradients lie in its slice of the partials buffers: the
+// products' (floats) and the column sums' (doubles).
 struct PartialLayout {
-  int64_t qkv, out, g, b, bout, size;
+  int64_t qkv, out, size;  // floats
+  int64_t g, b, bout, col_size;  // doubles
   explicit PartialLayout(int64_t D)
-      : qkv(0), out(3 * D * D), g(4 * D * D), b(4 * D * D + D), bout(4 * D * D + 2 * D), size(4 * D * D + 3 * D) {}
+      : qkv(0), out(3 * D * D), size(4 * D * D), g(0), b(D), bout(2 * D), col_size(3 * D) {}
 };
+
+// acc[j] += row[j], j < n, in fp64 and in row order (the same on every build).
+template <class Row>
+void add_row(double* acc, const Row& row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<double>(row(j));
+}
 
 // One pass backward. src: the pass's input; dout: the gradient of its output; dsrc (or null):
 // where the gradient of its input goes (may equal dout: each block reads its rows of dout
@@ -182,6 +192,7 @@ struct PartialLayout {
 // drop: the dropout mask (null: none), pass: 0 rows, 1 columns.
 void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
                    const float* dout, float* dsrc, const AxisGrads& gw, std::vector<float>& partials,
+                   std::vector<double>& col_partials,
                    const DropoutParams* drop, int pass) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   const bool want_qkv = gw.qkv_weight, want_out = gw.out_weight, want_bout = gw.out_bias;
@@ -197,7 +208,10 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);
   const PartialLayout lay(D);
-  if (any_weight) partials.assign(bk.num_chunks * lay.size, 0.0f);
+  if (any_weight) {
+    partials.assign(bk.num_chunks * lay.size, 0.0f);
+    col_partials.assign(bk.num_chunks * lay.col_size, 0.0);
+  }
 
   const int team = (int)std::min<int64_t>(max_threads(), bk.num_chunks);
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -206,17 +220,18 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
 #pragma omp for schedule(dynamic)
     for (int64_t c = 0; c < bk.num_chunks; ++c) {
       float* part = any_weight ? partials.data() + c * lay.size : nullptr;
+      double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
       for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
         const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
         // The gradient of the block's outputs, (rows, D).
         t.g.resize(rows, D);
         for (int64_t s = 0; s < ns; ++s)
           for (int64_t l = 0; l < L; ++l) t.g.row(s * L + l) = ConstVec(dout + v.offset(n0 + s, l), D);
-        // Column sums row by row, each element in row order: Eigen's colwise().sum() into a
-        // Map picks scalar or packet code by the destination's alignment, and the two add in
-        // different orders, which would make the result depend on where malloc put the partials.
+        // Column sums row by row, each element in row order (add_row; Eigen's colwise().sum()
+        // picks scalar or packet code by the destination's alignment, and the two add in
+        // different orders, which would make the result depend on where malloc put the partials).
         if (want_bout)
-          for (int64_t r = 0; r < rows; ++r) VecMap(part + lay.bout, D) += t.g.row(r);
+          for (int64_t r = 0; r < rows; ++r) add_row(col + lay.bout, t.g.row(r), D);
         if (!want_o) continue;
 
         gather_norm(v, n0, ns, D, eps, w, src, t);
@@ -263,8 +278,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         if (!want_dy) continue;
         t.dy.noalias() = t.dqkv * wqkv;  // (rows, D)
         for (int64_t r = 0; r < rows; ++r) {
-          if (want_g) VecMap(part + lay.g, D) += (t.dy.row(r).array() * t.xhat.row(r).array()).matrix();
-          if (want_b) VecMap(part + lay.b, D) += t.dy.row(r);
+          if (want_g) add_row(col + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
+          if (want_b) add_row(col + lay.b, t.dy.row(r), D);
         }
         if (!want_dx) continue;
         // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
@@ -298,9 +313,18 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   };
   reduce(gw.qkv_weight, lay.qkv, 3 * D * D);
   reduce(gw.out_weight, lay.out, D * D);
-  reduce(gw.norm_weight, lay.g, D);
-  reduce(gw.norm_bias, lay.b, D);
-  reduce(gw.out_bias, lay.bout, D);
+  // The column sums: the chunks' fp64 partials in chunk order, rounded once.
+  auto reduce_columns = [&](float* dst, int64_t off) {
+    if (dst == nullptr) return;
+    for (int64_t e = 0; e < D; ++e) {
+      double acc = 0.0;
+      for (int64_t c = 0; c < bk.num_chunks; ++c) acc += col_partials[c * lay.col_size + off + e];
+      dst[e] = static_cast<float>(acc);
+    }
+  };
+  reduce_columns(gw.norm_weight, lay.g);
+  reduce_columns(gw.norm_bias, lay.b);
+  reduce_columns(gw.out_bias, lay.bout);
 }
 
 void zero_weights(const AxisGrads& a, int64_t D) {
@@ -343,9 +367,11 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
     }
   }
   std::vector<float> partials;
-  backward_pass(cv, D, p.heads, p.eps, p.col, x1.get(), g.grad_out, dx1, g.col, partials, mask, 1);
+  std::vector<double> col_partials;
+  backward_pass(cv, D, p.heads, p.eps, p.col, x1.get(), g.grad_out, dx1, g.col, partials, col_partials, mask, 1);
   x1.reset();
-  if (want_row) backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, mask, 0);
+  if (want_row)
+    backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0);
   return Status::Ok();
 }
 
