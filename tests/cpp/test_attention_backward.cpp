@@ -468,13 +468,17 @@ TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
   std::string why;
   if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
   const Problem pr = make_problem(c);
-  std::vector<float> first, second, delta;
-  run_gpu(pr, c.misalign, path, 0xff, dev, &first, &delta);
+  std::vector<float> first, second, delta, scores, scores2;
+  run_gpu(pr, c.misalign, path, 0xff, dev, &first, &delta, false, false, &scores);
   if (HasFatalFailure()) return;
-  run_gpu(pr, c.misalign, path, 0x00, dev, &second, &delta);
+  run_gpu(pr, c.misalign, path, 0x00, dev, &second, &delta, false, false, &scores2);
   if (HasFatalFailure()) return;
   ASSERT_EQ(first.size(), second.size());
   EXPECT_EQ(rows_differing(pr, first, second), 0) << "of " << pr.N * pr.L << " rows differ between two calls";
+  if (path == Path::kScores) {
+    expect_scores_written(pr, scores);
+    expect_scores_written(pr, scores2);
+  }
 }
 
 const Case kDeterminismCases[] = {Case{1030, 64, 2, true, 1, 2, 0, 0}, Case{517, 128, 2, false, 1, 2, 0, 0},
@@ -566,10 +570,11 @@ TEST_P(AttentionBackwardDropout, MatchesDoubleReference) {
   if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
   const Problem pr = make_dropout_problem(dc);
   ASSERT_TRUE(pr.dropout);
-  std::vector<float> got, again, delta;
-  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta);
+  std::vector<float> got, again, delta, scores;
+  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, &scores);
   if (HasFatalFailure()) return;
   expect_matches_reference(pr, got, delta);
+  if (path == Path::kScores) expect_scores_written(pr, scores);
   run_gpu(pr, c.misalign, path, 0x00, dev, &again, &delta);
   if (HasFatalFailure()) return;
   EXPECT_EQ(rows_differing(pr, got, again), 0) << "of " << pr.N * pr.L << " rows differ between two calls";

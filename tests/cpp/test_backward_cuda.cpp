@@ -120,15 +120,19 @@ TEST_P(CudaBackward, MatchesDoubleReference) {
   expect_grads_match(got, ref, ref32);
 }
 
-// Shape{B, H, W, D, heads}: head dims 1, 3, 8, 16, 24, 32, 64, 128, 256; L from 1 to 1030
-// (H != W, so both passes' views are tested); odd dims (unaligned head slices); the default problem.
+// Shape{B, H, W, D, heads}: head dims 1, 3, 8, 16, 24, 32, 64, 128, 192, 256; L from 1 to 1030
+// (H != W, so both passes' views are tested); odd dims (unaligned head slices); the default
+// problem. The row passes of (1, 3, 257, 16, 2), (1, 2, 1030, 16, 1), (1, 2, 600, 32, 1) and
+// (1, 1, 800, 192, 1) take the plan's dS^T scratch (dq from the stored score gradient; at head dim
+// 192 two warps share each key group: test_plan.cpp checks the plan takes it), the others recompute.
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackward,
                          ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 3, 5, 4, 4}, Shape{1, 7, 4, 6, 2},
                                            Shape{2, 5, 9, 16, 2}, Shape{1, 6, 11, 32, 1}, Shape{3, 16, 16, 64, 4},
                                            Shape{1, 9, 40, 128, 4}, Shape{2, 1, 13, 8, 1}, Shape{1, 5, 7, 9, 3},
                                            Shape{1, 3, 257, 16, 2}, Shape{1, 2, 1030, 16, 1},
                                            Shape{1, 3, 65, 128, 1}, Shape{1, 4, 6, 256, 1}, Shape{1, 4, 5, 72, 3},
-                                           Shape{4, 32, 32, 64, 4}),
+                                           Shape{4, 32, 32, 64, 4}, Shape{1, 2, 600, 32, 1},
+                                           Shape{1, 1, 800, 192, 1}),
                          [](const auto& info) { return shape_name(info.param); });
 
 class CudaBackwardRuns : public ::testing::Test {

@@ -141,13 +141,15 @@ TEST_P(CudaDropout, MatchesDoubleReferenceWithTheDefinedMask) {
 // Shapes: H != W (both passes, the column pass's elements after the row pass's), L not a multiple
 // of 4 (a row's elements straddle Philox blocks), L above a tile (257), odd dims (hd 3, the
 // cuBLAS products), head dims 8 to 128, the default problem; rates 0.1, 0.5 and 1; 64-bit seeds
-// and offsets.
+// and offsets; row passes through the dS^T scratch at head dims 8 and 32 (1, 3, 257, 16, 2 and
+// 1, 2, 300, 64, 2).
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaDropout,
     ::testing::Values(Case{{2, 5, 9, 16, 2}, 0.5f, 7, 0}, Case{{1, 7, 4, 6, 2}, 0.5f, 123456789, 12},
                       Case{{4, 32, 32, 64, 4}, 0.1f, 0x9e3779b97f4a7c15ull, 0xfedcba9876543210ull},
                       Case{{1, 3, 257, 16, 2}, 0.1f, 99, 4}, Case{{1, 9, 40, 128, 4}, 0.1f, 5, 1ull << 40},
-                      Case{{2, 6, 11, 24, 3}, 1.0f, 3, 8}, Case{{1, 13, 3, 8, 1}, 0.5f, 1ull << 63, 1}),
+                      Case{{2, 6, 11, 24, 3}, 1.0f, 3, 8}, Case{{1, 13, 3, 8, 1}, 0.5f, 1ull << 63, 1},
+                      Case{{1, 2, 300, 64, 2}, 0.1f, 77, 3}),
     case_name);
 
 class CudaDropoutRuns : public ::testing::Test {

@@ -664,6 +664,13 @@ TEST(BackwardPlan, ScoreGradientsWhereTheyStaySmall) {
   EXPECT_EQ(none.attention_scores, CudaBackwardPlan::kNone);
   EXPECT_EQ(attention_scores_bytes(0, 16, 2, 8), 0u);
   EXPECT_EQ(attention_scores_bytes(3, 0, 2, 8), 0u);
+  // The device tests' shapes that train through the scratch (test_backward_cuda.cpp,
+  // test_dropout_cuda.cpp): their row passes take it, at head dims 8, 16, 32 and 192 (two warps
+  // along the features share a key group there; one stores dS^T).
+  for (const AxialParams& p : {problem(1, 2, 600, 32, 1), problem(1, 1, 800, 192, 1), problem(1, 3, 257, 16, 2),
+                               problem(1, 2, 1030, 16, 1),
+                               problem(1, 2, 300, 64, 2)})
+    EXPECT_TRUE(backward_plan_of(p, h200()).row_scores) << p.height << " x " << p.width << ", dim " << p.dim;
 }
 
 TEST(BackwardPlan, SaysWhatItCannotServe) {
