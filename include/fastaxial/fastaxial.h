@@ -283,6 +283,11 @@ struct CudaBackwardPlan {
   bool row_scores = false, col_scores = false;
   size_t attention_scores = kNone;
   size_t attention_scores_bytes = 0;
+  // The training forward's split-KV partials (as CudaPlan::flash_partials: a pass of few long
+  // sequences splits each query tile's keys over several blocks; not with dropout), sized for the
+  // larger pass; kNone where neither pass splits.
+  size_t flash_partials = kNone;
+  size_t flash_partials_bytes = 0;
   size_t workspace_bytes = 0;  // the whole workspace
 
   // What the plan was made for; the two calls reject another problem or device.

@@ -391,6 +391,13 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   c.row_scores = row_scores > 0, c.col_scores = col_scores > 0;
   c.attention_scores_bytes = std::max(row_scores, col_scores);
   if (c.attention_scores_bytes > 0) fits = fits && append(&end, c.attention_scores_bytes, &c.attention_scores);
+  // Split-KV partials for the training forward's flash attention, as the inference plan's.
+  const size_t flash_partials = std::max(flash_partials_bytes(p.batch * p.height, p.width, hd, p.heads, dev.sms),
+                                         flash_partials_bytes(p.batch * p.width, p.height, hd, p.heads, dev.sms));
+  if (flash_partials > 0) {
+    fits = fits && append(&end, flash_partials, &c.flash_partials);
+    c.flash_partials_bytes = flash_partials;
+  }
   c.caller_blas = caller_blas;
   c.blas_bytes = caller_blas ? 0 : backward_blas_bytes(dev);
   if (caller_blas)
@@ -448,6 +455,8 @@ std::string CudaBackwardPlan::describe() const {
   if (attention_scores != kNone)
     s << ", score gradients (" << (row_scores && col_scores ? "both passes" : row_scores ? "row pass" : "column pass")
       << ") at " << attention_scores << " (" << attention_scores_bytes << " B)";
+  if (flash_partials != kNone)
+    s << ", flash split-KV partials at " << flash_partials << " (" << flash_partials_bytes << " B)";
   s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
     << device << ")";
   return s.str();

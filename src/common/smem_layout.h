@@ -79,7 +79,7 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_padded_head_dim(int64_t head_dim) {
 }
 FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ? 64 : hdp <= 128 ? 32 : 16; }
 
-// Split-KV ("flash-decoding") in the inference forward: where a pass's
+// Split-KV ("flash-decoding") in the forwards without dropout: where a pass's
 // (sequence, head, query tile) blocks are too few to fill the device (a
 // long sequence with few sequences and heads: (1, 1, 4096, 32, 1)'s row
 // pass is 64 blocks on 132 SMs, each streaming all 4096 keys), the key tiles

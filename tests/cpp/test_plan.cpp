@@ -673,6 +673,30 @@ TEST(BackwardPlan, ScoreGradientsWhereTheyStaySmall) {
     EXPECT_TRUE(backward_plan_of(p, h200()).row_scores) << p.height << " x " << p.width << ", dim " << p.dim;
 }
 
+// The training forward's split-KV partials: where a pass's flash attention splits its keys (few
+// long sequences), sized as the inference plan's for the larger pass, inside the workspace and
+// clear of the other regions; none where no pass splits.
+TEST(BackwardPlan, FlashPartialsWhereAPassSplits) {
+  const CudaBackwardPlan one = backward_plan_of(problem(1, 1, 4096, 32, 1), h200());
+  ASSERT_NE(one.flash_partials, CudaBackwardPlan::kNone);
+  EXPECT_EQ(one.flash_partials_bytes, size_t{6} * 4096 * 34 * 4);  // 6 splits, rows of hd + 2
+  EXPECT_EQ(one.flash_partials % 256, 0u);
+  EXPECT_LE(one.flash_partials + one.flash_partials_bytes, one.workspace_bytes);
+  for (size_t region : {one.grad_row_output, one.grad_attn, one.grad_qkv, one.grad_norm, one.delta,
+                        one.column_partials, one.attention_scores, one.weight_planes, one.weight_grad_partials})
+    if (region != CudaBackwardPlan::kNone) EXPECT_NE(region, one.flash_partials);
+  EXPECT_NE(one.describe().find("flash split-KV partials"), std::string::npos) << one.describe();
+  // test_backward_cuda's (1, 2, 1030, 16, 1): the row pass (2 sequences of 1030) splits.
+  EXPECT_EQ(backward_plan_of(problem(1, 2, 1030, 16, 1), h200()).flash_partials_bytes,
+            flash_partials_bytes(2, 1030, 16, 1, 132));
+  EXPECT_GT(flash_partials_bytes(2, 1030, 16, 1, 132), 0u);
+  for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(1, 256, 256, 128, 4)}) {
+    const CudaBackwardPlan c = backward_plan_of(p, h200());
+    EXPECT_EQ(c.flash_partials, CudaBackwardPlan::kNone);
+    EXPECT_EQ(c.flash_partials_bytes, 0u);
+  }
+}
+
 TEST(BackwardPlan, SaysWhatItCannotServe) {
   CudaBackwardPlan plan;
   Status s = make_backward_plan(problem(1, 4, 4, 2 * (kCudaBackwardMaxHeadDim + 1), 2), h200(), &plan);

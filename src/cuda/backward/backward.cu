@@ -98,6 +98,10 @@ class Training {
       weight_partials_ = in(ws, plan.weight_grad_partials);
       weight_partials_bytes_ = plan.weight_grad_partials_bytes;
     }
+    if (plan.flash_partials != CudaBackwardPlan::kNone) {
+      flash_partials_ = in(ws, plan.flash_partials);
+      flash_partials_bytes_ = plan.flash_partials_bytes;
+    }
     if (plan.attention_scores != CudaBackwardPlan::kNone) {
       float* scores = in(ws, plan.attention_scores);
       scores_[0] = plan.row_scores ? scores : nullptr, scores_[1] = plan.col_scores ? scores : nullptr;
@@ -215,6 +219,7 @@ class Training {
     f.qkv = b.qkv, f.o = b.attn, f.lse = b.lse;
     f.D = D_, f.heads = (int)p_.heads;
     f.dropout = dropout_, f.pass = pass, f.philox = dropout_state_;
+    f.partials = flash_partials_, f.partials_bytes = flash_partials_bytes_;  // used without dropout only
     if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "flash_attention launch");
     return Status::Ok();
@@ -297,6 +302,8 @@ class Training {
   bool tensor_core_weight_grads_ = false;  // the weight gradients on weight_gradient.cu, else cuBLAS
   float* weight_partials_ = nullptr;       // their partial tiles where the positions are split
   size_t weight_partials_bytes_ = 0;
+  float* flash_partials_ = nullptr;  // the training forward's split-KV partials, where a pass splits
+  size_t flash_partials_bytes_ = 0;
 };
 
 // Zeros in every wanted weight gradient: the gradients of an empty problem.
@@ -401,7 +408,8 @@ static cuda::CallKey call_key(int kind, const AxialParams& p, const AxialGrads* 
   for (size_t v : {plan.row_output, plan.dropout_state, plan.saved_bytes, plan.grad_row_output, plan.grad_attn,
                    plan.grad_qkv, plan.grad_norm, plan.delta, plan.column_partials, plan.blas, plan.blas_bytes,
                    plan.weight_planes, plan.weight_grad_partials, plan.weight_grad_partials_bytes,
-                   plan.attention_scores, plan.attention_scores_bytes, plan.workspace_bytes})
+                   plan.attention_scores, plan.attention_scores_bytes, plan.flash_partials,
+                   plan.flash_partials_bytes, plan.workspace_bytes})
     k.add(static_cast<uint64_t>(v));
   k.add(plan.caller_blas), k.add(plan.tensor_core_products), k.add(plan.tensor_core_weight_grads);
   k.add(plan.row_scores), k.add(plan.col_scores);

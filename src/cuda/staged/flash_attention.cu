@@ -61,11 +61,11 @@
 // shared across the quad (dropout_share16): one Philox call a lane and
 // n-tile where L and the pass's base are multiples of 4, two elsewhere.
 //
-// Split-KV (a third instantiation, kSplit; the inference forward only, no
-// dropout): where the blocks above are too few to fill the device
-// (smem_layout.h's flash_kv_splits: (1, 1, 4096, 32, 1)'s row pass is 64
-// blocks of 64 key tiles each on 132 SMs; split 5 ways, 320 blocks of 12 or
-// 13 key tiles), the key tiles of each (item, query tile) are cut into S
+// Split-KV (a third instantiation, kSplit; the forwards without dropout):
+// where the blocks above are too few to fill the device (smem_layout.h's
+// flash_kv_splits: (1, 1, 4096, 32, 1)'s row pass is 64 blocks of 64 key
+// tiles each on 132 SMs; split 6 ways, 384 blocks of 10 or 11 key tiles,
+// one round at three blocks an SM), the key tiles of each (item, query tile) are cut into S
 // contiguous ranges, a block each, as blockIdx.x = ((n heads + h) S + split)
 // q_tiles + query tile. A split block runs the loop above over its range
 // only and writes its unnormalised o, m and l to the partials buffer; then
@@ -175,7 +175,7 @@ template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
 __global__ void __launch_bounds__(32 * W)
     flash_attention_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
                            const SplitArgs sp) {
-  static_assert(!(kSplit && kDropout), "splits only without dropout (the inference forward)");
+  static_assert(!(kSplit && kDropout), "splits only without dropout");
   static_assert(!kSplit || W == kWarps, "smem_layout.h's split rule counts blocks of kBM queries");
   using Tile = FlashTile<HDP, W>;
   constexpr int BM = Tile::BM, kThreads = 32 * W;
@@ -621,7 +621,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   const bool vec = hd % 4 == 0 && reinterpret_cast<uintptr_t>(a.qkv) % 16 == 0;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);  // log2(e) / sqrt(hd)
   // Split-KV where the rule splits and the caller gave room for the partials
-  // (never with dropout: the training forward keeps S = 1).
+  // (never with dropout: a training forward with dropout keeps S = 1).
   SplitArgs sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, 1};
   const size_t need = flash_partials_bytes(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
   if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)

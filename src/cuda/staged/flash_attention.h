@@ -7,7 +7,7 @@
 // With attention dropout (FlashArgs::dropout), the probabilities are masked
 // and scaled after the softmax's row sums: o_h = (P o M / (1 - p)) v_h with
 // P = softmax(...), M the keep mask of common/dropout.h; lse stays P's.
-// With a partials buffer (FlashArgs::partials, the inference forward), a
+// With a partials buffer (FlashArgs::partials: both forwards' plans give one), a
 // pass of few (sequence, head, query tile) blocks splits each one's keys
 // over S blocks and merges their partial softmaxes in a second kernel
 // (split-KV; common/smem_layout.h's flash_kv_splits gives S).
@@ -45,8 +45,8 @@ struct FlashArgs {
   const uint64_t* philox = nullptr;
   // Split-KV workspace (device memory), or null: S = 1, the code path of before. Used
   // where flash_attention_partials_bytes() of this pass is > 0 and partials_bytes is at
-  // least that, and dropout is off (the split kernels have no dropout: the training
-  // forward passes no partials); the layout is smem_layout.h's flash_partials_bytes.
+  // least that, and dropout is off (the split kernels have no dropout: a training forward
+  // with dropout keeps S = 1); the layout is smem_layout.h's flash_partials_bytes.
   float* partials = nullptr;
   size_t partials_bytes = 0;
   // Run the mma.sync kernel even where the wgmma one applies (flash_wgmma_applies): for tests
