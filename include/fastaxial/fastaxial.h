@@ -89,7 +89,8 @@ Status forward_cpu(const AxialParams& p);
 // The gradients of a loss with respect to forward_cpu's input and its ten weights, given the
 // gradient with respect to its output. Nothing of the forward is kept: the backward recomputes
 // what it needs (the row pass's output, each pass's LayerNorm, q, k, v and softmax), so it takes
-// the same AxialParams as the forward. fp32 throughout, like the forward.
+// the same AxialParams as the forward. fp32 throughout, like the forward, but for the column sums
+// (the LayerNorm weight and shift and the output bias gradients), added in fp64 and rounded once.
 
 // Gradients of one axis's five weights; a null pointer: that gradient is not wanted (and costs nothing).
 struct AxisGrads {
@@ -222,7 +223,8 @@ Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_byte
 // from the saved log-sum-exp. A caller that kept nothing runs forward_cuda_training into a
 // scratch output first (the torch binding does this for a backward without a saved forward).
 //
-// Precision and order: fp32 throughout. The projections and the activations' gradients through
+// Precision and order: fp32 throughout, but for the column sums (the bias and LayerNorm
+// gradients: fp64 adds, rounded once). The projections and the activations' gradients through
 // them run on Hopper's tensor cores with 3xTF32 where the forward's staged path can (an sm_90a
 // build on a compute-capability 9.0 GPU, dim a multiple of 8), else as cuBLAS fp32 GEMMs; the
 // projection weights' gradients (sums over all B H W positions) are 3xTF32 tensor-core sums

@@ -88,12 +88,17 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ?
 //
 // S minimises an estimate of the time: the rounds of blocks the device runs
 // at once (flash_split_blocks_per_sm an SM) times the key tiles a block
-// streams plus a fixed cost of 1.3 tiles a block (fitted to the H200's
-// times for S = 3 to 16 at head dims 16 to 128: docs/perf-notes.md, v45).
-// So one long sequence takes the S that fills one round with the fewest
-// tiles a block, and S = 1 is kept where a second round would cost more
-// than the split saves. At most 16, every split at least two key tiles,
-// fewer than 4 sms blocks in all; 1 (no split) where the blocks already
+// streams plus a fixed cost of 1.3 tiles a block. Fitted to the H200's
+// times for S = 3 to 32 at head dim 128 (within 10%; docs/perf-notes.md,
+// v45); at head dims 16 to 64 it ranks the timed S about right but spreads
+// them more than they differ. S = 1 at padded head dim 32 runs the wgmma
+// kernel instead, about 1.3x the mma.sync kernel's rate at these lengths
+// (v39): its estimate is taken at 3/4. So one long sequence takes the S
+// that fills one round with the fewest tiles a block (where the cap below
+// allows a round: not at head dims 8 and 16), and S = 1 is kept where a
+// second round would cost more than the split saves. At most 16, every
+// split at least two key tiles, fewer than 4 sms blocks in all; 1 (no
+// split) where the blocks already
 // number 2 sms or more, or for sequences shorter than kFlashMinSplitLen,
 // whose blocks are short enough that the combine's launch and the
 // partials' round trip through L2 would eat the gain (an estimate, not a
@@ -123,9 +128,10 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_kv_splits(int64_t num_seq, int64_t len
   if (blocks >= 2 * (int64_t)sms) return 1;
   const int64_t key_tiles = (len + flash_key_tile(hdp) - 1) / flash_key_tile(hdp);
   const int64_t slots = (int64_t)flash_split_blocks_per_sm(hdp) * sms;
-  int64_t best = 1;
+  int64_t best = 1, best_cost = flash_split_cost(blocks, 1, slots, key_tiles);
+  if (hdp == 32) best_cost = best_cost * 3 / 4;  // S = 1 on the wgmma kernel
   for (int64_t s = 2; s <= kFlashMaxSplits && 2 * s <= key_tiles && blocks * s < 4 * (int64_t)sms; ++s)
-    if (flash_split_cost(blocks, s, slots, key_tiles) < flash_split_cost(blocks, best, slots, key_tiles)) best = s;
+    if (const int64_t c = flash_split_cost(blocks, s, slots, key_tiles); c < best_cost) best = s, best_cost = c;
   return (int)best;
 }
 

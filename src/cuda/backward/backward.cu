@@ -92,7 +92,8 @@ class Training {
     };
     row_ = pass(plan.row), col_ = pass(plan.col), x1_ = in(saved, plan.row_output);
     d_x1_ = in(ws, plan.grad_row_output), d_attn_ = in(ws, plan.grad_attn), d_qkv_ = in(ws, plan.grad_qkv);
-    d_norm_ = in(ws, plan.grad_norm), delta_ = in(ws, plan.delta), partials_ = in(ws, plan.column_partials);
+    d_norm_ = in(ws, plan.grad_norm), delta_ = in(ws, plan.delta);
+    partials_ = reinterpret_cast<double*>(ws + plan.column_partials);  // 256-byte aligned (plan.cpp)
     tensor_core_weight_grads_ = plan.tensor_core_weight_grads && cuda::weight_gradient_available(dev);
     if (plan.weight_grad_partials != CudaBackwardPlan::kNone) {
       weight_partials_ = in(ws, plan.weight_grad_partials);
@@ -240,7 +241,7 @@ class Training {
     cuda::ColumnSumJobs sums;
     if (grads.out_bias) sums.add(dy, grads.out_bias);
     if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, &sums); !s.ok()) return s;
-    if (cudaError_t e = cuda::column_sums(sums, T_, D_, reinterpret_cast<double*>(partials_), dev_, stream_); e != cudaSuccess)
+    if (cudaError_t e = cuda::column_sums(sums, T_, D_, partials_, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
     return Status::Ok();
   }
@@ -297,7 +298,8 @@ class Training {
   uint64_t* dropout_state_;  // saved's {seed, offset}: written by forward_cuda_training, read by the kernels
   PassBuffers row_, col_;
   Planes planes_[2];  // row, column
-  float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_, *partials_;
+  float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_;
+  double* partials_;  // the column sums' chunk partials
   float* scores_[2] = {nullptr, nullptr};  // dS^T scratch of the row and column pass, where the plan has it
   bool tensor_core_weight_grads_ = false;  // the weight gradients on weight_gradient.cu, else cuBLAS
   float* weight_partials_ = nullptr;       // their partial tiles where the positions are split

@@ -464,8 +464,8 @@ Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeigh
     // Split-KV partials: the plan's CudaPlan::flash_partials, the larger
     // pass's flash_attention_partials_bytes (the launcher splits only where
     // its rule asks for them and they fit). For (1, 1, 4096, 32, 1)'s row
-    // pass: 64 blocks become 5 splits x 64 = 320 (132 SMs) and a combine
-    // kernel; the per-block code is as with S = 1.
+    // pass: 64 blocks become 6 splits x 64 = 384 (one round at three blocks
+    // an SM of 132) and a combine kernel; the per-block code is as with S = 1.
     f.partials = flash_partials, f.partials_bytes = flash_partials ? flash_partials_bytes : 0;
     e = flash_attention(f, dev, stream);
   } else {
