@@ -2,7 +2,8 @@
 // N sequences of length L, `heads` heads of head_dim hd, qkv and o contiguous rows (as a row pass
 // of a (1, N, L, heads hd) grid), on the kernel flash_attention picks (wgmma where it applies)
 // and on the mma.sync kernel (FlashArgs::mma_sync), with the log-sum-exp written (as the
-// training forward does) and without a split-KV buffer. Each time is the mean of `reps` calls,
+// training forward does) and without a split-KV buffer (so no pass splits its keys here).
+// Each time is the mean of `reps` calls,
 // each after the L2 is flushed (a 256 MB memset), between CUDA events around the call alone.
 // Also prints the two outputs' largest difference relative to max |o| (a sanity check;
 // test_flash_attention holds the accuracy bounds against float64).

@@ -410,6 +410,8 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
       ws.push_back({c.weight_grad_partials, c.weight_grad_partials_bytes, "weight_grad_partials"});
     if (c.attention_scores != CudaBackwardPlan::kNone)
       ws.push_back({c.attention_scores, c.attention_scores_bytes, "attention_scores"});
+    if (c.flash_partials != CudaBackwardPlan::kNone)  // (2, 1, 2048, 16, 2)'s row pass splits
+      ws.push_back({c.flash_partials, c.flash_partials_bytes, "flash_partials"});
     for (const auto& [regions, total] : {std::pair{&saved, c.saved_bytes}, std::pair{&ws, c.workspace_bytes}}) {
       const std::vector<Region>& r = *regions;
       for (size_t i = 0; i < r.size(); ++i) {
