@@ -89,11 +89,37 @@ int max_threads() {
 #endif
 }
 
+// Runs body(i, scratch) for items i = 0..n-1 of one block: on the calling thread with its own
+// scratch, or, where the block loop runs on one thread (`outer_team` == 1: few sequences, one
+// long one say) and there are several items, across the OpenMP threads, each with a scratch of
+// its own. Items write disjoint outputs, so the results do not depend on the thread count.
+template <class Scratch_, class Body>
+void for_heads(int64_t n, int outer_team, Scratch_& own, const Body& body) {
+  const int inner = (int)std::min<int64_t>(max_threads(), n);
+  if (outer_team > 1 || inner < 2) {
+    for (int64_t i = 0; i < n; ++i) body(i, own);
+    return;
+  }
+#pragma omp parallel num_threads(inner)
+  {
+    Scratch_ mine;
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < n; ++i) body(i, mine);
+  }
+}
+
 // Per-thread scratch of one block.
-struct Scratch {
-  Mat x, xhat, y, qkv, o, g, dO, dqkv, dy, s, dp;
+// Per-thread scratch of one (sequence, head).
+struct HeadScratch {
+  Mat s, dp;
   Mat m, pd;  // dropout: the (L, L) multipliers M c of one (sequence, head), and Pd = P o M c
-  Eigen::VectorXf rstd, delta;
+  Eigen::VectorXf delta;
+};
+
+struct Scratch {
+  Mat x, xhat, y, qkv, o, g, dO, dqkv, dy;
+  HeadScratch head;
+  Eigen::VectorXf rstd;
 };
 
 // Gathers the block's rows of src into t.x and LayerNorms them: t.xhat (normalised), t.y (affine), t.rstd.
@@ -153,16 +179,16 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
       gather_norm(v, n0, ns, D, eps, w, src, t);
       t.qkv.noalias() = t.y * wqkv.transpose();
       t.o.resize(rows, D);
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t h = 0; h < heads; ++h) {
-          t.s.noalias() = t.qkv.block(s * L, h * hd, L, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
-          softmax_rows(t.s, scale);
-          if (drop) {
-            fill_mask(*drop, pass, n0 + s, h, L, t.m);
-            t.s.array() *= t.m.array();  // Pd
-          }
-          t.o.block(s * L, h * hd, L, hd).noalias() = t.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+      for_heads(ns * heads, team, t.head, [&](int64_t i, HeadScratch& hs) {
+        const int64_t s = i / heads, h = i % heads;
+        hs.s.noalias() = t.qkv.block(s * L, h * hd, L, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
+        softmax_rows(hs.s, scale);
+        if (drop) {
+          fill_mask(*drop, pass, n0 + s, h, L, hs.m);
+          hs.s.array() *= hs.m.array();  // Pd
         }
+        t.o.block(s * L, h * hd, L, hd).noalias() = hs.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+      });
       t.x.noalias() += t.o * wout.transpose();
       t.x.rowwise() += bout;
       for (int64_t s = 0; s < ns; ++s)
@@ -241,37 +267,38 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           t.dO.noalias() = t.g * wout;  // (rows, D)
           t.dqkv.resize(rows, 3 * D);
         }
-        for (int64_t s = 0; s < ns; ++s)
-          for (int64_t h = 0; h < heads; ++h) {
-            const auto q = t.qkv.block(s * L, h * hd, L, hd);
-            const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
-            const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
-            auto o = t.o.block(s * L, h * hd, L, hd);
-            t.s.noalias() = q * k.transpose();
-            softmax_rows(t.s, scale);  // P
-            if (!drop) {
-              o.noalias() = t.s * val;
-            } else {
-              fill_mask(*drop, pass, n0 + s, h, L, t.m);
-              t.pd = (t.s.array() * t.m.array()).matrix();  // Pd = P o M c
-              o.noalias() = t.pd * val;
-            }
-            if (!want_dqkv) continue;
-            const auto dO = t.dO.block(s * L, h * hd, L, hd);
-            t.delta = (dO.array() * o.array()).rowwise().sum();               // rowsum(dO_h o O_h)
-            if (!drop) {
-              t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = t.s.transpose() * dO;  // dV = P^T dO
-              t.dp.noalias() = dO * val.transpose();                            // dP = dO V^T
-            } else {
-              t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = t.pd.transpose() * dO;  // dV = Pd^T dO
-              t.dp.noalias() = dO * val.transpose();                                        // dPd = dO V^T
-              t.dp.array() *= t.m.array();                                                  // dP = dPd o M c
-            }
-            // dS (of the scaled scores) times the scale: both dQ and dK carry it.
-            t.dp = ((t.dp.colwise() - t.delta).array() * t.s.array() * scale).matrix();
-            t.dqkv.block(s * L, h * hd, L, hd).noalias() = t.dp * k;                  // dQ
-            t.dqkv.block(s * L, D + h * hd, L, hd).noalias() = t.dp.transpose() * q;  // dK
+        // Each (sequence, head) writes its own columns of o and dqkv.
+        for_heads(ns * heads, team, t.head, [&](int64_t i, HeadScratch& hs) {
+          const int64_t s = i / heads, h = i % heads;
+          const auto q = t.qkv.block(s * L, h * hd, L, hd);
+          const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
+          const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+          auto o = t.o.block(s * L, h * hd, L, hd);
+          hs.s.noalias() = q * k.transpose();
+          softmax_rows(hs.s, scale);  // P
+          if (!drop) {
+            o.noalias() = hs.s * val;
+          } else {
+            fill_mask(*drop, pass, n0 + s, h, L, hs.m);
+            hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
+            o.noalias() = hs.pd * val;
           }
+          if (!want_dqkv) return;
+          const auto dO = t.dO.block(s * L, h * hd, L, hd);
+          hs.delta = (dO.array() * o.array()).rowwise().sum();  // rowsum(dO_h o O_h)
+          if (!drop) {
+            t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = hs.s.transpose() * dO;  // dV = P^T dO
+            hs.dp.noalias() = dO * val.transpose();                                        // dP = dO V^T
+          } else {
+            t.dqkv.block(s * L, 2 * D + h * hd, L, hd).noalias() = hs.pd.transpose() * dO;  // dV = Pd^T dO
+            hs.dp.noalias() = dO * val.transpose();                                         // dPd = dO V^T
+            hs.dp.array() *= hs.m.array();                                                  // dP = dPd o M c
+          }
+          // dS (of the scaled scores) times the scale: both dQ and dK carry it.
+          hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
+          t.dqkv.block(s * L, h * hd, L, hd).noalias() = hs.dp * k;                  // dQ
+          t.dqkv.block(s * L, D + h * hd, L, hd).noalias() = hs.dp.transpose() * q;  // dK
+        });
         if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
         if (!want_dqkv) continue;
         if (want_qkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;

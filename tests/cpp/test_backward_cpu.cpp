@@ -126,26 +126,31 @@ TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
 
 #ifdef _OPENMP
 // Block and chunk sizes depend on the shape alone, so the thread count changes who computes
-// a chunk, never what is summed in which order: the results are even bitwise identical.
+// a chunk, never what is summed in which order: the results are even bitwise identical. The
+// second shape's row pass is one sequence of 4 heads, whose heads go to the threads within the
+// block (for_heads); its column pass is 300 sequences of one position.
 TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
-  s = Shape{2, 16, 24, 32, 2};
-  p = random_problem(s, 17);
-  gout = random_grad(s.B * s.H * s.W * s.D, 12);
-  gout_f.assign(gout.begin(), gout.end());
-  const int before = omp_get_max_threads();
-  Grads base = run();
-  for (int threads : {1, 3}) {
-    omp_set_num_threads(threads);
-    Grads r = run();
-    for (size_t i = 0; i < base.all().size(); ++i) {
-      EXPECT_LE(rel_err(*r.all()[i].first, std::vector<double>(base.all()[i].first->begin(), base.all()[i].first->end())),
-                1e-6)
-          << base.all()[i].second << " with " << threads << " threads";
-      EXPECT_TRUE(same_bits(*r.all()[i].first, *base.all()[i].first))
-          << base.all()[i].second << " with " << threads << " threads";
+  for (const Shape shape : {Shape{2, 16, 24, 32, 2}, Shape{1, 1, 300, 32, 4}}) {
+    s = shape;
+    p = random_problem(s, 17);
+    gout = random_grad(s.B * s.H * s.W * s.D, 12);
+    gout_f.assign(gout.begin(), gout.end());
+    const int before = omp_get_max_threads();
+    Grads base = run();
+    for (int threads : {1, 3}) {
+      omp_set_num_threads(threads);
+      Grads r = run();
+      for (size_t i = 0; i < base.all().size(); ++i) {
+        EXPECT_LE(
+            rel_err(*r.all()[i].first, std::vector<double>(base.all()[i].first->begin(), base.all()[i].first->end())),
+            1e-6)
+            << base.all()[i].second << " with " << threads << " threads, " << shape_name(s);
+        EXPECT_TRUE(same_bits(*r.all()[i].first, *base.all()[i].first))
+            << base.all()[i].second << " with " << threads << " threads, " << shape_name(s);
+      }
     }
+    omp_set_num_threads(before);
   }
-  omp_set_num_threads(before);
 }
 #endif
 
