@@ -38,11 +38,13 @@ TEST_P(CpuBackward, MatchesDoubleReference) {
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
-// heads 1, 2, 4; head dims 1, 3, 8, 16, 32; L from 1 to 40; H != W; B > 1.
+// heads 1, 2, 4; head dims 1, 3, 8, 16, 24, 32; L from 1 to 40, and 600 and 1030 (a head's queries
+// in 2 and 4 ranges: query_ranges); H != W; B > 1.
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuBackward,
                          ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 3, 5, 4, 4}, Shape{1, 7, 4, 6, 2},
                                            Shape{2, 5, 9, 16, 2}, Shape{1, 40, 3, 32, 2}, Shape{1, 6, 11, 32, 1},
-                                           Shape{3, 16, 16, 64, 4}, Shape{1, 9, 40, 128, 4}, Shape{2, 1, 13, 8, 1}),
+                                           Shape{3, 16, 16, 64, 4}, Shape{1, 9, 40, 128, 4}, Shape{2, 1, 13, 8, 1},
+                                           Shape{1, 2, 1030, 16, 2}, Shape{1, 1, 600, 24, 1}),
                          [](const auto& info) { return shape_name(info.param); });
 
 // ---- null gradients, aliasing, determinism ----------------------------------------------------
@@ -128,9 +130,10 @@ TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
 // Block and chunk sizes depend on the shape alone, so the thread count changes who computes
 // a chunk, never what is summed in which order: the results are even bitwise identical. The
 // second shape's row pass is one sequence of 4 heads, whose heads go to the threads within the
-// block (for_heads); its column pass is 300 sequences of one position.
+// block (for_heads); its column pass is 300 sequences of one position. The third's one head of
+// 600 positions is cut into two query ranges (query_ranges), whose dk and dv parts add in order.
 TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
-  for (const Shape shape : {Shape{2, 16, 24, 32, 2}, Shape{1, 1, 300, 32, 4}}) {
+  for (const Shape shape : {Shape{2, 16, 24, 32, 2}, Shape{1, 1, 300, 32, 4}, Shape{1, 1, 600, 16, 1}}) {
     s = shape;
     p = random_problem(s, 17);
     gout = random_grad(s.B * s.H * s.W * s.D, 12);

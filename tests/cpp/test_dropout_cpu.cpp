@@ -354,12 +354,14 @@ TEST_P(CpuDropoutBackward, MatchesDoubleReference) {
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
-// heads 1, 2, 4; head dims 1, 3, 8, 16, 32; L from 1 to 40; H != W both ways; B > 1.
+// heads 1, 2, 4; head dims 1, 3, 8, 16, 32; L from 1 to 40, and 521 (a head's queries in two
+// ranges: the mask drawn from a row offset); H != W both ways; B > 1.
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuDropoutBackward,
                          ::testing::Combine(::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 3, 5, 4, 4},
                                                               Shape{1, 7, 4, 6, 2}, Shape{2, 5, 9, 16, 2},
                                                               Shape{1, 6, 11, 32, 1}, Shape{3, 16, 16, 64, 4},
-                                                              Shape{1, 40, 3, 32, 2}, Shape{2, 1, 13, 8, 1}),
+                                                              Shape{1, 40, 3, 32, 2}, Shape{2, 1, 13, 8, 1},
+                                                              Shape{1, 2, 521, 16, 2}),
                                             ::testing::Values(0.1f, 0.5f, 1.0f)),
                          rate_case_name);
 
