@@ -58,7 +58,7 @@ __global__ void chunk_total_kernel(const double* __restrict__ partials, int64_t 
   partials += blockIdx.y * chunks * N;
   double total = 0.0;
   for (int64_t k = lane; k < chunks; k += 32) total += partials[k * N + c];
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  total = warp_sum(total);
   if (lane == 0) sums[c] = (float)total;
 }
 

@@ -6,15 +6,16 @@
 namespace fastaxial::cuda {
 
 // Sum of v over a group of W adjacent lanes (W a power of two, at most 32),
-// returned to every lane of the group.
-template <int W>
-__device__ __forceinline__ float lane_group_sum(float v) {
+// returned to every lane of the group; float, or double (the column sums).
+template <int W, class T>
+__device__ __forceinline__ T lane_group_sum(T v) {
 #pragma unroll
   for (int m = W / 2; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
   return v;
 }
 
 __device__ __forceinline__ float warp_sum(float v) { return lane_group_sum<32>(v); }
+__device__ __forceinline__ double warp_sum(double v) { return lane_group_sum<32>(v); }
 
 __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
