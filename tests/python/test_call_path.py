@@ -11,6 +11,8 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastaxial
 from conftest import make_pair, randomize_
@@ -508,67 +510,68 @@ def test_tensor_subclass_through_the_module(device):
     assert torch.equal(got.as_subclass(torch.Tensor), want)
 
 
-def test_torch_function_mode_sees_the_call(device):
-    from torch.overrides import TorchFunctionMode
+class _Records:
+    """Mixed into a torch function or dispatch mode: records each op the mode sees, then runs it."""
 
-    class Record(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
+    def __init__(self):
+        super().__init__()
+        self.seen = []
 
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
+    def _record(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
 
+
+class _RefuseTheOperator(TorchDispatchMode):
+    """Raises a KeyError where the operator reaches the dispatcher; counts those calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.fastaxial.axial_attention.default:
+            self.calls += 1
+            raise KeyError("refused by the mode")
+        return func(*args, **(kwargs or {}))
+
+
+def _mode_sees_the_call(mode_type, device, seed):
+    """The entry's call and a module's call under a recording mode of mode_type: both show the operator
+    to the mode, the entry's result equals the boxed operator's. Returns the calls the entry handed to
+    the boxed operator."""
     entry, handed = _recording_entry()
     a = _call_args(device)
-    with Record() as mode:
+    with mode_type() as mode:
         got = entry(*a)
-    assert len(handed) == 1 and torch.ops.fastaxial.axial_attention.default in mode.seen
+    assert torch.ops.fastaxial.axial_attention.default in mode.seen
     assert torch.equal(got, _OP(*a))
-    _, new = make_pair(32, 4, 3, 5, device, seed=14)
-    with torch.no_grad(), Record() as mode:
+    _, new = make_pair(32, 4, 3, 5, device, seed=seed)
+    with torch.no_grad(), mode_type() as mode:
         new(torch.randn(1, 3, 5, 32, device=device))
     assert torch.ops.fastaxial.axial_attention.default in mode.seen
+    return len(handed)
+
+
+def test_torch_function_mode_sees_the_call(device):
+    class Record(_Records, TorchFunctionMode):
+        __torch_function__ = _Records._record
+
+    assert _mode_sees_the_call(Record, device, seed=14) == 1  # a function mode: the entry hands the call over
 
 
 def test_torch_dispatch_mode_sees_the_call_on_the_fast_path(device):
-    from torch.utils._python_dispatch import TorchDispatchMode
+    class Record(_Records, TorchDispatchMode):
+        __torch_dispatch__ = _Records._record
 
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    entry, handed = _recording_entry()
-    a = _call_args(device)
-    with Record() as mode:
-        got = entry(*a)
-    assert not handed  # a dispatch mode sits in the dispatcher: the typed call reaches it
-    assert torch.ops.fastaxial.axial_attention.default in mode.seen
-    assert torch.equal(got, _OP(*a))
-    _, new = make_pair(32, 4, 3, 5, device, seed=15)
-    with torch.no_grad(), Record() as mode:
-        new(torch.randn(1, 3, 5, 32, device=device))
-    assert torch.ops.fastaxial.axial_attention.default in mode.seen
+    # a dispatch mode sits in the dispatcher: the typed call reaches it
+    assert _mode_sees_the_call(Record, device, seed=15) == 0
 
 
 def test_exception_from_a_dispatch_mode_comes_through(device):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Refuse(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.fastaxial.axial_attention.default:
-                raise KeyError("refused by the mode")
-            return func(*args, **(kwargs or {}))
-
     entry, _ = _recording_entry()
     a = _call_args(device)
-    with Refuse(), pytest.raises(KeyError, match="refused by the mode"):
+    with _RefuseTheOperator(), pytest.raises(KeyError, match="refused by the mode"):
         entry(*a)
 
 
@@ -757,25 +760,15 @@ def test_compiled_module_traces_the_entry(device):
 def test_key_error_from_the_call_is_not_taken_for_a_stale_slot(device):
     """forward() rebuilds its weight slots on a KeyError from a parametrized weight; a KeyError raised by
     the call itself (here by a dispatch mode) propagates after one call, the slots kept."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Refuse(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.fastaxial.axial_attention.default:
-                Refuse.calls += 1
-                raise KeyError("refused by the mode")
-            return func(*args, **(kwargs or {}))
-
     _, new = make_pair(32, 4, 3, 5, device, seed=19)
     x = torch.randn(1, 3, 5, 32, device=device)
+    refuse = _RefuseTheOperator()
     with torch.no_grad():
         new(x)  # builds the slots
         slots = new.__dict__["_slots"]
-        with Refuse(), pytest.raises(KeyError, match="refused by the mode"):
+        with refuse, pytest.raises(KeyError, match="refused by the mode"):
             new(x)
-    assert Refuse.calls == 1 and new.__dict__["_slots"] is slots
+    assert refuse.calls == 1 and new.__dict__["_slots"] is slots
 
 
 def test_jit_trace_records_the_operator(device):
