@@ -98,11 +98,11 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ?
 // allows a round: not at head dims 8 and 16), and S = 1 is kept where a
 // second round would cost more than the split saves. At most 16, every
 // split at least two key tiles, fewer than 4 sms blocks in all; 1 (no
-// split) where the blocks already
-// number 2 sms or more, or for sequences shorter than kFlashMinSplitLen,
-// whose blocks are short enough that the combine's launch and the
-// partials' round trip through L2 would eat the gain (an estimate, not a
-// measurement). With S > 1 the partials' rows are fewer than 4 sms * 64.
+// split) where the blocks already number 2 sms or more, or for sequences
+// shorter than kFlashMinSplitLen, whose blocks are short enough that the
+// combine's launch and the partials' round trip through L2 would eat the
+// gain (an estimate, not a measurement). With S > 1 the partials' rows are
+// fewer than 4 sms * 64.
 constexpr int kFlashMaxSplits = 16;
 constexpr int64_t kFlashMinSplitLen = 1024;
 

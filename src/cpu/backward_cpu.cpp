@@ -108,7 +108,6 @@ void for_heads(int64_t n, int outer_team, Scratch_& own, const Body& body) {
   }
 }
 
-// Per-thread scratch of one block.
 // Per-thread scratch of one (sequence, head).
 struct HeadScratch {
   Mat s, dp;
@@ -117,6 +116,7 @@ struct HeadScratch {
   Eigen::VectorXf delta;
 };
 
+// Per-thread scratch of one block.
 struct Scratch {
   Mat x, xhat, y, qkv, o, g, dO, dqkv, dy;
   HeadScratch head;
