@@ -290,6 +290,11 @@ struct CudaBackwardPlan {
   // larger pass; kNone where neither pass splits.
   size_t flash_partials = kNone;
   size_t flash_partials_bytes = 0;
+  // The attention backward's partial sums where a pass of few long sequences splits its blocks'
+  // streamed tiles (dk, dv over query ranges, dq over key ranges), added in split order after:
+  // sized for the larger pass; kNone where neither pass splits.
+  size_t attention_partials = kNone;
+  size_t attention_partials_bytes = 0;
   size_t workspace_bytes = 0;  // the whole workspace
 
   // What the plan was made for; the two calls reject another problem or device.

@@ -398,6 +398,14 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
     fits = fits && append(&end, flash_partials, &c.flash_partials);
     c.flash_partials_bytes = flash_partials;
   }
+  // The attention backward's split partials (smem_layout.h), the larger pass's.
+  const size_t attention_partials =
+      std::max(attention_grad_partials_bytes(p.batch * p.height, p.width, hd, p.heads, dev.sms),
+               attention_grad_partials_bytes(p.batch * p.width, p.height, hd, p.heads, dev.sms));
+  if (attention_partials > 0) {
+    fits = fits && append(&end, attention_partials, &c.attention_partials);
+    c.attention_partials_bytes = attention_partials;
+  }
   c.caller_blas = caller_blas;
   c.blas_bytes = caller_blas ? 0 : backward_blas_bytes(dev);
   if (caller_blas)
@@ -457,6 +465,9 @@ std::string CudaBackwardPlan::describe() const {
       << ") at " << attention_scores << " (" << attention_scores_bytes << " B)";
   if (flash_partials != kNone)
     s << ", flash split-KV partials at " << flash_partials << " (" << flash_partials_bytes << " B)";
+  if (attention_partials != kNone)
+    s << ", attention-backward split partials at " << attention_partials << " (" << attention_partials_bytes
+      << " B)";
   s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
     << device << ")";
   return s.str();

@@ -146,4 +146,63 @@ FASTAXIAL_HOST_DEVICE constexpr size_t flash_partials_bytes(int64_t num_seq, int
   return s < 2 ? 0 : (size_t)s * (size_t)(num_seq * heads * len) * (size_t)(head_dim + 2) * sizeof(float);
 }
 
+
+// Split of the attention backward (cuda/backward/attention_backward.cu) for
+// passes of few (sequence, head) items: its dk, dv kernel has a block per
+// (item, key tile) streaming every query tile, its dq kernels a block per
+// (item, query tile) streaming every key tile, so one sequence of 4096 at
+// head dim 128 ran 64 blocks (or, with the blocks cut to one warp to spread
+// them, 2 warps an SM), and its training step took longer than eager's
+// (docs/perf-notes.md, v46). Where the 4-warp blocks are too few for one
+// round, each block's streamed tiles are cut into S contiguous ranges, a
+// block each, writing partial dk, dv (or dq) that a combine kernel adds in
+// split order: deterministic, as before.
+//
+// S fills one round of resident blocks (attention_grad_blocks_per_sm an SM,
+// the dk, dv kernel's, the lower of the two) and no more: the forward's
+// split measured best at the fewest tiles a block that one round allows
+// (v45). At most kAttentionGradMaxSplits, every split streaming at least
+// kAttentionGradMinSplitLen positions (beyond that the partials' round trip
+// through L2, 2 hd floats a row and split, nears the split's products); 1
+// where the blocks fill half a round already.
+constexpr int kAttentionGradMaxSplits = 16;
+constexpr int64_t kAttentionGradMinSplitLen = 128;
+
+// Blocks of 4 warps of the dk, dv kernel an SM holds (its __launch_bounds__ minimum, KvTc in
+// attention_backward.cu), and the rows (keys, or queries) such a block owns.
+FASTAXIAL_HOST_DEVICE constexpr int attention_grad_blocks_per_sm(int hdp) {
+  return hdp <= 16 ? 4 : hdp <= 64 ? 3 : 2;
+}
+FASTAXIAL_HOST_DEVICE constexpr int attention_grad_block_rows(int hdp) { return hdp <= 128 ? 64 : 32; }
+
+FASTAXIAL_HOST_DEVICE constexpr int attention_grad_splits(int64_t num_seq, int64_t len, int64_t head_dim,
+                                                          int64_t heads, int sms) {
+  const int hdp = flash_padded_head_dim(head_dim);
+  if (hdp == 0 || num_seq < 1 || heads < 1 || sms < 1 || len < 2 * kAttentionGradMinSplitLen ||
+      len >= (int64_t{1} << 30))
+    return 1;
+  if (num_seq >= 2 * (int64_t)sms || heads >= 2 * (int64_t)sms) return 1;  // no overflow below
+  const int64_t rows = attention_grad_block_rows(hdp);
+  const int64_t blocks = num_seq * heads * ((len + rows - 1) / rows);
+  const int64_t slots = (int64_t)attention_grad_blocks_per_sm(hdp) * sms;
+  int64_t s = slots / blocks;
+  if (s > kAttentionGradMaxSplits) s = kAttentionGradMaxSplits;
+  if (s > len / kAttentionGradMinSplitLen) s = len / kAttentionGradMinSplitLen;
+  return s < 2 ? 1 : (int)s;
+}
+
+// Floats of the partials of S splits (S > 1) of a pass of R = num_seq heads len rows: dk and dv,
+// (S, R, 2 hd), the larger of the two sides (dq's, (S, R, hd), take the same region after).
+FASTAXIAL_HOST_DEVICE constexpr size_t attention_grad_partials_floats(int splits, int64_t rows, int64_t head_dim) {
+  return splits < 2 ? 0 : (size_t)splits * (size_t)rows * 2 * (size_t)head_dim;
+}
+
+// Bytes of the partials of the rule's split of a pass (0 where it does not split).
+FASTAXIAL_HOST_DEVICE constexpr size_t attention_grad_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim,
+                                                                     int64_t heads, int sms) {
+  return attention_grad_partials_floats(attention_grad_splits(num_seq, len, head_dim, heads, sms),
+                                        num_seq * heads * len, head_dim) *
+         sizeof(float);
+}
+
 }  // namespace fastaxial

@@ -7,7 +7,10 @@
 // FFMA kernels (AttentionBackwardArgs::ffma), with the same bounds. Views as the row and column passes give them, lengths across
 // the kernels' query and key tiles, head dims across their padded sizes,
 // aligned and misaligned tensors (16-byte and 4-byte copies); two calls
-// bitwise equal; the rules without a device. Attention dropout: the
+// bitwise equal; the rules without a device. Split launches (few long
+// sequences: AttentionBackwardArgs::partials): every case also on the
+// tensor cores split 3 ways (the hook), with and without the dS^T scratch,
+// the partials' guard checked; the rule's split on single long sequences. Attention dropout: the
 // forward and backward with one mask, the reference applying dropout_keep's
 // (src/common/dropout.h), on both paths, both passes, p = 0.1, 0.5 and 1,
 // 64-bit seeds and offsets, element indices past 2^32; two calls bitwise
@@ -30,6 +33,7 @@
 
 #include "../../src/common/axis.h"
 #include "../../src/common/plan.h"
+#include "../../src/common/smem_layout.h"
 #include "../../src/cuda/backward/attention_backward.h"
 #include "../../src/cuda/staged/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
 #include "../../src/cuda/staged/flash_attention.h"
@@ -42,6 +46,8 @@ constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
 constexpr int64_t kGuardRows = 3;          // rows of dqkv past the T the views address
 constexpr int64_t kGuardDelta = 67;        // delta elements past (num_seq, heads, L)
 constexpr int64_t kGuardScores = 61;       // dS^T scratch elements past (num_seq, heads, L, Lp)
+constexpr int64_t kGuardPartials = 53;     // split partials' elements past those of the splits taken
+constexpr int kHookSplits = 3;             // the splits Path::kSplit and kScoresSplit ask for
 
 bool is_poison(float x) {
   uint32_t u;
@@ -70,15 +76,21 @@ void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 // where query_grads_wgmma_applies), the tensor cores with dq on mma.sync
 // (AttentionBackwardArgs::mma_sync), the tensor cores with dS^T stored by
 // the dk, dv kernel and dq a product from it (AttentionBackwardArgs::ds,
-// given a poisoned scratch), or the FFMA kernels (AttentionBackwardArgs::ffma).
-enum class Path { kTensorCores, kMmaSync, kScores, kFfma };
+// given a poisoned scratch), or the FFMA kernels (AttentionBackwardArgs::ffma); kSplit and
+// kScoresSplit: the tensor cores (without and with the scratch) split kHookSplits ways
+// (AttentionBackwardArgs::splits, poisoned partials), or fewer where a kernel streams fewer tiles.
+enum class Path { kTensorCores, kMmaSync, kScores, kFfma, kSplit, kScoresSplit };
 
 using PathCase = std::tuple<Case, Path>;
 
 std::string path_case_name(const PathCase& pc) {
   const Path p = std::get<1>(pc);
-  return case_name(std::get<0>(pc)) +
-         (p == Path::kFfma ? "_ffma" : p == Path::kMmaSync ? "_mma" : p == Path::kScores ? "_ds" : "_tc");
+  return case_name(std::get<0>(pc)) + (p == Path::kFfma           ? "_ffma"
+                                       : p == Path::kMmaSync      ? "_mma"
+                                       : p == Path::kScores       ? "_ds"
+                                       : p == Path::kSplit        ? "_split"
+                                       : p == Path::kScoresSplit  ? "_ds_split"
+                                                                  : "_tc");
 }
 
 // A case's sizes, its view in rows (as the staged path gives it to the
@@ -120,10 +132,13 @@ Problem make_problem(const Case& c) {
 // device memory (their own DropoutParams holding other ones); `off` gives
 // them instead pr.drop with threshold 0 (and philox where `off_philox`).
 // On Path::kScores the dS^T scratch (poisoned first, kGuardScores past its
-// end) comes back in *scores where given.
+// end) comes back in *scores where given. On the split paths, partials for
+// up to kAttentionGradMaxSplits splits, poisoned, `splits` asked of the hook
+// (0: the rule's); the splits taken come back in *taken where given, and the
+// partials past those the splits use must stay poison.
 void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceCaps& dev, std::vector<float>* dqkv,
              std::vector<float>* delta, bool off = false, bool off_philox = false,
-             std::vector<float>* scores = nullptr) {
+             std::vector<float>* scores = nullptr, int splits = kHookSplits, int* taken = nullptr) {
   const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
   const size_t dqkv_n = (size_t)((T + kGuardRows) * 3 * D), delta_n = (size_t)(lse_n + kGuardDelta);
   const DevicePtr qkv = device_alloc(pr.qkv.size() + misalign), d_o = device_alloc(pr.d_o.size() + misalign),
@@ -158,8 +173,20 @@ void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceC
   a.mma_sync = path == Path::kMmaSync;
   a.dropout = given, a.pass = pr.pass, a.philox = pair;
   const size_t scores_n = (size_t)(lse_n * attention_scores_stride(pr.L) + kGuardScores);
+  const bool split = path == Path::kSplit || path == Path::kScoresSplit;
+  const size_t partials_n = attention_grad_partials_floats(kAttentionGradMaxSplits, lse_n, pr.hd) + kGuardPartials;
+  DevicePtr partials;
+  if (split) {
+    partials = device_alloc(partials_n);
+    ASSERT_TRUE(partials);
+    CUDA_OK(cudaMemset(partials.get(), 0xff, partials_n * sizeof(float)));
+    a.partials = partials.get(), a.partials_bytes = (partials_n - kGuardPartials) * sizeof(float);
+    a.splits = splits;
+  }
+  const int splits_taken = cuda::attention_backward_splits(a, dev);
+  if (taken != nullptr) *taken = splits_taken;
   DevicePtr ds;
-  if (path == Path::kScores) {
+  if (path == Path::kScores || path == Path::kScoresSplit) {
     ds = device_alloc(scores_n);
     ASSERT_TRUE(ds);
     CUDA_OK(cudaMemset(ds.get(), 0xff, scores_n * sizeof(float)));
@@ -168,7 +195,15 @@ void run_gpu(const Problem& pr, int misalign, Path path, int fill, const DeviceC
   CUDA_OK(cuda::attention_backward(a, dev, nullptr));
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
-  if (scores != nullptr && path == Path::kScores) {
+  if (split) {  // the partials past the splits' own, and the guard, untouched
+    std::vector<float> back(partials_n);
+    CUDA_OK(cudaMemcpy(back.data(), partials.get(), partials_n * sizeof(float), cudaMemcpyDeviceToHost));
+    int64_t written = 0;
+    for (size_t i = attention_grad_partials_floats(splits_taken, lse_n, pr.hd); i < partials_n; ++i)
+      written += !is_poison(back[i]);
+    EXPECT_EQ(written, 0) << "split partials written past the " << splits_taken << " splits' own";
+  }
+  if (scores != nullptr && (path == Path::kScores || path == Path::kScoresSplit)) {
     scores->resize(scores_n);
     CUDA_OK(cudaMemcpy(scores->data(), ds.get(), scores_n * sizeof(float), cudaMemcpyDeviceToHost));
   }
@@ -394,10 +429,13 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
   ASSERT_TRUE(cuda::attention_backward_supports(c.hd));
   const Problem pr = make_problem(c);
   std::vector<float> got, delta, scores;
-  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, &scores);
+  int taken = 0;
+  run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, &scores, kHookSplits, &taken);
   if (HasFatalFailure()) return;
   expect_matches_reference(pr, got, delta);
-  if (path == Path::kScores) expect_scores_written(pr, scores);
+  // The hook's splits, where every kernel streams 3 tiles or more (tiles of 64 positions at most).
+  if ((path == Path::kSplit || path == Path::kScoresSplit) && c.L > 128) EXPECT_EQ(taken, kHookSplits);
+  if (path == Path::kScores || path == Path::kScoresSplit) expect_scores_written(pr, scores);
   if (path == Path::kTensorCores && takes_wgmma(pr, dev)) {
     std::vector<float> mma;
     run_gpu(pr, c.misalign, Path::kMmaSync, 0xff, dev, &mma, &delta);
@@ -439,7 +477,7 @@ const Case kCases[] = {
     Case{200, 20, 4, true, 1, 20, 0, 1}, Case{256, 32, 2, false, 1, 3, 0, 0}, Case{300, 17, 1, false, 1, 2, 0, 0},
     Case{192, 32, 2, true, 1, 3, 0, 0}};
 
-const Path kPaths[] = {Path::kTensorCores, Path::kScores, Path::kFfma};
+const Path kPaths[] = {Path::kTensorCores, Path::kScores, Path::kFfma, Path::kSplit, Path::kScoresSplit};
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackward,
                          ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kPaths)),
@@ -475,7 +513,7 @@ TEST_P(AttentionBackwardDeterminism, TwoCallsBitwiseEqual) {
   if (HasFatalFailure()) return;
   ASSERT_EQ(first.size(), second.size());
   EXPECT_EQ(rows_differing(pr, first, second), 0) << "of " << pr.N * pr.L << " rows differ between two calls";
-  if (path == Path::kScores) {
+  if (path == Path::kScores || path == Path::kScoresSplit) {
     expect_scores_written(pr, scores);
     expect_scores_written(pr, scores2);
   }
@@ -488,6 +526,31 @@ const Case kDeterminismCases[] = {Case{1030, 64, 2, true, 1, 2, 0, 0}, Case{517,
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardDeterminism,
                          ::testing::Combine(::testing::ValuesIn(kDeterminismCases), ::testing::ValuesIn(kPaths)),
                          [](const auto& info) { return path_case_name(info.param); });
+
+// The rule's own split (splits = 0: smem_layout.h's attention_grad_splits) on passes of one or
+// two long sequences, as the training plan gives it partials: the splits it takes are the rule's
+// (more than one), the gradients match the reference, and a second call is bitwise the first.
+TEST(AttentionBackwardSplit, RuleSplitsFewLongSequences) {
+  for (const Case& c : {Case{2048, 128, 1, false, 1, 1, 0, 0}, Case{1536, 40, 2, true, 1, 1, 0, 1},
+                        Case{1100, 32, 1, false, 2, 1, 0, 0}}) {
+    DeviceCaps dev;
+    std::string why;
+    if (!device_for(c.hd, Path::kSplit, &dev, &why)) GTEST_SKIP() << why;
+    const Problem pr = make_problem(c);
+    for (const Path path : {Path::kSplit, Path::kScoresSplit}) {
+      std::vector<float> got, again, delta;
+      int taken = 0;
+      run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, nullptr, 0, &taken);
+      if (HasFatalFailure()) return;
+      EXPECT_EQ(taken, attention_grad_splits(pr.N, pr.L, pr.hd, pr.heads, dev.sms)) << path_case_name({c, path});
+      EXPECT_GT(taken, 1) << path_case_name({c, path});
+      expect_matches_reference(pr, got, delta);
+      run_gpu(pr, c.misalign, path, 0x00, dev, &again, &delta, false, false, nullptr, 0);
+      if (HasFatalFailure()) return;
+      EXPECT_EQ(rows_differing(pr, got, again), 0) << path_case_name({c, path});
+    }
+  }
+}
 
 // The hook switches kernels: on one case the two paths' gradients differ
 // somewhere (their rounding does), so the suites above check two sets of
@@ -574,7 +637,7 @@ TEST_P(AttentionBackwardDropout, MatchesDoubleReference) {
   run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, &scores);
   if (HasFatalFailure()) return;
   expect_matches_reference(pr, got, delta);
-  if (path == Path::kScores) expect_scores_written(pr, scores);
+  if (path == Path::kScores || path == Path::kScoresSplit) expect_scores_written(pr, scores);
   run_gpu(pr, c.misalign, path, 0x00, dev, &again, &delta);
   if (HasFatalFailure()) return;
   EXPECT_EQ(rows_differing(pr, got, again), 0) << "of " << pr.N * pr.L << " rows differ between two calls";

@@ -412,6 +412,8 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
       ws.push_back({c.attention_scores, c.attention_scores_bytes, "attention_scores"});
     if (c.flash_partials != CudaBackwardPlan::kNone)  // (2, 1, 2048, 16, 2)'s row pass splits
       ws.push_back({c.flash_partials, c.flash_partials_bytes, "flash_partials"});
+    if (c.attention_partials != CudaBackwardPlan::kNone)  // and so does its backward
+      ws.push_back({c.attention_partials, c.attention_partials_bytes, "attention_partials"});
     for (const auto& [regions, total] : {std::pair{&saved, c.saved_bytes}, std::pair{&ws, c.workspace_bytes}}) {
       const std::vector<Region>& r = *regions;
       for (size_t i = 0; i < r.size(); ++i) {
@@ -696,6 +698,51 @@ TEST(BackwardPlan, FlashPartialsWhereAPassSplits) {
     const CudaBackwardPlan c = backward_plan_of(p, h200());
     EXPECT_EQ(c.flash_partials, CudaBackwardPlan::kNone);
     EXPECT_EQ(c.flash_partials_bytes, 0u);
+  }
+}
+
+// The attention backward's split (smem_layout.h, attention_grad_splits): S fills one round of
+// the dk, dv kernel's resident 4-warp blocks (3 an SM at head dims 17..64, 2 beyond: 396 and 264
+// on 132 SMs), at most 16 and L / 128; none where the blocks fill half a round, for L < 256, or
+// at 2 sms sequences or heads. One sequence of 4096: 64 blocks of 64 keys.
+TEST(BackwardPlan, AttentionGradSplitRule) {
+  EXPECT_EQ(attention_grad_splits(1, 4096, 128, 1, 132), 4);   // 264 / 64
+  EXPECT_EQ(attention_grad_splits(1, 4096, 32, 1, 132), 6);    // 396 / 64
+  EXPECT_EQ(attention_grad_splits(1, 4096, 16, 1, 132), 8);    // 528 / 64
+  EXPECT_EQ(attention_grad_splits(2, 4096, 128, 1, 132), 2);   // 264 / 128
+  EXPECT_EQ(attention_grad_splits(1, 4096, 256, 1, 132), 2);   // 128 blocks of 32 keys
+  EXPECT_EQ(attention_grad_splits(1, 1024, 128, 1, 132), 8);   // L / 128
+  EXPECT_EQ(attention_grad_splits(1, 300, 64, 1, 132), 2);     // L / 128
+  EXPECT_EQ(attention_grad_splits(1, 2048, 64, 2, 132), 6);    // 396 / 64
+  EXPECT_EQ(attention_grad_splits(1, 255, 64, 1, 132), 1);     // too short
+  EXPECT_EQ(attention_grad_splits(4, 4096, 32, 1, 132), 1);    // 256 blocks: more than half of 396
+  EXPECT_EQ(attention_grad_splits(2, 4096, 128, 2, 132), 1);   // 256 blocks: more than half of 264
+  EXPECT_EQ(attention_grad_splits(264, 512, 32, 1, 132), 1);   // 2 sms sequences
+  EXPECT_EQ(attention_grad_splits(1, 4096, 257, 1, 132), 1);   // no such head dim
+  EXPECT_EQ(attention_grad_splits(1, 4096, 128, 1, 66), 2);    // half the SMs
+  EXPECT_EQ(attention_grad_partials_bytes(1, 4096, 128, 1, 132), size_t{4} * 4096 * 2 * 128 * 4);
+  EXPECT_EQ(attention_grad_partials_bytes(4, 4096, 32, 1, 132), 0u);
+}
+
+// The backward plan reserves those partials for the larger pass, clear of the other regions and
+// named by describe(); none where neither pass splits.
+TEST(BackwardPlan, AttentionPartialsWhereAPassSplits) {
+  const CudaBackwardPlan one = backward_plan_of(problem(1, 1, 4096, 128, 1), h200());
+  ASSERT_NE(one.attention_partials, CudaBackwardPlan::kNone);
+  EXPECT_EQ(one.attention_partials_bytes, attention_grad_partials_bytes(1, 4096, 128, 1, 132));
+  EXPECT_EQ(one.attention_partials % 256, 0u);
+  EXPECT_LE(one.attention_partials + one.attention_partials_bytes, one.workspace_bytes);
+  EXPECT_NE(one.describe().find("attention-backward split partials"), std::string::npos) << one.describe();
+  // (6, 1000, 2, 64, 2): the column pass (12 sequences of 1000, 2 heads: 384 blocks) does not
+  // split, the row pass (6000 sequences of 2) neither.
+  EXPECT_EQ(backward_plan_of(problem(6, 1000, 2, 64, 2), h200()).attention_partials, CudaBackwardPlan::kNone);
+  // (1, 2048, 2, 64, 2): the column pass, 2 sequences of 2048 with 2 heads, splits 3 ways.
+  EXPECT_EQ(backward_plan_of(problem(1, 2048, 2, 64, 2), h200()).attention_partials_bytes,
+            size_t{3} * 2 * 2 * 2048 * 2 * 32 * 4);
+  for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(1, 256, 256, 128, 4)}) {
+    const CudaBackwardPlan c = backward_plan_of(p, h200());
+    EXPECT_EQ(c.attention_partials, CudaBackwardPlan::kNone);
+    EXPECT_EQ(c.attention_partials_bytes, 0u);
   }
 }
 

@@ -95,6 +95,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../../common/smem_layout.h"
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
@@ -123,20 +124,32 @@ struct KernelArgs {
   float* ds;  // AttentionBackwardArgs::ds where kernel 2 stores dS^T and kernel 3 reads it, else null
 };
 
-// One (sequence, head) and tile of the problem, as a block sees it:
-// blockIdx.x = (n * heads + h) * tiles + tile, the tile fastest so that the
-// blocks of one (sequence, head) run side by side and share its rows in L2.
+// A split launch (AttentionBackwardArgs::partials): each block of kernels 2 and 3 streams range
+// `split` of `splits` contiguous ranges of its tiles and stores its sums into partials, (splits,
+// items L, 2 hd) floats from kernel 2 (dk then dv a row), (splits, items L, hd) from kernel 3,
+// which combine_kernel adds into dqkv. splits = 1: no split, the sums go to dqkv.
+struct Split {
+  float* partials;
+  int splits;
+};
+
+// One (sequence, head), tile and split of the problem, as a block sees it:
+// blockIdx.x = ((n * heads + h) * tiles + tile) * splits + split, the split
+// and tile fastest so that the blocks of one (sequence, head) run side by
+// side and share its rows in L2.
 struct Head {
   int64_t item;    // n * heads + h: the row of lse and delta
   int64_t first;   // row (of qkv, o, d_o, dqkv) of position 0
   int64_t stride;  // rows between neighbouring positions
-  int h, hd, L, tile;
+  int h, hd, L, tile, split;
 };
 
-__device__ __forceinline__ Head block_head(const KernelArgs& a, int tiles) {
+__device__ __forceinline__ Head block_head(const KernelArgs& a, int tiles, int splits = 1) {
   Head hp;
-  hp.tile = (int)(blockIdx.x % (unsigned)tiles);
-  hp.item = blockIdx.x / (unsigned)tiles;
+  const unsigned b = blockIdx.x / (unsigned)splits;
+  hp.split = (int)(blockIdx.x % (unsigned)splits);
+  hp.tile = (int)(b % (unsigned)tiles);
+  hp.item = b / (unsigned)tiles;
   hp.h = (int)(hp.item % a.heads);
   hp.first = a.pos.offset(hp.item / a.heads, 0);
   hp.stride = a.pos.pos_stride;
@@ -565,6 +578,20 @@ __device__ __forceinline__ void store_tiles(float* dst, const float (&acc)[NF][4
   }
 }
 
+// The first and one-past-last of `tiles` streamed tiles that split `split` of `splits` takes
+// (contiguous ranges, sizes differing by one at most).
+__device__ __forceinline__ int2 split_range(int tiles, int split, int splits) {
+  return make_int2((int)((int64_t)split * tiles / splits), (int)((int64_t)(split + 1) * tiles / splits));
+}
+
+// hp's rows of a split's partials (Split): row (split items + item) L + l, contiguous.
+__device__ __forceinline__ Head partial_rows(const Head& hp, int64_t items) {
+  Head p = hp;
+  p.first = ((int64_t)hp.split * items + hp.item) * hp.L;
+  p.stride = 1;
+  return p;
+}
+
 // A warp's dS^T (its 16 keys from key0 x 8 NQ queries from q0, C fragments)
 // into the scratch rows of keys < L (ds: the (sequence, head)'s first row,
 // rows of Lp floats): one float2 a pair of queries, pairs from query < L
@@ -606,7 +633,8 @@ __device__ __forceinline__ FragA load_a_cols(const float* p, int g, int t) {
 // kDropout: dpass applies (threshold != 0).
 template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
-    key_grads_kernel(const KernelArgs a, float scale, float scale_log2, int key_tiles, const DropoutPass dpass) {
+    key_grads_kernel(const KernelArgs a, float scale, float scale_log2, int key_tiles, const Split sp,
+                     const DropoutPass dpass) {
   using T = KvTc<HDP>;
   constexpr int BM = T::BM, ST = T::ST, LD = T::ld;
   constexpr int NQ = BM / 8, NF = T::FP / 8;
@@ -615,7 +643,7 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   const int threads = blockDim.x, BN = threads / (32 * T::FW) * 16;  // keys a tile
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const int kw = warp / T::FW, f0 = (warp % T::FW) * T::FP;
-  const Head hp = block_head(a, key_tiles);
+  const Head hp = block_head(a, key_tiles, sp.splits);
   const int Lp = (int)attention_scores_stride(hp.L);         // dS^T's row stride, where stored
   const int k0 = hp.tile * BN, key0 = k0 + 16 * kw;          // the tile's first key, the warp's
   float* const k_sm = sm;                                    // (BN, HDP), then v (BN, HDP)
@@ -648,9 +676,11 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
     copy_positions(vs, lse, q0, BM, hp.L, threads);
     copy_positions(vs + BM, delta, q0, BM, hp.L, threads);
   };
+  // The query tiles this block streams: all of them, or its split's range.
+  const int2 range = split_range((hp.L + BM - 1) / BM, hp.split, sp.splits);
   copy_rows<LD, HDP, kVec>(k_sm, qg + a.D, W, hp, k0, BN, threads);
   copy_rows<LD, HDP, kVec>(k_sm + T::v(BN), qg + 2 * a.D, W, hp, k0, BN, threads);
-  load_queries(0, 0);
+  load_queries(0, range.x * BM);
   copy_async_commit();
 
   const float* ks = k_sm + 16 * kw * LD;  // the warp's keys (16, HDP)
@@ -661,19 +691,18 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   for (int f = 0; f < NF; ++f)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[f][e] = dv[f][e] = 0.0f;
-  const int q_tiles = (hp.L + BM - 1) / BM;
-  for (int i = 0; i < q_tiles; ++i) {
+  for (int i = range.x; i < range.y; ++i) {
     copy_async_wait<0>();  // this thread's copies of tile i (and of k, v)
     // Every thread's copies of tile i are in, and every warp is done with
     // tile i - 1 (with two stages, the stage copied next).
     __syncthreads();
     if constexpr (ST == 2) {
-      if (i + 1 < q_tiles) {
-        load_queries((i + 1) & 1, (i + 1) * BM);
+      if (i + 1 < range.y) {
+        load_queries((i + 1 - range.x) & 1, (i + 1) * BM);
         copy_async_commit();
       }
     }
-    const int st = ST == 2 ? (i & 1) : 0;
+    const int st = ST == 2 ? ((i - range.x) & 1) : 0;
     const float* q = q_sm + st * T::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
     const float* d_o = q + BM * LD;
     const float* lse_s = vec_sm + st * 2 * BM;
@@ -709,7 +738,7 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
       grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
     }
     if constexpr (ST == 1) {
-      if (i + 1 < q_tiles) {
+      if (i + 1 < range.y) {
         __syncthreads();  // every warp done with the stage
         load_queries(0, (i + 1) * BM);
         copy_async_commit();
@@ -717,6 +746,12 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
     }
   }
   if (!active) return;
+  if (sp.splits > 1) {  // dk, then dv, a row of the split's partials
+    const Head pr = partial_rows(hp, a.pos.num_seq * a.heads);
+    store_tiles<NF, kVec>(sp.partials, dk, scale, 2 * hp.hd, pr, key0, f0, g, t);
+    store_tiles<NF, kVec>(sp.partials + hp.hd, dv, 1.0f, 2 * hp.hd, pr, key0, f0, g, t);
+    return;
+  }
   float* out = a.dqkv + (int64_t)hp.h * hp.hd;  // head h's dq columns; dk at + D, dv at + 2D
   store_tiles<NF, kVec>(out + a.D, dk, scale, W, hp, key0, f0, g, t);
   store_tiles<NF, kVec>(out + 2 * a.D, dv, 1.0f, W, hp, key0, f0, g, t);
@@ -729,7 +764,8 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
 // kDropout: dpass applies (threshold != 0).
 template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
-    query_grads_kernel(const KernelArgs a, float scale, float scale_log2, int query_tiles, const DropoutPass dpass) {
+    query_grads_kernel(const KernelArgs a, float scale, float scale_log2, int query_tiles, const Split sp,
+                       const DropoutPass dpass) {
   using T = QTc<HDP>;
   constexpr int BN = T::BN, ST = T::ST, LD = T::ld;
   constexpr int NK = BN / 8, NF = HDP / 8;
@@ -737,7 +773,7 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
   float* sm = reinterpret_cast<float*>(smem4);
   const int threads = blockDim.x, BM = threads / 32 * 16;  // queries a tile
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const Head hp = block_head(a, query_tiles);
+  const Head hp = block_head(a, query_tiles, sp.splits);
   const int q0 = hp.tile * BM, m0 = q0 + 16 * warp;          // the tile's first query, the warp's
   float* const q_sm = sm;                                    // (BM, HDP), then d_o (BM, HDP)
   float* const k_sm = sm + T::k(BM);                         // stage s at + s stage: k (BN, HDP), then v (BN, HDP)
@@ -754,9 +790,11 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
     copy_rows<LD, HDP, kVec>(ks, qg + a.D, W, hp, k0, BN, threads);
     copy_rows<LD, HDP, kVec>(ks + BN * LD, qg + 2 * a.D, W, hp, k0, BN, threads);
   };
+  // The key tiles this block streams: all of them, or its split's range.
+  const int2 range = split_range((hp.L + BN - 1) / BN, hp.split, sp.splits);
   copy_rows<LD, HDP, kVec>(q_sm, qg, W, hp, q0, BM, threads);
   copy_rows<LD, HDP, kVec>(q_sm + T::d_o(BM), a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, threads);
-  load_keys(0, 0);
+  load_keys(0, range.x * BN);
   copy_async_commit();
 
   // lse (log2 units) and delta of this thread's rows, m0 + g and m0 + g + 8.
@@ -784,17 +822,16 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
   for (int f = 0; f < NF; ++f)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[f][e] = 0.0f;
-  const int k_tiles = (hp.L + BN - 1) / BN;
-  for (int j = 0; j < k_tiles; ++j) {
+  for (int j = range.x; j < range.y; ++j) {
     copy_async_wait<0>();
     __syncthreads();  // as in key_grads_kernel: tile j in, tile j - 1 done
     if constexpr (ST == 2) {
-      if (j + 1 < k_tiles) {
-        load_keys((j + 1) & 1, (j + 1) * BN);
+      if (j + 1 < range.y) {
+        load_keys((j + 1 - range.x) & 1, (j + 1) * BN);
         copy_async_commit();
       }
     }
-    const float* k = k_sm + (ST == 2 ? (j & 1) : 0) * T::stage;  // k is (BN, HDP), v (BN, HDP) after it
+    const float* k = k_sm + (ST == 2 ? ((j - range.x) & 1) : 0) * T::stage;  // k is (BN, HDP), v (BN, HDP) after it
     const float* v = k + BN * LD;
     if (active) {
       const int k0 = j * BN;
@@ -812,7 +849,7 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
       grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
     }
     if constexpr (ST == 1) {
-      if (j + 1 < k_tiles) {
+      if (j + 1 < range.y) {
         __syncthreads();
         load_keys(0, (j + 1) * BN);
         copy_async_commit();
@@ -820,7 +857,10 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
     }
   }
   if (!active) return;
-  store_tiles<NF, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, m0, 0, g, t);
+  if (sp.splits > 1)
+    store_tiles<NF, kVec>(sp.partials, dq, scale, hp.hd, partial_rows(hp, a.pos.num_seq * a.heads), m0, 0, g, t);
+  else
+    store_tiles<NF, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, m0, 0, g, t);
 }
 
 // dq of one query tile (hp.tile) of one (sequence, head) from kernel 2's
@@ -831,7 +871,7 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
 // HDP) rows. No scores, exponentials or mask: dS holds them.
 template <int HDP, bool kVec>
 __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
-    query_grads_ds_kernel(const KernelArgs a, float scale, int query_tiles) {
+    query_grads_ds_kernel(const KernelArgs a, float scale, int query_tiles, const Split sp) {
   using T = DsTc<HDP>;
   constexpr int BN = T::BN, LD = T::ld, LS = T::ls;
   constexpr int NK = BN / 8, NF = HDP / 8;
@@ -839,7 +879,7 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
   float* sm = reinterpret_cast<float*>(smem4);  // stage s at + s stage: dS^T (BN, LS), then k (BN, LD)
   const int threads = blockDim.x, BM = threads / 32 * 16;  // queries a tile
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const Head hp = block_head(a, query_tiles);
+  const Head hp = block_head(a, query_tiles, sp.splits);
   const int q0 = hp.tile * BM, m0 = q0 + 16 * warp;  // the tile's first query, the warp's
 #pragma unroll
   for (int st = 0; st < T::ST; ++st) zero_padding<LD, HDP>(sm + st * T::stage + BN * LS, BN, hp.hd, threads);
@@ -867,7 +907,9 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
     }
     copy_rows<LD, HDP, kVec>(ss + BN * LS, kg, W, hp, k0, BN, threads);
   };
-  load_keys(0, 0);
+  // The key tiles this block streams: all of them, or its split's range.
+  const int2 range = split_range((hp.L + BN - 1) / BN, hp.split, sp.splits);
+  load_keys(0, range.x * BN);
   copy_async_commit();
 
   const bool active = m0 < hp.L;  // a warp whose queries are all >= L only copies
@@ -876,16 +918,16 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
   for (int f = 0; f < NF; ++f)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[f][e] = 0.0f;
-  const int k_tiles = (hp.L + BN - 1) / BN;
-  for (int j = 0; j < k_tiles; ++j) {
+  for (int j = range.x; j < range.y; ++j) {
     copy_async_wait<0>();
     __syncthreads();  // tile j in, tile j - 1 done (its stage is copied next)
-    if (j + 1 < k_tiles) {
-      load_keys((j + 1) & 1, (j + 1) * BN);
+    const int st = (j - range.x) & 1;
+    if (j + 1 < range.y) {
+      load_keys(st ^ 1, (j + 1) * BN);
       copy_async_commit();
     }
-    const float* dst = sm + (j & 1) * T::stage + 16 * warp;  // the warp's queries of dS^T
-    const float* k = sm + (j & 1) * T::stage + BN * LS;
+    const float* dst = sm + st * T::stage + 16 * warp;  // the warp's queries of dS^T
+    const float* k = sm + st * T::stage + BN * LS;
     if (active) {
       // dq += dS k: runs of two key groups, as grad_tiles. Rolled beyond HDP 32, as in
       // score_tiles: unrolled, the hoisted fragment loads spill next to dq.
@@ -901,7 +943,30 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
     }
   }
   if (!active) return;
-  store_tiles<NF, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, m0, 0, g, t);
+  if (sp.splits > 1)
+    store_tiles<NF, kVec>(sp.partials, dq, scale, hp.hd, partial_rows(hp, a.pos.num_seq * a.heads), m0, 0, g, t);
+  else
+    store_tiles<NF, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, m0, 0, g, t);
+}
+
+// After a split launch of kernel 2 (parts 2, first part 1: dk, dv) or 3 (parts 1, first part 0:
+// dq): each element of dqkv they own is the sum of its sp.splits partials (Split), added in split
+// order. A thread an element (grid-stride), consecutive threads along a partial row's parts hd
+// columns, so the partials are read coalesced. The partials number fewer than 2^31 floats
+// (launch_tc splits only then): int indices.
+__global__ void __launch_bounds__(256) combine_kernel(const KernelArgs a, const Split sp, int parts, int first_part) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const int hd = a.D / a.heads, L = (int)a.pos.len, w = parts * hd;
+  const int total = (int)(a.pos.num_seq * a.heads) * L * w;  // one split's floats
+  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < total; e += gridDim.x * blockDim.x) {
+    float x = sp.partials[e];
+    for (int s = 1; s < sp.splits; ++s) x += sp.partials[(int64_t)s * total + e];
+    const int r = e / w, c = e % w;  // partial row r = item L + l, column c
+    const int item = r / L, l = r % L, part = first_part + c / hd;
+    const int64_t row = a.pos.offset(item / a.heads, l);
+    a.dqkv[row * 3 * a.D + (int64_t)part * a.D + (int64_t)(item % a.heads) * hd + c % hd] = x;
+  }
 }
 
 }  // namespace tc
@@ -1468,7 +1533,7 @@ struct Launch {
 
 // The tile counts of the launch's two gradient kernels; false where a grid
 // would pass gridDim.x's 2^31 - 1.
-bool tile_counts(int64_t num_seq, int heads, int64_t L, int key_rows, int query_rows, int* key_tiles,
+bool tile_counts(int64_t num_seq, int64_t heads, int64_t L, int key_rows, int query_rows, int* key_tiles,
                  int* query_tiles) {
   *key_tiles = (int)((L + key_rows - 1) / key_rows);
   *query_tiles = (int)((L + query_rows - 1) / query_rows);
@@ -1500,39 +1565,76 @@ int tc_row_warps(int most, int64_t L, int64_t items, int sms) {
   return w;
 }
 
-// dk, dv then dq on the tensor cores for padded head dim HDP.
+// The splits of a tensor-core launch at padded head dim HDP (AttentionBackwardArgs::partials):
+// the rule's (or the hook's), where the caller gave room for their partials; at most the fewest
+// tiles a kernel streams, so that no split's range is empty; and the partials below 2^31 floats
+// (combine_kernel's int indices). 1: no split.
+template <int HDP>
+int tc_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
+  if (a.partials == nullptr) return 1;
+  const int64_t L = a.pos.len, hd = a.D / a.heads, rows = a.pos.num_seq * a.heads * L;
+  int64_t S = a.splits > 0 ? a.splits : attention_grad_splits(a.pos.num_seq, L, hd, a.heads, dev.sms);
+  const int64_t fewest_tiles = (L + std::max({tc::KvTc<HDP>::BM, tc::QTc<HDP>::BN, tc::DsTc<HDP>::BN}) - 1) /
+                               std::max({tc::KvTc<HDP>::BM, tc::QTc<HDP>::BN, tc::DsTc<HDP>::BN});
+  S = std::min(S, fewest_tiles);
+  if (S < 2 || rows > INT32_MAX / (2 * hd) / S) return 1;
+  return a.partials_bytes >= attention_grad_partials_floats((int)S, rows, hd) * sizeof(float) ? (int)S : 1;
+}
+
+// combine_kernel after a split launch: enough blocks to cover the device a few times, grid-stride.
+cudaError_t launch_combine(const KernelArgs& k, const Split& sp, int parts, int first_part, const DeviceCaps& dev,
+                           cudaStream_t stream) {
+  const int64_t floats = k.pos.num_seq * k.heads * k.pos.len * parts * (k.D / k.heads);
+  const int64_t blocks = std::min<int64_t>((floats + 255) / 256, 8 * (int64_t)dev.sms);
+  return launch_kernel<tc::combine_kernel>(dim3((unsigned)blocks), dim3(256), 0, stream, dev, k, sp, parts,
+                                           first_part);
+}
+
+// dk, dv then dq on the tensor cores for padded head dim HDP; split over S = tc_splits blocks
+// a tile, with a combine after each side, where S > 1.
 template <int HDP, bool kVec, bool kDropout>
 cudaError_t launch_tc(const AttentionBackwardArgs& a, const Launch& s, const DeviceCaps& dev, cudaStream_t stream) {
   using Kv = tc::KvTc<HDP>;
   using Q = tc::QTc<HDP>;
+  using Ds = tc::DsTc<HDP>;
   const int64_t L = a.pos.len;
-  const int key_warps = tc_row_warps(Kv::KW, L, s.items, dev.sms),
-            query_warps = tc_row_warps(Q::QW, L, s.items, dev.sms);
+  const Split sp = {a.partials, tc_splits<HDP>(a, dev)};
+  const bool split = sp.splits > 1;
+  // A split launch keeps the largest blocks (the split gives the device its blocks), else
+  // small problems take smaller ones (tc_row_warps).
+  const int key_warps = split ? Kv::KW : tc_row_warps(Kv::KW, L, s.items, dev.sms),
+            query_warps = split ? Q::QW : tc_row_warps(Q::QW, L, s.items, dev.sms);
   int key_tiles, query_tiles;
-  if (!tile_counts(a.pos.num_seq, a.heads, L, 16 * key_warps, 16 * query_warps, &key_tiles, &query_tiles))
+  if (!tile_counts(a.pos.num_seq, a.heads * sp.splits, L, 16 * key_warps, 16 * query_warps, &key_tiles,
+                   &query_tiles))
     return cudaErrorInvalidValue;
   if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
   const float scale_log2 = s.scale * tc::kLog2e;
   // dq from kernel 2's dS^T where the caller gave the scratch and its tiles fit the device.
-  using Ds = tc::DsTc<HDP>;
   KernelArgs k = s.k;
   k.ds = a.ds != nullptr && Ds::bytes <= (size_t)dev.smem_optin ? a.ds : nullptr;
   if (cudaError_t e = launch_grid<tc::key_grads_kernel<HDP, kVec, kDropout>>(
-          s.items * key_tiles, 32 * Kv::FW * key_warps, Kv::bytes(16 * key_warps), dev, stream, k, s.scale,
-          scale_log2, key_tiles, s.dpass);
+          s.items * key_tiles * sp.splits, 32 * Kv::FW * key_warps, Kv::bytes(16 * key_warps), dev, stream, k,
+          s.scale, scale_log2, key_tiles, sp, s.dpass);
       e != cudaSuccess)
     return e;
+  if (split)
+    if (cudaError_t e = launch_combine(k, sp, 2, 1, dev, stream); e != cudaSuccess) return e;
+  cudaError_t e;
   if (k.ds != nullptr) {
-    const int ds_warps = tc_row_warps(Ds::QW, L, s.items, dev.sms);
+    const int ds_warps = split ? Ds::QW : tc_row_warps(Ds::QW, L, s.items, dev.sms);
     const int ds_tiles = (int)((L + 16 * ds_warps - 1) / (16 * ds_warps));  // <= query_tiles: tile_counts bounds it
-    return launch_grid<tc::query_grads_ds_kernel<HDP, kVec>>(s.items * ds_tiles, 32 * ds_warps, Ds::bytes, dev,
-                                                            stream, k, s.scale, ds_tiles);
+    e = launch_grid<tc::query_grads_ds_kernel<HDP, kVec>>(s.items * ds_tiles * sp.splits, 32 * ds_warps, Ds::bytes,
+                                                          dev, stream, k, s.scale, ds_tiles, sp);
+  } else if (HDP == 32 && query_grads_wgmma_applies(a, dev)) {  // never with a split
+    e = query_grads_wgmma(a, kVec, s.scale, s.dpass, dev, stream);
+  } else {
+    e = launch_grid<tc::query_grads_kernel<HDP, kVec, kDropout>>(s.items * query_tiles * sp.splits, 32 * query_warps,
+                                                                 Q::bytes(16 * query_warps), dev, stream, s.k, s.scale,
+                                                                 scale_log2, query_tiles, sp, s.dpass);
   }
-  if constexpr (HDP == 32)
-    if (query_grads_wgmma_applies(a, dev)) return query_grads_wgmma(a, kVec, s.scale, s.dpass, dev, stream);
-  return launch_grid<tc::query_grads_kernel<HDP, kVec, kDropout>>(s.items * query_tiles, 32 * query_warps,
-                                                                  Q::bytes(16 * query_warps), dev, stream, s.k, s.scale,
-                                                                  scale_log2, query_tiles, s.dpass);
+  if (e != cudaSuccess || !split) return e;
+  return launch_combine(k, sp, 1, 0, dev, stream);
 }
 
 // dk, dv then dq on the FFMA kernels for padded head dim HDP.
@@ -1592,6 +1694,26 @@ bool dropout_args_ok(const AttentionBackwardArgs& a) {
 }  // namespace
 
 bool attention_backward_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
+
+int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
+  if (a.heads <= 0 || a.D <= 0 || a.D % a.heads != 0 || a.pos.num_seq <= 0 || a.pos.len <= 0 ||
+      a.pos.len >= kMaxLen)
+    return 1;
+  const int64_t hd = a.D / a.heads;
+  if (a.ffma || attention_backward_smem_bytes(hd) > (size_t)dev.smem_optin) return 1;  // the FFMA kernels
+  switch (padded_head_dim(hd)) {
+    case 8: return tc_splits<8>(a, dev);
+    case 16: return tc_splits<16>(a, dev);
+    case 32: return tc_splits<32>(a, dev);
+    case 48: return tc_splits<48>(a, dev);
+    case 64: return tc_splits<64>(a, dev);
+    case 96: return tc_splits<96>(a, dev);
+    case 128: return tc_splits<128>(a, dev);
+    case 192: return tc_splits<192>(a, dev);
+    case 256: return tc_splits<256>(a, dev);
+  }
+  return 1;
+}
 
 size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma) {
   switch (padded_head_dim(head_dim)) {

@@ -47,6 +47,15 @@ struct AttentionBackwardArgs {
   // product from it (5 products of L^2 hd a (sequence, head) instead of 7). Null: the dq kernel
   // recomputes S and dP. Either way every output element is summed in a fixed order.
   float* ds = nullptr;
+  // Room for the partial sums of a split pass, or null. Where a pass has few (sequence, head)
+  // items (smem_layout.h: attention_grad_splits > 1) and partials_bytes holds the split's
+  // attention_grad_partials_floats, the tensor-core kernels cut each block's streamed tiles over
+  // S blocks, whose partial dk, dv and dq a combine kernel adds in split order (deterministic as
+  // without the split); else they do not split.
+  float* partials = nullptr;
+  size_t partials_bytes = 0;
+  // Test hook: S splits (>= 1) instead of the rule's, where partials_bytes holds them; 0: the rule.
+  int splits = 0;
   // Test hook: run the FFMA kernels even where the tensor-core kernels
   // serve (the tests check both paths). Left false, the launcher takes the
   // FFMA kernels only where the tensor-core ones do not fit the device's
@@ -75,9 +84,13 @@ bool attention_backward_supports(int64_t head_dim);
 // much, else fails.
 size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma = false);
 
+// The splits attention_backward takes for `a` on dev (1: none; AttentionBackwardArgs::partials).
+int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev);
+
 // Launches three kernels on `stream`, each a programmatic dependent of the
 // one before it (detail/launch.cuh): delta, then dk and dv, then dq (on the
-// tensor cores, or the FFMA kernels: AttentionBackwardArgs::ffma). Errors:
+// tensor cores, or the FFMA kernels: AttentionBackwardArgs::ffma), with a
+// combine after each of the last two where the pass splits. Errors:
 // cudaErrorInvalidValue for sizes it does not serve (heads not dividing D,
 // head_dim outside 1..256, L >= 2^30, more than 2^31 - 1 blocks; with
 // dropout.threshold != 0: a null philox, pass not 0 or 1, dropout.len[pass]
@@ -93,7 +106,8 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
 // gradient and mask (on an H200 the two kernels' dq have come out bitwise equal). Head dims 17 to 32 (padded head dim 32) on sm_90a code (dev.sm90a), sequences
 // longer than kQueryGradsWgmmaMinLen (four key tiles or more: the whole backward of a pass
 // measured 3% faster with it at L = 256 and 9-10% at 1024 and 2048, but 3% slower at L = 128
-// and 16% at 80), neither hook set.
+// and 16% at 80), neither hook set, and no split (attention_backward_splits: few items of one
+// or two units of 128 queries each leave the device idle, where the split's mma.sync blocks fill it).
 constexpr int64_t kQueryGradsWgmmaMinLen = 192;
 
 // Whether attention_backward computes a's dq on the wgmma kernel on dev.

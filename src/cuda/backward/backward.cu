@@ -103,6 +103,10 @@ class Training {
       flash_partials_ = in(ws, plan.flash_partials);
       flash_partials_bytes_ = plan.flash_partials_bytes;
     }
+    if (plan.attention_partials != CudaBackwardPlan::kNone) {
+      attention_partials_ = in(ws, plan.attention_partials);
+      attention_partials_bytes_ = plan.attention_partials_bytes;
+    }
     if (plan.attention_scores != CudaBackwardPlan::kNone) {
       float* scores = in(ws, plan.attention_scores);
       scores_[0] = plan.row_scores ? scores : nullptr, scores_[1] = plan.col_scores ? scores : nullptr;
@@ -265,6 +269,7 @@ class Training {
     a.D = D_, a.heads = (int)p_.heads;
     a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
     a.ds = scores_[pass];
+    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
     if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "attention_backward launch");
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
@@ -306,6 +311,8 @@ class Training {
   size_t weight_partials_bytes_ = 0;
   float* flash_partials_ = nullptr;  // the training forward's split-KV partials, where a pass splits
   size_t flash_partials_bytes_ = 0;
+  float* attention_partials_ = nullptr;  // the attention backward's split partials, where a pass splits
+  size_t attention_partials_bytes_ = 0;
 };
 
 // Zeros in every wanted weight gradient: the gradients of an empty problem.
@@ -411,7 +418,8 @@ static cuda::CallKey call_key(int kind, const AxialParams& p, const AxialGrads* 
                    plan.grad_qkv, plan.grad_norm, plan.delta, plan.column_partials, plan.blas, plan.blas_bytes,
                    plan.weight_planes, plan.weight_grad_partials, plan.weight_grad_partials_bytes,
                    plan.attention_scores, plan.attention_scores_bytes, plan.flash_partials,
-                   plan.flash_partials_bytes, plan.workspace_bytes})
+                   plan.flash_partials_bytes, plan.attention_partials, plan.attention_partials_bytes,
+                   plan.workspace_bytes})
     k.add(static_cast<uint64_t>(v));
   k.add(plan.caller_blas), k.add(plan.tensor_core_products), k.add(plan.tensor_core_weight_grads);
   k.add(plan.row_scores), k.add(plan.col_scores);

@@ -390,7 +390,7 @@ bool query_grads_wgmma_applies(const AttentionBackwardArgs& a, const DeviceCaps&
 #if defined(FASTAXIAL_WGMMA)
   const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
   return !a.mma_sync && !a.ffma && dev.sm90a && flash_padded_head_dim(hd) == 32 && a.pos.len > kQueryGradsWgmmaMinLen &&
-         (size_t)QgTile::bytes <= (size_t)dev.smem_optin;
+         (size_t)QgTile::bytes <= (size_t)dev.smem_optin && attention_backward_splits(a, dev) == 1;
 #else
   (void)a, (void)dev;
   return false;  // no sm_90a code in this build: the kernel's body is a trap
