@@ -292,7 +292,8 @@ struct CudaBackwardPlan {
   size_t flash_partials_bytes = 0;
   // The attention backward's partial sums where a pass of few long sequences splits its blocks'
   // streamed tiles (dk, dv over query ranges, dq over key ranges), added in split order after:
-  // sized for the larger pass; kNone where neither pass splits.
+  // sized for the larger pass; kNone where neither pass splits. The same region as
+  // flash_partials where both are there (one call uses each).
   size_t attention_partials = kNone;
   size_t attention_partials_bytes = 0;
   size_t workspace_bytes = 0;  // the whole workspace

@@ -391,20 +391,19 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   c.row_scores = row_scores > 0, c.col_scores = col_scores > 0;
   c.attention_scores_bytes = std::max(row_scores, col_scores);
   if (c.attention_scores_bytes > 0) fits = fits && append(&end, c.attention_scores_bytes, &c.attention_scores);
-  // Split-KV partials for the training forward's flash attention, as the inference plan's.
+  // Split-KV partials for the training forward's flash attention, as the inference plan's, and
+  // the attention backward's split partials (smem_layout.h), each the larger pass's: one region
+  // for both, as the forward's are dead once it returns.
   const size_t flash_partials = std::max(flash_partials_bytes(p.batch * p.height, p.width, hd, p.heads, dev.sms),
                                          flash_partials_bytes(p.batch * p.width, p.height, hd, p.heads, dev.sms));
-  if (flash_partials > 0) {
-    fits = fits && append(&end, flash_partials, &c.flash_partials);
-    c.flash_partials_bytes = flash_partials;
-  }
-  // The attention backward's split partials (smem_layout.h), the larger pass's.
   const size_t attention_partials =
       std::max(attention_grad_partials_bytes(p.batch * p.height, p.width, hd, p.heads, dev.sms),
                attention_grad_partials_bytes(p.batch * p.width, p.height, hd, p.heads, dev.sms));
-  if (attention_partials > 0) {
-    fits = fits && append(&end, attention_partials, &c.attention_partials);
-    c.attention_partials_bytes = attention_partials;
+  if (flash_partials > 0 || attention_partials > 0) {
+    size_t shared = CudaBackwardPlan::kNone;
+    fits = fits && append(&end, std::max(flash_partials, attention_partials), &shared);
+    if (flash_partials > 0) c.flash_partials = shared, c.flash_partials_bytes = flash_partials;
+    if (attention_partials > 0) c.attention_partials = shared, c.attention_partials_bytes = attention_partials;
   }
   c.caller_blas = caller_blas;
   c.blas_bytes = caller_blas ? 0 : backward_blas_bytes(dev);

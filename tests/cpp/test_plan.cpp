@@ -410,10 +410,15 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
       ws.push_back({c.weight_grad_partials, c.weight_grad_partials_bytes, "weight_grad_partials"});
     if (c.attention_scores != CudaBackwardPlan::kNone)
       ws.push_back({c.attention_scores, c.attention_scores_bytes, "attention_scores"});
-    if (c.flash_partials != CudaBackwardPlan::kNone)  // (2, 1, 2048, 16, 2)'s row pass splits
-      ws.push_back({c.flash_partials, c.flash_partials_bytes, "flash_partials"});
-    if (c.attention_partials != CudaBackwardPlan::kNone)  // and so does its backward
-      ws.push_back({c.attention_partials, c.attention_partials_bytes, "attention_partials"});
+    // (2, 1, 2048, 16, 2)'s row pass splits in the forward and the backward: one region for both
+    // (each call uses its own), the larger of the two.
+    if (c.flash_partials != CudaBackwardPlan::kNone && c.attention_partials != CudaBackwardPlan::kNone)
+      EXPECT_EQ(c.flash_partials, c.attention_partials);
+    if (c.flash_partials != CudaBackwardPlan::kNone || c.attention_partials != CudaBackwardPlan::kNone)
+      ws.push_back({std::min(c.flash_partials, c.attention_partials),
+                    std::max(c.flash_partials != CudaBackwardPlan::kNone ? c.flash_partials_bytes : 0,
+                             c.attention_partials != CudaBackwardPlan::kNone ? c.attention_partials_bytes : 0),
+                    "split partials"});
     for (const auto& [regions, total] : {std::pair{&saved, c.saved_bytes}, std::pair{&ws, c.workspace_bytes}}) {
       const std::vector<Region>& r = *regions;
       for (size_t i = 0; i < r.size(); ++i) {
@@ -733,6 +738,14 @@ TEST(BackwardPlan, AttentionPartialsWhereAPassSplits) {
   EXPECT_EQ(one.attention_partials % 256, 0u);
   EXPECT_LE(one.attention_partials + one.attention_partials_bytes, one.workspace_bytes);
   EXPECT_NE(one.describe().find("attention-backward split partials"), std::string::npos) << one.describe();
+  // The forward splits too: one region, the larger size.
+  ASSERT_NE(one.flash_partials, CudaBackwardPlan::kNone);
+  EXPECT_EQ(one.flash_partials, one.attention_partials);
+  EXPECT_LE(one.attention_partials + std::max(one.flash_partials_bytes, one.attention_partials_bytes),
+            one.workspace_bytes);
+  for (size_t region : {one.grad_row_output, one.grad_attn, one.grad_qkv, one.grad_norm, one.delta,
+                        one.column_partials, one.attention_scores, one.weight_planes, one.weight_grad_partials})
+    if (region != CudaBackwardPlan::kNone) EXPECT_NE(region, one.attention_partials);
   // (6, 1000, 2, 64, 2): the column pass (12 sequences of 1000, 2 heads: 384 blocks) does not
   // split, the row pass (6000 sequences of 2) neither.
   EXPECT_EQ(backward_plan_of(problem(6, 1000, 2, 64, 2), h200()).attention_partials, CudaBackwardPlan::kNone);
