@@ -375,7 +375,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   bool fits = true;
   for (CudaBackwardPlan::Pass* pass : {&c.row, &c.col}) {
     fits = fits && append(&end, td, &pass->norm) && append(&end, 2 * T * sizeof(float), &pass->stats) &&
-           append(&end, 3 * td, &pass->qkv) && append(&end, td, &pass->attn) && append(&end, th, &pass->lse);
+           append(&end, 3 * td, &pass->qkv) && append(&end, td, &pass->attn) && append(&end, 2 * th, &pass->lse);
   }
   fits = fits && append(&end, td, &c.row_output) && append(&end, 2 * sizeof(uint64_t), &c.dropout_state);
   c.saved_bytes = end;

@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
     float *qkv, *o[2], *lse;
     BENCH_CHECK(cudaMalloc(&qkv, hqkv.size() * 4));
     for (float*& oi : o) BENCH_CHECK(cudaMalloc(&oi, (size_t)(T * D) * 4));
-    BENCH_CHECK(cudaMalloc(&lse, (size_t)(s.N * s.heads * s.L) * 4));
+    BENCH_CHECK(cudaMalloc(&lse, (size_t)(2 * s.N * s.heads * s.L) * 4));  // hi, lo
     BENCH_CHECK(cudaMemcpy(qkv, hqkv.data(), hqkv.size() * 4, cudaMemcpyHostToDevice));
 
     cuda::FlashArgs a;

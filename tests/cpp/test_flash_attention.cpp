@@ -46,7 +46,7 @@ namespace {
 
 constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
 constexpr int64_t kGuardRows = 3;          // rows of o past the T the views address
-constexpr int64_t kGuardLse = 67;          // lse elements past (num_seq, heads, L)
+constexpr int64_t kGuardLse = 67;          // lse elements past (2, num_seq, heads, L): hi, lo
 
 bool is_poison(float x) {
   uint32_t u;
@@ -105,7 +105,7 @@ Problem make_problem(const Case& c) {
   return pr;
 }
 
-// The kernel's output: o ((T + kGuardRows) D) and lse ((N, heads, L) +
+// The kernel's output: o ((T + kGuardRows) D) and lse ((2, N, heads, L) +
 // kGuardLse), both poisoned before the call.
 struct Result {
   std::vector<float> o, lse;
@@ -119,7 +119,7 @@ struct Result {
 // mma_sync: the mma.sync kernel even where the wgmma one applies.
 void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
              const uint64_t* philox_seed_offset = nullptr, bool partials = false, bool mma_sync = false) {
-  const int64_t D = pr.D, T = pr.T, lse_n = pr.N * pr.heads * pr.L;
+  const int64_t D = pr.D, T = pr.T, lse_n = 2 * pr.N * pr.heads * pr.L;  // hi, then lo
   const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
                   dlse = device_alloc((size_t)(lse_n + kGuardLse));
   ASSERT_TRUE(dqkv && dout && dlse);
@@ -175,6 +175,7 @@ void expect_matches_reference(const Problem& pr, const Result& r, Mask mask) {
   const double scale = 1.0 / std::sqrt((double)hd);
   const float scale32 = 1.0f / std::sqrt((float)hd);
   double worst_o = 0.0, worst_o32 = 0.0, worst_lse = 0.0, worst_lse32 = 0.0, vmax = 0.0, mag_max = 0.0;
+  int64_t lo_too_large = 0;
   std::vector<char> touched((size_t)(T + kGuardRows), 0);
   std::vector<double> kd((size_t)(L * hd)), vd((size_t)(L * hd)), s64((size_t)L), o64((size_t)hd);
   std::vector<float> kf((size_t)(L * hd)), vf((size_t)(L * hd)), s32((size_t)L), o32((size_t)hd);
@@ -227,15 +228,21 @@ void expect_matches_reference(const Problem& pr, const Result& r, Mask mask) {
           worst_o = worst_abs(worst_o, got[i], ref);
           worst_o32 = worst_abs(worst_o32, o32[i] / sum32, ref);
         }
-        const double lse64 = m64 + std::log(sum64);
-        worst_lse = worst_abs(worst_lse, r.lse[(size_t)((n * pr.heads + h) * L + l)], lse64);
-        worst_lse32 = worst_abs(worst_lse32, m32 + std::log(sum32), lse64);
+        // lse2 (log2 units) = hi + lo (detail/lse.cuh), lo within half an ulp of hi.
+        const double lse64 = (m64 + std::log(sum64)) / std::log(2.0);
+        const size_t at = (size_t)((n * pr.heads + h) * L + l), rows = (size_t)(N * pr.heads * L);
+        const float hi = r.lse[at], lo = r.lse[rows + at];
+        worst_lse = worst_abs(worst_lse, (double)hi + (double)lo, lse64);
+        worst_lse32 = worst_abs(worst_lse32, (m32 + std::log(sum32)) / std::log(2.0f), lse64);
+        const double half_ulp = 0.5 * ((double)std::nextafter(std::fabs(hi), INFINITY) - std::fabs(hi));
+        if (!(std::fabs((double)lo) <= half_ulp)) ++lo_too_large;
       }
     }
   const double bound_o = 2.0 * worst_o32 + 1e-6 * vmax;
-  const double bound_lse = 2.0 * worst_lse32 + 1e-6 * (1.0 + mag_max);
+  const double bound_lse = 2.0 * worst_lse32 + 1e-6 * (1.0 + mag_max) / std::log(2.0);  // log2 units
   EXPECT_LE(worst_o, bound_o) << "o: fp32 host error " << worst_o32 << ", max |v| " << vmax;
   EXPECT_LE(worst_lse, bound_lse) << "lse: fp32 host error " << worst_lse32 << ", max scaled sum |q k| " << mag_max;
+  EXPECT_EQ(lo_too_large, 0) << "lse rows whose lo is not within half an ulp of hi";
 
   // Rows the view does not address (and the guard rows past T) untouched;
   // lse past (N, heads, L) untouched.
@@ -246,8 +253,8 @@ void expect_matches_reference(const Problem& pr, const Result& r, Mask mask) {
   }
   EXPECT_EQ(written, 0) << "elements of rows outside the view written";
   int64_t lse_written = 0;
-  for (size_t i = (size_t)(N * pr.heads * L); i < r.lse.size(); ++i) lse_written += !is_poison(r.lse[i]);
-  EXPECT_EQ(lse_written, 0) << "lse written past (num_seq, heads, L)";
+  for (size_t i = (size_t)(2 * N * pr.heads * L); i < r.lse.size(); ++i) lse_written += !is_poison(r.lse[i]);
+  EXPECT_EQ(lse_written, 0) << "lse written past (2, num_seq, heads, L)";
 }
 
 // The device as the kernel sees it; false (with the reason in *why) where
@@ -518,7 +525,7 @@ TEST_P(FlashAttentionDropout, MatchesDoubleReference) {
 
   run_gpu(pr, c.misalign, dev, &plain);
   if (HasFatalFailure()) return;
-  const size_t lse_n = (size_t)(pr.N * pr.heads * pr.L);
+  const size_t lse_n = (size_t)(2 * pr.N * pr.heads * pr.L);  // hi, lo
   EXPECT_EQ(std::memcmp(r.lse.data(), plain.lse.data(), lse_n * sizeof(float)), 0) << "lse changed by dropout";
   EXPECT_GT(rows_differing(pr, r, plain), 0) << "dropout changed no output row";
 

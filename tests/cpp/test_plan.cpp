@@ -394,7 +394,7 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
     for (const auto* pass : {&c.row, &c.col}) {
       saved.push_back({pass->norm, td, "norm"}), saved.push_back({pass->stats, 2 * T * 4, "stats"});
       saved.push_back({pass->qkv, 3 * td, "qkv"}), saved.push_back({pass->attn, td, "attn"});
-      saved.push_back({pass->lse, th, "lse"});
+      saved.push_back({pass->lse, 2 * th, "lse"});  // hi, then lo
     }
     saved.push_back({c.row_output, td, "row_output"});
     saved.push_back({c.dropout_state, 16, "dropout_state"});

@@ -1,7 +1,8 @@
 // The backward of one attention pass, flash-style: for each sequence n and
 // head h (q, k, v, o, d_o below are head h's (L, hd) slices of sequence n)
 //   S  = scale q k^T              scale = 1 / sqrt(hd)
-//   P  = exp(S - lse)             lse from the forward (flash_attention)
+//   P  = exp(S - lse)             lse from the forward (flash_attention), in
+//                                 log2 units as two floats (detail/lse.cuh)
 //   dv = P^T d_o
 //   dP = d_o v^T
 //   dS = P * (dP - delta)         delta = rowsum(d_o * o)
@@ -99,6 +100,7 @@
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/lse.cuh"
 #include "../detail/tf32x3.cuh"
 
 namespace fastaxial::cuda {
@@ -282,7 +284,7 @@ constexpr int row_ld() {
 // Shared memory for a block of bn keys, in floats:
 //   k, v:                (bn, ld) each, the block's keys
 //   stage s: q, d_o      (BM, ld) each, one query tile
-//   stage s: lse, delta  (BM) each
+//   stage s: lse (hi, lo), delta  (BM) each
 template <int HDP_, int KW_, int FW_, int BM_, int ST_, int MIN_BLOCKS_>
 struct KvTiling {
   static constexpr int HDP = HDP_, KW = KW_, FW = FW_, BM = BM_, ST = ST_, min_blocks = MIN_BLOCKS_;
@@ -291,8 +293,8 @@ struct KvTiling {
   static constexpr int stage = 2 * BM * ld;  // q, then d_o
   __host__ __device__ static constexpr int v(int bn) { return bn * ld; }
   __host__ __device__ static constexpr int q(int bn) { return 2 * bn * ld; }
-  __host__ __device__ static constexpr int vec(int bn) { return q(bn) + ST * stage; }  // stage s: lse at + 2 BM s
-  __host__ __device__ static constexpr int floats(int bn) { return vec(bn) + ST * 2 * BM; }
+  __host__ __device__ static constexpr int vec(int bn) { return q(bn) + ST * stage; }  // stage s: lse at + 3 BM s
+  __host__ __device__ static constexpr int floats(int bn) { return vec(bn) + ST * 3 * BM; }
   static constexpr size_t bytes(int bn) { return (size_t)floats(bn) * sizeof(float); }
   static_assert(FP % 8 == 0 && BM % 16 == 0 && (ST == 1 || ST == 2), "whole n-tiles, runs of two k-groups");
   static_assert(ld % 4 == 0 && stage % 4 == 0 && BM % 4 == 0, "16-byte rows, 8-byte lse pairs");
@@ -487,27 +489,29 @@ __device__ __forceinline__ void grad_tiles(float (&acc)[NF][4], const float (&c)
 }
 
 // In place on a warp's S^T and dP^T tiles (its 16 keys x 8 NQ queries): s
-// -> P^T = exp(scale s - lse), dp -> dS^T = P^T (dp - delta), lse and delta
-// per query (column 8j + 2t + e of c[j][e], e = 0, 1, and of c[j][2 + e]),
-// from the stage's copies at lse, delta (query q0 first). kMasked (tiles
+// -> P^T = 2^(scale_log2 s - lse2), dp -> dS^T = P^T (dp - delta), lse2 and
+// delta per query (column 8j + 2t + e of c[j][e], e = 0, 1, and of c[j][2 +
+// e]), from the stage's copies at lse (hi), lse_lo, delta (query q0 first). kMasked (tiles
 // that reach past L): zero for keys key0 + row >= L and queries q0 +
 // column >= L. kDropout: P -> P M scale and dS = P (dP M scale - delta),
 // M from keep (16 bits of c[j] at 16 (j % 2) in keep[j / 2],
 // dropout_bit_cols).
 template <int NQ, bool kMasked, bool kDropout>
 __device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)[NQ][4], const float* lse,
-                                                  const float* delta, float scale_log2, int key0, int q0, int L, int g,
-                                                  int t, const uint32_t (&keep)[NQ / 2], float keep_scale) {
+                                                  const float* lse_lo, const float* delta, float scale_log2, int key0,
+                                                  int q0, int L, int g, int t, const uint32_t (&keep)[NQ / 2],
+                                                  float keep_scale) {
   const bool key_in[2] = {key0 + g < L, key0 + g + 8 < L};
 #pragma unroll
   for (int j = 0; j < NQ; ++j) {
-    const float2 l2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
+    const float2 h2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_lo + 8 * j + 2 * t);
     const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
-    const float lse_log2[2] = {l2.x * kLog2e, l2.y * kLog2e}, dl[2] = {d2.x, d2.y};
+    const float hi[2] = {h2.x, h2.y}, lo[2] = {l2.x, l2.y}, dl[2] = {d2.x, d2.y};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = e & 1;  // column 8j + 2t + c; row g + 8 (e >> 1)
-      float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[c])), ds;
+      float p = prob_from_lse2(s[j][e], scale_log2, hi[c], lo[c]), ds;
       if constexpr (kDropout) {
         const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_cols(g, e))) & 1u;
         const float m = kept ? keep_scale : 0.0f;
@@ -524,20 +528,20 @@ __device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)
 }
 
 // In place on a warp's S and dP tiles (its 16 queries x 8 NK keys): s -> P,
-// dp -> dS, with the thread's rows' lse (in log2 units) and delta (rows g,
-// g + 8) in registers. kMasked (tiles that reach past L): zero for keys
+// dp -> dS, with the thread's rows' lse2 (hi, lo: detail/lse.cuh) and delta
+// (rows g, g + 8) in registers. kMasked (tiles that reach past L): zero for keys
 // k0 + column >= L. kDropout: as softmax_grad_cols, keep's bits by
 // dropout_bit_rows.
 template <int NK, bool kMasked, bool kDropout>
-__device__ __forceinline__ void softmax_grad_rows(float (&s)[NK][4], float (&dp)[NK][4], const float (&lse_log2)[2],
-                                                  const float (&dl)[2], float scale_log2, int k0, int L, int t,
-                                                  const uint32_t (&keep)[NK / 2], float keep_scale) {
+__device__ __forceinline__ void softmax_grad_rows(float (&s)[NK][4], float (&dp)[NK][4], const float (&hi)[2],
+                                                  const float (&lo)[2], const float (&dl)[2], float scale_log2, int k0,
+                                                  int L, int t, const uint32_t (&keep)[NK / 2], float keep_scale) {
 #pragma unroll
   for (int j = 0; j < NK; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e >> 1;  // row g + 8r; column 8j + 2t + (e & 1)
-      float p = exp2f(fmaf(s[j][e], scale_log2, -lse_log2[r])), ds;
+      float p = prob_from_lse2(s[j][e], scale_log2, hi[r], lo[r]), ds;
       if constexpr (kDropout) {
         const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_rows(t, e))) & 1u;
         const float m = kept ? keep_scale : 0.0f;
@@ -648,7 +652,7 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   const int k0 = hp.tile * BN, key0 = k0 + 16 * kw;          // the tile's first key, the warp's
   float* const k_sm = sm;                                    // (BN, HDP), then v (BN, HDP)
   float* const q_sm = sm + T::q(BN);                         // stage s at + s stage: q (BM, HDP), then d_o (BM, HDP)
-  float* const vec_sm = sm + T::vec(BN);                     // stage s at + 2 BM s: lse (BM), then delta (BM)
+  float* const vec_sm = sm + T::vec(BN);                     // stage s at + 3 BM s: lse hi, lo, delta (BM each)
   zero_padding<LD, HDP>(k_sm, 2 * BN, hp.hd, threads);       // k, v
   zero_padding<LD, HDP>(q_sm, 2 * ST * BM, hp.hd, threads);  // every stage's q, d_o
 
@@ -658,7 +662,8 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   const int64_t W = 3 * (int64_t)a.D;               // floats a row of qkv and dqkv
   const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
   const float* dog = a.d_o + (int64_t)hp.h * hp.hd;
-  const float* lse = a.lse + hp.item * hp.L;
+  const float* lse = a.lse + hp.item * hp.L;                 // hi; lo at + rows (detail/lse.cuh)
+  const float* lse_lo = lse + a.pos.num_seq * a.heads * hp.L;
   const float* delta = a.delta + hp.item * hp.L;
   // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
   // element of (query 0, the warp's first key).
@@ -670,11 +675,12 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   }
   const auto load_queries = [&](int stage, int q0) {
     float* qs = q_sm + stage * T::stage;
-    float* vs = vec_sm + stage * 2 * BM;
+    float* vs = vec_sm + stage * 3 * BM;
     copy_rows<LD, HDP, kVec>(qs, qg, W, hp, q0, BM, threads);
     copy_rows<LD, HDP, kVec>(qs + BM * LD, dog, a.D, hp, q0, BM, threads);
     copy_positions(vs, lse, q0, BM, hp.L, threads);
-    copy_positions(vs + BM, delta, q0, BM, hp.L, threads);
+    copy_positions(vs + BM, lse_lo, q0, BM, hp.L, threads);
+    copy_positions(vs + 2 * BM, delta, q0, BM, hp.L, threads);
   };
   // The query tiles this block streams: all of them, or its split's range.
   const int2 range = split_range((hp.L + BM - 1) / BM, hp.split, sp.splits);
@@ -705,7 +711,7 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
     const int st = ST == 2 ? ((i - range.x) & 1) : 0;
     const float* q = q_sm + st * T::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
     const float* d_o = q + BM * LD;
-    const float* lse_s = vec_sm + st * 2 * BM;
+    const float* lse_s = vec_sm + st * 3 * BM;  // hi, then lo, then delta
     if (active) {
       const int q0 = i * BM;
       // Dropout's keep bits of the tile, drawn before s and dp are live:
@@ -726,10 +732,12 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
       score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
       score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
       if (q0 + BM > hp.L || key0 + 16 > hp.L)
-        softmax_grad_cols<NQ, true, kDropout>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t, keep,
+        softmax_grad_cols<NQ, true, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L, g,
+                                              t, keep,
                                               dpass.scale);
       else
-        softmax_grad_cols<NQ, false, kDropout>(s, dp, lse_s, lse_s + BM, scale_log2, key0, q0, hp.L, g, t, keep,
+        softmax_grad_cols<NQ, false, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L,
+                                               g, t, keep,
                                                dpass.scale);
       // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
       if (a.ds != nullptr && f0 == 0)
@@ -797,13 +805,15 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
   load_keys(0, range.x * BN);
   copy_async_commit();
 
-  // lse (log2 units) and delta of this thread's rows, m0 + g and m0 + g + 8.
-  float lse_log2[2], dl[2];
+  // lse2 (hi, lo: detail/lse.cuh) and delta of this thread's rows, m0 + g and m0 + g + 8.
+  float hi[2], lo[2], dl[2];
+  const int64_t rows = a.pos.num_seq * a.heads * hp.L;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int l = m0 + g + 8 * r;
     const bool in = l < hp.L;
-    lse_log2[r] = in ? a.lse[hp.item * hp.L + l] * kLog2e : 0.0f;
+    hi[r] = in ? a.lse[hp.item * hp.L + l] : 0.0f;
+    lo[r] = in ? a.lse[rows + hp.item * hp.L + l] : 0.0f;
     dl[r] = in ? a.delta[hp.item * hp.L + l] : 0.0f;
   }
   // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
@@ -843,9 +853,9 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
       score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
       score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
       if (k0 + BN > hp.L)
-        softmax_grad_rows<NK, true, kDropout>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
+        softmax_grad_rows<NK, true, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
       else
-        softmax_grad_rows<NK, false, kDropout>(s, dp, lse_log2, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
+        softmax_grad_rows<NK, false, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
       grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
     }
     if constexpr (ST == 1) {
@@ -1082,7 +1092,7 @@ constexpr int key_ld() {
 //   k, v:                (BN, ldk) each, the block's keys
 //   stage s: q, d_o      (BM, ldq) each, one query tile
 //   p, ds:               (BM, ldp) each
-//   stage s: lse, delta  (BM) each
+//   stage s: lse (hi, lo), delta  (BM) each
 // Row buffers with the same stride are contiguous, so one pass zeroes
 // their padding columns.
 template <int HDP>
@@ -1093,8 +1103,8 @@ struct KvSmem {
   static constexpr int k = 0, v = BN * ldk, q = 2 * BN * ldk;
   static constexpr int stage = 2 * BM * ldq;  // q, then d_o
   static constexpr int p = q + ST * stage, ds = p + BM * ldp;
-  static constexpr int vec = ds + BM * ldp;  // stage s: lse at vec + 2 BM s, delta BM after
-  static constexpr int floats = vec + ST * 2 * BM;
+  static constexpr int vec = ds + BM * ldp;  // stage s: lse hi at vec + 3 BM s, lo BM after, delta 2 BM after
+  static constexpr int floats = vec + ST * 3 * BM;
   static constexpr size_t bytes = (size_t)floats * sizeof(float);
   static_assert(q % 4 == 0 && stage % 4 == 0 && p % 4 == 0 && ldp % 4 == 0 && vec % 4 == 0, "16-byte rows");
 };
@@ -1103,7 +1113,7 @@ struct KvSmem {
 //   q, d_o:              (BM, ldq) each, the block's queries
 //   stage s: k, v        (BN, ldk) each, one key tile
 //   ds:                  (BM, ldp)
-//   lse, delta:          (BM) each
+//   lse (hi, lo), delta: (BM) each
 template <int HDP>
 struct QSmem {
   using T = Tiles<HDP>;
@@ -1112,8 +1122,8 @@ struct QSmem {
   static constexpr int q = 0, d_o = BM * ldq, k = 2 * BM * ldq;
   static constexpr int stage = 2 * BN * ldk;  // k, then v
   static constexpr int ds = k + ST * stage;
-  static constexpr int vec = ds + BM * ldp;  // lse, then delta
-  static constexpr int floats = vec + 2 * BM;
+  static constexpr int vec = ds + BM * ldp;  // lse hi, lo, then delta
+  static constexpr int floats = vec + 3 * BM;
   static constexpr size_t bytes = (size_t)floats * sizeof(float);
   static_assert(k % 4 == 0 && stage % 4 == 0 && ds % 4 == 0 && vec % 4 == 0, "16-byte rows");
 };
@@ -1189,25 +1199,26 @@ __device__ __forceinline__ void row_dots(float (&acc)[Score::RM][Score::RK], con
   }
 }
 
-// In place: s (q . k) -> P = exp(scale s - lse), dp -> dS = P (dp - delta);
-// both zero where the query (q0 + row) or the key (k0 + key) is >= L. lse,
-// delta: the tile's queries, from shared memory. kDropout: P -> P M scale
+// In place: s (q . k) -> P = 2^(scale_log2 s - lse2), dp -> dS = P (dp - delta);
+// both zero where the query (q0 + row) or the key (k0 + key) is >= L. lse2
+// (hi, lo: detail/lse.cuh), delta: the tile's queries, from shared memory. kDropout: P -> P M scale
 // and dS = P (dp M scale - delta), M drawn an element at a time (e_tile:
 // the element of query q0, key k0).
 template <class Score, bool kDropout>
 __device__ __forceinline__ void softmax_grad(float (&s)[Score::RM][Score::RK], float (&dp)[Score::RM][Score::RK],
-                                             const float* lse, const float* delta, float scale, int q0, int k0, int L,
-                                             int warp, int lane, const DropoutParams& drop, uint64_t e_tile) {
+                                             const float* lse, const float* lse_lo, const float* delta, float scale_log2,
+                                             int q0, int k0, int L, int warp, int lane, const DropoutParams& drop,
+                                             uint64_t e_tile) {
   const int m0 = Score::row(warp, lane), n0 = Score::key(warp, lane);
 #pragma unroll
   for (int r = 0; r < Score::RM; ++r) {
     const int m = m0 + 4 * r;
     const bool q_in = q0 + m < L;
-    const float lse_m = lse[m], delta_m = delta[m];
+    const float hi = lse[m], lo = lse_lo[m], delta_m = delta[m];
 #pragma unroll
     for (int c = 0; c < Score::RK; ++c) {
       const bool in = q_in && k0 + n0 + 8 * c < L;
-      const float p = in ? expf(s[r][c] * scale - lse_m) : 0.0f;
+      const float p = in ? prob_from_lse2(s[r][c], scale_log2, hi, lo) : 0.0f;
       if constexpr (kDropout) {
         const uint64_t e = e_tile + (uint64_t)m * (uint64_t)L + (uint64_t)(n0 + 8 * c);
         const float mk = dropout_keep_drawn(drop, e) ? drop.scale : 0.0f;
@@ -1346,8 +1357,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t W = 3 * (int64_t)a.D;               // floats a row of qkv and dqkv
   const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
   const float* dog = a.d_o + (int64_t)hp.h * hp.hd;
-  const float* lse = a.lse + hp.item * hp.L;
+  const float* lse = a.lse + hp.item * hp.L;  // hi; lo at + rows (detail/lse.cuh)
+  const float* lse_lo = lse + a.pos.num_seq * a.heads * hp.L;
   const float* delta = a.delta + hp.item * hp.L;
+  const float scale_log2 = scale * tc::kLog2e;  // as the tensor-core launch's
   // Dropout: seed and offset as a preceding kernel wrote them; e_head is the
   // element of (query 0, key 0).
   DropoutParams drop;
@@ -1358,11 +1371,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   const auto load_queries = [&](int stage, int q0) {
     float* qs = sm + S::q + stage * S::stage;
-    float* vs = sm + S::vec + stage * 2 * BM;
+    float* vs = sm + S::vec + stage * 3 * BM;
     copy_rows<S::ldq, HDP, kVec>(qs, qg, W, hp, q0, BM, kThreads);
     copy_rows<S::ldq, HDP, kVec>(qs + BM * S::ldq, dog, a.D, hp, q0, BM, kThreads);
     copy_positions(vs, lse, q0, BM, hp.L, kThreads);
-    copy_positions(vs + BM, delta, q0, BM, hp.L, kThreads);
+    copy_positions(vs + BM, lse_lo, q0, BM, hp.L, kThreads);
+    copy_positions(vs + 2 * BM, delta, q0, BM, hp.L, kThreads);
   };
   copy_rows<S::ldk, HDP, kVec>(sm + S::k, qg + a.D, W, hp, k0, BN, kThreads);
   copy_rows<S::ldk, HDP, kVec>(sm + S::v, qg + 2 * a.D, W, hp, k0, BN, kThreads);
@@ -1387,12 +1401,13 @@ __global__ void __launch_bounds__(kThreads)
     const int st = ST == 2 ? (i & 1) : 0;
     const float* q = sm + S::q + st * S::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
     const float* d_o = q + BM * S::ldq;
-    const float* lse_s = sm + S::vec + st * 2 * BM;
+    const float* lse_s = sm + S::vec + st * 3 * BM;  // hi, then lo, then delta
 
     float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
     row_dots<Score, HDP, S::ldq, S::ldk>(s, q, sm + S::k, warp, lane);     // q k^T
     row_dots<Score, HDP, S::ldq, S::ldk>(dp, d_o, sm + S::v, warp, lane);  // d_o v^T
-    softmax_grad<Score, kDropout>(s, dp, lse_s, lse_s + BM, scale, i * BM, k0, hp.L, warp, lane, drop,
+    softmax_grad<Score, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, i * BM, k0, hp.L, warp, lane,
+                                  drop,
                                   e_head + (uint64_t)(i * BM) * (uint64_t)hp.L + (uint64_t)k0);
     store_scores<Score>(sm + S::p, s, warp, lane);
     store_scores<Score>(sm + S::ds, dp, warp, lane);
@@ -1440,8 +1455,11 @@ __global__ void __launch_bounds__(kThreads)
   };
   copy_rows<S::ldq, HDP, kVec>(sm + S::q, qg, W, hp, q0, BM, kThreads);
   copy_rows<S::ldq, HDP, kVec>(sm + S::d_o, a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, kThreads);
+  // lse2 hi, lo (detail/lse.cuh), delta.
   copy_positions(sm + S::vec, a.lse + hp.item * hp.L, q0, BM, hp.L, kThreads);
-  copy_positions(sm + S::vec + BM, a.delta + hp.item * hp.L, q0, BM, hp.L, kThreads);
+  copy_positions(sm + S::vec + BM, a.lse + (a.pos.num_seq * a.heads + hp.item) * hp.L, q0, BM, hp.L, kThreads);
+  copy_positions(sm + S::vec + 2 * BM, a.delta + hp.item * hp.L, q0, BM, hp.L, kThreads);
+  const float scale_log2 = scale * tc::kLog2e;  // as the tensor-core launch's
   load_keys(0, 0);
   copy_async_commit();
   // Dropout: as in key_grads_kernel; e_tile is the element of (query q0, key 0).
@@ -1470,7 +1488,8 @@ __global__ void __launch_bounds__(kThreads)
     float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
     row_dots<Score, HDP, S::ldq, S::ldk>(s, sm + S::q, k, warp, lane);
     row_dots<Score, HDP, S::ldq, S::ldk>(dp, sm + S::d_o, v, warp, lane);
-    softmax_grad<Score, kDropout>(s, dp, sm + S::vec, sm + S::vec + BM, scale, q0, j * BN, hp.L, warp, lane, drop,
+    softmax_grad<Score, kDropout>(s, dp, sm + S::vec, sm + S::vec + BM, sm + S::vec + 2 * BM, scale_log2, q0, j * BN,
+                                  hp.L, warp, lane, drop,
                                   e_tile + (uint64_t)(j * BN));
     store_scores<Score>(sm + S::ds, dp, warp, lane);
     __syncthreads();  // dS (BM, BN) complete

@@ -34,7 +34,7 @@ struct AttentionBackwardArgs {
   const float* qkv = nullptr;  // (T, 3D): row r is [q | k | v], head h at columns h*hd .. h*hd + hd - 1 of each part
   const float* o = nullptr;    // (T, D): the forward's attention output (flash_attention's o)
   const float* d_o = nullptr;  // (T, D): gradient of the loss with respect to o
-  const float* lse = nullptr;  // (num_seq, heads, L): flash_attention's lse (natural log, of the scaled scores)
+  const float* lse = nullptr;  // (2, num_seq, heads, L): flash_attention's lse2 = hi + lo (log2 units, detail/lse.cuh)
   float* delta = nullptr;      // (num_seq, heads, L) scratch the launcher fills: rowsum(d_o_h * o_h) per head
   // (T, 3D) output, qkv's layout: [dq | dk | dv]. Every column of every row
   // the view addresses is written (nothing accumulated into); other rows

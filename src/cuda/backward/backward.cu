@@ -366,8 +366,8 @@ Status zero_saved_gaps(const AxialParams& p, const CudaBackwardPlan& plan, char*
   const size_t th = T * p.heads * sizeof(float);
   const std::pair<size_t, size_t> regions[] = {
       {plan.row.norm, td}, {plan.row.stats, 2 * T * sizeof(float)}, {plan.row.qkv, 3 * td}, {plan.row.attn, td},
-      {plan.row.lse, th},  {plan.col.norm, td}, {plan.col.stats, 2 * T * sizeof(float)},   {plan.col.qkv, 3 * td},
-      {plan.col.attn, td}, {plan.col.lse, th},  {plan.row_output, td}, {plan.dropout_state, 2 * sizeof(uint64_t)}};
+      {plan.row.lse, 2 * th},  {plan.col.norm, td}, {plan.col.stats, 2 * T * sizeof(float)},   {plan.col.qkv, 3 * td},
+      {plan.col.attn, td}, {plan.col.lse, 2 * th},  {plan.row_output, td}, {plan.dropout_state, 2 * sizeof(uint64_t)}};
   size_t end = 0;  // regions lie in this order (plan.cpp)
   for (const auto& [offset, bytes] : regions) {
     if (offset > end)

@@ -20,7 +20,7 @@
 //      (detail/split_planes.cuh).
 //   3. dp (64, 64) = d_o v^T, issued (d_o's A fragments split from shared
 //      memory at each step: registers), v's straight planes as B; while it
-//      runs, p = exp2(s scale log2(e) - lse log2(e)). Then dS = p (dP -
+//      runs, p = exp2(s scale log2(e) - lse2) (lse2 = hi + lo: detail/lse.cuh). Then dS = p (dP -
 //      delta) (with dropout: dS = p (dP m / (1 - p_drop) - delta)), keys
 //      >= L zero.
 //   4. dq (64, 32) += dS k: dS's A fragments straight from dp's registers,
@@ -44,6 +44,7 @@
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/lse.cuh"
 #include "../detail/split_planes.cuh"
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
@@ -218,7 +219,8 @@ __global__ void __launch_bounds__(256, 1)
   int64_t ui = 0;
   FragA qa[2], qb[2];  // q's A fragments: k-steps 0, 1 and 2, 3
   const float* dw = nullptr;  // the warp's d_o rows (their fragments are split at each step: registers)
-  float lse_log2[2], dl[2];          // of rows g, g + 8
+  float hi[2], lo[2], dl[2];  // lse2 (detail/lse.cuh) and delta of rows g, g + 8
+  const int64_t rows = a.pos.num_seq * a.heads * L;
   DropoutParams drop;
   if constexpr (kDropout) drop = dropout_read(dpass);
   uint64_t e_warp = 0;
@@ -236,7 +238,8 @@ __global__ void __launch_bounds__(256, 1)
       for (int r = 0; r < 2; ++r) {
         const int l = cur.q0 + 16 * warp + g + 8 * r;
         const bool in = l < L;
-        lse_log2[r] = in ? a.lse[cur.item * L + l] * kLog2e : 0.0f;
+        hi[r] = in ? a.lse[cur.item * L + l] : 0.0f;
+        lo[r] = in ? a.lse[rows + cur.item * L + l] : 0.0f;
         dl[r] = in ? a.delta[cur.item * L + l] : 0.0f;
       }
       if constexpr (kDropout)
@@ -275,7 +278,7 @@ __global__ void __launch_bounds__(256, 1)
     }
     // s -> p in place: key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1) in s[4 jn + e].
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = exp2f(fmaf(s[i], scale_log2, -lse_log2[(i >> 1) & 1]));
+    for (int i = 0; i < BN / 2; ++i) s[i] = prob_from_lse2(s[i], scale_log2, hi[(i >> 1) & 1], lo[(i >> 1) & 1]);
     wgmma_wait<0>();
     fence_frags(da), fence_frags(db);
     fence_regs(dp);

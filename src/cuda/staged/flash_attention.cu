@@ -87,6 +87,7 @@
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/lse.cuh"
 #include "../detail/tf32x3.cuh"
 
 namespace fastaxial::cuda {
@@ -448,12 +449,10 @@ __global__ void __launch_bounds__(32 * W)
       if (in1) o1[c] = o[f][2 + e] * inv1;
     }
   if (a.lse && t == 0) {
-    // Natural log: m is in base-2 units of the scaled score, m ln 2 =
-    // max_k(q . k) / sqrt(hd); l = sum_k exp2(s_k - m).
-    constexpr float kLn2 = 0.6931471805599453f;
-    float* lse = a.lse + item * L;
-    if (in0) lse[r0] = m0 * kLn2 + logf(l0);
-    if (in1) lse[r1] = m1 * kLn2 + logf(l1);
+    // m is in base-2 units of the scaled score; l = sum_k exp2(s_k - m) (detail/lse.cuh).
+    const int64_t rows = a.pos.num_seq * a.heads * L;
+    if (in0) store_lse2(a.lse, rows, item * L + r0, m0, l0);
+    if (in1) store_lse2(a.lse, rows, item * L + r1, m1, l1);
   }
 }
 
@@ -487,10 +486,7 @@ __global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const Ke
     acc += po[s * rows * hd] * w;
   }
   a.o[a.pos.offset(n, l) * a.D + (int64_t)h * hd + c] = acc * (1.0f / sum);
-  if (a.lse && c == 0) {
-    constexpr float kLn2 = 0.6931471805599453f;  // as the kernel's lse
-    a.lse[r] = mx * kLn2 + logf(sum);
-  }
+  if (a.lse && c == 0) store_lse2(a.lse, rows, r, mx, sum);  // as the kernel's
 }
 
 // The padded head dim that serves head_dim (0: none).

@@ -30,9 +30,10 @@ struct FlashArgs {
   AxisView pos;
   const float* qkv = nullptr;  // (T, 3D): row r is [q | k | v], head h at columns h*hd .. h*hd + hd - 1 of each part
   float* o = nullptr;          // (T, D): head h written at columns h*hd .. h*hd + hd - 1 of each valid row
-  // (num_seq, heads, L) or null: lse[(n * heads + h) * L + l] =
-  //   log(sum_k exp(q_l . k_k / sqrt(hd)))   (natural log, of the scaled scores),
-  // computed as max_k(q_l . k_k) / sqrt(hd) + log(sum_k exp(q_l . k_k / sqrt(hd) - that max)).
+  // (2, num_seq, heads, L) or null: row r = (n * heads + h) * L + l's
+  //   lse2 = log2(sum_k 2^(s_k)),  s_k = q_l . k_k log2(e) / sqrt(hd)   (log2 units, of the scaled scores),
+  // computed as max_k s_k + log2(sum_k 2^(s_k - that max)), as two floats hi + lo: hi at lse[r],
+  // lo at lse[R + r], R = num_seq * heads * L (detail/lse.cuh says why).
   float* lse = nullptr;
   int D = 0, heads = 0;  // hd = D / heads
   // Attention dropout (common/dropout.h): where dropout.threshold != 0, the probability of

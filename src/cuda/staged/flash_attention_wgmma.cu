@@ -57,6 +57,7 @@
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/lse.cuh"
 #include "../detail/split_planes.cuh"
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
@@ -394,11 +395,10 @@ __global__ void __launch_bounds__(256, 1)
           if (in0) o0[c] = o[4 * f + e] * inv0;
           if (in1) o1[c] = o[4 * f + 2 + e] * inv1;
         }
-      if (a.lse && t == 0) {
-        constexpr float kLn2 = 0.6931471805599453f;
-        float* lse = a.lse + cur.item * L;
-        if (in0) lse[r0] = m0 * kLn2 + logf(l0);
-        if (in1) lse[r1] = m1 * kLn2 + logf(l1);
+      if (a.lse && t == 0) {  // detail/lse.cuh
+        const int64_t rows = a.pos.num_seq * a.heads * L;
+        if (in0) store_lse2(a.lse, rows, cur.item * L + r0, m0, l0);
+        if (in1) store_lse2(a.lse, rows, cur.item * L + r1, m1, l1);
       }
     }
     if (st + 1 < steps) {
