@@ -733,12 +733,10 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
       score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
       if (q0 + BM > hp.L || key0 + 16 > hp.L)
         softmax_grad_cols<NQ, true, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L, g,
-                                              t, keep,
-                                              dpass.scale);
+                                              t, keep, dpass.scale);
       else
         softmax_grad_cols<NQ, false, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L,
-                                               g, t, keep,
-                                               dpass.scale);
+                                               g, t, keep, dpass.scale);
       // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
       if (a.ds != nullptr && f0 == 0)
         store_scores_t<NQ>(a.ds + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
