@@ -246,7 +246,7 @@ struct CudaBackwardPlan {
     size_t stats = 0;  // (T, 2)  LayerNorm mean and 1 / std per position
     size_t qkv = 0;    // (T, 3D)
     size_t attn = 0;   // (T, D)  attention output before the output projection
-    size_t lse = 0;    // (2, T, heads) softmax log-sum-exp per (sequence, head, query), log2 units, as hi + lo
+    size_t lse = 0;    // 2 T heads floats: softmax log-sum-exp per (sequence, head, query), log2 units, hi then lo
   };
   Pass row, col;
   size_t row_output = 0;   // (T, D) the row pass's output: the column pass's input

@@ -552,66 +552,6 @@ TEST(AttentionBackwardSplit, RuleSplitsFewLongSequences) {
   }
 }
 
-// The column sums of dv over a long row: sum_j dv_j = sum_i d_o_i exactly (each row of P sums to
-// one), so their error is the probabilities' row-sum error, added up over the queries. The
-// backward's P comes from the forward's lse2, kept as two floats (detail/lse.cuh): with one, its
-// rounding (up to 4.8e-7 in log2 units at L = 4096) scaled every probability of a row alike and
-// these sums came out about 10 times as far off as an fp32 softmax's. Checked against that: P =
-// exp(s - max) / sum in fp32 on the host, dv = P^T d_o summed in fp32, as an eager step does.
-TEST(AttentionBackwardAccuracy, DvColumnSumsOnALongRowAsFp32Softmax) {
-  const Case c{4096, 32, 1, false, 1, 1, 0, 0};
-  DeviceCaps dev;
-  std::string why;
-  if (!device_for(c.hd, Path::kTensorCores, &dev, &why)) GTEST_SKIP() << why;
-  const Problem pr = make_problem(c);
-  const int64_t L = pr.L, hd = pr.hd, D = pr.D;
-  // The fp32 softmax's dv and the exact sums.
-  std::vector<float> q((size_t)(L * hd)), k((size_t)(L * hd)), g((size_t)(L * hd)), dv32((size_t)(L * hd), 0.0f);
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t i = 0; i < hd; ++i) {
-      const int64_t row = pr.view.offset(0, l);
-      q[l * hd + i] = pr.qkv[row * 3 * D + i], k[l * hd + i] = pr.qkv[row * 3 * D + D + i];
-      g[l * hd + i] = pr.d_o[row * D + i];
-    }
-  const float scale = 1.0f / std::sqrt((float)hd);
-  std::vector<float> p((size_t)L);
-  for (int64_t i = 0; i < L; ++i) {
-    float m = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-    for (int64_t j = 0; j < L; ++j) {
-      float sf = 0.0f;
-      for (int64_t e = 0; e < hd; ++e) sf += q[i * hd + e] * k[j * hd + e];
-      p[j] = sf * scale, m = std::max(m, p[j]);
-    }
-    for (int64_t j = 0; j < L; ++j) p[j] = std::exp(p[j] - m), sum += p[j];
-    for (int64_t j = 0; j < L; ++j) {
-      const float pj = p[j] / sum;
-      for (int64_t e = 0; e < hd; ++e) dv32[j * hd + e] += pj * g[i * hd + e];
-    }
-  }
-  std::vector<double> exact((size_t)hd, 0.0);
-  for (int64_t i = 0; i < L; ++i)
-    for (int64_t e = 0; e < hd; ++e) exact[e] += g[i * hd + e];
-  const auto column_sum_error = [&](const auto& dv_at) {
-    double worst = 0.0;
-    for (int64_t e = 0; e < hd; ++e) {
-      double sum = 0.0;
-      for (int64_t j = 0; j < L; ++j) sum += dv_at(j, e);
-      worst = std::max(worst, std::fabs(sum - exact[e]));
-    }
-    return worst;
-  };
-  const double err32 = column_sum_error([&](int64_t j, int64_t e) { return (double)dv32[j * hd + e]; });
-  for (const Path path : {Path::kTensorCores, Path::kSplit}) {
-    std::vector<float> got, delta;
-    run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, nullptr, 0);
-    if (HasFatalFailure()) return;
-    const double err = column_sum_error([&](int64_t j, int64_t e) {
-      return (double)got[(size_t)(pr.view.offset(0, j) * 3 * D + 2 * D + e)];
-    });
-    EXPECT_LE(err, 2.0 * err32) << path_case_name({c, path}) << ": fp32 softmax's error " << err32;
-  }
-}
-
 // The hook switches kernels: on one case the two paths' gradients differ
 // somewhere (their rounding does), so the suites above check two sets of
 // kernels, not one twice.

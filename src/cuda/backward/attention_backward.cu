@@ -1,7 +1,7 @@
 // The backward of one attention pass, flash-style: for each sequence n and
 // head h (q, k, v, o, d_o below are head h's (L, hd) slices of sequence n)
 //   S  = scale q k^T              scale = 1 / sqrt(hd)
-//   P  = exp(S - lse)             lse from the forward (flash_attention), in
+//   P  = 2^(S log2(e) - lse2)     lse2 from the forward (flash_attention), in
 //                                 log2 units as two floats (detail/lse.cuh)
 //   dv = P^T d_o
 //   dP = d_o v^T
@@ -24,6 +24,13 @@
 // fixed order (queries, or keys, ascending), so the result is bitwise
 // reproducible. 7 products of L^2 hd multiply-adds per (sequence, head),
 // against 5 with atomics.
+//
+// Few long sequences (AttentionBackwardArgs::partials; the rule is
+// smem_layout.h's attention_grad_splits): kernels 2 and 3 then take S
+// blocks a tile, each streaming a contiguous range of the tiles and
+// storing partial dk, dv (or dq), and a combine kernel after each adds an
+// element's S partials in split order: five kernels, every output element
+// still a sum in a fixed order.
 //
 // Where the caller gives scratch for dS^T (AttentionBackwardArgs::ds; the
 // training path's plan does where it stays within a few activations:
@@ -62,7 +69,8 @@
 // block has up to 4 warps of rows (a 64-row tile); the launch takes fewer
 // where the sequence is shorter, and where the grid (items x tiles) would
 // not cover the device twice: short sequences and small problems keep
-// every warp busy and spread over more multiprocessors.
+// every warp busy and spread over more multiprocessors (a split launch
+// keeps 4: its splits spread it).
 //
 // The FFMA kernels (namespace ffma) are the fallback where the
 // tensor-core tiles do not fit the device's shared memory, and a test hook
@@ -1588,7 +1596,11 @@ int tc_row_warps(int most, int64_t L, int64_t items, int sms) {
 // (combine_kernel's int indices). 1: no split.
 template <int HDP>
 int tc_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
-  if (a.partials == nullptr) return 1;
+  // The rule's copy of the dk, dv kernel's blocks an SM and rows a block (smem_layout.h).
+  static_assert(attention_grad_blocks_per_sm(HDP) == tc::KvTc<HDP>::min_blocks, "the split rule's blocks an SM");
+  static_assert(attention_grad_block_rows(HDP) == tc::KvTc<HDP>::BN, "the split rule's rows a block");
+  // The partials take float2 stores (16-byte aligned, as the plan's regions are).
+  if (a.partials == nullptr || reinterpret_cast<uintptr_t>(a.partials) % 16 != 0) return 1;
   const int64_t L = a.pos.len, hd = a.D / a.heads, rows = a.pos.num_seq * a.heads * L;
   int64_t S = a.splits > 0 ? a.splits : attention_grad_splits(a.pos.num_seq, L, hd, a.heads, dev.sms);
   const int64_t fewest_tiles = (L + std::max({tc::KvTc<HDP>::BM, tc::QTc<HDP>::BN, tc::DsTc<HDP>::BN}) - 1) /

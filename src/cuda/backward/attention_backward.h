@@ -1,7 +1,7 @@
 // The backward of one attention pass of the staged path (attention_backward.cu):
 // for every sequence n and head h, with q_h, k_h, v_h, o_h and d_o_h (L, hd)
 // and scale = 1 / sqrt(hd),
-//   S = scale q_h k_h^T,  P = exp(S - lse),  dP = d_o_h v_h^T,
+//   S = scale q_h k_h^T,  P = 2^(S log2(e) - lse2),  dP = d_o_h v_h^T,
 //   dS = P * (dP - delta),  delta = rowsum(d_o_h * o_h),
 //   dq_h = scale dS k_h,  dk_h = scale dS^T q_h,  dv_h = P^T d_o_h
 // from the forward's qkv rows, its output o and its log-sum-exp
@@ -51,7 +51,7 @@ struct AttentionBackwardArgs {
   // items (smem_layout.h: attention_grad_splits > 1) and partials_bytes holds the split's
   // attention_grad_partials_floats, the tensor-core kernels cut each block's streamed tiles over
   // S blocks, whose partial dk, dv and dq a combine kernel adds in split order (deterministic as
-  // without the split); else they do not split.
+  // without the split); else (or where partials is not 16-byte aligned) they do not split.
   float* partials = nullptr;
   size_t partials_bytes = 0;
   // Test hook: S splits (>= 1) instead of the rule's, where partials_bytes holds them; 0: the rule.

@@ -71,7 +71,7 @@ struct PassBuffers {
   float* stats;  // (T, 2)
   float* qkv;    // (T, 3D)
   float* attn;   // (T, D)
-  float* lse;    // (num_seq, heads, L)
+  float* lse;    // (2, num_seq, heads, L): lse2 hi, then lo (detail/lse.cuh)
 };
 
 class Training {

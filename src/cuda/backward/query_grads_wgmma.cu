@@ -3,7 +3,7 @@
 // of two key tiles or more (the dispatch takes it from four:
 // attention_backward.h): for each sequence n, head h and query l,
 //   dq_l = scale sum_k dS_lk k_k,   dS = P * (dP - delta),
-//   P = exp(scale q k^T - lse),     dP = d_o v^T
+//   P = 2^(scale log2(e) q k^T - lse2),  dP = d_o v^T   (lse2: detail/lse.cuh)
 // as attention_backward.cu's query_grads_kernel computes it (mma.sync):
 // the same splits, runs of products, softmax gradient and dropout mask.
 //

@@ -72,7 +72,7 @@
 // flash_combine_kernel merges the S partials of each query row in split
 // order (deterministic, no atomics):
 //   M = max_s m_s, l = sum_s l_s 2^(m_s - M), o = sum_s o_s 2^(m_s - M) / l,
-//   lse = M ln 2 + log l.
+//   lse2 = M + log2 l (detail/lse.cuh: two floats, log2 units).
 // Every split holds at least one key < L (S <= key tiles / 2), so m_s is
 // finite. The S = 1 instantiations are the code of before.
 #include "flash_attention.h"
