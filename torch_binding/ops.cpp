@@ -145,6 +145,15 @@ at::Tensor dropout_mask(int64_t batch, int64_t height, int64_t width, int64_t nu
   return mask;
 }
 
+int64_t cuda_saved_floats(int64_t batch, int64_t height, int64_t width, int64_t dim, int64_t num_heads) {
+  AxialParams p;
+  p.batch = batch, p.height = height, p.width = width, p.dim = dim, p.heads = num_heads;
+  size_t bytes = 0;
+  const Status s = fastaxial::cuda_saved_bytes(p, &bytes);
+  TORCH_CHECK_VALUE(s.ok(), "fastaxial.cuda_saved_floats: ", s.message);
+  return static_cast<int64_t>(bytes / sizeof(float));
+}
+
 }  // namespace fastaxial::torch_binding
 
 TORCH_LIBRARY(fastaxial, m) {
@@ -192,4 +201,9 @@ TORCH_LIBRARY(fastaxial, m) {
       "dropout_mask(int batch, int height, int width, int num_heads, float dropout, int seed, int offset, int pass_) "
       "-> Tensor",
       &fastaxial::torch_binding::dropout_mask);
+  // Tests: the floats of axial_attention_training's CUDA `saved` for x (batch, height, width,
+  // dim), from the library's plan (cuda_saved_bytes); fastaxial.ops.saved_floats, which the fake
+  // kernel uses (plain arithmetic, so that it takes symbolic sizes), must agree with it.
+  m.def("cuda_saved_floats(int batch, int height, int width, int dim, int num_heads) -> int",
+        &fastaxial::torch_binding::cuda_saved_floats);
 }

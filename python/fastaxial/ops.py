@@ -211,7 +211,8 @@ def saved_floats(batch, height, width, dim, num_heads):
     make_backward_plan (src/common/plan.cpp), regions each starting 256-byte aligned: per pass,
     the LayerNorm output (T, D), its statistics (T, 2), qkv (T, 3D), the attention output (T, D)
     and the log-sum-exp (2 T heads floats: hi, then lo, src/cuda/detail/lse.cuh); then the row pass's
-    output (T, D) and the dropout state (two uint64: seed and offset, the last 16 bytes); T = B H W."""
+    output (T, D) and the dropout state (two uint64: seed and offset, the last 16 bytes); T = B H W.
+    tests/python/test_backward.py checks it against the library's (cuda_saved_floats)."""
     t = batch * height * width
     sizes = [t * dim, 2 * t, 3 * t * dim, t * dim, 2 * t * num_heads] * 2 + [t * dim, 4]
     end = 0

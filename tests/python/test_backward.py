@@ -197,3 +197,19 @@ def test_training_forward_keeps_what_the_backward_reads():
         assert torch.equal(a, b)
     torch.library.opcheck(torch.ops.fastaxial.axial_attention_training.default, (x, *w, 3, 1e-5))
     torch.library.opcheck(BACKWARD, (g, x, *w, 3, 1e-5, mask, saved))
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 9, 24, 3), (1, 1, 1, 1, 1), (0, 3, 4, 8, 2), (3, 64, 1, 256, 1),
+                                   (1, 4096, 1, 128, 4), (2, 33, 17, 96, 8)])
+def test_saved_layout_is_the_librarys(shape):
+    """The fake kernel's size of CUDA `saved` (fastaxial.ops.saved_floats: plain arithmetic, so that
+    it takes symbolic sizes) is the library's plan's (cuda_saved_floats), on any machine: a change of
+    the saved layout in C++ must show here, not only in a compiled step on a GPU."""
+    assert fastaxial.ops.saved_floats(*shape) == torch.ops.fastaxial.cuda_saved_floats(*shape)
+
+
+def test_saved_layout_refuses_what_the_backward_does_not_serve():
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        torch.ops.fastaxial.cuda_saved_floats(1, 2, 2, 257, 1)
+    with pytest.raises(ValueError, match="divisible by heads"):
+        torch.ops.fastaxial.cuda_saved_floats(1, 2, 2, 10, 3)
