@@ -151,14 +151,16 @@ size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64
 // One block an SM loops over BM x BN tiles of C (M, N), so a product takes about ceil(tiles / SMs)
 // rounds of one tile's time, and a round where few SMs have a tile costs as much as a full one.
 struct GemmTiling {
-  int rows = 128, cols = 128;  // rows 64 (one warpgroup) or 128 (two); cols 96 or 128
+  int rows = 128, cols = 128;  // rows 64, 128 or 192 (one to three warpgroups); cols 96 or 128
 };
 // The tiles of C (M, N) on `sms` multiprocessors. Rows: 64 where 128-row tiles would leave half
 // the SMs idle or more, with 96 columns where N pads less to a multiple of 96 than of 128. Else
 // 128 rows, and 96 or 128 columns, whichever costs less as rounds x width, a 96-column tile's
 // width weighted 1.15 (its lower rate per column: a thread loads and splits the same A fragments
 // for either width; 1.07 to 1.16 measured on dim 96's products, perf notes v22c); ties go to 128,
-// and the narrower padding always wins.
+// and the narrower padding always wins. Then 192 rows instead of 128 where that takes fewer
+// rounds by more than a 192-row tile's extra cost (1.22 a k-step, perf notes v49), or one round
+// against two whose second is under a quarter full.
 GemmTiling gemm_tiling(int64_t M, int64_t N, int sms);
 
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------

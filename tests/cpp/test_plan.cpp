@@ -462,29 +462,32 @@ TEST(GemmTiling, FewestRoundsTimesWidth) {
     const char* why;
   };
   const Case cases[] = {
-      // The products of the six benchmark shapes (T = B H W rows; N = 3D and D) keep their tiles.
-      {32768, 384, 128, 128, "dim 128, qkv: 6 rounds of 128 columns against 8 of 96"},
-      {32768, 128, 128, 128, "dim 128, out: 2 rounds against 4"},
-      {32768, 768, 128, 128, "dim 256, qkv: 12 rounds against 16"},
-      {32768, 256, 128, 128, "dim 256, out: 4 rounds against 6"},
-      {65536, 384, 128, 128, "(1, 256, 256, 128): 12 rounds against 16"},
-      {11520, 288, 128, 96, "dim 96, qkv: three 96-column tiles, against a third 128-wide tile a quarter used"},
-      {11520, 96, 128, 96, "dim 96, out: one 96-column tile against a 128-wide one"},
-      {8192, 576, 128, 96, "(8, 32, 32, 192), qkv: 576 pads less to 96"},
+      // The products of the six benchmark shapes (T = B H W rows; N = 3D and D).
+      {32768, 384, 192, 128, "dim 128, qkv: 4 rounds of 192 rows against 6 of 128"},
+      {32768, 128, 128, 128, "dim 128, out: 2 rounds of 128 or 192 rows, so 128; 2 rounds against 4 of 96 columns"},
+      {32768, 768, 192, 128, "dim 256, qkv: 8 rounds against 12"},
+      {32768, 256, 192, 128, "dim 256, out: 3 rounds against 4"},
+      {65536, 384, 192, 128, "(1, 256, 256, 128): 8 rounds against 12"},
+      {11520, 288, 192, 96, "dim 96, qkv: three 96-column tiles; 2 rounds of 192 rows against 3"},
+      {11520, 96, 128, 96, "dim 96, out: one 96-column tile against a 128-wide one; one round either way"},
+      {8192, 576, 192, 96, "(8, 32, 32, 192), qkv: 576 pads less to 96; 2 rounds against 3"},
       // Fewer rounds of narrower tiles where 128 columns leave the last round nearly empty.
-      {4096, 1152, 128, 96, "(4, 32, 32, 384), qkv: 288 tiles of 128 columns take 3 rounds, 384 of 96 too"},
+      {4096, 1152, 192, 96, "(4, 32, 32, 384), qkv: 384 tiles of 96 columns, 3 rounds, as of 128; 2 of 192 rows"},
       {4096, 384, 128, 96, "(4, 32, 32, 384), out: 96 tiles of 128 columns, 128 of 96, one round each"},
-
-      {8192, 1152, 128, 128, "(2, 64, 64, 384), qkv: 5 rounds of 128 columns against 6 of 96"},
-      {8192, 384, 128, 96, "(2, 64, 64, 384), out: 2 rounds either way"},
-      {8192, 1536, 128, 128, "(2, 64, 64, 512), qkv: 6 rounds against 8"},
+      {8192, 1152, 192, 128, "(2, 64, 64, 384), qkv: 5 rounds of 128 columns against 6 of 96; 3 of 192 rows"},
+      {8192, 384, 128, 96, "(2, 64, 64, 384), out: 2 rounds either way; 192 rows take 2 too"},
+      {8192, 1536, 192, 128, "(2, 64, 64, 512), qkv: 6 rounds against 8; 4 of 192 rows"},
+      {8192, 512, 128, 128, "(2, 64, 64, 512), out: 2 rounds of 128 or 192 rows (1.94 against 1.3: measured 60 against 70 us)"},
       {5632, 256, 128, 96, "one round of 132 tiles against one of 88, though 96 columns pad more"},
+      // One round of 192-row tiles against two of 128 whose second is nearly empty, or not.
+      {9216, 160, 192, 96, "(4, 48, 48, 160), out: 144 tiles of 128 rows, the second round 12"},
+      {11000, 160, 128, 96, "172 tiles of 128 rows, the second round 40 (over a quarter): kept"},
       // 64-row tiles where 128-row ones would leave half the SMs idle or more, their columns by
       // padding alone.
       {128, 128, 64, 128, "one tile"},
       {300, 200, 64, 128, "six tiles; 200 pads to 256 or 288"},
       {4096, 64, 64, 96, "dim 64, out: 32 tiles"},
-      {40000, 8, 128, 96, "313 row tiles"},
+      {40000, 8, 192, 96, "313 row tiles of 128 rows, 209 of 192"},
   };
   for (const Case& c : cases) {
     const GemmTiling t = gemm_tiling(c.M, c.N, 132);

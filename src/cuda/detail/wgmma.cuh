@@ -126,6 +126,17 @@ __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
+// d (64 x 48) = or += A (64 x 8) @ B (8 x 48): half of a 96-column tile (staged/gemm.cu, three warpgroups).
+__device__ __forceinline__ void wgmma_m64n48k8_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n48k8.f32.tf32.tf32 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
+      "{%24, %25, %26, %27}, %28, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
 // The same for narrow products: the fused kernel's (fused/forward.cu), whose N
 // is a sequence's positions, 8 to 32 a warpgroup, and the attention kernels'
 // products over keys (N = head dim 32).
@@ -164,14 +175,16 @@ __device__ __forceinline__ void wgmma_m64n32k8_rs(float (&d)[16], const uint32_t
 // The register-A products above by N.
 template <int N>
 __device__ __forceinline__ void wgmma_m64k8_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  static_assert(N == 128 || N == 96 || N == 64 || N == 32 || N == 24 || N == 16 || N == 8,
-                "wgmma_m64k8_rs: N is 8, 16, 24, 32, 64, 96 or 128");
+  static_assert(N == 128 || N == 96 || N == 64 || N == 48 || N == 32 || N == 24 || N == 16 || N == 8,
+                "wgmma_m64k8_rs: N is 8, 16, 24, 32, 48, 64, 96 or 128");
   if constexpr (N == 128)
     wgmma_m64n128k8_rs(d, a, b, accumulate);
   else if constexpr (N == 96)
     wgmma_m64n96k8_rs(d, a, b, accumulate);
   else if constexpr (N == 64)
     wgmma_m64n64k8_rs(d, a, b, accumulate);
+  else if constexpr (N == 48)
+    wgmma_m64n48k8_rs(d, a, b, accumulate);
   else if constexpr (N == 32)
     wgmma_m64n32k8_rs(d, a, b, accumulate);
   else if constexpr (N == 24)
