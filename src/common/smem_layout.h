@@ -49,8 +49,8 @@ struct StagedAttentionLayout {
 constexpr size_t kFusedWgmmaSmemExtra = 1024;
 
 // Shared memory of the staged path's largest GEMM tiling (4 stages of a
-// 128 x 32 A tile and two 128 x 32 W planes, + 1024 to align): a device
-// that cannot give a block this much has no staged path.
+// 192 x 32 A tile and two 128 x 32 W planes, the stages' 8 mbarriers, + 1024
+// to align): a device that cannot give a block this much has no staged path.
 constexpr size_t kStagedGemmSmemBytes = 4 * (24576 + 2 * 16384) + 64 + 1024;
 
 // The staged path's flash attention kernel (staged/flash_attention.cu): head

@@ -1516,12 +1516,7 @@ __global__ void __launch_bounds__(kThreads)
 // ---- host side ---------------------------------------------------------------------------------
 
 // The padded head dim that serves head_dim (0: none).
-int padded_head_dim(int64_t head_dim) {
-  if (head_dim < 1) return 0;
-  for (int p : {8, 16, 32, 48, 64, 96, 128, 192, 256})
-    if (head_dim <= p) return p;
-  return 0;
-}
+int padded_head_dim(int64_t head_dim) { return flash_padded_head_dim(head_dim); }
 
 template <int HDP>
 constexpr size_t tc_smem_bytes() {
@@ -1603,8 +1598,8 @@ int tc_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
   if (a.partials == nullptr || reinterpret_cast<uintptr_t>(a.partials) % 16 != 0) return 1;
   const int64_t L = a.pos.len, hd = a.D / a.heads, rows = a.pos.num_seq * a.heads * L;
   int64_t S = a.splits > 0 ? a.splits : attention_grad_splits(a.pos.num_seq, L, hd, a.heads, dev.sms);
-  const int64_t fewest_tiles = (L + std::max({tc::KvTc<HDP>::BM, tc::QTc<HDP>::BN, tc::DsTc<HDP>::BN}) - 1) /
-                               std::max({tc::KvTc<HDP>::BM, tc::QTc<HDP>::BN, tc::DsTc<HDP>::BN});
+  constexpr int64_t kTile = std::max({tc::KvTc<HDP>::BM, tc::QTc<HDP>::BN, tc::DsTc<HDP>::BN});  // the widest streamed
+  const int64_t fewest_tiles = (L + kTile - 1) / kTile;
   S = std::min(S, fewest_tiles);
   if (S < 2 || rows > INT32_MAX / (2 * hd) / S) return 1;
   return a.partials_bytes >= attention_grad_partials_floats((int)S, rows, hd) * sizeof(float) ? (int)S : 1;
@@ -1730,33 +1725,12 @@ int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& 
     return 1;
   const int64_t hd = a.D / a.heads;
   if (a.ffma || attention_backward_smem_bytes(hd) > (size_t)dev.smem_optin) return 1;  // the FFMA kernels
-  switch (padded_head_dim(hd)) {
-    case 8: return tc_splits<8>(a, dev);
-    case 16: return tc_splits<16>(a, dev);
-    case 32: return tc_splits<32>(a, dev);
-    case 48: return tc_splits<48>(a, dev);
-    case 64: return tc_splits<64>(a, dev);
-    case 96: return tc_splits<96>(a, dev);
-    case 128: return tc_splits<128>(a, dev);
-    case 192: return tc_splits<192>(a, dev);
-    case 256: return tc_splits<256>(a, dev);
-  }
-  return 1;
+  return with_padded_head_dim(padded_head_dim(hd), [&](auto h) { return tc_splits<decltype(h)::value>(a, dev); }, 1);
 }
 
 size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma) {
-  switch (padded_head_dim(head_dim)) {
-    case 8: return smem_bytes<8>(ffma);
-    case 16: return smem_bytes<16>(ffma);
-    case 32: return smem_bytes<32>(ffma);
-    case 48: return smem_bytes<48>(ffma);
-    case 64: return smem_bytes<64>(ffma);
-    case 96: return smem_bytes<96>(ffma);
-    case 128: return smem_bytes<128>(ffma);
-    case 192: return smem_bytes<192>(ffma);
-    case 256: return smem_bytes<256>(ffma);
-  }
-  return 0;
+  return with_padded_head_dim(
+      padded_head_dim(head_dim), [&](auto h) { return smem_bytes<decltype(h)::value>(ffma); }, size_t{0});
 }
 
 cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
@@ -1765,18 +1739,8 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
   const int hdp = padded_head_dim(a.D / a.heads);
   if (hdp == 0 || !dropout_args_ok(a)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
-  switch (hdp) {
-    case 8: return launch_backward<8>(a, dev, stream);
-    case 16: return launch_backward<16>(a, dev, stream);
-    case 32: return launch_backward<32>(a, dev, stream);
-    case 48: return launch_backward<48>(a, dev, stream);
-    case 64: return launch_backward<64>(a, dev, stream);
-    case 96: return launch_backward<96>(a, dev, stream);
-    case 128: return launch_backward<128>(a, dev, stream);
-    case 192: return launch_backward<192>(a, dev, stream);
-    case 256: return launch_backward<256>(a, dev, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_padded_head_dim(
+      hdp, [&](auto h) { return launch_backward<decltype(h)::value>(a, dev, stream); }, cudaErrorInvalidValue);
 }
 
 }  // namespace fastaxial::cuda

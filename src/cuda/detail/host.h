@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <string>
+#include <type_traits>
 
 #include "../../common/plan.h"  // DeviceCaps
 #include "fastaxial/fastaxial.h"
@@ -29,6 +30,25 @@ cudaError_t allow_max_smem(const DeviceCaps& dev) {
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dev.smem_optin);
   if (e == cudaSuccess && device >= 0 && device < kMaxDevices) done[device].store(true, std::memory_order_release);
   return e;
+}
+
+// f(std::integral_constant<int, HDP>()) for the padded head dims the attention kernels are
+// built for (common/smem_layout.h: flash_padded_head_dim), `otherwise` for any other hdp: the
+// one place a launcher turns its padded head dim into a template argument.
+template <class F>
+auto with_padded_head_dim(int hdp, F&& f, decltype(f(std::integral_constant<int, 8>())) otherwise) {
+  switch (hdp) {
+    case 8: return f(std::integral_constant<int, 8>());
+    case 16: return f(std::integral_constant<int, 16>());
+    case 32: return f(std::integral_constant<int, 32>());
+    case 48: return f(std::integral_constant<int, 48>());
+    case 64: return f(std::integral_constant<int, 64>());
+    case 96: return f(std::integral_constant<int, 96>());
+    case 128: return f(std::integral_constant<int, 128>());
+    case 192: return f(std::integral_constant<int, 192>());
+    case 256: return f(std::integral_constant<int, 256>());
+  }
+  return otherwise;
 }
 
 }  // namespace fastaxial::cuda

@@ -565,18 +565,8 @@ static_assert(FlashTile<256>::bytes == kFlashMaxSmemBytes && FlashTile<192>::byt
 bool flash_attention_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
 
 int flash_split_occupancy(int64_t head_dim, const DeviceCaps& dev) {
-  switch (padded_head_dim(head_dim)) {
-    case 8: return split_occupancy<8>(dev);
-    case 16: return split_occupancy<16>(dev);
-    case 32: return split_occupancy<32>(dev);
-    case 48: return split_occupancy<48>(dev);
-    case 64: return split_occupancy<64>(dev);
-    case 96: return split_occupancy<96>(dev);
-    case 128: return split_occupancy<128>(dev);
-    case 192: return split_occupancy<192>(dev);
-    case 256: return split_occupancy<256>(dev);
-  }
-  return 0;
+  return with_padded_head_dim(
+      padded_head_dim(head_dim), [&](auto h) { return split_occupancy<decltype(h)::value>(dev); }, 0);
 }
 
 size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
@@ -585,18 +575,8 @@ size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head
 }
 
 size_t flash_attention_smem_bytes(int64_t head_dim) {
-  switch (padded_head_dim(head_dim)) {
-    case 8: return FlashTile<8>::bytes;
-    case 16: return FlashTile<16>::bytes;
-    case 32: return FlashTile<32>::bytes;
-    case 48: return FlashTile<48>::bytes;
-    case 64: return FlashTile<64>::bytes;
-    case 96: return FlashTile<96>::bytes;
-    case 128: return FlashTile<128>::bytes;
-    case 192: return FlashTile<192>::bytes;
-    case 256: return FlashTile<256>::bytes;
-  }
-  return 0;
+  return with_padded_head_dim(
+      padded_head_dim(head_dim), [](auto h) { return (size_t)FlashTile<decltype(h)::value>::bytes; }, size_t{0});
 }
 
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
@@ -623,18 +603,9 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)
     sp.splits = flash_kv_splits(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
   if (sp.splits == 1 && flash_wgmma_applies(a, dev)) return flash_attention_wgmma(a, vec, scale_log2, dev, stream);
-  switch (hdp) {
-    case 8: return launch_flash<8>(a, vec, scale_log2, sp, dev, stream);
-    case 16: return launch_flash<16>(a, vec, scale_log2, sp, dev, stream);
-    case 32: return launch_flash<32>(a, vec, scale_log2, sp, dev, stream);
-    case 48: return launch_flash<48>(a, vec, scale_log2, sp, dev, stream);
-    case 64: return launch_flash<64>(a, vec, scale_log2, sp, dev, stream);
-    case 96: return launch_flash<96>(a, vec, scale_log2, sp, dev, stream);
-    case 128: return launch_flash<128>(a, vec, scale_log2, sp, dev, stream);
-    case 192: return launch_flash<192>(a, vec, scale_log2, sp, dev, stream);
-    case 256: return launch_flash<256>(a, vec, scale_log2, sp, dev, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_padded_head_dim(
+      hdp, [&](auto h) { return launch_flash<decltype(h)::value>(a, vec, scale_log2, sp, dev, stream); },
+      cudaErrorInvalidValue);
 }
 
 }  // namespace fastaxial::cuda

@@ -57,6 +57,7 @@ namespace fastaxial::cuda {
 namespace {
 
 constexpr int BK = 32, kStages = 4;
+constexpr int kProducerRegs = 56, kConsumerRegs = 152;  // a thread, with three consumer warpgroups
 
 // A block of CW consumer warpgroups (1 to 3, warps 0 .. 4 CW - 1) and the
 // producer warps after them: two, or beside three consumer warpgroups a
@@ -70,7 +71,6 @@ struct Tiling {
   static constexpr int BM = 64 * CW, BN = BN_;
   static constexpr int NH = CW == 3 ? 2 : 1;
   static constexpr int kConsumers = 128 * CW, kProducers = CW == 3 ? 128 : 64;
-  static constexpr int kProducerRegs = 56, kConsumerRegs = 152;  // with CW = 3
   static constexpr int kThreads = kConsumers + kProducers;
   static constexpr int kATile = BM * BK * 4;    // an A tile: 8 or 16 KB
   static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 or 12 KB
@@ -80,9 +80,7 @@ struct Tiling {
 };
 // The plan (host) sizes the staged path by the largest tiling.
 static_assert(Tiling<3, 128>::kSmemBytes == kStagedGemmSmemBytes, "common/smem_layout.h");
-static_assert(Tiling<3, 128>::kProducers * Tiling<3, 128>::kProducerRegs +
-                      Tiling<3, 128>::kConsumers * Tiling<3, 128>::kConsumerRegs ==
-                  65536,
+static_assert(Tiling<3, 128>::kProducers * kProducerRegs + Tiling<3, 128>::kConsumers * kConsumerRegs == 65536,
               "three consumer warpgroups and a producer one share the registers");
 
 #if FASTAXIAL_SM90A_DEVICE
@@ -315,10 +313,10 @@ __global__ void __launch_bounds__(Tiling<CW, BN>::kThreads, 1) gemm_tf32x3_kerne
   const int64_t tiles = (p.M + Tl::BM - 1) / Tl::BM * ntiles;
   const int ktiles = (p.K + BK - 1) / BK;
   if (threadIdx.x >= Tl::kConsumers) {
-    if constexpr (CW == 3) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tl::kProducerRegs));
+    if constexpr (CW == 3) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     produce<CW, BN>(p, base, bars, ntiles, ktiles, tiles);
   } else {
-    if constexpr (CW == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tl::kConsumerRegs));
+    if constexpr (CW == 3) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
     consume<CW, BN>(p, base, base_ptr, bars, ntiles, ktiles, tiles);
   }
 #else
@@ -330,6 +328,7 @@ __global__ void __launch_bounds__(Tiling<CW, BN>::kThreads, 1) gemm_tf32x3_kerne
 template <int CW, int BN>
 cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceCaps& dev, cudaStream_t stream) {
   using Tl = Tiling<CW, BN>;
+  static_assert(BN % (8 * Tl::NH) == 0, "a run's columns are whole 8-column groups");
   constexpr auto kernel = gemm_tf32x3_kernel<CW, BN>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   const int64_t blocks = std::min<int64_t>(tiles, dev.sms);
