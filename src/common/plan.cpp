@@ -348,11 +348,10 @@ GemmTiling gemm_tiling(int64_t M, int64_t N, int sms) {
   const auto cost = [&](int64_t cols, int64_t weight) { return (tiles(cols) + s - 1) / s * cols * weight; };
   if (cost(96, 115) < cost(128, 100)) t.cols = 96;
   // Three-warpgroup tiles (192 rows) where they save rounds: a k-step of one costs about 1.22 of a
-  // 128-row one's (perf notes v49). One round of them against two of 128 rows only where the
-  // second of those would be under a quarter full.
-  const int64_t col_tiles = (N + t.cols - 1) / t.cols, t128 = row_tiles * col_tiles;
-  const int64_t r128 = (t128 + s - 1) / s, r192 = ((M + 191) / 192 * col_tiles + s - 1) / s;
-  if ((r192 >= 2 && 122 * r192 < 100 * r128) || (r192 == 1 && r128 == 2 && 4 * (t128 - s) < s)) t.rows = 192;
+  // 128-row one's (perf notes v49).
+  const int64_t col_tiles = (N + t.cols - 1) / t.cols;
+  const int64_t r128 = (row_tiles * col_tiles + s - 1) / s, r192 = ((M + 191) / 192 * col_tiles + s - 1) / s;
+  if (122 * r192 < 100 * r128) t.rows = 192;
   return t;
 }
 

@@ -159,8 +159,7 @@ struct GemmTiling {
 // width weighted 1.15 (its lower rate per column: a thread loads and splits the same A fragments
 // for either width; 1.07 to 1.16 measured on dim 96's products, perf notes v22c); ties go to 128,
 // and the narrower padding always wins. Then 192 rows instead of 128 where that takes fewer
-// rounds by more than a 192-row tile's extra cost (1.22 a k-step, perf notes v49), or one round
-// against two whose second is under a quarter full.
+// rounds by more than a 192-row tile's extra cost (1.22 a k-step, perf notes v49).
 GemmTiling gemm_tiling(int64_t M, int64_t N, int sms);
 
 // ---- the shape rules, for tests and for the kernels' launchers -----------------------------

@@ -479,9 +479,10 @@ TEST(GemmTiling, FewestRoundsTimesWidth) {
       {8192, 1536, 192, 128, "(2, 64, 64, 512), qkv: 6 rounds against 8; 4 of 192 rows"},
       {8192, 512, 128, 128, "(2, 64, 64, 512), out: 2 rounds of 128 or 192 rows (1.94 against 1.3: measured 60 against 70 us)"},
       {5632, 256, 128, 96, "one round of 132 tiles against one of 88, though 96 columns pad more"},
-      // One round of 192-row tiles against two of 128 whose second is nearly empty, or not.
-      {9216, 160, 192, 96, "(4, 48, 48, 160), out: 144 tiles of 128 rows, the second round 12"},
-      {11000, 160, 128, 96, "172 tiles of 128 rows, the second round 40 (over a quarter): kept"},
+      // One round of 192-row tiles against two of 128.
+      {9216, 160, 192, 96, "(4, 48, 48, 160), out: 96 tiles of 192 rows, against 144 of 128 (measured 16.9 against 22.6 us)"},
+      {7680, 288, 192, 96, "(2, 48, 80, 96, 3), qkv: 120 tiles against 180 (measured 16.4 against 19.1 us)"},
+      {9216, 288, 128, 96, "(4, 48, 48, 96, 4), qkv: 144 tiles of 192 rows take 2 rounds too (measured 24.2 against 19.5 us)"},
       // 64-row tiles where 128-row ones would leave half the SMs idle or more, their columns by
       // padding alone.
       {128, 128, 64, 128, "one tile"},
