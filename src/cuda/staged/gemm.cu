@@ -243,7 +243,7 @@ __device__ __forceinline__ void consume(const GemmArgs& p, uint32_t base, const 
   constexpr int NH = Tl::NH, kAcc = BN / 2;  // accumulators a thread
   const int wg = threadIdx.x / 128;
   float c[kAcc], t[kAcc / NH];
-  FragA f0[2], f1[2];
+  FragA f[2][2];  // the A fragments of runs 0 (steps 0-1) and 1 (steps 2-3)
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) c[i] = 0.0f;
   int stage = 0;
@@ -254,22 +254,17 @@ __device__ __forceinline__ void consume(const GemmArgs& p, uint32_t base, const 
       const float* a_tile = base_ptr + stage * (Tl::kStageBytes / 4);
       mbarrier_wait(bars + 8 * stage, phase);
       fence_async_smem();  // cp.async wrote the W planes through the generic proxy; wgmma reads the async one
-      load_a(f0, a_tile, wg, 0);
-      load_a(f1, a_tile, wg, 2);
+      load_a(f[0], a_tile, wg, 0);
+      load_a(f[1], a_tile, wg, 2);
 #pragma unroll
-      for (int h = 0; h < NH; ++h) {
-        run_products<CW, BN>(t, f0, s, 0, h);
-        wgmma_wait<0>();
-        fence_frags(f0);
-        add_half<NH>(c, t, h);
-      }
+      for (int r = 0; r < 2; ++r)
 #pragma unroll
-      for (int h = 0; h < NH; ++h) {
-        run_products<CW, BN>(t, f1, s, 2, h);
-        wgmma_wait<0>();
-        fence_frags(f1);
-        add_half<NH>(c, t, h);
-      }
+        for (int h = 0; h < NH; ++h) {
+          run_products<CW, BN>(t, f[r], s, 2 * r, h);
+          wgmma_wait<0>();
+          fence_frags(f[r]);
+          add_half<NH>(c, t, h);
+        }
       mbarrier_arrive(bars + 8 * (kStages + stage));  // the stage's products are done: it may be refilled
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
