@@ -102,16 +102,21 @@ TEST_P(GemmTf32x3, MatchesDoubleProduct) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, GemmTf32x3,
                          // On an H200 (132 SMs) the first three run 64 x 128 tiles (one
-                         // warpgroup), the next two 64 x 96 (N pads less to 96); the rest
-                         // have more tiles than the SMs, so blocks loop over tiles (one to two
-                         // k-steps each, edges in all of M, N, K): 192 x 96 tiles (three
-                         // warpgroups) twice, then 192 x 128, 128 x 96 (although 256 columns
-                         // pad more to 96: one round of 132 tiles against one of 88 wider
-                         // ones) and 128 x 128 (common/plan.h, gemm_tiling).
+                         // warpgroup), the next two 64 x 96 (N pads less to 96); the next
+                         // five have as many tiles as the SMs or more (blocks loop over
+                         // tiles where more; one to two k-steps each, edges in all of M, N,
+                         // K): 192 x 96 tiles (three warpgroups) twice, then 192 x 128,
+                         // 128 x 96 (although 256 columns pad more to 96: one round of 132
+                         // tiles against one of 88 wider ones) and 128 x 128 (common/plan.h,
+                         // gemm_tiling). The last four take the same tilings (192 x 128,
+                         // 192 x 96, 128 x 128, 128 x 96) with 6 or 7 k-steps a tile, more
+                         // than the ring's 4 stages, so the producers refill stages the
+                         // consumers released (the empty barriers' waits).
                          ::testing::Values(Dims{128, 128, 32}, Dims{300, 200, 72}, Dims{256, 384, 256},
                                            Dims{1, 8, 4}, Dims{1000, 96, 96}, Dims{17000, 136, 40},
                                            Dims{40000, 8, 4}, Dims{20000, 256, 64}, Dims{5632, 256, 64},
-                                           Dims{8200, 512, 40}),
+                                           Dims{8200, 512, 40}, Dims{20000, 256, 200}, Dims{17000, 136, 168},
+                                           Dims{8200, 512, 200}, Dims{5632, 256, 200}),
                          [](const auto& info) {
                            return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) +
                                   "_K" + std::to_string(info.param.K);

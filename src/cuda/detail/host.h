@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "../../common/plan.h"  // DeviceCaps
+#include "../../common/smem_layout.h"  // flash_padded_head_dim
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial::cuda {
@@ -50,5 +51,16 @@ auto with_padded_head_dim(int hdp, F&& f, decltype(f(std::integral_constant<int,
   }
   return otherwise;
 }
+
+// Every head dim the attention kernels take pads to one of the cases above.
+constexpr bool padded_head_dims_have_cases() {
+  for (int h = 1; h <= kFlashMaxHeadDim; ++h) {
+    const int p = flash_padded_head_dim(h);
+    if (p != 8 && p != 16 && p != 32 && p != 48 && p != 64 && p != 96 && p != 128 && p != 192 && p != 256)
+      return false;
+  }
+  return true;
+}
+static_assert(padded_head_dims_have_cases(), "with_padded_head_dim's cases are smem_layout.h's padded head dims");
 
 }  // namespace fastaxial::cuda

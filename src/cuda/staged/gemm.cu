@@ -72,7 +72,7 @@ struct Tiling {
   static constexpr int NH = CW == 3 ? 2 : 1;
   static constexpr int kConsumers = 128 * CW, kProducers = CW == 3 ? 128 : 64;
   static constexpr int kThreads = kConsumers + kProducers;
-  static constexpr int kATile = BM * BK * 4;    // an A tile: 8 or 16 KB
+  static constexpr int kATile = BM * BK * 4;    // an A tile: 8, 16 or 24 KB
   static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 or 12 KB
   static constexpr int kStageBytes = kATile + 2 * kWTile;  // A, W hi, W lo
   static constexpr int kBarriers = kStages * kStageBytes;  // full[kStages], then empty[kStages]: 8 bytes each
