@@ -1,11 +1,15 @@
 // CPU forward of axial attention.
 //
-// One pass per axis. A pass walks its N sequences in blocks of a few
-// sequences per OpenMP task: gather the block's rows (strided for columns, so
-// no permuted copy), LayerNorm, one QKV matrix product for the whole block,
-// softmax attention per sequence and head, one output-projection product, add
-// the residual, scatter back. Memory per thread is one block's worth
-// ((rows, 3D) and one (L, L) score matrix), never a tensor of the whole input.
+// One pass per axis. Where a pass has sequences enough for the threads, it
+// walks them in blocks of a few sequences per OpenMP task: gather the
+// block's rows (strided for columns, so no permuted copy), LayerNorm, one QKV
+// matrix product for the whole block, softmax attention per sequence and
+// head, one output-projection product, add the residual, scatter back.
+// Memory per thread is one block's worth ((rows, 3D) and one (L, L) score
+// matrix), never a tensor of the whole input. Where it has fewer (one long
+// sequence, say), the threads share each sequence in turn: its row tiles,
+// then its (head, query tile) pairs (a (64, L) score tile each), then its
+// row tiles again.
 //
 // The matrix products go through Eigen: its blocked, vectorised GEMM beats
 // hand loops at these sizes and is header-only. Each sequence is read whole
@@ -38,20 +42,155 @@ using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
 
 struct Scratch {
   Mat x, y, qkv, o, s;
-  Mat m;  // dropout multipliers of one (sequence, head): (L, L)
+  Mat m;  // dropout multipliers of one (sequence, head, query range): (queries, L)
   Eigen::VectorXf sum;  // softmax denominators, one per query
 };
 
+// What a pass needs besides its rows.
+struct PassArgs {
+  const AxisView& v;
+  int64_t D, heads, hd;
+  float eps, scale;  // scale = 1 / sqrt(hd)
+  ConstMap wqkv, wout;  // (3D, D), (D, D)
+  ConstVec gamma, beta, bout;
+  const DropoutParams* drop;  // null: no dropout
+  int pass;  // 0 rows, 1 columns
+};
+
+// x = the D floats at src, y = LayerNorm(x).
+template <class RowX, class RowY>
+void layer_norm_row(const PassArgs& a, const float* src, RowX&& x, RowY&& y) {
+  x = ConstVec(src, a.D);
+  const float mean = x.mean();
+  const float var = (x.array() - mean).square().sum() / static_cast<float>(a.D);
+  const float rstd = 1.0f / std::sqrt(var + a.eps);
+  y = ((x.array() - mean) * rstd * a.gamma.array() + a.beta.array()).matrix();
+}
+
+// Rows i0 .. i1 - 1 of head h of o = softmax(q k^T / sqrt(hd)) v for sequence n, whose (L, 3D)
+// qkv rows ([q | k | v], head h at columns h hd of each part) start at row `base` of qkv, into
+// the same rows of o. p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides in the exponent,
+// the division by the row sums on the (rows, hd) result. With dropout the sums are of the
+// undropped probabilities: P = exp / sum, then P o M / (1 - p), M drawn from the query range's
+// first element on (row-major: the (pass, sequence, head)'s L^2 consecutive elements).
+void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t n, int64_t h, int64_t i0,
+            int64_t i1, Scratch& t, Mat& o) {
+  const int64_t rows = i1 - i0, hd = a.hd;
+  const auto q = qkv.block(base + i0, h * hd, rows, hd);
+  const auto k = qkv.block(base, a.D + h * hd, L, hd);
+  const auto val = qkv.block(base, 2 * a.D + h * hd, L, hd);
+  t.s.resize(rows, L);
+  t.sum.resize(rows);
+  t.s.noalias() = q * k.transpose();  // (rows, L) unscaled scores
+  for (int64_t i = 0; i < rows; ++i) {
+    auto row = t.s.row(i).array();
+    row = ((row - row.maxCoeff()) * a.scale).exp();
+    t.sum(i) = row.sum();
+  }
+  if (a.drop) {
+    t.m.resize(rows, L);
+    dropout_row(*a.drop, dropout_element(*a.drop, a.pass, n, h, i0, 0), rows * L, t.m.data());
+    t.s.array() *= t.m.array();
+  }
+  auto ob = o.block(base + i0, h * hd, rows, hd);
+  ob.noalias() = t.s * val;
+  ob.array().colwise() /= t.sum.array();
+}
+
+// Many sequences: the team takes blocks of a few sequences, one block a task: gather the block's
+// rows, LayerNorm, one QKV product for the block, attention per sequence and head, one output
+// product, the residual, scatter.
+void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per_block, int team) {
+  const AxisView& v = a.v;
+  const int64_t L = v.len, N = v.num_seq, D = a.D;
+  const int64_t num_blocks = (N + seq_per_block - 1) / seq_per_block;
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    Scratch t;
+#pragma omp for schedule(dynamic)
+    for (int64_t blk = 0; blk < num_blocks; ++blk) {
+      const int64_t n0 = blk * seq_per_block;
+      const int64_t ns = std::min(seq_per_block, N - n0);
+      const int64_t rows = ns * L;
+      t.x.resize(rows, D);  // x is (rows, D): the block's positions; y their LayerNorm
+      t.y.resize(rows, D);
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t l = 0; l < L; ++l) layer_norm_row(a, src + v.offset(n0 + s, l), t.x.row(s * L + l), t.y.row(s * L + l));
+      t.qkv.noalias() = t.y * a.wqkv.transpose();  // (rows, 3D)
+      t.o.resize(rows, D);
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t h = 0; h < a.heads; ++h) attend(a, t.qkv, s * L, L, n0 + s, h, 0, L, t, t.o);
+      // x += o Wout^T + bout, then scatter.
+      t.x.noalias() += t.o * a.wout.transpose();
+      t.x.rowwise() += a.bout;
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t l = 0; l < L; ++l)
+          Eigen::Map<Eigen::RowVectorXf>(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
+    }
+  }
+}
+
+// Rows a task of few_sequences_pass: LayerNorm and the products kRowTile rows at a time, the
+// attention kRowTile queries of one head at a time (the score tile (kRowTile, L) stays in cache).
+// Fixed, so the result does not depend on the number of threads.
+constexpr int64_t kRowTile = 64;
+
+// Fewer blocks than threads (one long sequence, say): the sequences one after another, the
+// team spread over each one's row tiles (LayerNorm, QKV product), then its (head, query tile)
+// pairs (attention), then its row tiles again (output product, residual, scatter). A sequence
+// is gathered whole before any of it is written, so the column pass may run in place.
+void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int team) {
+  const AxisView& v = a.v;
+  const int64_t L = v.len, N = v.num_seq, D = a.D;
+  const int64_t tiles = (L + kRowTile - 1) / kRowTile;
+  Mat x(L, D), qkv(L, 3 * D), o(L, D);  // one sequence's: shared by the team
+#pragma omp parallel num_threads(team)
+  {
+    Scratch t;
+    for (int64_t n = 0; n < N; ++n) {
+#pragma omp for schedule(static)
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
+        t.y.resize(rows, D);
+        for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
+        qkv.middleRows(r0, rows).noalias() = t.y * a.wqkv.transpose();
+      }
+#pragma omp for schedule(dynamic)
+      for (int64_t task = 0; task < a.heads * tiles; ++task) {
+        const int64_t h = task / tiles, i0 = task % tiles * kRowTile;
+        attend(a, qkv, 0, L, n, h, i0, std::min(i0 + kRowTile, L), t, o);
+      }
+#pragma omp for schedule(static)
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
+        auto xr = x.middleRows(r0, rows);
+        xr.noalias() += o.middleRows(r0, rows) * a.wout.transpose();
+        xr.rowwise() += a.bout;
+        for (int64_t r = 0; r < rows; ++r) Eigen::Map<Eigen::RowVectorXf>(dst + v.offset(n, r0 + r), D) = xr.row(r);
+      }
+    }
+  }
+}
+
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout
 // mask (null: none), pass: 0 rows, 1 columns.
-void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w,
-               const float* src, float* dst, const DropoutParams* drop, int pass) {
+void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
+               float* dst, const DropoutParams* drop, int pass) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
-  const ConstMap wqkv(w.qkv_weight, 3 * D, D);  // (3D, D)
-  const ConstMap wout(w.out_weight, D, D);      // (D, D)
-  const ConstVec gamma(w.norm_weight, D), beta(w.norm_bias, D), bout(w.out_bias, D);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const PassArgs a = {v,
+                      D,
+                      heads,
+                      hd,
+                      eps,
+                      1.0f / std::sqrt(static_cast<float>(hd)),
+                      ConstMap(w.qkv_weight, 3 * D, D),
+                      ConstMap(w.out_weight, D, D),
+                      ConstVec(w.norm_weight, D),
+                      ConstVec(w.norm_bias, D),
+                      ConstVec(w.out_bias, D),
+                      drop,
+                      pass};
 
   // Enough rows per block for an efficient GEMM, enough blocks for the threads.
   int threads = 1;
@@ -61,65 +200,10 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
   int64_t seq_per_block = std::max<int64_t>(1, 128 / L);
   seq_per_block = std::min(seq_per_block, std::max<int64_t>(1, N / (4 * threads)));
   const int64_t num_blocks = (N + seq_per_block - 1) / seq_per_block;
-
-  // No more threads than blocks: a team's start costs microseconds, more
-  // than a small pass's work.
-  const int team = (int)std::min<int64_t>(threads, num_blocks);
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-    Scratch t;
-#pragma omp for schedule(dynamic)
-    for (int64_t blk = 0; blk < num_blocks; ++blk) {
-      const int64_t n0 = blk * seq_per_block;
-      const int64_t ns = std::min(seq_per_block, N - n0);
-      const int64_t rows = ns * L;
-      t.x.resize(rows, D);
-      t.y.resize(rows, D);
-      // x is (rows, D): gather the block's positions, LayerNorm each into y.
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t l = 0; l < L; ++l) {
-          const int64_t r = s * L + l;
-          t.x.row(r) = ConstVec(src + v.offset(n0 + s, l), D);
-          const float mean = t.x.row(r).mean();
-          const float var = (t.x.row(r).array() - mean).square().sum() / static_cast<float>(D);
-          const float rstd = 1.0f / std::sqrt(var + eps);
-          t.y.row(r) = ((t.x.row(r).array() - mean) * rstd * gamma.array() + beta.array()).matrix();
-        }
-      // qkv is (rows, 3D): [q | k | v], head h at columns h*hd of each part.
-      t.qkv.noalias() = t.y * wqkv.transpose();
-      t.o.resize(rows, D);
-      t.s.resize(L, L);
-      t.sum.resize(L);
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t h = 0; h < heads; ++h) {
-          const auto q = t.qkv.block(s * L, h * hd, L, hd);
-          const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
-          const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
-          // p = exp((q k^T - rowmax) / sqrt(hd)); o_h = (p v) / rowsum(p): the
-          // scale rides in the exponent and the division on the (L, hd) result.
-          t.s.noalias() = q * k.transpose();  // (L, L) unscaled scores
-          for (int64_t i = 0; i < L; ++i) {
-            auto row = t.s.row(i).array();
-            row = ((row - row.maxCoeff()) * scale).exp();
-            t.sum(i) = row.sum();
-          }
-          if (drop) {  // the sums are of the undropped probabilities: P = exp / sum, then P o M / (1 - p)
-            t.m.resize(L, L);  // row-major: the (pass, sequence, head)'s L^2 consecutive elements
-            dropout_row(*drop, dropout_element(*drop, pass, n0 + s, h, 0, 0), L * L, t.m.data());
-            t.s.array() *= t.m.array();
-          }
-          auto o = t.o.block(s * L, h * hd, L, hd);
-          o.noalias() = t.s * val;
-          o.array().colwise() /= t.sum.array();
-        }
-      // x += o Wout^T + bout, then scatter.
-      t.x.noalias() += t.o * wout.transpose();
-      t.x.rowwise() += bout;
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t l = 0; l < L; ++l)
-          Eigen::Map<Eigen::RowVectorXf>(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
-    }
-  }
+  // Fewer blocks than threads and sequences of two row tiles or more: spread each sequence.
+  if (num_blocks < threads && L > kRowTile) return few_sequences_pass(a, src, dst, threads);
+  // No more threads than blocks: a team's start costs microseconds, more than a small pass's work.
+  block_pass(a, src, dst, seq_per_block, (int)std::min<int64_t>(threads, num_blocks));
 }
 
 }  // namespace

@@ -31,7 +31,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
                          ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 1, 7, 16, 2}, Shape{1, 7, 1, 32, 4},
                                            Shape{2, 5, 9, 64, 8}, Shape{1, 6, 11, 64, 4}, Shape{1, 8, 3, 128, 4},
                                            Shape{1, 4, 6, 256, 4}, Shape{3, 16, 16, 64, 4},
-                                           Shape{1, 33, 17, 96, 3}, Shape{1, 7, 7, 64, 1}),
+                                           Shape{1, 33, 17, 96, 3}, Shape{1, 7, 7, 64, 1},
+                                           // one long row or column: the threads share the sequence
+                                           // (row tiles of 64, the last partial; the column in place)
+                                           Shape{1, 1, 300, 32, 2}, Shape{1, 1, 129, 48, 3},
+                                           Shape{1, 200, 1, 16, 2}),
                          [](const auto& info) { return shape_name(info.param); });
 
 // LayerNorm eps other than the default 1e-5. Each case checks first that

@@ -334,12 +334,15 @@ TEST_P(CpuDropoutForward, MatchesDoubleReference) {
   EXPECT_LE(worst_ratio(out, reference_forward(p), kAtol, kRtol), 1.0) << "worst |out - ref| / (atol + rtol |ref|)";
 }
 
-// L = 1 and 7, H != W, head dims 8 to 64, dims up to 128, grids with H < W and H > W.
+// L = 1 and 7, H != W, head dims 8 to 64, dims up to 128, grids with H < W and H > W; one long
+// row and one long column (the threads share the sequence: the mask drawn from each query
+// tile's first element).
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuDropoutForward,
                          ::testing::Combine(::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 1, 7, 16, 2},
                                                               Shape{1, 7, 1, 32, 4}, Shape{2, 5, 9, 64, 8},
                                                               Shape{1, 8, 3, 128, 4}, Shape{3, 16, 16, 64, 4},
-                                                              Shape{1, 33, 17, 96, 3}),
+                                                              Shape{1, 33, 17, 96, 3}, Shape{1, 1, 300, 32, 2},
+                                                              Shape{1, 150, 1, 16, 2}),
                                             ::testing::Values(0.1f, 0.5f, 1.0f)),
                          rate_case_name);
 
