@@ -37,7 +37,7 @@ cudaError_t allow_max_smem(const DeviceCaps& dev) {
 // built for (common/smem_layout.h: flash_padded_head_dim), `otherwise` for any other hdp: the
 // one place a launcher turns its padded head dim into a template argument.
 template <class F>
-auto with_padded_head_dim(int hdp, F&& f, decltype(f(std::integral_constant<int, 8>())) otherwise) {
+constexpr auto with_padded_head_dim(int hdp, F&& f, decltype(f(std::integral_constant<int, 8>())) otherwise) {
   switch (hdp) {
     case 8: return f(std::integral_constant<int, 8>());
     case 16: return f(std::integral_constant<int, 16>());
@@ -56,8 +56,7 @@ auto with_padded_head_dim(int hdp, F&& f, decltype(f(std::integral_constant<int,
 constexpr bool padded_head_dims_have_cases() {
   for (int h = 1; h <= kFlashMaxHeadDim; ++h) {
     const int p = flash_padded_head_dim(h);
-    if (p != 8 && p != 16 && p != 32 && p != 48 && p != 64 && p != 96 && p != 128 && p != 192 && p != 256)
-      return false;
+    if (with_padded_head_dim(p, [](auto c) { return int{decltype(c)::value}; }, 0) != p) return false;
   }
   return true;
 }
