@@ -464,7 +464,7 @@ const Case kCases[] = {
     Case{257, 256, 1, false, 1, 1, 0, 0}, Case{17, 256, 4, true, 2, 2, 0, 0}, Case{1030, 32, 2, false, 1, 1, 0, 0},
     Case{64, 64, 4, false, 2, 4, 0, 1}, Case{130, 3, 3, true, 1, 4, 0, 0}, Case{2, 128, 2, true, 3, 5, 0, 2},
     Case{257, 8, 2, true, 1, 4, 0, 0}, Case{65, 1, 1, false, 1, 16, 0, 0}, Case{17, 48, 3, false, 2, 5, 0, 3},
-    Case{130, 160, 1, false, 1, 2, 0, 0}, Case{64, 40, 2, true, 2, 3, 0, 0}, Case{1, 256, 1, false, 2, 10, 0, 0},
+    Case{130, 160, 1, false, 1, 2, 0, 0}, Case{64, 40, 2, true, 2, 3, 0, 0}, Case{1, 256, 1, false, 2, 10, 0, 0}, Case{1, 128, 2, true, 3, 300, 250, 0},
     Case{257, 16, 4, false, 1, 2, 0, 0}, Case{65, 5, 4, true, 1, 6, 0, 1}, Case{1030, 3, 1, true, 1, 1, 0, 0},
     Case{64, 96, 3, true, 1, 3, 0, 2}, Case{17, 192, 2, false, 1, 3, 0, 0},
     // Enough (sequence, head) items that the tensor-core launches take

@@ -1707,6 +1707,53 @@ cudaError_t launch_backward(const AttentionBackwardArgs& a, const DeviceCaps& de
   return s.vec ? launch_tc<HDP, true, false>(a, s, dev, stream) : launch_tc<HDP, false, false>(a, s, dev, stream);
 }
 
+// Sequences of one position: the softmax over one key is 1 whatever the
+// score, so dS = P o (dP - rowsum(d_o o o)) = 0 exactly (o = v f, dP = d_o . v
+// f, f the keep mask's scale or 0): dq = dk = 0 and dv = d_o f. A warp per
+// item (n heads + h), lanes over its columns; the tiled kernels would run
+// all their products on 1-row tiles (the column pass of a (B, 1, W) grid).
+// Where dS^T scratch is given, its one element a row is stored (0), as the
+// tiled kernels store theirs.
+constexpr int kSingleKeyThreads = 256;
+
+template <bool kDropout>
+__global__ void __launch_bounds__(kSingleKeyThreads)
+    single_key_backward_kernel(const KernelArgs a, const DropoutPass dpass) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const int hd = a.D / a.heads, lane = threadIdx.x % 32;
+  const int64_t item = (int64_t)blockIdx.x * (kSingleKeyThreads / 32) + threadIdx.x / 32;
+  if (item >= a.pos.num_seq * a.heads) return;
+  const int h = (int)(item % a.heads);
+  const int64_t row = a.pos.offset(item / a.heads, 0);
+  const float* d_o = a.d_o + row * a.D + (int64_t)h * hd;
+  float* dq = a.dqkv + row * 3 * a.D + (int64_t)h * hd;  // dk at + D, dv at + 2D
+  float f = 1.0f;
+  if constexpr (kDropout) f = dropout_keep(dropout_read(dpass), dpass.base + (uint64_t)item) ? dpass.scale : 0.0f;
+  for (int c = lane; c < hd; c += 32) {
+    dq[c] = 0.0f;
+    dq[a.D + c] = 0.0f;
+    dq[2 * a.D + c] = d_o[c] * f;
+  }
+  if (a.ds && lane == 0) a.ds[item * attention_scores_stride(1)] = 0.0f;
+}
+
+// A template so that a build without Random123 never instantiates the dropout kernel.
+template <typename = void>
+cudaError_t launch_single_key(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
+  const KernelArgs k = {a.pos, a.qkv, a.o, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads, a.ds};
+  const int64_t items = a.pos.num_seq * a.heads;
+  const int64_t blocks = (items + kSingleKeyThreads / 32 - 1) / (kSingleKeyThreads / 32);
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  const dim3 grid((unsigned)blocks);
+  if constexpr (kDropoutAvailable)
+    if (a.dropout.threshold != 0)
+      return launch_kernel<single_key_backward_kernel<true>>(grid, dim3(kSingleKeyThreads), 0, stream, dev, k,
+                                                             dropout_pass(a.dropout, a.pass, a.philox));
+  return launch_kernel<single_key_backward_kernel<false>>(grid, dim3(kSingleKeyThreads), 0, stream, dev, k,
+                                                          DropoutPass{});
+}
+
 // Dropout's arguments, where it applies: the {seed, offset} pair given, and
 // the mask's sizes those of this pass (its elements are numbered by them).
 bool dropout_args_ok(const AttentionBackwardArgs& a) {
@@ -1739,6 +1786,7 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
   const int hdp = padded_head_dim(a.D / a.heads);
   if (hdp == 0 || !dropout_args_ok(a)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
+  if (a.pos.len == 1) return launch_single_key(a, dev, stream);
   return with_padded_head_dim(
       hdp, [&](auto h) { return launch_backward<decltype(h)::value>(a, dev, stream); }, cudaErrorInvalidValue);
 }

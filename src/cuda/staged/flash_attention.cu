@@ -489,6 +489,56 @@ __global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const Ke
   if (a.lse && c == 0) store_lse2(a.lse, rows, r, mx, sum);  // as the kernel's
 }
 
+// Sequences of one position (the column pass of a (B, 1, W) grid, the row
+// pass of (B, H, 1)): softmax over a single key is 1, so o = v (dropped or
+// scaled by the mask) and lse2 = q . k scale_log2 (m = the score, l = 1).
+// The tiled kernel would run a block of 32 queries, 31 of them padding, and
+// all of its products for each item: (1, 1, 4096, 128, 1)'s column pass took
+// 115 us that way, latency-bound. Here a warp per item (n heads + h), lanes
+// over its columns: one read of q, k and v, one write of o.
+constexpr int kSingleKeyThreads = 256;
+
+template <bool kDropout>
+__global__ void __launch_bounds__(kSingleKeyThreads)
+    flash_single_key_kernel(const KernelArgs a, float scale_log2, const DropoutPass dpass) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const int hd = a.D / a.heads, lane = threadIdx.x % 32;
+  const int64_t items = a.pos.num_seq * a.heads;
+  const int64_t item = (int64_t)blockIdx.x * (kSingleKeyThreads / 32) + threadIdx.x / 32;
+  if (item >= items) return;
+  const int h = (int)(item % a.heads);
+  const int64_t row = a.pos.offset(item / a.heads, 0);
+  const float* q = a.qkv + row * 3 * a.D + (int64_t)h * hd;  // k at + D, v at + 2D
+  float* o = a.o + row * a.D + (int64_t)h * hd;
+  float f = 1.0f;
+  if constexpr (kDropout) f = dropout_keep(dropout_read(dpass), dpass.base + (uint64_t)item) ? dpass.scale : 0.0f;
+  float dot = 0.0f;
+  for (int c = lane; c < hd; c += 32) {
+    o[c] = q[2 * a.D + c] * f;
+    if (a.lse) dot = fmaf(q[c], q[a.D + c], dot);
+  }
+  if (a.lse) {
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+    if (lane == 0) store_lse2(a.lse, items, item, dot * scale_log2, 1.0f);
+  }
+}
+
+// A template so that a build without Random123 never instantiates the dropout kernel.
+template <typename = void>
+cudaError_t launch_single_key(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, cudaStream_t stream) {
+  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const int64_t items = a.pos.num_seq * a.heads;
+  const dim3 grid((unsigned)((items + kSingleKeyThreads / 32 - 1) / (kSingleKeyThreads / 32)));
+  if constexpr (kDropoutAvailable)
+    if (a.dropout.threshold != 0)
+      return launch_kernel<flash_single_key_kernel<true>>(grid, dim3(kSingleKeyThreads), 0, stream, dev, k,
+                                                          scale_log2, dropout_pass(a.dropout, a.pass, a.philox));
+  return launch_kernel<flash_single_key_kernel<false>>(grid, dim3(kSingleKeyThreads), 0, stream, dev, k, scale_log2,
+                                                       DropoutPass{});
+}
+
 // The padded head dim that serves head_dim (0: none).
 int padded_head_dim(int64_t head_dim) { return flash_padded_head_dim(head_dim); }
 
@@ -596,6 +646,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   // after qkv, and hd % 4 == 0 makes D % 4 == 0 too.
   const bool vec = hd % 4 == 0 && reinterpret_cast<uintptr_t>(a.qkv) % 16 == 0;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);  // log2(e) / sqrt(hd)
+  if (a.pos.len == 1) return launch_single_key(a, scale_log2, dev, stream);
   // Split-KV where the rule splits and the caller gave room for the partials
   // (never with dropout: a training forward with dropout keeps S = 1).
   SplitArgs sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, 1};
