@@ -14,9 +14,10 @@
 // or two long sequences, whose keys the launcher splits over several
 // blocks and merges, against the same float64 reference, bitwise
 // repeatable.
-// On an sm_90a device, every case that the wgmma kernel takes (head dims 17
-// to 32, L > 64) runs twice, on it and on the mma.sync kernel, each against
-// the reference; the dropout cases it takes draw their mask there.
+// On an sm_90a device, every case that a wgmma kernel takes (head dims 17
+// to 32, and 49 to 128 on the wide kernel; L > 64) runs twice, on it and on
+// the mma.sync kernel, each against the reference; the dropout and split
+// cases it takes draw their mask or split their keys there.
 // Skipped without a device, but for the host-side rules.
 #include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
 
@@ -289,7 +290,7 @@ int64_t rows_differing(const Problem& pr, const Result& x, const Result& y) {
 bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
   cuda::FlashArgs a;
   a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads;
-  return cuda::flash_wgmma_applies(a, dev);
+  return cuda::flash_wgmma_applies(a, dev) || cuda::flash_wgmma_wide_applies(a, dev);
 }
 
 class FlashAttention : public ::testing::TestWithParam<Case> {};
@@ -389,6 +390,43 @@ TEST(FlashAttentionRules, WgmmaKernelWhereItApplies) {
   EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
 }
 
+// The wide wgmma kernel: padded head dims 64, 96 and 128 past kFlashWgmmaMinLen on sm_90a
+// code, unless the mma.sync kernel is asked for; and the splits it takes.
+TEST(FlashAttentionRules, WideWgmmaKernelWhereItApplies) {
+  DeviceCaps h = h200_caps();
+  const bool sm90a_build = cuda::gemm_tf32x3_available(h);
+  cuda::FlashArgs a;
+  a.pos = {2, 65, 1, 65, 1, 130};
+  a.heads = 4;
+  for (int hd : {49, 64, 65, 80, 96, 100, 128}) {
+    a.D = 4 * hd;
+    EXPECT_EQ(cuda::flash_wgmma_wide_applies(a, h), sm90a_build) << hd;
+    EXPECT_FALSE(cuda::flash_wgmma_applies(a, h)) << hd;
+  }
+  for (int hd : {1, 8, 16, 32, 33, 48, 129, 192, 256}) {
+    a.D = 4 * hd;
+    EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h)) << hd;
+  }
+  a.D = 4 * 128;
+  a.pos.len = cuda::kFlashWgmmaMinLen;
+  EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h));
+  a.pos.len = 4096;
+  EXPECT_EQ(cuda::flash_wgmma_wide_applies(a, h), sm90a_build);
+  a.mma_sync = true;
+  EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h));
+  a.mma_sync = false;
+  h.sm90a = false;
+  EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h));
+
+  // One sequence of 4096: 32 tiles of 128 queries, 4 splits fill 132 SMs; never more than the rule's.
+  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 4, 132), 4);
+  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 16, 132), 4);
+  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 3, 132), 3);
+  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 1, 132), 1);
+  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 2048, 2, 8, 132), 4);  // 32 tiles
+  EXPECT_EQ(cuda::flash_wgmma_wide_splits(8, 1024, 2, 2, 132), 1);  // 128 tiles: one round already
+}
+
 // ---- split-KV ------------------------------------------------------------------------------------
 
 class FlashAttentionSplit : public ::testing::TestWithParam<Case> {};
@@ -430,6 +468,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2051, 32, 1, false, 1, 1, 0, 0}, Case{2051, 64, 1, false, 1, 1, 0, 0},
                       Case{2051, 256, 1, false, 1, 1, 0, 0}, Case{4096, 32, 1, false, 1, 1, 0, 0},
                       Case{4096, 128, 1, false, 1, 1, 0, 0}, Case{1030, 40, 2, true, 1, 2, 1, 1},
+                      Case{2051, 96, 1, false, 1, 1, 0, 0}, Case{1030, 80, 2, true, 1, 2, 1, 1},
+                      Case{1030, 100, 1, false, 1, 1, 0, 3}, Case{3000, 64, 2, true, 1, 1, 0, 0},
                       Case{2051, 3, 2, false, 2, 1, 0, 0}, Case{1030, 96, 2, true, 1, 3, 0, 2}),
     [](const auto& info) { return case_name(info.param); });
 

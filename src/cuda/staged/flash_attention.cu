@@ -32,9 +32,11 @@
 // (keys) at column g (feature): two 4-byte loads from v stored as it comes,
 // key-major, at a row stride that puts them in 32 distinct banks.
 //
-// On sm_90a code, head dims 17 to 32 on sequences longer than 64 go to a
-// wgmma version of this kernel instead (flash_attention_wgmma.cu, the same
-// results; FlashArgs::mma_sync keeps them here).
+// On sm_90a code, sequences longer than 64 go to wgmma versions of this
+// kernel instead: head dims 17 to 32 to flash_attention_wgmma.cu (the same
+// results), 49 to 128 to flash_attention_wgmma_wide.cu (split-KV there too);
+// FlashArgs::mma_sync keeps them here. Sequences of one position take a
+// kernel of their own (flash_single_key_kernel: o = v).
 //
 // Head dims: the kernel is a template on a padded head dim HDP (8, 16, 32,
 // 48, 64, 96, 128, 192, 256); columns hd..HDP-1 of q, k and v are zero in
@@ -539,6 +541,14 @@ cudaError_t launch_single_key(const FlashArgs& a, float scale_log2, const Device
                                                        DropoutPass{});
 }
 
+// The merge of a split pass's partials into o and lse (flash_combine_kernel).
+cudaError_t launch_combine(const FlashArgs& a, const SplitArgs& sp, const DeviceCaps& dev, cudaStream_t stream) {
+  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const int64_t combine_blocks = (sp.rows * (a.D / a.heads) + kCombineThreads - 1) / kCombineThreads;
+  return launch_kernel<flash_combine_kernel>(dim3((unsigned)combine_blocks), dim3(kCombineThreads), 0, stream, dev, k,
+                                             sp);
+}
+
 // The padded head dim that serves head_dim (0: none).
 int padded_head_dim(int64_t head_dim) { return flash_padded_head_dim(head_dim); }
 
@@ -561,9 +571,7 @@ cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const SplitArgs& 
                                             stream, dev, k, scale_log2, q_tiles, dpass, sp);
       e != cudaSuccess || !kSplit)
     return e;
-  const int64_t combine_blocks = (sp.rows * (a.D / a.heads) + kCombineThreads - 1) / kCombineThreads;
-  return launch_kernel<flash_combine_kernel>(dim3((unsigned)combine_blocks), dim3(kCombineThreads), 0, stream, dev, k,
-                                             sp);
+  return launch_combine(a, sp, dev, stream);
 }
 
 template <int HDP, int W>
@@ -654,6 +662,13 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)
     sp.splits = flash_kv_splits(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
   if (sp.splits == 1 && flash_wgmma_applies(a, dev)) return flash_attention_wgmma(a, vec, scale_log2, dev, stream);
+  if (flash_wgmma_wide_applies(a, dev)) {
+    const int splits = flash_wgmma_wide_splits(a.pos.num_seq, a.pos.len, a.heads, sp.splits, dev.sms);
+    if (cudaError_t e = flash_attention_wgmma_wide(a, vec, scale_log2, sp.partials, splits, dev, stream);
+        e != cudaSuccess || splits == 1)
+      return e;
+    return launch_combine(a, SplitArgs{sp.partials, sp.rows, splits}, dev, stream);
+  }
   return with_padded_head_dim(
       hdp, [&](auto h) { return launch_flash<decltype(h)::value>(a, vec, scale_log2, sp, dev, stream); },
       cudaErrorInvalidValue);

@@ -104,4 +104,25 @@ bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev);
 cudaError_t flash_attention_wgmma(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
                                   cudaStream_t stream);
 
+// ---- The wgmma kernel for head dims 49 to 128 (flash_attention_wgmma_wide.cu) ----------------
+// Padded head dims 64, 96 and 128 on sm_90a code, sequences longer than kFlashWgmmaMinLen:
+// q raw in shared memory and split a run, keys 32 a step, blocks of 128 queries taking units
+// in turn; dropout, and split-KV where flash_attention gives it partials (S units a query tile,
+// their partials in flash_partials_bytes' layout, merged by flash_attention's combine kernel).
+// Not bitwise the mma.sync kernel's results (both within the float64 tests' bounds).
+
+// Whether flash_attention runs a's pass on this kernel on dev.
+bool flash_wgmma_wide_applies(const FlashArgs& a, const DeviceCaps& dev);
+
+// The splits this kernel takes for a pass the mma.sync kernel would split `rule_splits` ways
+// (flash_kv_splits; its partials are sized for that many): as many as fill one round of a
+// block an SM, at most rule_splits, at least 1.
+int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int heads, int rule_splits, int sms);
+
+// The launch flash_attention makes where flash_wgmma_wide_applies; splits > 1: partials (room
+// for rule_splits >= splits) get the unnormalised o, m and l, and a.o, a.lse are not written;
+// cudaErrorInvalidValue for splits > 1 with dropout (the split kernels have none).
+cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale_log2, float* partials, int splits,
+                                       const DeviceCaps& dev, cudaStream_t stream);
+
 }  // namespace fastaxial::cuda

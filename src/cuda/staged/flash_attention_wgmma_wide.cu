@@ -1,0 +1,545 @@
+// The flash attention step (flash_attention.h) on Hopper's warpgroup
+// products (wgmma, sm_90a) for padded head dims 64, 96 and 128: for each
+// sequence n and head h,
+//   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
+// with the per-row log-sum-exp, attention dropout and split-KV partials as
+// the mma.sync kernel of flash_attention.cu computes them (the same splits
+// into TF32 planes, runs of two 8-deep steps into fresh accumulators, the
+// same online softmax and mask).
+//
+// Why a third kernel. The mma.sync kernel builds every B fragment from
+// shared memory, split on the fly, in each warp, and at head dim 128 runs
+// at about 30 TFLOP/s fp32-equivalent (docs/perf-notes.md, v50). The head
+// dim 32 wgmma kernel (flash_attention_wgmma.cu) holds q's split fragments
+// in registers and double-buffers raw rows and q; at head dim 128 neither
+// fits: q's fragments would be 128 registers a thread, and two buffers of
+// everything 330 KB of shared memory. So here:
+//   - q stays raw in shared memory (128-byte rows XOR-swizzled by row, so
+//     the fragment reads hit 32 banks without padding) and each run of the
+//     score product reads and splits its two steps' fragments;
+//   - keys come 32 a step (one 128-byte atom of keys in v^T's planes);
+//   - one raw stage and one q buffer, hence two barriers a step (below).
+// Shared memory at head dim 128: k (hi, lo) planes 64 KB and v^T planes
+// 64 KB (two buffers each), the raw stage 33 KB, q 64 KB: 226 KB.
+//
+// Shape of the work. A block (two warpgroups of 64 queries: 128 queries, a
+// unit) takes units in turn, one block an SM: unit u = blockIdx.x, +
+// gridDim.x, ... is query tile u % q_tiles of split (u / q_tiles) % S of
+// item u / (q_tiles S) = n heads + h. A unit streams its keys (all, or its
+// split's contiguous range) 32 at a time; the steps of a block's units form
+// one stream. Step s, its k and v^T planes split and visible, the raw stage
+// holding step s + 1's rows:
+//   1. s (64, 32) = q k^T per warpgroup: HDP / 16 runs of two 8-deep steps,
+//      alternating two fresh accumulators; between the runs, step s + 1's
+//      split (raw stage -> the other plane buffer).
+//   2. barrier; step s + 2's raw rows (and with a unit's last step, the next
+//      unit's q) copied into the stage and the q buffer, both now free.
+//   3. the online softmax on s in registers (flash_attention.cu's).
+//   4. o (64, HDP) += p v: for each half of o's columns (one for HDP 64),
+//      runs of two key groups into one fresh accumulator.
+//   5. wait for the copies; barrier: step s + 2's rows in, step s's planes free.
+// 3xTF32 throughout (detail/tf32x3.cuh).
+//
+// Positions >= L are zero-filled by the copies and their scores set to
+// -inf; columns hd..HDP-1 of q and of the raw stage are zeroed once and
+// never copied, so the splits carry zeros into the planes.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/host.h"
+#include "../detail/launch.cuh"
+#include "../detail/lse.cuh"
+#include "../detail/split_planes.cuh"
+#include "../detail/tf32x3.cuh"
+#include "../detail/wgmma.cuh"
+#include "flash_attention.h"
+
+namespace fastaxial::cuda {
+namespace {
+
+// Sizes and byte offsets of a block's shared memory (see the header comment).
+template <int HDP>
+struct WideTile {
+  static_assert(HDP == 64 || HDP == 96 || HDP == 128, "padded head dims 64, 96, 128");
+  static constexpr int BM = 128, BN = 32, kThreads = 256;  // two warpgroups of 64 queries; keys a step
+  static constexpr int ld = HDP + 4;                       // raw rows: conflict-free transposing reads
+  static constexpr int chunk = BN * 128;                   // k's features 32c..32c + 31 for the step's keys
+  static constexpr int k_plane = (HDP / 32) * chunk;
+  static constexpr int vt_plane = HDP * 128;  // one atom: the step's 32 keys of every feature
+  static constexpr int PN = HDP <= 64 ? HDP : HDP / 2;  // o's columns a p v product (n64, n48)
+  static constexpr int k_off = 0;                       // (hi, lo) planes of k, two buffers
+  static constexpr int vt_off = k_off + 2 * 2 * k_plane;
+  static constexpr int raw_off = vt_off + 2 * 2 * vt_plane;  // k's rows, then v's, (BN, HDP) at stride ld
+  static constexpr int q_off = raw_off + 2 * BN * ld * 4;    // (BM, HDP), rows swizzled
+  static constexpr int bytes = q_off + BM * HDP * 4 + 1024;  // + room to align the base
+  static constexpr int runs = HDP / 16;                      // runs of the score product
+  static_assert(bytes <= 232448, "an H200 block's shared memory (227 KB)");
+  static_assert(chunk % 1024 == 0 && vt_plane % 1024 == 0 && (PN * 128) % 1024 == 0 && q_off % 16 == 0,
+                "swizzled planes on 1024-byte boundaries, cp.async rows on 16-byte ones");
+  static_assert(BN * (HDP / 4) == (runs / 2) * kThreads && BN * HDP == 2 * runs * kThreads,
+                "a step's split in `runs` parts: a piece of k on every other part, two elements of v on each");
+};
+
+// Word of q's element (r, c): rows of HDP words, the 16-byte piece c / 4
+// XORed with r % 8 (inside its 128 bytes), so that a fragment read (rows g, g + 8,
+// columns 8 kk + t (+ 4)) hits 32 banks.
+template <int HDP>
+__device__ __forceinline__ int q_word(int r, int c) {
+  return r * HDP + (c ^ ((r & 7) << 2));
+}
+
+struct KernelArgs {
+  AxisView pos;
+  const float* qkv;
+  float* o;
+  float* lse;
+  int D, heads;
+};
+
+struct SplitOut {
+  float* partials;  // flash_attention.h's layout (smem_layout.h's flash_partials_bytes), or null
+  int64_t rows;     // num_seq heads L
+  int splits;       // S >= 1
+};
+
+// kVec: 16-byte copies. kDropout: dpass applies. kSplit: units carry a split
+// of their keys and write unnormalised o, m and l to sp.partials.
+template <int HDP, bool kVec, bool kDropout, bool kSplit>
+__global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelArgs a, float scale_log2, int q_tiles,
+                                                                  const DropoutPass dpass, const SplitOut sp) {
+#if FASTAXIAL_SM90A_DEVICE
+  using Tile = WideTile<HDP>;
+  constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld, PN = Tile::PN;
+  constexpr int NT = BN / 8, NO = HDP / 2;  // key n-tiles; o's accumulators
+  static_assert(!(kSplit && kDropout), "splits only without dropout");
+  const int hd = a.D / a.heads, L = (int)a.pos.len;
+  extern __shared__ float4 smem4[];
+  const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
+  char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
+  float* qs = reinterpret_cast<float*>(sm + Tile::q_off);
+  float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);  // k rows, then v rows at + BN LD
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+
+  // Columns hd..HDP-1 of q and of the raw stage: zero for the whole block.
+  if (hd < HDP) {
+    const int pad = HDP - hd;
+    for (int e = tid; e < (BM + 2 * BN) * pad; e += kThreads) {
+      const int r = e / pad, c = hd + e % pad;
+      if (r < BM)
+        qs[q_word<HDP>(r, c)] = 0.0f;
+      else
+        raws[(r - BM) * LD + c] = 0.0f;
+    }
+  }
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int S = kSplit ? sp.splits : 1;
+  const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles * S;
+  const int tiles = (L + BN - 1) / BN;
+  const int64_t my_units = (units - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int64_t ps = a.pos.pos_stride;
+  const int64_t row_words = 3 * (int64_t)a.D;
+
+  // Unit i of this block: item, split, first query, key tiles j0..j1 - 1,
+  // row of position 0, and q's columns in row 0 (k at + D, v at + 2D).
+  struct Unit {
+    int64_t item;
+    int split, q0, j0, j1;
+    int64_t seq;
+    int col;
+    const float* qg;
+  };
+  const auto unit_at = [&](int64_t i) {
+    const int64_t u = blockIdx.x + i * gridDim.x;
+    Unit x;
+    x.q0 = (int)(u % q_tiles) * BM;
+    const int64_t rest = u / q_tiles;
+    x.split = (int)(rest % S);
+    x.item = rest / S;
+    x.j0 = (int)((int64_t)tiles * x.split / S);
+    x.j1 = (int)((int64_t)tiles * (x.split + 1) / S);
+    const int h = (int)(x.item % a.heads);
+    x.seq = a.pos.offset(x.item / a.heads, 0);
+    x.col = h * hd;
+    x.qg = a.qkv + x.seq * row_words + x.col;
+    return x;
+  };
+
+  // Rows p0 .. p0 + rows - 1 of a head slice (src: row 0's) into raw rows at
+  // dst (stride LD), or with kQ into q's swizzled rows; positions >= L as zeros.
+  const auto copy_rows = [&](auto q_c, int rows, uint32_t dst, const float* src, int p0) {
+    constexpr bool kQ = decltype(q_c)::value;
+    if constexpr (kVec) {
+      constexpr int C = HDP / 4;
+      for (int e = tid; e < rows * C; e += kThreads) {
+        const int r = e / C, c = 4 * (e % C);
+        if (c >= hd) continue;
+        const int l = p0 + r;
+        const bool valid = l < L;
+        const int w = kQ ? q_word<HDP>(r, c) : r * LD + c;
+        copy_async16(dst + (uint32_t)(w * 4), valid ? src + l * ps * row_words + c : a.qkv, valid ? 16 : 0);
+      }
+    } else {
+      for (int e = tid; e < rows * HDP; e += kThreads) {
+        const int r = e / HDP, c = e % HDP;
+        if (c >= hd) continue;
+        const int l = p0 + r;
+        const bool valid = l < L;
+        const int w = kQ ? q_word<HDP>(r, c) : r * LD + c;
+        copy_async4(dst + (uint32_t)(w * 4), valid ? src + l * ps * row_words + c : a.qkv, valid ? 4 : 0);
+      }
+    }
+  };
+  using IsQ = std::integral_constant<bool, true>;
+  using IsRaw = std::integral_constant<bool, false>;
+  const uint32_t raw_k = base + Tile::raw_off, raw_v = raw_k + BN * LD * 4;
+
+  // The copy cursor: the next step to copy is tile cj of unit ci (cu).
+  int64_t ci = 0;
+  Unit cu = unit_at(0);
+  int cj = cu.j0;
+  const auto copy_step = [&]() {  // its raw rows into the stage, then moves on
+    copy_rows(IsRaw(), BN, raw_k, cu.qg + a.D, cj * BN);
+    copy_rows(IsRaw(), BN, raw_v, cu.qg + 2 * a.D, cj * BN);
+    if (++cj == cu.j1 && ++ci < my_units) cu = unit_at(ci), cj = cu.j0;
+  };
+  const auto copy_q = [&](const Unit& x) { copy_rows(IsQ(), BM, base + Tile::q_off, x.qg, x.q0); };
+
+  // Part i (of Tile::runs) of a step's split from the raw stage into plane
+  // buffer b: k's piece i / 2 on even parts, two of v's elements on each.
+  // k: piece e = tid + 256 p is row e / (HDP / 4), features 4 (e % (HDP / 4)) + 0..3.
+  // v: this thread's key is fixed (kv below), its features 8 i' + tid % 8.
+  const int kv = 8 * ((tid >> 6) & 3) + 2 * ((tid >> 3) & 3) + ((tid >> 5) & 1);
+  const int v_raw = kv * LD + (tid & 7), v_plane = transposed_word<HDP>(kv, tid & 7);
+  const auto split_part = [&](int i, int b) {
+    if (i % 2 == 0) {
+      const int e = tid + kThreads * (i / 2);
+      const int r = e / (HDP / 4), c = e % (HDP / 4);
+      const float4 x = *reinterpret_cast<const float4*>(raws + r * LD + 4 * c);
+      uint32_t h0, h1, h2, h3, w0, w1, w2, w3;
+      split(x.x, h0, w0), split(x.y, h1, w1), split(x.z, h2, w2), split(x.w, h3, w3);
+      char* at = sm + Tile::k_off + b * 2 * Tile::k_plane + (c / 8) * Tile::chunk + r * 128 + ((((c % 8) ^ r) & 7) << 4);
+      *reinterpret_cast<uint4*>(at) = make_uint4(h0, h1, h2, h3);
+      *reinterpret_cast<uint4*>(at + Tile::k_plane) = make_uint4(w0, w1, w2, w3);
+    }
+    float* vp = reinterpret_cast<float*>(sm + Tile::vt_off + b * 2 * Tile::vt_plane);
+    const float* vr = raws + BN * LD;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int f = 2 * i + k;  // features 8 f + tid % 8
+      uint32_t hv, lv;
+      split(vr[v_raw + 8 * f], hv, lv);
+      vp[v_plane + 256 * f] = __uint_as_float(hv);
+      vp[Tile::vt_plane / 4 + v_plane + 256 * f] = __uint_as_float(lv);
+    }
+  };
+
+  // Prologue: unit 0's q and step 0's rows in and split, step 1's rows in.
+  copy_q(cu);
+  copy_step();
+  copy_async_commit();
+  copy_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < Tile::runs; ++i) split_part(i, 0);
+  __syncthreads();  // the stage read; its next rows may come
+  if (ci < my_units) copy_step();  // step 1, where there is one
+  copy_async_commit();
+  copy_async_wait<0>();
+  fence_async_smem();
+  __syncthreads();
+
+  Unit cur = unit_at(0);
+  int64_t ui = 0;
+  int j = cur.j0;
+  int64_t st = 0;
+  DropoutParams drop;
+  if constexpr (kDropout) drop = dropout_read(dpass);
+  uint64_t e_warp = 0;
+  // Rows g (o[4f], o[4f + 1]; m0, l0) and g + 8 (o[4f + 2], o[4f + 3]; m1, l1)
+  // of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
+  float o[NO];
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const float* qw = qs + 16 * warp * HDP;  // the warp's q rows (swizzle: row % 8 = g)
+  const auto q_frag = [&](int kk) {         // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) of step kk
+    const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
+    return make_a(qw[g * HDP + c0], qw[(g + 8) * HDP + c0], qw[g * HDP + c1], qw[(g + 8) * HDP + c1]);
+  };
+
+  // Step st = tile j of unit ui: its planes (buffer st % 2) split and visible;
+  // the raw stage holds step st + 1's rows, landed.
+  while (true) {
+    const bool first = j == cur.j0, last = j + 1 == cur.j1;
+    const bool has_next = !last || ui + 1 < my_units;  // a step st + 1
+    if (first) {
+      if constexpr (kDropout)
+        e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
+#pragma unroll
+      for (int i = 0; i < NO; ++i) o[i] = 0.0f;
+      m0 = m1 = -INFINITY, l0 = l1 = 0.0f;
+    }
+    const int b = (int)(st & 1);
+
+    // 1. s = q k^T: runs of steps 2r, 2r + 1 into acc[r % 2], q's fragments
+    // read and split a run; step st + 1's split between the runs.
+    float s[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
+    {
+      const uint32_t kb = base + Tile::k_off + (uint32_t)(b * 2 * Tile::k_plane);
+      float acc[2][BN / 2];
+      FragA f[2][2];
+#pragma unroll
+      for (int r = 0; r < Tile::runs; ++r) {
+        f[r % 2][0] = q_frag(2 * r), f[r % 2][1] = q_frag(2 * r + 1);
+        uint64_t d[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int kk = 2 * r + k;
+          d[k] = desc_sw128(kb + (kk / 4) * Tile::chunk + (kk % 4) * 32);
+        }
+        wgmma_3xtf32_run<BN>(acc[r % 2], f[r % 2], d, Tile::k_plane >> 4);
+        if (has_next) split_part(r, b ^ 1);
+        if (r > 0) {
+          wgmma_wait<1>();
+          fence_frags(f[(r - 1) % 2]);
+          add_to(s, acc[(r - 1) % 2]);
+        }
+      }
+      wgmma_wait<0>();
+      fence_frags(f[(Tile::runs - 1) % 2]);
+      add_to(s, acc[(Tile::runs - 1) % 2]);
+    }
+
+    // 2. Every thread past its split and its reads of q: the stage and (with
+    // the unit's last step) the q buffer are free.
+    fence_async_smem();  // the planes were written by ordinary stores; wgmma reads them
+    __syncthreads();
+    if (ci < my_units) copy_step();  // step st + 2, where there is one
+    if (last && ui + 1 < my_units) copy_q(unit_at(ui + 1));
+    copy_async_commit();
+
+    // Dropout's keep bits of the tile (common/dropout.h).
+    uint32_t keep[NT / 2];
+    if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
+
+    // 3. Scores in base 2, keys >= L at -inf, the online softmax.
+    const int key0 = j * BN;
+    const bool partial = key0 + BN > L;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x0 = s[4 * jn + e] * scale_log2, x1 = s[4 * jn + 2 + e] * scale_log2;
+        if (partial && key0 + 8 * jn + 2 * t + e >= L) x0 = x1 = -INFINITY;
+        s[4 * jn + e] = x0, s[4 * jn + 2 + e] = x1;
+        mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
+      }
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, m));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, m));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
+    m0 = mn0, m1 = mn1;
+    l0 *= c0, l1 *= c1;
+#pragma unroll
+    for (int f = 0; f < NO / 4; ++f) o[4 * f] *= c0, o[4 * f + 1] *= c0, o[4 * f + 2] *= c1, o[4 * f + 3] *= c1;
+#pragma unroll
+    for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[4 * jn + e] = exp2f(s[4 * jn + e] - m0);
+        s[4 * jn + 2 + e] = exp2f(s[4 * jn + 2 + e] - m1);
+        l0 += s[4 * jn + e], l1 += s[4 * jn + 2 + e];
+      }
+    if constexpr (kDropout) {
+#pragma unroll
+      for (int jn = 0; jn < NT; ++jn) {
+        const uint32_t bits = keep[jn / 2] >> (16 * (jn & 1));
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (!((bits >> dropout_bit_rows(t, k)) & 1u)) s[4 * jn + k] = 0.0f;
+      }
+    }
+
+    // 4. o += p v, PN columns at a time: runs of two key groups into a fresh accumulator.
+    {
+      const uint32_t vb = base + Tile::vt_off + (uint32_t)(b * 2 * Tile::vt_plane);
+#pragma unroll
+      for (int hh = 0; hh < HDP / PN; ++hh)
+#pragma unroll
+        for (int rr = 0; rr < BN / 16; ++rr) {
+          FragA f[2];
+          uint64_t d[2];
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int jg = 2 * rr + k;  // keys 8 jg .. 8 jg + 7
+            f[k] = make_a(s[4 * jg], s[4 * jg + 2], s[4 * jg + 1], s[4 * jg + 3]);
+            d[k] = desc_sw128(vb + hh * PN * 128 + jg * 32);
+          }
+          float acc[PN / 2];
+          wgmma_3xtf32_run<PN>(acc, f, d, Tile::vt_plane >> 4);
+          wgmma_wait<0>();
+          fence_frags(f);
+          fence_regs(acc);
+#pragma unroll
+          for (int i = 0; i < PN / 2; ++i) o[hh * (PN / 2) + i] += acc[i];
+        }
+    }
+
+    if (last) {  // the unit's end: o / l and the lse out, or the split's partials
+#pragma unroll
+      for (int m = 1; m <= 2; m <<= 1) {
+        l0 += __shfl_xor_sync(0xffffffffu, l0, m);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, m);
+      }
+      const int r0 = cur.q0 + 16 * warp + g, r1 = r0 + 8;
+      const bool in0 = r0 < L, in1 = r1 < L;
+      if constexpr (kSplit) {
+        float* po = sp.partials + ((int64_t)cur.split * sp.rows + cur.item * L) * hd;
+#pragma unroll
+        for (int f = 0; f < NO / 4; ++f)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 8 * f + 2 * t + e;
+            if (c >= hd) continue;
+            if (in0) po[(int64_t)r0 * hd + c] = o[4 * f + e];
+            if (in1) po[(int64_t)r1 * hd + c] = o[4 * f + 2 + e];
+          }
+        if (t == 0) {
+          float* pm = sp.partials + (int64_t)S * sp.rows * hd + (int64_t)cur.split * sp.rows + cur.item * L;
+          float* pl = pm + (int64_t)S * sp.rows;
+          if (in0) pm[r0] = m0, pl[r0] = l0;
+          if (in1) pm[r1] = m1, pl[r1] = l1;
+        }
+      } else {
+        const float num = kDropout ? dpass.scale : 1.0f;
+        const float inv0 = num / l0, inv1 = num / l1;
+        float* o0 = in0 ? a.o + (cur.seq + (int64_t)r0 * ps) * a.D + cur.col : nullptr;
+        float* o1 = in1 ? a.o + (cur.seq + (int64_t)r1 * ps) * a.D + cur.col : nullptr;
+#pragma unroll
+        for (int f = 0; f < NO / 4; ++f)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 8 * f + 2 * t + e;
+            if (c >= hd) continue;
+            if (in0) o0[c] = o[4 * f + e] * inv0;
+            if (in1) o1[c] = o[4 * f + 2 + e] * inv1;
+          }
+        if (a.lse && t == 0) {  // detail/lse.cuh
+          const int64_t rows = a.pos.num_seq * a.heads * L;
+          if (in0) store_lse2(a.lse, rows, cur.item * L + r0, m0, l0);
+          if (in1) store_lse2(a.lse, rows, cur.item * L + r1, m1, l1);
+        }
+      }
+    }
+
+    // 5. Step st + 2's rows (and the next unit's q) in; every warpgroup done
+    // with step st's planes.
+    if (!has_next) break;
+    copy_async_wait<0>();
+    __syncthreads();
+    ++st;
+    if (last) {
+      cur = unit_at(++ui);
+      j = cur.j0;
+    } else {
+      ++j;
+    }
+  }
+#else
+  (void)a, (void)scale_log2, (void)q_tiles, (void)dpass, (void)sp;
+  __trap();  // built without sm_90a: flash_wgmma_applies is false there
+#endif
+}
+
+template <int HDP, bool kVec, bool kDropout, bool kSplit>
+cudaError_t launch(const FlashArgs& a, float scale_log2, const SplitOut& sp, const DeviceCaps& dev,
+                   cudaStream_t stream) {
+  using Tile = WideTile<HDP>;
+  constexpr auto kernel = flash_wgmma_wide_kernel<HDP, kVec, kDropout, kSplit>;
+  if ((size_t)Tile::bytes > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
+  if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
+  const int L = (int)a.pos.len;
+  const int q_tiles = (L + Tile::BM - 1) / Tile::BM;
+  const int64_t units = a.pos.num_seq * a.heads * q_tiles * (int64_t)sp.splits;
+  const int64_t blocks = std::min<int64_t>(units, std::max(dev.sms, 1));  // a block an SM, taking units in turn
+  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
+  return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(Tile::kThreads), Tile::bytes, stream, dev, k, scale_log2,
+                               q_tiles, dpass, sp);
+}
+
+template <int HDP>
+cudaError_t launch(const FlashArgs& a, bool vec, float scale_log2, const SplitOut& sp, const DeviceCaps& dev,
+                   cudaStream_t stream) {
+  if (sp.splits > 1)
+    return vec ? launch<HDP, true, false, true>(a, scale_log2, sp, dev, stream)
+               : launch<HDP, false, false, true>(a, scale_log2, sp, dev, stream);
+  if constexpr (kDropoutAvailable)
+    if (a.dropout.threshold != 0)
+      return vec ? launch<HDP, true, true, false>(a, scale_log2, sp, dev, stream)
+                 : launch<HDP, false, true, false>(a, scale_log2, sp, dev, stream);
+  return vec ? launch<HDP, true, false, false>(a, scale_log2, sp, dev, stream)
+             : launch<HDP, false, false, false>(a, scale_log2, sp, dev, stream);
+}
+
+}  // namespace
+
+bool flash_wgmma_wide_applies(const FlashArgs& a, const DeviceCaps& dev) {
+#if defined(FASTAXIAL_WGMMA)
+  const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
+  const int hdp = flash_padded_head_dim(hd);
+  if (a.mma_sync || !dev.sm90a || a.pos.len <= kFlashWgmmaMinLen) return false;
+  return with_padded_head_dim(
+      hdp,
+      [&](auto h) {
+        constexpr int H = decltype(h)::value;
+        if constexpr (H == 64 || H == 96 || H == 128)
+          return (size_t)WideTile<H>::bytes <= (size_t)dev.smem_optin;
+        else
+          return false;
+      },
+      false);
+#else
+  (void)a, (void)dev;
+  return false;  // no sm_90a code in this build: the kernel's body is a trap
+#endif
+}
+
+int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int heads, int rule_splits, int sms) {
+  if (rule_splits <= 1 || num_seq <= 0 || len <= 0 || heads <= 0) return 1;
+  const int64_t tiles = num_seq * heads * ((len + WideTile<128>::BM - 1) / WideTile<128>::BM);
+  return (int)std::max<int64_t>(1, std::min<int64_t>(rule_splits, std::max(sms, 1) / tiles));
+}
+
+cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale_log2, float* partials, int splits,
+                                       const DeviceCaps& dev, cudaStream_t stream) {
+  if (a.heads <= 0 || a.D % a.heads != 0 || splits < 1 ||
+      (splits > 1 && (partials == nullptr || a.dropout.threshold != 0)))
+    return cudaErrorInvalidValue;
+  if (a.pos.num_seq <= 0) return a.pos.num_seq == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  const SplitOut sp = {partials, a.pos.num_seq * a.heads * a.pos.len, splits};
+  switch (flash_padded_head_dim(a.D / a.heads)) {
+    case 64:
+      return launch<64>(a, vec, scale_log2, sp, dev, stream);
+    case 96:
+      return launch<96>(a, vec, scale_log2, sp, dev, stream);
+    case 128:
+      return launch<128>(a, vec, scale_log2, sp, dev, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace fastaxial::cuda
