@@ -14,10 +14,11 @@
 // or two long sequences, whose keys the launcher splits over several
 // blocks and merges, against the same float64 reference, bitwise
 // repeatable.
-// On an sm_90a device, every case that a wgmma kernel takes (head dims 17
-// to 32, and 49 to 128 on the wide kernel; L > 64) runs twice, on it and on
-// the mma.sync kernel, each against the reference; the dropout and split
-// cases it takes draw their mask or split their keys there.
+// Every case that another kernel takes (on an sm_90a device the wgmma ones:
+// head dims 17 to 32, and 49 to 128 on the wide kernel, L > 64; anywhere the
+// short-sequence one: L <= 4) runs twice, on it and on the mma.sync kernel,
+// each against the reference; the dropout and split cases it takes draw
+// their mask or split their keys there.
 // Skipped without a device, but for the host-side rules.
 #include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
 
@@ -117,7 +118,7 @@ struct Result {
 // {seed, offset} (null: none given).
 // With `partials`, a poisoned split-KV buffer of flash_attention_partials_bytes
 // for the pass (none where that is 0).
-// mma_sync: the mma.sync kernel even where the wgmma one applies.
+// mma_sync: the mma.sync kernel even where a wgmma one or the short-sequence one applies.
 void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
              const uint64_t* philox_seed_offset = nullptr, bool partials = false, bool mma_sync = false) {
   const int64_t D = pr.D, T = pr.T, lse_n = 2 * pr.N * pr.heads * pr.L;  // hi, then lo
@@ -286,11 +287,13 @@ int64_t rows_differing(const Problem& pr, const Result& x, const Result& y) {
   return differ;
 }
 
-// Whether flash_attention runs pr's pass on the wgmma kernel on dev.
-bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
+// Whether flash_attention runs pr's pass on another kernel than the mma.sync one on dev (a
+// wgmma kernel, or the short-sequence one), which FlashArgs::mma_sync overrides.
+bool takes_other_kernel(const Problem& pr, const DeviceCaps& dev) {
   cuda::FlashArgs a;
   a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads;
-  return cuda::flash_wgmma_applies(a, dev) || cuda::flash_wgmma_wide_applies(a, dev);
+  return cuda::flash_wgmma_applies(a, dev) || cuda::flash_wgmma_wide_applies(a, dev) ||
+         pr.L <= cuda::kFlashShortMaxLen;
 }
 
 class FlashAttention : public ::testing::TestWithParam<Case> {};
@@ -309,7 +312,7 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   if (HasFatalFailure()) return;
   const auto no_mask = [](int64_t, int64_t) { return std::vector<float>(); };
   expect_matches_reference(pr, r, no_mask);
-  if (takes_wgmma(pr, dev)) {  // the mma.sync kernel as well
+  if (takes_other_kernel(pr, dev)) {  // the mma.sync kernel as well
     Result m;
     run_gpu(pr, c.misalign, dev, &m, nullptr, nullptr, false, true);
     if (HasFatalFailure()) return;
@@ -335,6 +338,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{7, 80, 4, true, 5, 40, 0, 0}, Case{200, 96, 1, true, 1, 10, 0, 0},
                       Case{1024, 128, 2, true, 1, 1, 0, 0}, Case{65, 160, 2, false, 1, 30, 0, 2},
                       Case{1024, 256, 1, false, 1, 1, 0, 0}, Case{1, 256, 4, false, 2, 100, 0, 0}, Case{1, 128, 1, true, 4, 1024, 1000, 0},
+                      Case{2, 128, 1, true, 2, 300, 0, 0}, Case{16, 64, 4, false, 2, 30, 50, 0},
+                      Case{12, 3, 2, true, 1, 9, 0, 2}, Case{3, 3, 2, true, 1, 9, 0, 2}, Case{4, 96, 2, false, 3, 40, 0, 0}, Case{16, 256, 2, false, 1, 4, 0, 0}, Case{17, 128, 2, true, 2, 20, 0, 0},
                       Case{2051, 3, 4, true, 1, 2, 0, 0}, Case{200, 128, 4, false, 1, 4, 3, 0},
                       Case{1024, 16, 4, false, 1, 3, 0, 0}, Case{7, 256, 1, true, 3, 5, 0, 1},
                       Case{64, 1, 1, true, 2, 100, 0, 0}, Case{200, 8, 2, false, 1, 6, 0, 2},
@@ -574,7 +579,7 @@ TEST_P(FlashAttentionDropout, MatchesDoubleReference) {
   EXPECT_EQ(rows_differing(pr, r, again), 0) << "rows differ between two calls";
   EXPECT_EQ(std::memcmp(r.lse.data(), again.lse.data(), lse_n * sizeof(float)), 0) << "lse differs between two calls";
 
-  if (takes_wgmma(pr, dev)) {  // the mma.sync kernel draws the same mask
+  if (takes_other_kernel(pr, dev)) {  // the mma.sync kernel draws the same mask
     Result m;
     run_gpu(pr, c.misalign, dev, &m, &given, pair, false, true);
     if (HasFatalFailure()) return;
@@ -605,6 +610,9 @@ const DropoutCase kDropoutCases[] = {
     {Case{256, 64, 2, true, 1, 2, 0, 0}, DropoutSpec{1.0f, 1, 2, 0}},
     {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
     {Case{1, 64, 3, false, 3, 200, 0, 0}, DropoutSpec{0.5f, 41, 8, 0}},
+    {Case{5, 96, 2, false, 2, 40, 0, 0}, DropoutSpec{0.5f, 77, 3, 0}},
+    {Case{4, 24, 3, true, 2, 30, 0, 0}, DropoutSpec{0.5f, 55, 2, 0}},
+    {Case{16, 32, 1, true, 3, 10, 0, 1}, DropoutSpec{0.1f, 91, 0, 0}},
     {Case{32, 128, 2, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 31, 6, 0}},
     {Case{48, 48, 2, true, 1, 4, 0, 0}, DropoutSpec{0.1f, 5, 2, 0}},
     {Case{27, 256, 1, true, 1, 3, 0, 0}, DropoutSpec{0.5f, 8, 3, 0}},

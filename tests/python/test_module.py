@@ -255,7 +255,7 @@ def test_long_sequences_and_odd_head_dims(B, H, W, D, heads, device):
 # CPU path is tested at these lengths' structure above, and would take seconds here).
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA kernels")
 @pytest.mark.parametrize("B,H,W,D,heads", [(1, 3, 4096, 24, 1), (1, 4096, 2, 64, 4), (1, 1, 4096, 32, 2),
-                                           (1, 1, 4096, 128, 1)],
+                                           (1, 1, 4096, 128, 1), (1, 2, 4096, 96, 1)],
                          ids=lambda v: str(v))
 def test_sequences_of_4096(B, H, W, D, heads):
     check_against_reference(B, H, W, D, heads, torch.device("cuda"), seed=H + W + D)

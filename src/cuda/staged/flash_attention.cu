@@ -35,8 +35,9 @@
 // On sm_90a code, sequences longer than 64 go to wgmma versions of this
 // kernel instead: head dims 17 to 32 to flash_attention_wgmma.cu (the same
 // results), 49 to 128 to flash_attention_wgmma_wide.cu (split-KV there too);
-// FlashArgs::mma_sync keeps them here. Sequences of one position take a
-// kernel of their own (flash_single_key_kernel: o = v).
+// FlashArgs::mma_sync keeps them here. Sequences of kFlashShortMaxLen (4)
+// positions or fewer take a warp-per-(sequence, head) kernel in plain fp32
+// (flash_short_kernel), unless FlashArgs::mma_sync is set.
 //
 // Head dims: the kernel is a template on a padded head dim HDP (8, 16, 32,
 // 48, 64, 96, 128, 192, 256); columns hd..HDP-1 of q, k and v are zero in
@@ -491,54 +492,92 @@ __global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const Ke
   if (a.lse && c == 0) store_lse2(a.lse, rows, r, mx, sum);  // as the kernel's
 }
 
-// Sequences of one position (the column pass of a (B, 1, W) grid, the row
-// pass of (B, H, 1)): softmax over a single key is 1, so o = v (dropped or
-// scaled by the mask) and lse2 = q . k scale_log2 (m = the score, l = 1).
-// The tiled kernel would run a block of 32 queries, 31 of them padding, and
-// all of its products for each item: (1, 1, 4096, 128, 1)'s column pass took
-// 115 us that way, latency-bound. Here a warp per item (n heads + h), lanes
-// over its columns: one read of q, k and v, one write of o.
-constexpr int kSingleKeyThreads = 256;
+// Short sequences (L <= kFlashShortMaxLen = 4: the column pass of a
+// (B, 1, W) or (B, 2, W) grid, say). The tiled kernel runs a block of 32 queries for
+// each (sequence, head), most of it padding, through all of its products:
+// latency-bound ((1, 1, 4096, 128, 1)'s column pass of 4096 sequences of
+// one took 115 us that way). Here a warp per item (n heads + h), lanes
+// over its columns, in plain fp32: for each query, the L scores as
+// warp-reduced dot products, their softmax (base 2, as the tiled kernel's),
+// and o = sum_j p_j v_j / l; the lse as m + log2 l. With L = 1 that is o =
+// v (times the mask's scale, or 0). q's columns in registers (hd <= 256:
+// 8 a lane); k and v rows read again for each query (L1).
+constexpr int kShortThreads = 256;
 
 template <bool kDropout>
-__global__ void __launch_bounds__(kSingleKeyThreads)
-    flash_single_key_kernel(const KernelArgs a, float scale_log2, const DropoutPass dpass) {
+__global__ void __launch_bounds__(kShortThreads)
+    flash_short_kernel(const KernelArgs a, float scale_log2, const DropoutPass dpass) {
+  constexpr int kCols = (kFlashMaxHeadDim + 31) / 32;  // a lane's columns c = lane + 32 k
   grid_dependency_wait();
   allow_dependent_launch();
-  const int hd = a.D / a.heads, lane = threadIdx.x % 32;
+  const int hd = a.D / a.heads, L = (int)a.pos.len, lane = threadIdx.x % 32;
   const int64_t items = a.pos.num_seq * a.heads;
-  const int64_t item = (int64_t)blockIdx.x * (kSingleKeyThreads / 32) + threadIdx.x / 32;
+  const int64_t item = (int64_t)blockIdx.x * (kShortThreads / 32) + threadIdx.x / 32;
   if (item >= items) return;
   const int h = (int)(item % a.heads);
-  const int64_t row = a.pos.offset(item / a.heads, 0);
-  const float* q = a.qkv + row * 3 * a.D + (int64_t)h * hd;  // k at + D, v at + 2D
-  float* o = a.o + row * a.D + (int64_t)h * hd;
-  float f = 1.0f;
-  if constexpr (kDropout) f = dropout_keep(dropout_read(dpass), dpass.base + (uint64_t)item) ? dpass.scale : 0.0f;
-  float dot = 0.0f;
-  for (int c = lane; c < hd; c += 32) {
-    o[c] = q[2 * a.D + c] * f;
-    if (a.lse) dot = fmaf(q[c], q[a.D + c], dot);
-  }
-  if (a.lse) {
+  const int64_t row0 = a.pos.offset(item / a.heads, 0), step = a.pos.pos_stride * 3 * (int64_t)a.D;
+  const float* q0 = a.qkv + row0 * 3 * a.D + (int64_t)h * hd;  // position l's q at + l step; k at + D, v at + 2D
+  DropoutParams drop;
+  if constexpr (kDropout) drop = dropout_read(dpass);
+  for (int i = 0; i < L; ++i) {
+    float q[kCols];
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
-    if (lane == 0) store_lse2(a.lse, items, item, dot * scale_log2, 1.0f);
+    for (int k = 0; k < kCols; ++k) q[k] = lane + 32 * k < hd ? q0[i * step + lane + 32 * k] : 0.0f;
+    float s[kFlashShortMaxLen];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kFlashShortMaxLen; ++j) {
+      if (j >= L) break;
+      const float* kj = q0 + j * step + a.D;
+      float dot = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kCols; ++k)
+        if (lane + 32 * k < hd) dot = fmaf(q[k], kj[lane + 32 * k], dot);
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+      s[j] = dot * scale_log2;
+      mx = fmaxf(mx, s[j]);
+    }
+    float l = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kFlashShortMaxLen; ++j) {
+      if (j >= L) break;
+      s[j] = exp2f(s[j] - mx);
+      l += s[j];
+      if constexpr (kDropout)
+        if (!dropout_keep(drop, dpass.base + ((uint64_t)item * (uint64_t)L + (uint64_t)i) * (uint64_t)L + (uint64_t)j))
+          s[j] = 0.0f;
+    }
+    const float inv = (kDropout ? dpass.scale : 1.0f) / l;
+    float* o = a.o + (row0 + (int64_t)i * a.pos.pos_stride) * a.D + (int64_t)h * hd;
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) {
+      const int c = lane + 32 * k;
+      if (c >= hd) break;
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kFlashShortMaxLen; ++j) {
+        if (j >= L) break;
+        acc = fmaf(s[j], q0[j * step + 2 * a.D + c], acc);
+      }
+      o[c] = acc * inv;
+    }
+    if (a.lse && lane == 0) store_lse2(a.lse, items * L, item * L + i, mx, l);
   }
 }
 
 // A template so that a build without Random123 never instantiates the dropout kernel.
 template <typename = void>
-cudaError_t launch_single_key(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, cudaStream_t stream) {
+cudaError_t launch_short(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, cudaStream_t stream) {
   const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
   const int64_t items = a.pos.num_seq * a.heads;
-  const dim3 grid((unsigned)((items + kSingleKeyThreads / 32 - 1) / (kSingleKeyThreads / 32)));
+  const dim3 grid((unsigned)((items + kShortThreads / 32 - 1) / (kShortThreads / 32)));
   if constexpr (kDropoutAvailable)
     if (a.dropout.threshold != 0)
-      return launch_kernel<flash_single_key_kernel<true>>(grid, dim3(kSingleKeyThreads), 0, stream, dev, k,
-                                                          scale_log2, dropout_pass(a.dropout, a.pass, a.philox));
-  return launch_kernel<flash_single_key_kernel<false>>(grid, dim3(kSingleKeyThreads), 0, stream, dev, k, scale_log2,
-                                                       DropoutPass{});
+      return launch_kernel<flash_short_kernel<true>>(grid, dim3(kShortThreads), 0, stream, dev, k, scale_log2,
+                                                     dropout_pass(a.dropout, a.pass, a.philox));
+  return launch_kernel<flash_short_kernel<false>>(grid, dim3(kShortThreads), 0, stream, dev, k, scale_log2,
+                                                  DropoutPass{});
 }
 
 // The merge of a split pass's partials into o and lse (flash_combine_kernel).
@@ -654,7 +693,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   // after qkv, and hd % 4 == 0 makes D % 4 == 0 too.
   const bool vec = hd % 4 == 0 && reinterpret_cast<uintptr_t>(a.qkv) % 16 == 0;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);  // log2(e) / sqrt(hd)
-  if (a.pos.len == 1) return launch_single_key(a, scale_log2, dev, stream);
+  if (a.pos.len <= kFlashShortMaxLen && !a.mma_sync) return launch_short(a, scale_log2, dev, stream);
   // Split-KV where the rule splits and the caller gave room for the partials
   // (never with dropout: a training forward with dropout keeps S = 1).
   SplitArgs sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, 1};

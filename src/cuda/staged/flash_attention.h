@@ -50,10 +50,18 @@ struct FlashArgs {
   // with dropout keeps S = 1); the layout is smem_layout.h's flash_partials_bytes.
   float* partials = nullptr;
   size_t partials_bytes = 0;
-  // Run the mma.sync kernel even where the wgmma one applies (flash_wgmma_applies): for tests
-  // and benchmarks that compare the two.
+  // Run the mma.sync kernel even where a wgmma one (flash_wgmma_applies,
+  // flash_wgmma_wide_applies) or the short-sequence one applies: for tests and benchmarks
+  // that compare them.
   bool mma_sync = false;
 };
+
+// Sequences of at most this many positions take a kernel of a warp per (sequence, head) in
+// plain fp32 (scores as dot products, the softmax, p v), not the tiled one. On an H200 it took
+// 4096 sequences at head dim 128 in 14.5 us at L = 1 (tiled: 109.1), 26.4 at L = 2 (109.8),
+// 2048 at L = 4 in 29.0 (56.8), but 1024 x 2 heads at L = 8 in 67.0 (57.5): its L^2 warp
+// reductions a (sequence, head) grow faster than the tiles' padding shrinks (perf notes v50).
+constexpr int kFlashShortMaxLen = 4;
 
 // True when the kernel serves this head_dim (1..256).
 bool flash_attention_supports(int64_t head_dim);
