@@ -185,20 +185,8 @@ __device__ __forceinline__ void zero_padding(float* dst, int rows, int hd, int t
 template <int LD, int HDP, bool kVec>
 __device__ __forceinline__ void copy_rows(float* dst, const float* src, int64_t row_words, const Head& hp, int p0,
                                           int rows, int threads) {
-  constexpr int W = kVec ? 4 : 1;  // floats a copy
-  constexpr int C = HDP / W;       // copies a row
-#pragma unroll 1
-  for (int e = threadIdx.x; e < rows * C; e += threads) {
-    const int r = e / C, c = W * (e % C);
-    if (c >= hp.hd) continue;  // kVec: hd % 4 == 0, so runs lie wholly inside or outside
-    const int l = p0 + r;
-    const bool valid = l < hp.L;
-    const float* from = valid ? src + (hp.first + (int64_t)l * hp.stride) * row_words + c : src;
-    if constexpr (kVec)
-      copy_async16(smem_addr(dst + r * LD + c), from, valid ? 16 : 0);
-    else
-      copy_async4(smem_addr(dst + r * LD + c), from, valid ? 4 : 0);
-  }
+  const auto at = [&](int l, int c) { return src + (hp.first + (int64_t)l * hp.stride) * row_words + c; };
+  copy_head_rows<HDP, kVec, 1>(dst, RowMajor<LD>(), at, p0, rows, hp.L, hp.hd, src, threadIdx.x, threads);
 }
 
 // Entries p0 .. p0 + n - 1 of one (sequence, head)'s lse or delta row src

@@ -147,26 +147,8 @@ __global__ void __launch_bounds__(256, 1)
   // floats) into shared memory at dst (row stride LD); positions >= L as zeros.
   const auto copy_rows = [&](auto rows_c, uint32_t dst, const float* src, int64_t words, int p0) {
     constexpr int ROWS = decltype(rows_c)::value;
-    if constexpr (kVec) {
-      constexpr int C = HDP / 4;
-#pragma unroll 4
-      for (int e = tid; e < ROWS * C; e += kThreads) {
-        const int r = e / C, c = 4 * (e % C);
-        if (c >= hd) continue;
-        const int l = p0 + r;
-        const bool valid = l < L;
-        copy_async16(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * words + c : a.qkv, valid ? 16 : 0);
-      }
-    } else {
-#pragma unroll 4
-      for (int e = tid; e < ROWS * HDP; e += kThreads) {
-        const int r = e / HDP, c = e % HDP;
-        if (c >= hd) continue;
-        const int l = p0 + r;
-        const bool valid = l < L;
-        copy_async4(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * words + c : a.qkv, valid ? 4 : 0);
-      }
-    }
+    const auto at = [&](int l, int c) { return src + l * ps * words + c; };
+    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, a.qkv, tid, kThreads);
   };
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
@@ -305,7 +287,7 @@ __global__ void __launch_bounds__(256, 1)
         dp[4 * jn + e] = in ? ds : 0.0f;
       }
 
-    // dq += dS k: runs of two key groups into t0 and t1 in turn (as the forward's p v).
+    // dq += dS k: runs of two key groups, two in flight (as the forward's p v).
     {
       const uint32_t tb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer + 4 * Tile::plane);
       const auto run = [&](float(&acc)[NO], FragA(&f)[2], int r) {
@@ -318,24 +300,7 @@ __global__ void __launch_bounds__(256, 1)
         }
         wgmma_3xtf32_run<HDP>(acc, f, d, Tile::plane >> 4);
       };
-      float t0[NO], t1[NO];
-      FragA f0[2], f1[2];
-      run(t0, f0, 0);
-      run(t1, f1, 1);
-      wgmma_wait<1>();
-      fence_frags(f0);
-      add_to(dq, t0);
-      run(t0, f0, 2);
-      wgmma_wait<1>();
-      fence_frags(f1);
-      add_to(dq, t1);
-      run(t1, f1, 3);
-      wgmma_wait<1>();
-      fence_frags(f0);
-      add_to(dq, t0);
-      wgmma_wait<0>();
-      fence_frags(f1);
-      add_to(dq, t1);
+      wgmma_add_runs4(dq, run);
     }
 
     if (++j == tiles) {  // the unit's last tile: scale dq into dqkv's q columns

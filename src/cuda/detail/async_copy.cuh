@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace fastaxial::cuda {
 
@@ -32,6 +33,44 @@ __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.com
 template <int N>
 __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Shared-memory words of a row-major tile of LD floats a row.
+template <int LD>
+struct RowMajor {
+  __device__ __forceinline__ int operator()(int r, int c) const { return r * LD + c; }
+};
+
+// Positions p0 .. p0 + rows - 1 of one head's slice into shared memory, the
+// attention kernels' tile copy: position l's columns 0 .. hd - 1 (of HDP),
+// from global address at(l, c) on, go to float word(r, c) from dst (a float*
+// into shared memory, or a shared-space address), r = l - p0; positions >= L as zeros (the copies' zero fill, which names
+// `fill`, any address in bounds). kVec: 16-byte copies (hd % 4 == 0 and rows
+// 16-byte aligned: chunks lie wholly inside or outside hd), else 4-byte ones.
+// Thread tid of `threads` takes every threads-th piece; kUnroll: the loop's
+// unroll.
+template <int HDP, bool kVec, int kUnroll, class Dst, class Word, class At>
+__device__ __forceinline__ void copy_head_rows(Dst dst, Word word, At at, int p0, int rows, int L, int hd,
+                                               const float* fill, int tid, int threads) {
+  constexpr int W = kVec ? 4 : 1;  // floats a copy
+  constexpr int C = HDP / W;       // copies a row
+#pragma unroll kUnroll
+  for (int e = tid; e < rows * C; e += threads) {
+    const int r = e / C, c = W * (e % C);
+    if (c >= hd) continue;
+    const int l = p0 + r;
+    const bool valid = l < L;
+    const float* from = valid ? at(l, c) : fill;
+    uint32_t to;
+    if constexpr (std::is_pointer_v<Dst>)
+      to = smem_addr(dst + word(r, c));
+    else
+      to = dst + 4u * (uint32_t)word(r, c);
+    if constexpr (kVec)
+      copy_async16(to, from, valid ? 16 : 0);
+    else
+      copy_async4(to, from, valid ? 4 : 0);
+  }
 }
 
 }  // namespace fastaxial::cuda

@@ -215,5 +215,31 @@ __device__ __forceinline__ void wgmma_3xtf32_run(float (&t)[N / 2], FragA (&f)[2
   wgmma_commit();
 }
 
+// acc (N floats) += the totals of four runs, run(t, f, r) issuing run r into
+// fresh accumulator t with A fragments f (wgmma_3xtf32_run): two runs in
+// flight on two accumulators in turn, so that one run's products go on while
+// the other's total is added.
+template <int N, class Run>
+__device__ __forceinline__ void wgmma_add_runs4(float (&acc)[N], Run&& run) {
+  float t0[N], t1[N];
+  FragA f0[2], f1[2];
+  run(t0, f0, 0);
+  run(t1, f1, 1);
+  wgmma_wait<1>();
+  fence_frags(f0);
+  add_to(acc, t0);
+  run(t0, f0, 2);
+  wgmma_wait<1>();
+  fence_frags(f1);
+  add_to(acc, t1);
+  run(t1, f1, 3);
+  wgmma_wait<1>();
+  fence_frags(f0);
+  add_to(acc, t0);
+  wgmma_wait<0>();
+  fence_frags(f1);
+  add_to(acc, t1);
+}
+
 }  // namespace fastaxial::cuda
 #endif  // FASTAXIAL_SM90A_DEVICE

@@ -91,6 +91,7 @@
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
 #include "../detail/lse.cuh"
+#include "../detail/online_softmax.cuh"
 #include "../detail/tf32x3.cuh"
 
 namespace fastaxial::cuda {
@@ -160,15 +161,6 @@ struct KernelArgs {
   int D, heads;
 };
 
-// The split kernels' partials (smem_layout.h's flash_partials_bytes gives the
-// layout): R = rows (items L) rows, S = splits; o at partials, m at
-// partials + S R hd, l at partials + S R (hd + 1). splits = 1: unused.
-struct SplitArgs {
-  float* partials;
-  int64_t rows;
-  int splits;
-};
-
 // One block: queries q0 .. q0 + 16 W - 1 of head h of sequence n, where blockIdx.x =
 // (n * heads + h) * q_tiles + query tile. kVec: the 16-byte copies (every
 // head slice 16-byte aligned). kDropout: dpass applies (threshold != 0).
@@ -178,7 +170,7 @@ struct SplitArgs {
 template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
 __global__ void __launch_bounds__(32 * W)
     flash_attention_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
-                           const SplitArgs sp) {
+                           const FlashPartials sp) {
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   static_assert(!kSplit || W == kWarps, "smem_layout.h's split rule counts blocks of kBM queries");
   using Tile = FlashTile<HDP, W>;
@@ -233,32 +225,12 @@ __global__ void __launch_bounds__(32 * W)
   const float* kg = qg + a.D;
   const float* vg = qg + 2 * a.D;
 
-  // Rows p0 .. p0 + ROWS - 1 (positions) of a head slice at src into dst
-  // (row stride LD), columns 0..hd-1; positions >= L as zeros.
+  // Rows p0 .. p0 + ROWS - 1 (positions) of a head slice at src (row 0's)
+  // into dst (row stride LD); positions >= L as zeros.
   const auto copy_rows = [&](auto rows_c, auto ld_c, float* dst, const float* src, int p0) {
     constexpr int ROWS = decltype(rows_c)::value, LD = decltype(ld_c)::value;
-    if constexpr (kVec) {
-      constexpr int C = HDP / 4;  // 16-byte chunks a row
-#pragma unroll 4
-      for (int e = tid; e < ROWS * C; e += kThreads) {
-        const int r = e / C, c = 4 * (e % C);
-        if (c >= hd) continue;  // hd % 4 == 0: chunks lie wholly inside or outside
-        const int l = p0 + r;
-        const bool valid = l < L;
-        const float* from = valid ? src + (seq + l * ps) * row_words + c : a.qkv;
-        copy_async16(smem_addr(dst + r * LD + c), from, valid ? 16 : 0);
-      }
-    } else {
-#pragma unroll 4
-      for (int e = tid; e < ROWS * HDP; e += kThreads) {
-        const int r = e / HDP, c = e % HDP;
-        if (c >= hd) continue;
-        const int l = p0 + r;
-        const bool valid = l < L;
-        const float* from = valid ? src + (seq + l * ps) * row_words + c : a.qkv;
-        copy_async4(smem_addr(dst + r * LD + c), from, valid ? 4 : 0);
-      }
-    }
+    const auto at = [&](int l, int c) { return src + (seq + l * ps) * row_words + c; };
+    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, a.qkv, tid, kThreads);
   };
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
@@ -277,13 +249,14 @@ __global__ void __launch_bounds__(32 * W)
   copy_rows(RowsKV(), LdV(), vs, vg, j0 * BN);
   copy_async_commit();
 
-  // This thread's part of the warp's 16 rows: rows g (m0, l0; o[f][0..1]) and
-  // g + 8 (m1, l1; o[f][2..3]), columns 8f + 2t, 8f + 2t + 1 of o.
+  // This thread's part of the warp's 16 rows: rows g (softmax.m0, softmax.l0;
+  // o[f][0..1]) and g + 8 (softmax.m1, softmax.l1; o[f][2..3]), columns 8f + 2t,
+  // 8f + 2t + 1 of o.
   const bool active = q0 + 16 * warp < L;  // a warp whose rows are all >= L only copies
   float o[KS][4];
 #pragma unroll
   for (int f = 0; f < KS; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  RowSoftmax softmax;
   const float* qw = qs + 16 * warp * ldk;  // the warp's q rows (16, HDP)
 
   for (int j = j0; j < j1; ++j) {
@@ -342,52 +315,10 @@ __global__ void __launch_bounds__(32 * W)
     }
 
     // Scores in base 2, keys >= L at -inf (only the last tile has any), the
-    // tile's row maxima. Key 8 jn + 2t + e of the tile sits in s[jn][e]
-    // (row g) and s[jn][2 + e] (row g + 8).
-    const int key0 = j * BN;
-    const bool partial = key0 + BN > L;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float x0 = s[jn][e] * scale_log2, x1 = s[jn][2 + e] * scale_log2;
-        if (partial && key0 + 8 * jn + 2 * t + e >= L) x0 = x1 = -INFINITY;
-        s[jn][e] = x0, s[jn][2 + e] = x1;
-        mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
-      }
-#pragma unroll
-    for (int m = 1; m <= 2; m <<= 1) {  // a row's scores are spread over the 4 lanes of a quad
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, m));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, m));
-    }
-    // Key key0 < L is in every tile, so the new maxima are finite;
-    // exp2(-inf - finite) = 0 rescales the empty start.
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
-    m0 = mn0, m1 = mn1;
-    l0 *= c0, l1 *= c1;
-#pragma unroll
-    for (int f = 0; f < KS; ++f) o[f][0] *= c0, o[f][1] *= c0, o[f][2] *= c1, o[f][3] *= c1;
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[jn][e] = exp2f(s[jn][e] - m0);  // 2^-inf = 0 for masked keys
-        s[jn][2 + e] = exp2f(s[jn][2 + e] - m1);
-        l0 += s[jn][e], l1 += s[jn][2 + e];
-      }
-    if constexpr (kDropout) {
-      // Dropped p zeroed after the row sums; the kept ones' scale comes at
-      // the end. s[jn][k] is the C fragment's element k (dropout.h).
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) {
-        const uint32_t bits = keep[jn / 2] >> (16 * (jn & 1));
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (!((bits >> dropout_bit_rows(t, k)) & 1u)) s[jn][k] = 0.0f;
-      }
-    }
+    // online softmax; dropped p zeroed after the row sums.
+    const auto sx = [&](int jn, int e) -> float& { return s[jn][e]; };
+    softmax.step<NT, KS>(sx, [&](int f, int e) -> float& { return o[f][e]; }, scale_log2, j * BN, L, t);
+    if constexpr (kDropout) drop_probs<NT>(sx, keep, t);
 
     // o += p v: key groups jn, jn + 1 into one fresh accumulator per output
     // n-tile f (features 8f .. 8f + 7). A fragment of p for group jn, k index
@@ -410,52 +341,15 @@ __global__ void __launch_bounds__(32 * W)
   }
   if (!active) return;
 
-#pragma unroll
-  for (int m = 1; m <= 2; m <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, m);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, m);
-  }
-  const int r0 = q0 + 16 * warp + g, r1 = r0 + 8;  // positions of rows g, g + 8
-  const bool in0 = r0 < L, in1 = r1 < L;
+  softmax.sum_rows();
+  const auto ox = [&](int f, int e) -> float& { return o[f][e]; };
+  const int r0 = q0 + 16 * warp + g;  // position of row g
   if constexpr (kSplit) {
-    // Unnormalised: o (rows, hd) of split `split`, then its m and l per row.
-    float* po = sp.partials + ((int64_t)split * sp.rows + item * L) * hd;
-#pragma unroll
-    for (int f = 0; f < KS; ++f)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 8 * f + 2 * t + e;
-        if (c >= hd) continue;
-        if (in0) po[(int64_t)r0 * hd + c] = o[f][e];
-        if (in1) po[(int64_t)r1 * hd + c] = o[f][2 + e];
-      }
-    if (t == 0) {
-      float* pm = sp.partials + (int64_t)sp.splits * sp.rows * hd + (int64_t)split * sp.rows + item * L;
-      float* pl = pm + (int64_t)sp.splits * sp.rows;
-      if (in0) pm[r0] = m0, pl[r0] = l0;
-      if (in1) pm[r1] = m1, pl[r1] = l1;
-    }
-    return;
-  }
-  // With dropout, the kept probabilities' scale too (0 where p = 1).
-  const float num = kDropout ? dpass.scale : 1.0f;
-  const float inv0 = num / l0, inv1 = num / l1;
-  float* o0 = in0 ? a.o + (seq + (int64_t)r0 * ps) * a.D + (int64_t)h * hd : nullptr;  // this head's columns
-  float* o1 = in1 ? a.o + (seq + (int64_t)r1 * ps) * a.D + (int64_t)h * hd : nullptr;
-#pragma unroll
-  for (int f = 0; f < KS; ++f)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = 8 * f + 2 * t + e;
-      if (c >= hd) continue;
-      if (in0) o0[c] = o[f][e] * inv0;
-      if (in1) o1[c] = o[f][2 + e] * inv1;
-    }
-  if (a.lse && t == 0) {
-    // m is in base-2 units of the scaled score; l = sum_k exp2(s_k - m) (detail/lse.cuh).
-    const int64_t rows = a.pos.num_seq * a.heads * L;
-    if (in0) store_lse2(a.lse, rows, item * L + r0, m0, l0);
-    if (in1) store_lse2(a.lse, rows, item * L + r1, m1, l1);
+    softmax.store_partials<KS>(ox, sp, split, item, r0, L, hd, t);
+  } else {
+    // With dropout, the kept probabilities' scale too (0 where p = 1).
+    softmax.store_rows<KS>(ox, kDropout ? dpass.scale : 1.0f, a.o + seq * a.D + (int64_t)h * hd, ps * a.D, r0, L, hd, t,
+                      a.lse, a.pos.num_seq * a.heads * L, item * L);
   }
 }
 
@@ -464,7 +358,7 @@ constexpr int kCombineThreads = 256;
 // Merges the sp.splits partials of each query row, in split order: a thread
 // per (row r = (n heads + h) L + l, column c < hd), thread e = r hd + c, so
 // the o partials are read coalesced; the m and l of a row are broadcasts.
-__global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const KernelArgs a, const SplitArgs sp) {
+__global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const KernelArgs a, const FlashPartials sp) {
   grid_dependency_wait();
   allow_dependent_launch();
   const int hd = a.D / a.heads, L = (int)a.pos.len;
@@ -581,7 +475,7 @@ cudaError_t launch_short(const FlashArgs& a, float scale_log2, const DeviceCaps&
 }
 
 // The merge of a split pass's partials into o and lse (flash_combine_kernel).
-cudaError_t launch_combine(const FlashArgs& a, const SplitArgs& sp, const DeviceCaps& dev, cudaStream_t stream) {
+cudaError_t launch_combine(const FlashArgs& a, const FlashPartials& sp, const DeviceCaps& dev, cudaStream_t stream) {
   const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
   const int64_t combine_blocks = (sp.rows * (a.D / a.heads) + kCombineThreads - 1) / kCombineThreads;
   return launch_kernel<flash_combine_kernel>(dim3((unsigned)combine_blocks), dim3(kCombineThreads), 0, stream, dev, k,
@@ -594,7 +488,7 @@ int padded_head_dim(int64_t head_dim) { return flash_padded_head_dim(head_dim); 
 // One launch of the kernel with W warps a block: a block per (sequence,
 // head, query tile of 16 W) [, split].
 template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
-cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const SplitArgs& sp, const DeviceCaps& dev,
+cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                          cudaStream_t stream) {
   using Tile = FlashTile<HDP, W>;
   constexpr auto kernel = flash_attention_kernel<HDP, W, kVec, kDropout, kSplit>;
@@ -614,7 +508,7 @@ cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const SplitArgs& 
 }
 
 template <int HDP, int W>
-cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const SplitArgs& sp, const DeviceCaps& dev,
+cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                          cudaStream_t stream) {
   if constexpr (kDropoutAvailable)
     if (a.dropout.threshold != 0)
@@ -625,7 +519,7 @@ cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const S
 }
 
 template <int HDP>
-cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const SplitArgs& sp, const DeviceCaps& dev,
+cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                          cudaStream_t stream) {
   if (sp.splits > 1)
     return vec ? launch_flash<HDP, kWarps, true, false, true>(a, scale_log2, sp, dev, stream)
@@ -696,7 +590,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   if (a.pos.len <= kFlashShortMaxLen && !a.mma_sync) return launch_short(a, scale_log2, dev, stream);
   // Split-KV where the rule splits and the caller gave room for the partials
   // (never with dropout: a training forward with dropout keeps S = 1).
-  SplitArgs sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, 1};
+  FlashPartials sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, 1};
   const size_t need = flash_partials_bytes(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
   if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)
     sp.splits = flash_kv_splits(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
@@ -706,7 +600,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
     if (cudaError_t e = flash_attention_wgmma_wide(a, vec, scale_log2, sp.partials, splits, dev, stream);
         e != cudaSuccess || splits == 1)
       return e;
-    return launch_combine(a, SplitArgs{sp.partials, sp.rows, splits}, dev, stream);
+    return launch_combine(a, FlashPartials{sp.partials, sp.rows, splits}, dev, stream);
   }
   return with_padded_head_dim(
       hdp, [&](auto h) { return launch_flash<decltype(h)::value>(a, vec, scale_log2, sp, dev, stream); },

@@ -58,6 +58,7 @@
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
 #include "../detail/lse.cuh"
+#include "../detail/online_softmax.cuh"
 #include "../detail/split_planes.cuh"
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
@@ -170,28 +171,8 @@ __global__ void __launch_bounds__(256, 1)
   // memory at dst (row stride LD); positions >= L as zeros.
   const auto copy_rows = [&](auto rows_c, uint32_t dst, const float* src, int p0) {
     constexpr int ROWS = decltype(rows_c)::value;
-    if constexpr (kVec) {
-      constexpr int C = HDP / 4;
-#pragma unroll 4
-      for (int e = tid; e < ROWS * C; e += kThreads) {
-        const int r = e / C, c = 4 * (e % C);
-        if (c >= hd) continue;
-        const int l = p0 + r;
-        const bool valid = l < L;
-        copy_async16(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * row_words + c : a.qkv,
-                     valid ? 16 : 0);
-      }
-    } else {
-#pragma unroll 4
-      for (int e = tid; e < ROWS * HDP; e += kThreads) {
-        const int r = e / HDP, c = e % HDP;
-        if (c >= hd) continue;
-        const int l = p0 + r;
-        const bool valid = l < L;
-        copy_async4(dst + (uint32_t)((r * LD + c) * 4), valid ? src + l * ps * row_words + c : a.qkv,
-                    valid ? 4 : 0);
-      }
-    }
+    const auto at = [&](int l, int c) { return src + l * ps * row_words + c; };
+    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, a.qkv, tid, kThreads);
   };
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
@@ -245,10 +226,11 @@ __global__ void __launch_bounds__(256, 1)
   DropoutParams drop;
   if constexpr (kDropout) drop = dropout_read(dpass);
   uint64_t e_warp = 0;  // with dropout: the element of the warp's first query row, key 0
-  // Rows g (o[4f], o[4f + 1]; m0, l0) and g + 8 (o[4f + 2], o[4f + 3]; m1,
-  // l1) of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
+  // Rows g (o[4f], o[4f + 1]; softmax.m0, softmax.l0) and g + 8 (o[4f + 2], o[4f + 3];
+  // softmax.m1, softmax.l1) of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
   float o[NO];
-  float m0, m1, l0, l1;
+  RowSoftmax softmax;
+  const auto ox = [&](int f, int e) -> float& { return o[4 * f + e]; };
 
   // Step s = tile j of unit ui: its planes are split and visible, step s + 1's raw rows are in.
   int j = 0;
@@ -262,7 +244,7 @@ __global__ void __launch_bounds__(256, 1)
         e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
 #pragma unroll
       for (int i = 0; i < NO; ++i) o[i] = 0.0f;
-      m0 = m1 = -INFINITY, l0 = l1 = 0.0f;
+      softmax = RowSoftmax{};
     }
     // s (64, BN) = q k^T, issued: s[4 jn + e] is key 8 jn + 2t + e of row g,
     // s[4 jn + 2 + e] of row g + 8; steps 2, 3 into ts, added after the wait.
@@ -295,47 +277,11 @@ __global__ void __launch_bounds__(256, 1)
       add_to(s, ts);
     }
 
-    // Scores in base 2, keys >= L at -inf, the online softmax (flash_attention.cu's).
-    const int key0 = j * BN;
-    const bool partial = key0 + BN > L;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float x0 = s[4 * jn + e] * scale_log2, x1 = s[4 * jn + 2 + e] * scale_log2;
-        if (partial && key0 + 8 * jn + 2 * t + e >= L) x0 = x1 = -INFINITY;
-        s[4 * jn + e] = x0, s[4 * jn + 2 + e] = x1;
-        mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
-      }
-#pragma unroll
-    for (int m = 1; m <= 2; m <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, m));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, m));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
-    m0 = mn0, m1 = mn1;
-    l0 *= c0, l1 *= c1;
-#pragma unroll
-    for (int f = 0; f < NO / 4; ++f) o[4 * f] *= c0, o[4 * f + 1] *= c0, o[4 * f + 2] *= c1, o[4 * f + 3] *= c1;
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[4 * jn + e] = exp2f(s[4 * jn + e] - m0);
-        s[4 * jn + 2 + e] = exp2f(s[4 * jn + 2 + e] - m1);
-        l0 += s[4 * jn + e], l1 += s[4 * jn + 2 + e];
-      }
-    if constexpr (kDropout) {
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) {
-        const uint32_t bits = keep[jn / 2] >> (16 * (jn & 1));
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (!((bits >> dropout_bit_rows(t, k)) & 1u)) s[4 * jn + k] = 0.0f;
-      }
-    }
+    // Scores in base 2, keys >= L at -inf, the online softmax
+    // (detail/online_softmax.cuh); dropped p zeroed after the row sums.
+    const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
+    softmax.step<NT, NO / 4>(sx, ox, scale_log2, j * BN, L, t);
+    if constexpr (kDropout) drop_probs<NT>(sx, keep, t);
 
     // o += p v: runs of two key groups (8-deep steps) into fresh
     // accumulators t0 and t1 in turn, so one run's products go on while the
@@ -352,54 +298,15 @@ __global__ void __launch_bounds__(256, 1)
         }
         wgmma_3xtf32_run<HDP>(acc, f, d, Tile::vt_plane >> 4);
       };
-      float t0[NO], t1[NO];
-      FragA f0[2], f1[2];
-      run(t0, f0, 0);
-      run(t1, f1, 1);
-      wgmma_wait<1>();
-      fence_frags(f0);
-      add_to(o, t0);
-      run(t0, f0, 2);
-      wgmma_wait<1>();
-      fence_frags(f1);
-      add_to(o, t1);
-      run(t1, f1, 3);
-      wgmma_wait<1>();
-      fence_frags(f0);
-      add_to(o, t0);
-      wgmma_wait<0>();
-      fence_frags(f1);
-      add_to(o, t1);
+      wgmma_add_runs4(o, run);
     }
 
     if (++j == tiles) {  // the unit's last tile: o / l and the lse out
       j = 0;
       ++ui;
-#pragma unroll
-      for (int m = 1; m <= 2; m <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffffu, l0, m);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, m);
-      }
-      const int r0 = cur.q0 + 16 * warp + g, r1 = r0 + 8;
-      const bool in0 = r0 < L, in1 = r1 < L;
-      const float num = kDropout ? dpass.scale : 1.0f;
-      const float inv0 = num / l0, inv1 = num / l1;
-      float* o0 = in0 ? a.o + (cur.seq + (int64_t)r0 * ps) * a.D + cur.col : nullptr;
-      float* o1 = in1 ? a.o + (cur.seq + (int64_t)r1 * ps) * a.D + cur.col : nullptr;
-#pragma unroll
-      for (int f = 0; f < NO / 4; ++f)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = 8 * f + 2 * t + e;
-          if (c >= hd) continue;
-          if (in0) o0[c] = o[4 * f + e] * inv0;
-          if (in1) o1[c] = o[4 * f + 2 + e] * inv1;
-        }
-      if (a.lse && t == 0) {  // detail/lse.cuh
-        const int64_t rows = a.pos.num_seq * a.heads * L;
-        if (in0) store_lse2(a.lse, rows, cur.item * L + r0, m0, l0);
-        if (in1) store_lse2(a.lse, rows, cur.item * L + r1, m1, l1);
-      }
+      softmax.sum_rows();
+      softmax.store_rows<NO / 4>(ox, kDropout ? dpass.scale : 1.0f, a.o + cur.seq * a.D + cur.col, ps * a.D,
+                            cur.q0 + 16 * warp + g, L, hd, t, a.lse, a.pos.num_seq * a.heads * L, cur.item * L);
     }
     if (st + 1 < steps) {
       // Step s + 2's raw rows in (this thread's copies, then everyone's),

@@ -54,6 +54,7 @@
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
 #include "../detail/lse.cuh"
+#include "../detail/online_softmax.cuh"
 #include "../detail/split_planes.cuh"
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
@@ -101,17 +102,11 @@ struct KernelArgs {
   int D, heads;
 };
 
-struct SplitOut {
-  float* partials;  // flash_attention.h's layout (smem_layout.h's flash_partials_bytes), or null
-  int64_t rows;     // num_seq heads L
-  int splits;       // S >= 1
-};
-
 // kVec: 16-byte copies. kDropout: dpass applies. kSplit: units carry a split
 // of their keys and write unnormalised o, m and l to sp.partials.
 template <int HDP, bool kVec, bool kDropout, bool kSplit>
 __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelArgs a, float scale_log2, int q_tiles,
-                                                                  const DropoutPass dpass, const SplitOut sp) {
+                                                                  const DropoutPass dpass, const FlashPartials sp) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = WideTile<HDP>;
   constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld, PN = Tile::PN;
@@ -176,26 +171,9 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
   // dst (stride LD), or with kQ into q's swizzled rows; positions >= L as zeros.
   const auto copy_rows = [&](auto q_c, int rows, uint32_t dst, const float* src, int p0) {
     constexpr bool kQ = decltype(q_c)::value;
-    if constexpr (kVec) {
-      constexpr int C = HDP / 4;
-      for (int e = tid; e < rows * C; e += kThreads) {
-        const int r = e / C, c = 4 * (e % C);
-        if (c >= hd) continue;
-        const int l = p0 + r;
-        const bool valid = l < L;
-        const int w = kQ ? q_word<HDP>(r, c) : r * LD + c;
-        copy_async16(dst + (uint32_t)(w * 4), valid ? src + l * ps * row_words + c : a.qkv, valid ? 16 : 0);
-      }
-    } else {
-      for (int e = tid; e < rows * HDP; e += kThreads) {
-        const int r = e / HDP, c = e % HDP;
-        if (c >= hd) continue;
-        const int l = p0 + r;
-        const bool valid = l < L;
-        const int w = kQ ? q_word<HDP>(r, c) : r * LD + c;
-        copy_async4(dst + (uint32_t)(w * 4), valid ? src + l * ps * row_words + c : a.qkv, valid ? 4 : 0);
-      }
-    }
+    const auto word = [](int r, int c) { return kQ ? q_word<HDP>(r, c) : r * LD + c; };
+    const auto at = [&](int l, int c) { return src + l * ps * row_words + c; };
+    copy_head_rows<HDP, kVec, 4>(dst, word, at, p0, rows, L, hd, a.qkv, tid, kThreads);
   };
   using IsQ = std::integral_constant<bool, true>;
   using IsRaw = std::integral_constant<bool, false>;
@@ -263,10 +241,11 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
   DropoutParams drop;
   if constexpr (kDropout) drop = dropout_read(dpass);
   uint64_t e_warp = 0;
-  // Rows g (o[4f], o[4f + 1]; m0, l0) and g + 8 (o[4f + 2], o[4f + 3]; m1, l1)
-  // of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
+  // Rows g (o[4f], o[4f + 1]; softmax.m0, softmax.l0) and g + 8 (o[4f + 2], o[4f + 3];
+  // softmax.m1, softmax.l1) of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
   float o[NO];
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  RowSoftmax softmax;
+  const auto ox = [&](int f, int e) -> float& { return o[4 * f + e]; };
   const float* qw = qs + 16 * warp * HDP;  // the warp's q rows (swizzle: row % 8 = g)
   const auto q_frag = [&](int kk) {         // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) of step kk
     const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
@@ -283,7 +262,7 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
         e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
 #pragma unroll
       for (int i = 0; i < NO; ++i) o[i] = 0.0f;
-      m0 = m1 = -INFINITY, l0 = l1 = 0.0f;
+      softmax = RowSoftmax{};
     }
     const int b = (int)(st & 1);
 
@@ -330,47 +309,11 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
     uint32_t keep[NT / 2];
     if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
 
-    // 3. Scores in base 2, keys >= L at -inf, the online softmax.
-    const int key0 = j * BN;
-    const bool partial = key0 + BN > L;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float x0 = s[4 * jn + e] * scale_log2, x1 = s[4 * jn + 2 + e] * scale_log2;
-        if (partial && key0 + 8 * jn + 2 * t + e >= L) x0 = x1 = -INFINITY;
-        s[4 * jn + e] = x0, s[4 * jn + 2 + e] = x1;
-        mx0 = fmaxf(mx0, x0), mx1 = fmaxf(mx1, x1);
-      }
-#pragma unroll
-    for (int m = 1; m <= 2; m <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, m));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, m));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
-    m0 = mn0, m1 = mn1;
-    l0 *= c0, l1 *= c1;
-#pragma unroll
-    for (int f = 0; f < NO / 4; ++f) o[4 * f] *= c0, o[4 * f + 1] *= c0, o[4 * f + 2] *= c1, o[4 * f + 3] *= c1;
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[4 * jn + e] = exp2f(s[4 * jn + e] - m0);
-        s[4 * jn + 2 + e] = exp2f(s[4 * jn + 2 + e] - m1);
-        l0 += s[4 * jn + e], l1 += s[4 * jn + 2 + e];
-      }
-    if constexpr (kDropout) {
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) {
-        const uint32_t bits = keep[jn / 2] >> (16 * (jn & 1));
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (!((bits >> dropout_bit_rows(t, k)) & 1u)) s[4 * jn + k] = 0.0f;
-      }
-    }
+    // 3. Scores in base 2, keys >= L at -inf, the online softmax
+    // (detail/online_softmax.cuh); dropped p zeroed after the row sums.
+    const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
+    softmax.step<NT, NO / 4>(sx, ox, scale_log2, j * BN, L, t);
+    if constexpr (kDropout) drop_probs<NT>(sx, keep, t);
 
     // 4. o += p v, PN columns at a time: runs of two key groups into a fresh accumulator.
     {
@@ -398,50 +341,13 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
     }
 
     if (last) {  // the unit's end: o / l and the lse out, or the split's partials
-#pragma unroll
-      for (int m = 1; m <= 2; m <<= 1) {
-        l0 += __shfl_xor_sync(0xffffffffu, l0, m);
-        l1 += __shfl_xor_sync(0xffffffffu, l1, m);
-      }
-      const int r0 = cur.q0 + 16 * warp + g, r1 = r0 + 8;
-      const bool in0 = r0 < L, in1 = r1 < L;
-      if constexpr (kSplit) {
-        float* po = sp.partials + ((int64_t)cur.split * sp.rows + cur.item * L) * hd;
-#pragma unroll
-        for (int f = 0; f < NO / 4; ++f)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = 8 * f + 2 * t + e;
-            if (c >= hd) continue;
-            if (in0) po[(int64_t)r0 * hd + c] = o[4 * f + e];
-            if (in1) po[(int64_t)r1 * hd + c] = o[4 * f + 2 + e];
-          }
-        if (t == 0) {
-          float* pm = sp.partials + (int64_t)S * sp.rows * hd + (int64_t)cur.split * sp.rows + cur.item * L;
-          float* pl = pm + (int64_t)S * sp.rows;
-          if (in0) pm[r0] = m0, pl[r0] = l0;
-          if (in1) pm[r1] = m1, pl[r1] = l1;
-        }
-      } else {
-        const float num = kDropout ? dpass.scale : 1.0f;
-        const float inv0 = num / l0, inv1 = num / l1;
-        float* o0 = in0 ? a.o + (cur.seq + (int64_t)r0 * ps) * a.D + cur.col : nullptr;
-        float* o1 = in1 ? a.o + (cur.seq + (int64_t)r1 * ps) * a.D + cur.col : nullptr;
-#pragma unroll
-        for (int f = 0; f < NO / 4; ++f)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = 8 * f + 2 * t + e;
-            if (c >= hd) continue;
-            if (in0) o0[c] = o[4 * f + e] * inv0;
-            if (in1) o1[c] = o[4 * f + 2 + e] * inv1;
-          }
-        if (a.lse && t == 0) {  // detail/lse.cuh
-          const int64_t rows = a.pos.num_seq * a.heads * L;
-          if (in0) store_lse2(a.lse, rows, cur.item * L + r0, m0, l0);
-          if (in1) store_lse2(a.lse, rows, cur.item * L + r1, m1, l1);
-        }
-      }
+      softmax.sum_rows();
+      const int r0 = cur.q0 + 16 * warp + g;
+      if constexpr (kSplit)
+        softmax.store_partials<NO / 4>(ox, sp, cur.split, cur.item, r0, L, hd, t);
+      else
+        softmax.store_rows<NO / 4>(ox, kDropout ? dpass.scale : 1.0f, a.o + cur.seq * a.D + cur.col, ps * a.D, r0, L,
+                                   hd, t, a.lse, a.pos.num_seq * a.heads * L, cur.item * L);
     }
 
     // 5. Step st + 2's rows (and the next unit's q) in; every warpgroup done
@@ -464,7 +370,7 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
 }
 
 template <int HDP, bool kVec, bool kDropout, bool kSplit>
-cudaError_t launch(const FlashArgs& a, float scale_log2, const SplitOut& sp, const DeviceCaps& dev,
+cudaError_t launch(const FlashArgs& a, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                    cudaStream_t stream) {
   using Tile = WideTile<HDP>;
   constexpr auto kernel = flash_wgmma_wide_kernel<HDP, kVec, kDropout, kSplit>;
@@ -481,7 +387,7 @@ cudaError_t launch(const FlashArgs& a, float scale_log2, const SplitOut& sp, con
 }
 
 template <int HDP>
-cudaError_t launch(const FlashArgs& a, bool vec, float scale_log2, const SplitOut& sp, const DeviceCaps& dev,
+cudaError_t launch(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                    cudaStream_t stream) {
   if (sp.splits > 1)
     return vec ? launch<HDP, true, false, true>(a, scale_log2, sp, dev, stream)
@@ -529,7 +435,7 @@ cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale
       (splits > 1 && (partials == nullptr || a.dropout.threshold != 0)))
     return cudaErrorInvalidValue;
   if (a.pos.num_seq <= 0) return a.pos.num_seq == 0 ? cudaSuccess : cudaErrorInvalidValue;
-  const SplitOut sp = {partials, a.pos.num_seq * a.heads * a.pos.len, splits};
+  const FlashPartials sp = {partials, a.pos.num_seq * a.heads * a.pos.len, splits};
   switch (flash_padded_head_dim(a.D / a.heads)) {
     case 64:
       return launch<64>(a, vec, scale_log2, sp, dev, stream);
