@@ -2,6 +2,7 @@
 // points that need less than a whole forward's arguments.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "fastaxial/fastaxial.h"
@@ -14,6 +15,9 @@ Status validate_sizes(const AxialParams& p);
 // validate_sizes, then, where there is a position, x and the ten weights
 // non-null: what a backward reads (p.out is not checked).
 Status validate_inputs(const AxialParams& p);
+
+// 16-byte alignment: what the kernels' vector copies need of a pointer.
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Whether any of an axis's five weight gradients is wanted (non-null).
 inline bool any(const AxisGrads& g) {

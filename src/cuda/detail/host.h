@@ -52,6 +52,18 @@ constexpr auto with_padded_head_dim(int hdp, F&& f, decltype(f(std::integral_con
   return otherwise;
 }
 
+// f(std::bool_constant<b>()...) for run-time flags b...: the one place a launcher turns bools into
+// template arguments (read each in f as decltype(flag)::value).
+template <class F>
+constexpr decltype(auto) with_bools(F&& f) {
+  return f();
+}
+template <class F, class... Rest>
+constexpr decltype(auto) with_bools(F&& f, bool b, Rest... rest) {
+  if (b) return with_bools([&](auto... c) { return f(std::true_type(), c...); }, rest...);
+  return with_bools([&](auto... c) { return f(std::false_type(), c...); }, rest...);
+}
+
 // Every head dim the attention kernels take pads to one of the cases above.
 constexpr bool padded_head_dims_have_cases() {
   for (int h = 1; h <= kFlashMaxHeadDim; ++h) {

@@ -46,8 +46,8 @@
 #include "../detail/tf32x3.cuh"
 #include "../detail/warp_ops.cuh"
 #include "../kernels.h"
-#include "flash_attention.h"
-#include "gemm.h"
+#include "../attention/flash_attention.h"
+#include "../gemm/gemm.h"
 
 namespace fastaxial::cuda {
 namespace {

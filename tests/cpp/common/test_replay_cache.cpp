@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "../../src/common/replay_cache.h"
+#include "src/common/replay_cache.h"
 
 namespace fastaxial::test {
 namespace {

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../src/common/plan.h"
+#include "src/common/plan.h"
 
 namespace fastaxial::test {
 

@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "../../src/common/plan.h"
-#include "../../src/cuda/staged/gemm.h"
-#include "cuda_test_util.h"
+#include "src/common/plan.h"
+#include "src/cuda/gemm/gemm.h"
+#include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {

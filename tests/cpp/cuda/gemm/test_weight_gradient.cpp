@@ -29,9 +29,9 @@
 #include <string>
 #include <vector>
 
-#include "../../src/common/plan.h"
-#include "../../src/cuda/backward/weight_gradient.h"
-#include "cuda_test_util.h"
+#include "src/common/plan.h"
+#include "src/cuda/gemm/weight_gradient.h"
+#include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {

@@ -20,7 +20,7 @@
 // each against the reference; the dropout and split cases it takes draw
 // their mask or split their keys there.
 // Skipped without a device, but for the host-side rules.
-#include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
+#include "util/attention_dropout_util.h"  // first: whether dropout.h may include Random123
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -36,12 +36,12 @@
 #include <utility>
 #include <vector>
 
-#include "../../src/common/axis.h"
-#include "../../src/common/plan.h"
-#include "../../src/common/smem_layout.h"
-#include "../../src/cuda/staged/flash_attention.h"
-#include "../../src/cuda/staged/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
-#include "cuda_test_util.h"
+#include "src/common/axis.h"
+#include "src/common/plan.h"
+#include "src/common/smem_layout.h"
+#include "src/cuda/attention/flash_attention.h"
+#include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
+#include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {

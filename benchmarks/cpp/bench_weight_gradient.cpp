@@ -20,10 +20,10 @@
 #include <utility>
 #include <vector>
 
-#include "../../src/common/plan.h"
-#include "../../src/cuda/backward/weight_gradient.h"
+#include "src/common/plan.h"
+#include "src/cuda/gemm/weight_gradient.h"
 #include "bench_util.h"
-#include "cuda_test_util.h"
+#include "util/cuda_test_util.h"
 
 namespace {
 

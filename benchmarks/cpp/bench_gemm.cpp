@@ -22,8 +22,8 @@
 #include <random>
 #include <vector>
 
-#include "../../src/common/plan.h"
-#include "../../src/cuda/staged/gemm.h"
+#include "src/common/plan.h"
+#include "src/cuda/gemm/gemm.h"
 #include "bench_util.h"
 
 namespace {

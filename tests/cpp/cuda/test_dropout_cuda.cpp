@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "backward_util.h"
-#include "cuda_test_util.h"
-#include "dropout_util.h"
+#include "util/backward_util.h"
+#include "util/cuda_test_util.h"
+#include "util/dropout_util.h"
 
 namespace fastaxial::test {
 namespace {

@@ -22,9 +22,9 @@
 #include <tuple>
 #include <vector>
 
-#include "../../src/common/dropout.h"
-#include "backward_util.h"
-#include "dropout_util.h"
+#include "src/common/dropout.h"
+#include "util/backward_util.h"
+#include "util/dropout_util.h"
 
 #ifdef _OPENMP
 #include <omp.h>

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "../../common/plan.h"  // DeviceCaps
+#include "../common/plan.h"  // DeviceCaps
 
 namespace fastaxial::cuda {
 

@@ -42,21 +42,21 @@
 #include <tuple>
 #include <utility>
 
-#include "../../common/dropout.h"
-#include "../../common/plan.h"
-#include "../../common/validate.h"
-#include "../detail/host.h"
-#include "../graph_replay.h"
-#include "../kernels.h"
-#include "../staged/flash_attention.h"
-#include "../staged/gemm.h"
-#include "attention_backward.h"
-#include "blas.h"
-#include "column_sums.h"
+#include "../common/dropout.h"
+#include "../common/plan.h"
+#include "../common/validate.h"
+#include "detail/host.h"
+#include "graph_replay.h"
+#include "kernels.h"
+#include "attention/flash_attention.h"
+#include "gemm/gemm.h"
+#include "attention/attention_backward.h"
+#include "gemm/blas.h"
+#include "norm/column_sums.h"
 #include "dropout_state.h"
-#include "norm.h"
-#include "weight_gradient.h"
-#include "weight_planes.h"
+#include "norm/norm.h"
+#include "gemm/weight_gradient.h"
+#include "gemm/weight_planes.h"
 
 namespace fastaxial {
 namespace {

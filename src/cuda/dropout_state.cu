@@ -1,7 +1,7 @@
 // One thread: the dropout state of a training call (dropout_state.h).
 #include "dropout_state.h"
 
-#include "../detail/launch.cuh"
+#include "detail/launch.cuh"
 
 namespace fastaxial::cuda {
 namespace {

@@ -26,12 +26,12 @@
 #include <random>
 #include <vector>
 
-#include "../../src/common/axis.h"
-#include "../../src/common/plan.h"
-#include "../../src/cuda/backward/attention_backward.h"
-#include "../../src/cuda/staged/flash_attention.h"
+#include "src/common/axis.h"
+#include "src/common/plan.h"
+#include "src/cuda/attention/attention_backward.h"
+#include "src/cuda/attention/flash_attention.h"
 #include "bench_util.h"
-#include "cuda_test_util.h"
+#include "util/cuda_test_util.h"
 
 namespace {
 

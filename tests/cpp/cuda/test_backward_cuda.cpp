@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "../../src/cuda/backward/norm.h"
-#include "../../src/cuda/graph_replay.h"
-#include "backward_util.h"
-#include "cuda_test_util.h"
+#include "src/cuda/norm/norm.h"
+#include "src/cuda/graph_replay.h"
+#include "util/backward_util.h"
+#include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "reference.h"
+#include "util/reference.h"
 
 namespace fastaxial::test {
 namespace {

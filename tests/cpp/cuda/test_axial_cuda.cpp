@@ -15,10 +15,10 @@
 #include <utility>
 #include <vector>
 
-#include "../../src/common/plan.h"
-#include "../../src/cuda/staged/gemm.h"
-#include "cuda_test_util.h"
-#include "reference.h"
+#include "src/common/plan.h"
+#include "src/cuda/gemm/gemm.h"
+#include "util/cuda_test_util.h"
+#include "util/reference.h"
 
 namespace fastaxial::test {
 namespace {

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "../../src/common/axis.h"
-#include "../../src/common/dropout.h"
+#include "src/common/axis.h"
+#include "src/common/dropout.h"
 #include "cuda_test_util.h"
 
 namespace fastaxial::test {

@@ -16,7 +16,7 @@
 // 64-bit seeds and offsets, element indices past 2^32; two calls bitwise
 // equal; threshold 0 bitwise no dropout. Skipped without a device, but for
 // the host-side rules.
-#include "attention_dropout_util.h"  // first: whether dropout.h may include Random123
+#include "util/attention_dropout_util.h"  // first: whether dropout.h may include Random123
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -31,13 +31,13 @@
 #include <tuple>
 #include <vector>
 
-#include "../../src/common/axis.h"
-#include "../../src/common/plan.h"
-#include "../../src/common/smem_layout.h"
-#include "../../src/cuda/backward/attention_backward.h"
-#include "../../src/cuda/staged/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
-#include "../../src/cuda/staged/flash_attention.h"
-#include "cuda_test_util.h"
+#include "src/common/axis.h"
+#include "src/common/plan.h"
+#include "src/common/smem_layout.h"
+#include "src/cuda/attention/attention_backward.h"
+#include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
+#include "src/cuda/attention/flash_attention.h"
+#include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "../../src/common/plan.h"
-#include "../../src/common/smem_layout.h"
+#include "src/common/plan.h"
+#include "src/common/smem_layout.h"
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial::test {

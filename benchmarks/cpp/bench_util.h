@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cuda_test_util.h"  // read_device_caps
+#include "util/cuda_test_util.h"  // read_device_caps
 
 // Stops the tool where `call` (a CUDA, cuBLAS or library call: 0 on success) fails.
 #define BENCH_CHECK(call)                                                                    \

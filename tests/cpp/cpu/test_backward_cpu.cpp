@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "backward_util.h"
+#include "util/backward_util.h"
 
 #ifdef _OPENMP
 #include <omp.h>

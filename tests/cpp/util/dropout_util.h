@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "../../src/common/dropout.h"
+#include "src/common/dropout.h"
 #include "reference.h"
 
 namespace fastaxial::test {
