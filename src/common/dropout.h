@@ -247,6 +247,14 @@ inline DropoutPass dropout_pass(const DropoutParams& d, int pass, const uint64_t
   return p;
 }
 
+// Where dropout applies to a pass: the {seed, offset} pair given, and the mask's sizes those of
+// the pass (its elements are numbered by them). Always true without dropout.
+inline bool dropout_pass_args_ok(const DropoutParams& d, int pass, const uint64_t* philox, int64_t len, int64_t heads) {
+  if (d.threshold == 0) return true;
+  return kDropoutAvailable && philox != nullptr && (pass == 0 || pass == 1) && d.len[pass] == (uint64_t)len &&
+         d.heads == (uint64_t)heads;
+}
+
 #if defined(__CUDACC__)
 // The mask's draw parameters, seed and offset read from p.philox: after the kernel's wait for
 // the grid before it. heads, len and base are left at their defaults (the kernel numbers the
