@@ -1,4 +1,4 @@
-// Timing of the staged path's flash attention (src/cuda/staged/flash_attention.cu): one pass of
+// Timing of the staged path's flash attention (src/cuda/attention/flash_attention.cu): one pass of
 // N sequences of length L, `heads` heads of head_dim hd, qkv and o contiguous rows (as a row pass
 // of a (1, N, L, heads hd) grid), on the kernel flash_attention picks (wgmma where it applies)
 // and on the mma.sync kernel (FlashArgs::mma_sync), with the log-sum-exp written (as the
@@ -8,7 +8,7 @@
 // Also prints the two outputs' largest difference relative to max |o| (a sanity check;
 // test_flash_attention holds the accuracy bounds against float64).
 // Rate: 4 N heads L^2 hd floating-point operations a pass (two products), fp32-equivalent.
-// Then the pass's attention backward (src/cuda/backward/attention_backward.cu: delta, dk and
+// Then the pass's attention backward (src/cuda/attention/: delta, dk and
 // dv, dq) from that forward's o and lse and a random d_o: with dq recomputing the scores, as
 // picked (wgmma where it applies) and with AttentionBackwardArgs::mma_sync, then with dq from
 // the dS^T the dk, dv kernel stores (AttentionBackwardArgs::ds, as the training path's plan gives

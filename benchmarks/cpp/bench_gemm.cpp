@@ -1,4 +1,4 @@
-// Timing of the staged path's activation product (src/cuda/staged/gemm.cu):
+// Timing of the staged path's activation product (src/cuda/gemm/gemm.cu):
 // C (M, N) = A (M, K) @ W (N, K)^T + bias + residual, on gemm_tf32x3 and on cuBLAS fp32
 // (cublasSgemm, default math: no TF32; bias and residual not applied there), for the QKV and
 // output products of the projection-bound shapes in docs/benchmarks.md and of the two large

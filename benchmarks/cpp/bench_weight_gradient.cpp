@@ -1,4 +1,4 @@
-// Timing of the backward's weight-gradient product (src/cuda/backward/weight_gradient.cu):
+// Timing of the backward's weight-gradient product (src/cuda/gemm/weight_gradient.cu):
 // C (N, K) = A^T B over T rows, on the kernel weight_gradient picks (wgmma on sm_90a), on the
 // mma.sync kernel (WeightGradientArgs::mma_sync), and on cuBLAS fp32 (cublasSgemm, default math:
 // no TF32), for the shapes of docs/perf-notes.md's v32 table or those given as arguments

@@ -1,4 +1,4 @@
-// The staged path's product kernel (src/cuda/staged/gemm.cu) on its own:
+// The staged path's product kernel (src/cuda/gemm/gemm.cu) on its own:
 // C = A @ W^T + bias + residual from fp32 A and split W, against a float64 product
 // on the host, over tile edges in M, N and K. Skipped without a device that
 // runs it (compute capability 9.0 and an sm_90a build).

@@ -1,4 +1,4 @@
-// The backward's weight-gradient product (src/cuda/backward/weight_gradient.cu) on its own:
+// The backward's weight-gradient product (src/cuda/gemm/weight_gradient.cu) on its own:
 // C (N, K) = A^T B summed over T rows, against a float64 product on the host, over the edges of
 // its tiles (128 x 64 on mma.sync, 128 x 128 and 128 x 64 on wgmma) and 32-row stages, one chunk
 // of rows and many, aligned and misaligned operands, C with a row stride past K; and two calls
