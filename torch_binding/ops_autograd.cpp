@@ -7,9 +7,8 @@
 //    which the backward needs to draw the forward's mask again;
 //  - on CUDA: `saved` holds the forward's intermediates, so that the
 //    backward recomputes only the probabilities. (The training forward's
-//    dozen launches replay as one CUDA graph once a call repeats, fastaxial.h,
-//    so a small problem's host time no longer favours the two-launch fused
-//    forward plus a recompute in the backward.)
+//    launches replay as one CUDA graph once a call repeats, fastaxial.h, so
+//    its host time stays small for small problems too.)
 // The backward: the operator axial_attention_backward (its fused CPU and
 // CUDA kernels); on devices or head dims those do not serve (CUDA head dims
 // above kCudaBackwardMaxHeadDim, other devices), the forward recomputed with

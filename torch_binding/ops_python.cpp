@@ -25,7 +25,7 @@
 // one (a C++ program running a traced model); only this library links Python and libtorch_python.
 // It is compiled for one Python ABI (fastaxial_python_abi(), also in the build record
 // _build_info.PYTHON_ENTRY), and ops.py opens it only under that one. A GIL build of it takes only
-// Python functions every Python 3 from 3.10 on has (tests/python/test_call_path.py lists them), so
+// Python functions every Python 3 from 3.10 on has (tests/python/test_python_entry.py lists them), so
 // it also opens, and then declines, under another one.
 #include <torch/csrc/python_headers.h>
 
@@ -119,7 +119,7 @@ PyObject* axial_attention(PyObject* fallback, PyObject* const* args, Py_ssize_t 
   // Strong references, taken with the GIL held. The first C++ copy of a tensor that has a Python
   // object increments that object's reference count, and the last one's release decrements it,
   // each taking the GIL: the kernels copy x and the ten weights (contiguous()), which without
-  // these references would take the GIL back 22 times per call, about 0.8 us. (torch.ops' argument
+  // these references would take the GIL back 22 times per call. (torch.ops' argument
   // stack holds such references too.) They die after the GIL is back.
   at::Tensor t[kTensors];
   for (Py_ssize_t i = 0; i < kTensors; ++i) t[i] = THPVariable_Unpack(args[i]);

@@ -1,4 +1,5 @@
-// How one attention pass sees the (B, H, W, D) grid: N independent sequences
+// How one attention pass (the attention along one axis: pass 0 the rows, pass
+// 1 the columns) sees the (B, H, W, D) grid: N independent sequences
 // of L positions, each position D contiguous floats. Rows and columns differ
 // only in these strides, so every kernel serves both without a permuted copy.
 #pragma once

@@ -27,18 +27,13 @@
 
 #include "../common/axis.h"
 #include "../common/dropout.h"
+#include "cpu_common.h"
 #include "fastaxial/fastaxial.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace fastaxial {
 namespace {
 
-using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstMap = Eigen::Map<const Mat>;
-using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
+using namespace cpu;
 
 struct Scratch {
   Mat x, y, qkv, o, s;
@@ -88,8 +83,7 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
     t.sum(i) = row.sum();
   }
   if (a.drop) {
-    t.m.resize(rows, L);
-    dropout_row(*a.drop, dropout_element(*a.drop, a.pass, n, h, i0, 0), rows * L, t.m.data());
+    fill_mask(*a.drop, a.pass, n, h, L, i0, rows, t.m);
     t.s.array() *= t.m.array();
   }
   auto ob = o.block(base + i0, h * hd, rows, hd);
@@ -125,7 +119,7 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       t.x.rowwise() += a.bout;
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l)
-          Eigen::Map<Eigen::RowVectorXf>(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
+          VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
     }
   }
 }
@@ -166,7 +160,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         auto xr = x.middleRows(r0, rows);
         xr.noalias() += o.middleRows(r0, rows) * a.wout.transpose();
         xr.rowwise() += a.bout;
-        for (int64_t r = 0; r < rows; ++r) Eigen::Map<Eigen::RowVectorXf>(dst + v.offset(n, r0 + r), D) = xr.row(r);
+        for (int64_t r = 0; r < rows; ++r) VecMap(dst + v.offset(n, r0 + r), D) = xr.row(r);
       }
     }
   }
@@ -193,10 +187,7 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
                       pass};
 
   // Enough rows per block for an efficient GEMM, enough blocks for the threads.
-  int threads = 1;
-#ifdef _OPENMP
-  threads = omp_get_max_threads();
-#endif
+  const int threads = max_threads();
   int64_t seq_per_block = std::max<int64_t>(1, 128 / L);
   seq_per_block = std::min(seq_per_block, std::max<int64_t>(1, N / (4 * threads)));
   const int64_t num_blocks = (N + seq_per_block - 1) / seq_per_block;

@@ -46,20 +46,13 @@
 #include "../common/axis.h"
 #include "../common/dropout.h"
 #include "../common/validate.h"
+#include "cpu_common.h"
 #include "fastaxial/fastaxial.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace fastaxial {
 namespace {
 
-using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using ConstMap = Eigen::Map<const Mat>;
-using MatMap = Eigen::Map<Mat>;
-using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
-using VecMap = Eigen::Map<Eigen::RowVectorXf>;
+using namespace cpu;
 
 constexpr int64_t kMaxChunks = 64;    // weight-gradient partials per pass
 constexpr int64_t kTargetBlocks = 32; // blocks per pass when the sequences allow
@@ -79,14 +72,6 @@ Blocking blocking(const AxisView& v) {
   b.num_blocks = (v.num_seq + b.seq_per_block - 1) / b.seq_per_block;
   b.num_chunks = std::min(b.num_blocks, kMaxChunks);
   return b;
-}
-
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
 }
 
 // Runs body(i, scratch) for items i = 0..n-1 of one block: on the calling thread with its own
@@ -145,18 +130,10 @@ void gather_norm(const AxisView& v, int64_t n0, int64_t ns, int64_t D, float eps
     }
 }
 
-// The dropout multipliers (0 or c) of sequence n, head h of `pass`, queries r0 .. r0 + rows - 1
-// (all keys), into m, (rows, L).
-void fill_mask(const DropoutParams& d, int pass, int64_t n, int64_t h, int64_t L, int64_t r0, int64_t rows, Mat& m) {
-  m.resize(rows, L);  // row-major: consecutive elements
-  dropout_row(d, dropout_element(d, pass, n, h, r0, 0), rows * L, m.data());
-}
-
 // Query ranges a (sequence, head) of length L is taken in, one after another: (rows, L) score
-// tiles that stay in cache where a whole (L, L) one would not (one head of 1024 positions trained
-// 1.7x faster on this machine's CPU). A function of L alone, so that what is summed in which order
-// (dk and dv add the ranges' parts in range order) does not depend on the thread count. One
-// below 512 positions.
+// tiles that stay in cache where a whole (L, L) one would not. A function of L alone, so that what
+// is summed in which order (dk and dv add the ranges' parts in range order) does not depend on the
+// thread count. One below 512 positions.
 int64_t query_ranges(int64_t L) { return L < 512 ? 1 : std::min<int64_t>(8, L / 256); }
 
 // softmax(scale * t.s) row by row, in place, max-subtracted as in the forward.

@@ -4,7 +4,7 @@
 // has landed; consumers wait on that phase, use the stage and arrive on its
 // "empty" barrier, which the producer waits on before it refills the stage.
 // A barrier's phases alternate in parity: the k-th use of a stage waits for
-// phase parity k % 2. staged/gemm.cu uses them.
+// phase parity k % 2. gemm/gemm.cu uses them.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
-// Operands of the wgmma flash kernels (staged/flash_attention_wgmma.cu,
-// backward/query_grads_wgmma.cu) in shared memory: raw fp32 rows as cp.async
+// Operands of the wgmma flash kernels (attention/flash_attention_wgmma.cu,
+// attention/query_grads_wgmma.cu) in shared memory: raw fp32 rows as cp.async
 // brings them, and the TF32 (hi, lo) planes wgmma reads as its B operand,
 // K-major in the 128-byte swizzled layout (detail/wgmma.cuh: rows of 32
 // values, 16-byte piece c of row r at piece c ^ (r % 8), 8-row groups 1024

@@ -24,7 +24,7 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Mean and reciprocal standard deviation of a row of D values spread over a
 // group of W adjacent lanes (W a power of two, at most 32): the mean, then the
-// mean squared deviation, two passes as the reference. sum_own(f) returns the
+// mean squared deviation, two reductions as in the reference. sum_own(f) returns the
 // sum of f(v) over the calling lane's own values of the row.
 template <int W, class SumOwn>
 __device__ __forceinline__ float2 row_mean_rstd(int D, float eps, SumOwn sum_own) {

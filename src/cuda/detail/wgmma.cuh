@@ -1,10 +1,10 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only) for fp32 data
-// as TF32: the shared-memory matrix descriptor, the products staged/gemm.cu,
-// the fused kernel (fused/forward.cu), the flash attention and the
-// backward's dq (staged/flash_attention_wgmma.cu,
-// backward/query_grads_wgmma.cu) and the weight gradients
-// (backward/weight_gradient.cu) use (A from registers, B from shared
-// memory), and the fences around them.
+// as TF32: the shared-memory matrix descriptor, the products gemm/gemm.cu,
+// the fused kernel (fused/steps_wgmma.cuh), the flash attention and the
+// backward's dq (attention/flash_attention_wgmma.cu,
+// attention/query_grads_wgmma.cu) and the weight gradients
+// (gemm/weight_gradient.cu) use (A from registers, B from shared memory),
+// and the fences around them.
 // Its functions exist only in device code compiled for sm_90a
 // (FASTAXIAL_SM90A_DEVICE); use them under that macro.
 //
@@ -75,6 +75,11 @@ __device__ __forceinline__ void fence_frags(FragA (&f)[N]) {
   for (int i = 0; i < N; ++i) fence_regs(f[i].hi), fence_regs(f[i].lo);
 }
 
+// The accumulator operands d[i .. i + 7] of a wgmma instruction's inline asm.
+#define FASTAXIAL_WGMMA_ACC8(i)                                                                          \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+
 // d (64 x 128) = or += A (64 x 8) @ B (8 x 128), A from registers (the
 // mma.m16n8k8 A fragment of the warp's 16 rows), B in shared memory.
 __device__ __forceinline__ void wgmma_m64n128k8_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {
@@ -83,14 +88,8 @@ __device__ __forceinline__ void wgmma_m64n128k8_rs(float (&d)[64], const uint32_
       "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
       "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
+        FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40), FASTAXIAL_WGMMA_ACC8(48), FASTAXIAL_WGMMA_ACC8(56)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
@@ -102,42 +101,37 @@ __device__ __forceinline__ void wgmma_m64n96k8_rs(float (&d)[48], const uint32_t
       "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
       "{%48, %49, %50, %51}, %52, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
+        FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
 // d (64 x 64) = or += A (64 x 8) @ B (8 x 64): the weight gradients' narrow tiles
-// (backward/weight_gradient.cu, K <= 64) and the attention kernels' scores (64 keys).
+// (gemm/weight_gradient.cu, K <= 64) and the attention kernels' scores (64 keys).
 __device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// d (64 x 48) = or += A (64 x 8) @ B (8 x 48): half of a 96-column tile (staged/gemm.cu, three warpgroups).
+// d (64 x 48) = or += A (64 x 8) @ B (8 x 48): half of a 96-column tile (gemm/gemm.cu, three warpgroups).
 __device__ __forceinline__ void wgmma_m64n48k8_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n48k8.f32.tf32.tf32 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
       "{%24, %25, %26, %27}, %28, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// The same for narrow products: the fused kernel's (fused/forward.cu), whose N
+#undef FASTAXIAL_WGMMA_ACC8
+
+// The same for narrow products: the fused kernel's (fused/steps_wgmma.cuh), whose N
 // is a sequence's positions, 8 to 32 a warpgroup, and the attention kernels'
 // products over keys (N = head dim 32).
 __device__ __forceinline__ void wgmma_m64n8k8_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, int accumulate) {

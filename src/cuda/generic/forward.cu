@@ -74,7 +74,8 @@ size_t smem_floats(int64_t T, int64_t D, int64_t heads) {
 
 // xn (T, ld) = LayerNorm of positions l0 .. l0+rows-1 of sequence n. Rows past
 // `rows` and the pad columns D..ld are zero: they project to zero and keep the
-// float4 reads of gemm_smem_w finite. A warp per position, two passes.
+// float4 reads of gemm_smem_w finite. A warp per position, two reductions
+// (detail/warp_ops.cuh: the mean, then the variance).
 template <int T>
 __device__ void layer_norm_tile(float* xn, int ld, const AxisArgs& a, int64_t n, int64_t l0, int rows) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = a.D;
