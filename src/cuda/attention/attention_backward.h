@@ -67,7 +67,7 @@ struct AttentionBackwardArgs {
   // Attention dropout (common/dropout.h): where dropout.threshold != 0, the probability of
   // query i, key j of head h of sequence n is scaled by dropout.scale when
   // dropout_keep(dropout, pass, n, h, i, j), else zeroed (seed and offset read from `philox`).
-  DropoutParams dropout;  // default: threshold 0, no dropout (the code path of today)
+  DropoutParams dropout;  // default: threshold 0, no dropout
   int pass = 0;           // 0 row pass, 1 column pass: which of dropout.base/len
   // Device memory {seed, offset}; read (after the kernel's grid-dependency wait) where
   // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
@@ -103,11 +103,11 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
 // ---- dq on wgmma (query_grads_wgmma.cu) ----------------------------------------------------------
 // Where it applies, the tensor-core path computes dq with a kernel on Hopper's warpgroup products
 // instead of the mma.sync one: the same splits, runs of products in the same order, softmax
-// gradient and mask (on an H200 the two kernels' dq have come out bitwise equal). Head dims 17 to 32 (padded head dim 32) on sm_90a code (dev.sm90a), sequences
-// longer than kQueryGradsWgmmaMinLen (four key tiles or more: the whole backward of a pass
-// measured 3% faster with it at L = 256 and 9-10% at 1024 and 2048, but 3% slower at L = 128
-// and 16% at 80), neither hook set, and no split (attention_backward_splits: few items of one
-// or two units of 128 queries each leave the device idle, where the split's mma.sync blocks fill it).
+// gradient and mask. Head dims 17 to 32 (padded head dim 32) on sm_90a code (dev.sm90a),
+// sequences longer than kQueryGradsWgmmaMinLen (four key tiles or more: shorter ones are faster
+// on the mma.sync kernel), neither hook set, and no split (attention_backward_splits: few
+// items of one or two units of 128 queries each leave the device idle, where the split's
+// mma.sync blocks fill it).
 constexpr int64_t kQueryGradsWgmmaMinLen = 192;
 
 // Whether attention_backward computes a's dq on the wgmma kernel on dev.

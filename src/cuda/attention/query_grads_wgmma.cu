@@ -4,10 +4,10 @@
 // attention_backward.h): for each sequence n, head h and query l,
 //   dq_l = scale sum_k dS_lk k_k,   dS = P * (dP - delta),
 //   P = 2^(scale log2(e) q k^T - lse2),  dP = d_o v^T   (lse2: detail/lse.cuh)
-// as attention_backward.cu's query_grads_kernel computes it (mma.sync):
+// as backward_dq.cu's query_grads_kernel computes it (mma.sync):
 // the same splits, runs of products, softmax gradient and dropout mask.
 //
-// Shaped as the forward's wgmma kernel (staged/flash_attention_wgmma.cu),
+// Shaped as the forward's wgmma kernel (flash_attention_wgmma.cu),
 // which this one follows step for step: a block of two warpgroups (128
 // queries: a unit) streams a unit's keys 64 at a time (a step), one block
 // an SM taking units in turn, the copies two steps ahead and the split one
@@ -43,17 +43,17 @@
 #include "../../common/smem_layout.h"
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
+#include "../detail/kernel_args.h"
 #include "../detail/launch.cuh"
 #include "../detail/lse.cuh"
 #include "../detail/split_planes.cuh"
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
 #include "attention_backward.h"
+#include "backward_launch.cuh"  // with_kernel_flags
 
 namespace fastaxial::cuda {
 namespace {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 struct QgTile {
   static constexpr int HDP = 32, BM = 128, BN = 64, kThreads = 256;
@@ -74,16 +74,6 @@ struct QgTile {
   static_assert(k_pieces * kThreads == BN * HDP / 4, "whole rounds");
 };
 
-struct KernelArgs {
-  AxisView pos;
-  const float* qkv;
-  const float* d_o;
-  const float* lse;
-  const float* delta;
-  float* dqkv;
-  int D, heads;
-};
-
 // A block's units are u = blockIdx.x, + gridDim.x, ... (unit u: query tile
 // u % q_tiles of item u / q_tiles = n heads + h); every unit has two key
 // tiles or more (L > 64), so a unit buffer is copied again only after
@@ -91,7 +81,8 @@ struct KernelArgs {
 // copies and 8-byte stores.
 template <bool kVec, bool kDropout>
 __global__ void __launch_bounds__(256, 1)
-    query_grads_wgmma_kernel(const KernelArgs a, float scale, float scale_log2, int q_tiles, const DropoutPass dpass) {
+    query_grads_wgmma_kernel(const AttentionBackwardKernelArgs a, float scale, float scale_log2, int q_tiles,
+                             const DropoutPass dpass) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = QgTile;
   constexpr int HDP = Tile::HDP, BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
@@ -266,7 +257,7 @@ __global__ void __launch_bounds__(256, 1)
     fence_regs(dp);
     add_to(dp, tdp);
 
-    // dp -> dS in place (attention_backward.cu's softmax_grad_rows), keys >= L zero.
+    // dp -> dS in place (backward_parts.cuh's softmax_grad_rows), keys >= L zero.
     const int k0 = j * BN;
     const bool partial = k0 + BN > L;
 #pragma unroll
@@ -347,7 +338,7 @@ cudaError_t launch(const AttentionBackwardArgs& a, float scale, const DropoutPas
   const int q_tiles = (L + QgTile::BM - 1) / QgTile::BM;
   const int64_t units = a.pos.num_seq * a.heads * q_tiles;
   const int64_t blocks = std::min<int64_t>(units, std::max(dev.sms, 1));
-  const KernelArgs k = {a.pos, a.qkv, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads};
+  const AttentionBackwardKernelArgs k = {a.pos, a.qkv, a.o, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads, nullptr};
   return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(QgTile::kThreads), QgTile::bytes, stream, dev, k, scale,
                                scale * kLog2e, q_tiles, dpass);
 }
@@ -372,10 +363,9 @@ cudaError_t query_grads_wgmma(const AttentionBackwardArgs& a, bool vec, float sc
       a.pos.len >= (int64_t{1} << 30))
     return cudaErrorInvalidValue;
   if (a.pos.num_seq <= 0) return a.pos.num_seq == 0 ? cudaSuccess : cudaErrorInvalidValue;
-  if constexpr (kDropoutAvailable)
-    if (dpass.threshold != 0)
-      return vec ? launch<true, true>(a, scale, dpass, dev, stream) : launch<false, true>(a, scale, dpass, dev, stream);
-  return vec ? launch<true, false>(a, scale, dpass, dev, stream) : launch<false, false>(a, scale, dpass, dev, stream);
+  return attention_backward_detail::with_kernel_flags(vec, dpass.threshold != 0, [&](auto v, auto dropout) {
+    return launch<decltype(v)::value, decltype(dropout)::value>(a, scale, dpass, dev, stream);
+  });
 }
 
 }  // namespace fastaxial::cuda

@@ -1,0 +1,168 @@
+// Kernel 2 of the attention backward on the tensor cores (attention_backward.cu; the tiles,
+// fragments and products: backward_parts.cuh): dk and dv of a block's keys, streaming the
+// query tiles in order, S^T = k q^T and dP^T = v d_o^T recomputed a tile at a time and P^T,
+// dS^T kept in the score products' registers; where kernel 3 reads it, dS^T also goes to the
+// scratch (AttentionBackwardArgs::ds).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backward_launch.cuh"
+#include "backward_parts.cuh"
+
+namespace fastaxial::cuda::attention_backward_detail {
+namespace {
+
+using namespace tc;
+
+// scale dk and dv of a warp's 16 keys from key0, features f0 + 8f + 2t, + 1, into the split's
+// partials (dk, then dv, a row) or into head hp.h's k and v columns of dqkv.
+template <int NF, bool kVec>
+__device__ __forceinline__ void store_key_grads(const AttentionBackwardKernelArgs& a, const Split& sp, const Head& hp,
+                                                const float (&dk)[NF][4], const float (&dv)[NF][4], float scale,
+                                                int key0, int f0, int g, int t) {
+  if (sp.splits > 1) {
+    const Head pr = partial_rows(hp, a.pos.num_seq * a.heads);
+    store_tiles<NF, kVec>(sp.partials, dk, scale, 2 * hp.hd, pr, key0, f0, g, t);
+    store_tiles<NF, kVec>(sp.partials + hp.hd, dv, 1.0f, 2 * hp.hd, pr, key0, f0, g, t);
+    return;
+  }
+  const int64_t W = 3 * (int64_t)a.D;           // floats a row of dqkv
+  float* out = a.dqkv + (int64_t)hp.h * hp.hd;  // head h's dq columns; dk at + D, dv at + 2D
+  store_tiles<NF, kVec>(out + a.D, dk, scale, W, hp, key0, f0, g, t);
+  store_tiles<NF, kVec>(out + 2 * a.D, dv, 1.0f, W, hp, key0, f0, g, t);
+}
+
+// dk and dv of one key tile (hp.tile) of one (sequence, head): 16 keys for
+// each of the block's blockDim.x / (32 FW) <= KW key groups (the launch
+// takes fewer for short sequences and small grids); warp w owns keys
+// 16 (w / FW) .. + 15 of the tile and features FP (w % FW) .. + FP - 1 of
+// their gradients. Shared memory as KvTiling lays it out for KW groups.
+// kDropout: dpass applies (threshold != 0).
+template <int HDP, bool kVec, bool kDropout>
+__global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
+    key_grads_kernel(const AttentionBackwardKernelArgs a, float scale, float scale_log2, int key_tiles, const Split sp,
+                     const DropoutPass dpass) {
+  using T = KvTc<HDP>;
+  constexpr int BM = T::BM, ST = T::ST, LD = T::ld;
+  constexpr int NQ = BM / 8, NF = T::FP / 8;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const int threads = blockDim.x, BN = threads / (32 * T::FW) * 16;  // keys a tile
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int kw = warp / T::FW, f0 = (warp % T::FW) * T::FP;
+  const Head hp = block_head(a, key_tiles, sp.splits);
+  const int Lp = (int)attention_scores_stride(hp.L);         // dS^T's row stride, where stored
+  const int k0 = hp.tile * BN, key0 = k0 + 16 * kw;          // the tile's first key, the warp's
+  float* const k_sm = sm;                                    // (BN, HDP), then v (BN, HDP)
+  float* const q_sm = sm + T::q(BN);                         // stage s at + s stage: q (BM, HDP), then d_o (BM, HDP)
+  float* const vec_sm = sm + T::vec(BN);                     // stage s at + 3 BM s: lse hi, lo, delta (BM each)
+  zero_padding<LD, HDP>(k_sm, 2 * BN, hp.hd, threads);       // k, v
+  zero_padding<LD, HDP>(q_sm, 2 * ST * BM, hp.hd, threads);  // every stage's q, d_o
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t W = 3 * (int64_t)a.D;  // floats a row of qkv and dqkv
+  const KeySideSlices in = key_side_slices(a, hp);
+  const float *qg = in.q, *dog = in.d_o, *lse = in.lse, *lse_lo = in.lse_lo, *delta = in.delta;
+  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
+  // element of (query 0, the warp's first key).
+  DropoutParams drop;
+  uint64_t e_warp = 0;
+  if constexpr (kDropout) {
+    drop = dropout_read(dpass);
+    e_warp = dpass.base + (uint64_t)hp.item * (uint64_t)hp.L * (uint64_t)hp.L + (uint64_t)key0;
+  }
+  const auto load_queries = [&](int stage, int q0) {
+    float* qs = q_sm + stage * T::stage;
+    float* vs = vec_sm + stage * 3 * BM;
+    copy_rows<LD, HDP, kVec>(qs, qg, W, hp, q0, BM, threads);
+    copy_rows<LD, HDP, kVec>(qs + BM * LD, dog, a.D, hp, q0, BM, threads);
+    copy_positions(vs, lse, q0, BM, hp.L, threads);
+    copy_positions(vs + BM, lse_lo, q0, BM, hp.L, threads);
+    copy_positions(vs + 2 * BM, delta, q0, BM, hp.L, threads);
+  };
+  // The query tiles this block streams: all of them, or its split's range.
+  const int2 range = split_range((hp.L + BM - 1) / BM, hp.split, sp.splits);
+  copy_rows<LD, HDP, kVec>(k_sm, qg + a.D, W, hp, k0, BN, threads);
+  copy_rows<LD, HDP, kVec>(k_sm + T::v(BN), qg + 2 * a.D, W, hp, k0, BN, threads);
+  load_queries(0, range.x * BM);
+  copy_async_commit();
+
+  const float* ks = k_sm + 16 * kw * LD;  // the warp's keys (16, HDP)
+  const float* vs = k_sm + T::v(BN) + 16 * kw * LD;
+  const bool active = key0 < hp.L;  // a warp whose keys are all >= L only copies
+  float dk[NF][4], dv[NF][4];
+  zero_tiles(dk);
+  zero_tiles(dv);
+  for (int i = range.x; i < range.y; ++i) {
+    copy_async_wait<0>();  // this thread's copies of tile i (and of k, v)
+    // Every thread's copies of tile i are in, and every warp is done with
+    // tile i - 1 (with two stages, the stage copied next).
+    __syncthreads();
+    if constexpr (ST == 2) {
+      if (i + 1 < range.y) {
+        load_queries((i + 1 - range.x) & 1, (i + 1) * BM);
+        copy_async_commit();
+      }
+    }
+    const int st = ST == 2 ? ((i - range.x) & 1) : 0;
+    const float* q = q_sm + st * T::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
+    const float* d_o = q + BM * LD;
+    const float* lse_s = vec_sm + st * 3 * BM;  // hi, then lo, then delta
+    if (active) {
+      const int q0 = i * BM;
+      // Dropout's keep bits of the tile, drawn before s and dp are live:
+      // query n-tiles j and j + 1 in keep[j / 2], 16 bits each.
+      uint32_t keep[NQ / 2];
+      if constexpr (kDropout) {
+        static_assert(NQ % 2 == 0, "n-tiles in pairs");
+#pragma unroll
+        for (int j = 0; j < NQ; j += 2) {
+          const uint64_t e_tile = e_warp + (uint64_t)(q0 + 8 * j) * (uint64_t)hp.L;
+          const unsigned b0 = dropout_share16<4>(dropout_keep_run4(drop, dropout_run_cols(e_tile, hp.L, g, t)), g & 3);
+          const unsigned b1 = dropout_share16<4>(
+              dropout_keep_run4(drop, dropout_run_cols(e_tile + 8 * (uint64_t)hp.L, hp.L, g, t)), g & 3);
+          keep[j / 2] = b0 | b1 << 16;
+        }
+      }
+      float s[NQ][4], dp[NQ][4];
+      score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
+      score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
+      if (q0 + BM > hp.L || key0 + 16 > hp.L)
+        softmax_grad_cols<NQ, true, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L, g,
+                                              t, keep, dpass.scale);
+      else
+        softmax_grad_cols<NQ, false, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L,
+                                               g, t, keep, dpass.scale);
+      // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
+      if (a.ds != nullptr && f0 == 0)
+        store_scores_t<NQ>(a.ds + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
+      grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
+      grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
+    }
+    if constexpr (ST == 1) {
+      if (i + 1 < range.y) {
+        __syncthreads();  // every warp done with the stage
+        load_queries(0, (i + 1) * BM);
+        copy_async_commit();
+      }
+    }
+  }
+  if (active) store_key_grads<NF, kVec>(a, sp, hp, dk, dv, scale, key0, f0, g, t);
+}
+
+}  // namespace
+
+cudaError_t launch_key_grads_tc(const BackwardLaunch& s, const AttentionBackwardKernelArgs& k, const TcBlocks& b,
+                                const DeviceCaps& dev, cudaStream_t stream) {
+  return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
+    using Kv = KvTc<decltype(hdp)::value>;
+    return launch_grid<key_grads_kernel<Kv::HDP, decltype(vec)::value, decltype(dropout)::value>>(
+        s.items * b.tiles * b.sp.splits, 32 * Kv::FW * b.warps, Kv::bytes(16 * b.warps), dev, stream, k, s.scale,
+        s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+  });
+}
+
+}  // namespace fastaxial::cuda::attention_backward_detail

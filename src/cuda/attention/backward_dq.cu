@@ -1,0 +1,219 @@
+// Kernel 3 of the attention backward on the tensor cores (attention_backward.cu; the tiles,
+// fragments and products: backward_parts.cuh): dq of a block's queries, streaming the key tiles
+// in order, either with S = q k^T and dP = d_o v^T recomputed a tile at a time
+// (query_grads_kernel) or as one product from kernel 2's dS^T (query_grads_ds_kernel).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backward_launch.cuh"
+#include "backward_parts.cuh"
+
+namespace fastaxial::cuda::attention_backward_detail {
+namespace {
+
+using namespace tc;
+
+// dq of one query tile (hp.tile) of one (sequence, head): 16 queries for
+// each of the block's blockDim.x / 32 <= QW warps (the launch takes fewer
+// for short sequences and small grids); warp w owns queries 16 w .. 16 w +
+// 15 of the tile. Shared memory as QTiling lays it out for QW warps.
+// kDropout: dpass applies (threshold != 0).
+template <int HDP, bool kVec, bool kDropout>
+__global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
+    query_grads_kernel(const AttentionBackwardKernelArgs a, float scale, float scale_log2, int query_tiles,
+                       const Split sp, const DropoutPass dpass) {
+  using T = QTc<HDP>;
+  constexpr int BN = T::BN, ST = T::ST, LD = T::ld;
+  constexpr int NK = BN / 8, NF = HDP / 8;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const int threads = blockDim.x, BM = threads / 32 * 16;  // queries a tile
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const Head hp = block_head(a, query_tiles, sp.splits);
+  const int q0 = hp.tile * BM, m0 = q0 + 16 * warp;          // the tile's first query, the warp's
+  float* const q_sm = sm;                                    // (BM, HDP), then d_o (BM, HDP)
+  float* const k_sm = sm + T::k(BM);                         // stage s at + s stage: k (BN, HDP), then v (BN, HDP)
+  zero_padding<LD, HDP>(q_sm, 2 * BM, hp.hd, threads);       // q, d_o
+  zero_padding<LD, HDP>(k_sm, 2 * ST * BN, hp.hd, threads);  // every stage's k, v
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t W = 3 * (int64_t)a.D;
+  const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
+  const auto load_keys = [&](int stage, int k0) {
+    float* ks = k_sm + stage * T::stage;
+    copy_rows<LD, HDP, kVec>(ks, qg + a.D, W, hp, k0, BN, threads);
+    copy_rows<LD, HDP, kVec>(ks + BN * LD, qg + 2 * a.D, W, hp, k0, BN, threads);
+  };
+  // The key tiles this block streams: all of them, or its split's range.
+  const int2 range = split_range((hp.L + BN - 1) / BN, hp.split, sp.splits);
+  copy_rows<LD, HDP, kVec>(q_sm, qg, W, hp, q0, BM, threads);
+  copy_rows<LD, HDP, kVec>(q_sm + T::d_o(BM), a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, threads);
+  load_keys(0, range.x * BN);
+  copy_async_commit();
+
+  // lse2 (hi, lo: detail/lse.cuh) and delta of this thread's rows, m0 + g and m0 + g + 8.
+  float hi[2], lo[2], dl[2];
+  const int64_t rows = a.pos.num_seq * a.heads * hp.L;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int l = m0 + g + 8 * r;
+    const bool in = l < hp.L;
+    hi[r] = in ? a.lse[hp.item * hp.L + l] : 0.0f;
+    lo[r] = in ? a.lse[rows + hp.item * hp.L + l] : 0.0f;
+    dl[r] = in ? a.delta[hp.item * hp.L + l] : 0.0f;
+  }
+  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
+  // element of (the warp's first query, key 0).
+  DropoutParams drop;
+  uint64_t e_warp = 0;
+  if constexpr (kDropout) {
+    drop = dropout_read(dpass);
+    e_warp = dpass.base + ((uint64_t)hp.item * (uint64_t)hp.L + (uint64_t)m0) * (uint64_t)hp.L;
+  }
+  const float* qs = q_sm + 16 * warp * LD;  // the warp's queries (16, HDP)
+  const float* dos = q_sm + T::d_o(BM) + 16 * warp * LD;
+  const bool active = m0 < hp.L;  // a warp whose queries are all >= L only copies
+  float dq[NF][4];
+  zero_tiles(dq);
+  for (int j = range.x; j < range.y; ++j) {
+    copy_async_wait<0>();
+    __syncthreads();  // as in key_grads_kernel: tile j in, tile j - 1 done
+    if constexpr (ST == 2) {
+      if (j + 1 < range.y) {
+        load_keys((j + 1 - range.x) & 1, (j + 1) * BN);
+        copy_async_commit();
+      }
+    }
+    const float* k = k_sm + (ST == 2 ? ((j - range.x) & 1) : 0) * T::stage;  // k is (BN, HDP), v (BN, HDP) after it
+    const float* v = k + BN * LD;
+    if (active) {
+      const int k0 = j * BN;
+      // Dropout's keep bits of the tile, drawn before s and dp are live: key
+      // n-tiles jj and jj + 1 in keep[jj / 2], 16 bits each.
+      uint32_t keep[NK / 2];
+      if constexpr (kDropout) dropout_keep_rows<NK>(keep, drop, e_warp, k0, hp.L, g, t);
+      float s[NK][4], dp[NK][4];
+      score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
+      score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
+      if (k0 + BN > hp.L)
+        softmax_grad_rows<NK, true, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
+      else
+        softmax_grad_rows<NK, false, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
+      grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
+    }
+    if constexpr (ST == 1) {
+      if (j + 1 < range.y) {
+        __syncthreads();
+        load_keys(0, (j + 1) * BN);
+        copy_async_commit();
+      }
+    }
+  }
+  if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
+}
+
+// dq of one query tile (hp.tile) of one (sequence, head) from kernel 2's
+// dS^T (AttentionBackwardKernelArgs::ds): dq = scale dS k, the products and their order as
+// query_grads_kernel's last one. 16 queries for each of the block's
+// blockDim.x / 32 <= DsTc::QW warps; key tiles of BN streamed through ST
+// stages, each dS^T's (BN keys, the block's queries) piece and k's (BN,
+// HDP) rows. No scores, exponentials or mask: dS holds them.
+template <int HDP, bool kVec>
+__global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
+    query_grads_ds_kernel(const AttentionBackwardKernelArgs a, float scale, int query_tiles, const Split sp) {
+  using T = DsTc<HDP>;
+  constexpr int BN = T::BN, LD = T::ld, LS = T::ls;
+  constexpr int NK = BN / 8, NF = HDP / 8;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);  // stage s at + s stage: dS^T (BN, LS), then k (BN, LD)
+  const int threads = blockDim.x, BM = threads / 32 * 16;  // queries a tile
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const Head hp = block_head(a, query_tiles, sp.splits);
+  const int q0 = hp.tile * BM, m0 = q0 + 16 * warp;  // the tile's first query, the warp's
+#pragma unroll
+  for (int st = 0; st < T::ST; ++st) zero_padding<LD, HDP>(sm + st * T::stage + BN * LS, BN, hp.hd, threads);
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  const int64_t W = 3 * (int64_t)a.D;
+  const int Lp = (int)attention_scores_stride(hp.L);
+  const float* dsg = a.ds + hp.item * (int64_t)hp.L * Lp;  // (L, Lp): row key, column query
+  const float* kg = a.qkv + a.D + (int64_t)hp.h * hp.hd;   // head h's k columns
+  // Keys k0 .. k0 + BN - 1 into stage `stage`: dS^T's queries q0 .. q0 + BM - 1 (16-byte
+  // copies: rows of Lp floats, q0 a multiple of 16; keys and queries >= L as zeros) and k's rows.
+  // A row's BM / 4 copies are a power of two (BM = 16 warps, warps 1, 2 or 4): shifts, not
+  // divisions by a runtime value.
+  const int c_shift = 31 - __clz(BM / 4);
+  const auto load_keys = [&](int stage, int k0) {
+    float* ss = sm + stage * T::stage;
+#pragma unroll 1
+    for (int e = threadIdx.x; e < BN * (BM / 4); e += threads) {
+      const int r = e >> c_shift, c = 4 * (e & (BM / 4 - 1)), key = k0 + r, q = q0 + c;
+      const bool valid = key < hp.L && q < hp.L;
+      copy_async16(smem_addr(ss + r * LS + c), valid ? dsg + (int64_t)key * Lp + q : dsg,
+                   valid ? 4 * min(4, hp.L - q) : 0);
+    }
+    copy_rows<LD, HDP, kVec>(ss + BN * LS, kg, W, hp, k0, BN, threads);
+  };
+  // The key tiles this block streams: all of them, or its split's range.
+  const int2 range = split_range((hp.L + BN - 1) / BN, hp.split, sp.splits);
+  load_keys(0, range.x * BN);
+  copy_async_commit();
+
+  const bool active = m0 < hp.L;  // a warp whose queries are all >= L only copies
+  float dq[NF][4];
+  zero_tiles(dq);
+  for (int j = range.x; j < range.y; ++j) {
+    copy_async_wait<0>();
+    __syncthreads();  // tile j in, tile j - 1 done (its stage is copied next)
+    const int st = (j - range.x) & 1;
+    if (j + 1 < range.y) {
+      load_keys(st ^ 1, (j + 1) * BN);
+      copy_async_commit();
+    }
+    const float* dst = sm + st * T::stage + 16 * warp;  // the warp's queries of dS^T
+    const float* k = sm + st * T::stage + BN * LS;
+    if (active) {
+      // dq += dS k: runs of two key groups, as grad_tiles. Rolled beyond HDP 32, as in
+      // score_tiles: unrolled, the hoisted fragment loads spill next to dq.
+      constexpr int kUnroll = HDP > 32 ? 1 : NK / 2;
+#pragma unroll kUnroll
+      for (int jj = 0; jj < NK; jj += 2) {
+        const FragA a0 = load_a_cols<LS>(dst + 8 * jj * LS, g, t), a1 = load_a_cols<LS>(dst + 8 * (jj + 1) * LS, g, t);
+        const float* bj = k + 8 * jj * LD;
+#pragma unroll
+        for (int f = 0; f < NF; ++f)
+          mma_3xtf32_x2(dq[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1, load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+      }
+    }
+  }
+  if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
+}
+
+}  // namespace
+
+cudaError_t launch_query_grads_tc(const BackwardLaunch& s, const TcBlocks& b, const DeviceCaps& dev,
+                                  cudaStream_t stream) {
+  return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
+    using Q = QTc<decltype(hdp)::value>;
+    return launch_grid<query_grads_kernel<Q::HDP, decltype(vec)::value, decltype(dropout)::value>>(
+        s.items * b.tiles * b.sp.splits, 32 * b.warps, Q::bytes(16 * b.warps), dev, stream, s.k, s.scale,
+        s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+  });
+}
+
+// No dropout parameter: dS^T holds the mask.
+cudaError_t launch_query_grads_ds(const BackwardLaunch& s, const AttentionBackwardKernelArgs& k, const TcBlocks& b,
+                                  const DeviceCaps& dev, cudaStream_t stream) {
+  return with_kernel_params(s, [&](auto hdp, auto vec, auto) {
+    using Ds = DsTc<decltype(hdp)::value>;
+    return launch_grid<query_grads_ds_kernel<Ds::HDP, decltype(vec)::value>>(
+        s.items * b.tiles * b.sp.splits, 32 * b.warps, Ds::bytes, dev, stream, k, s.scale, b.tiles, b.sp);
+  });
+}
+
+}  // namespace fastaxial::cuda::attention_backward_detail

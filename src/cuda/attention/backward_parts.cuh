@@ -1,0 +1,517 @@
+// The device parts of the attention backward's kernels (attention_backward.cu describes the
+// whole): the block's (sequence, head) and tile, the copies into shared memory shared by the
+// tensor-core and FFMA kernels, and the tensor-core kernels' tiles, fragments, products,
+// softmax gradient and stores (backward_dkdv.cu: kernel 2, backward_dq.cu: kernel 3).
+//
+// Kernels 2 and 3 on the tensor cores (namespace tc): every product on
+// mma.sync m16n8k8 with the 3xTF32 split of detail/tf32x3.cuh,
+// fp32-accurate as the forward. A warp owns 16 rows of
+// the block's fixed side (keys in kernel 2, queries in kernel 3) and takes
+// the streamed side's whole tile:
+//   kernel 2, per query tile: S^T = k q^T and dP^T = v d_o^T (16 x BM),
+//     P^T and dS^T in place, then dv += P^T d_o and dk += dS^T q (16 x hd);
+//   kernel 3, per key tile: S = q k^T and dP = d_o v^T (16 x BN), P and
+//     dS in place, then dq += dS k (16 x hd).
+// Computing the transposed scores in kernel 2 is what keeps P and dS out
+// of shared memory: the C fragment of a score tile, k permuted (k index t
+// for column 2t, t + 4 for 2t + 1, as the forward's P V), is the A fragment
+// of the gradient product, whose B rows (queries or keys) are then read at
+// rows 2t, 2t + 1. Every operand stays raw fp32 in shared memory, as
+// cp.async copies it, at a row stride of hd_padded + 4 floats (4 mod 8):
+// the score products' 4-byte fragment loads (lanes (g, t) at g ld + t) and
+// the gradient products' (at 2t ld + g) both hit 32 distinct banks.
+// Products sum over k in runs of two 8-deep steps, each run in a fresh
+// accumulator added in fp32, as the forward. Registers set the tiles: a
+// kernel-2 warp holds dk and dv (16 x hd each) and its score tiles (16 x
+// BM, twice), so BM shrinks as hd grows, and at hd_padded 192 and 256 two
+// warps share each 16 keys, each computing the same scores and summing
+// half the features (redundant score products, against registers dk and
+// dv would not fit). Tiles and shared memory per head dim: KvTc, QTc. A
+// block has up to 4 warps of rows (a 64-row tile); the launch takes fewer
+// where the sequence is shorter, and where the grid (items x tiles) would
+// not cover the device twice: short sequences and small problems keep
+// every warp busy and spread over more multiprocessors (a split launch
+// keeps 4: its splits spread it).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../../common/smem_layout.h"
+#include "../detail/async_copy.cuh"
+#include "../detail/kernel_args.h"
+#include "../detail/lse.cuh"
+#include "../detail/tf32x3.cuh"
+#include "backward_launch.cuh"  // Split
+
+namespace fastaxial::cuda::attention_backward_detail {
+
+// ---- shared by both paths ---------------------------------------------------------------------
+
+// One (sequence, head), tile and split of the problem, as a block sees it:
+// blockIdx.x = ((n * heads + h) * tiles + tile) * splits + split, the split
+// and tile fastest so that the blocks of one (sequence, head) run side by
+// side and share its rows in L2.
+struct Head {
+  int64_t item;    // n * heads + h: the row of lse and delta
+  int64_t first;   // row (of qkv, o, d_o, dqkv) of position 0
+  int64_t stride;  // rows between neighbouring positions
+  int h, hd, L, tile, split;
+};
+
+__device__ __forceinline__ Head block_head(const AttentionBackwardKernelArgs& a, int tiles, int splits = 1) {
+  Head hp;
+  const unsigned b = blockIdx.x / (unsigned)splits;
+  hp.split = (int)(blockIdx.x % (unsigned)splits);
+  hp.tile = (int)(b % (unsigned)tiles);
+  hp.item = b / (unsigned)tiles;
+  hp.h = (int)(hp.item % a.heads);
+  hp.first = a.pos.offset(hp.item / a.heads, 0);
+  hp.stride = a.pos.pos_stride;
+  hp.hd = a.D / a.heads;
+  hp.L = (int)a.pos.len;
+  return hp;
+}
+
+// The slices of head hp that kernel 2 reads (both versions): q's columns of qkv (k at + D, v at
+// + 2D), d_o's, and the (sequence, head)'s rows of lse (hi, lo: detail/lse.cuh) and delta.
+struct KeySideSlices {
+  const float *q, *d_o, *lse, *lse_lo, *delta;
+};
+
+__device__ __forceinline__ KeySideSlices key_side_slices(const AttentionBackwardKernelArgs& a, const Head& hp) {
+  KeySideSlices s;
+  s.q = a.qkv + (int64_t)hp.h * hp.hd;
+  s.d_o = a.d_o + (int64_t)hp.h * hp.hd;
+  s.lse = a.lse + hp.item * hp.L;
+  s.lse_lo = s.lse + a.pos.num_seq * a.heads * hp.L;
+  s.delta = a.delta + hp.item * hp.L;
+  return s;
+}
+
+// Zeroes columns hd..HDP-1 of `rows` rows at stride LD: padding the copies
+// never write, so it stays zero for the whole block. Shared memory only;
+// `threads`: the block's.
+template <int LD, int HDP>
+__device__ __forceinline__ void zero_padding(float* dst, int rows, int hd, int threads) {
+  const int pad = HDP - hd;
+  if (pad <= 0) return;
+  for (int e = threadIdx.x; e < rows * pad; e += threads) dst[(e / pad) * LD + hd + e % pad] = 0.0f;
+}
+
+// Positions p0 .. p0 + rows - 1 of one head slice into dst (rows, LD),
+// columns 0..hd-1, positions >= L as zeros. src: the slice's column 0 in
+// row 0 of a tensor of row_words floats a row (in bounds, so the zero-fill
+// copies may name it).
+template <int LD, int HDP, bool kVec>
+__device__ __forceinline__ void copy_rows(float* dst, const float* src, int64_t row_words, const Head& hp, int p0,
+                                          int rows, int threads) {
+  const auto at = [&](int l, int c) { return src + (hp.first + (int64_t)l * hp.stride) * row_words + c; };
+  copy_head_rows<HDP, kVec, 1>(dst, RowMajor<LD>(), at, p0, rows, hp.L, hp.hd, src, threadIdx.x, threads);
+}
+
+// Entries p0 .. p0 + n - 1 of one (sequence, head)'s lse or delta row src
+// into dst, positions >= L as zeros.
+__device__ __forceinline__ void copy_positions(float* dst, const float* src, int p0, int n, int L, int threads) {
+  for (int e = threadIdx.x; e < n; e += threads) {
+    const int l = p0 + e;
+    const bool valid = l < L;
+    copy_async4(smem_addr(dst + e), valid ? src + l : src, valid ? 4 : 0);
+  }
+}
+
+// ---- the tensor-core kernels' parts ------------------------------------------------------------
+
+namespace tc {
+
+// Row stride, in floats, of every operand in shared memory: 4 mod 8, so
+// that both fragment loads below hit 32 distinct banks (g ld + t for
+// g < 8, t < 4; 2t ld + g with 2 ld 8 or 24 mod 32), and a multiple of 4
+// (16-byte rows for cp.async).
+template <int HDP>
+constexpr int row_ld() {
+  static_assert(HDP % 8 == 0, "HDP + 4 is 4 mod 8");
+  return HDP + 4;
+}
+
+// The dk, dv kernel's tiles for padded head dim HDP: up to KW warps along
+// keys (16 keys each: up to BN = 16 KW keys a block; the launch takes
+// fewer, bn, for short sequences and small grids), FW warps along the
+// gradients' features (each 16 keys' dk and dv summed by FW warps, FP =
+// HDP / FW features each; all of them compute those keys' scores), BM
+// queries a step, ST stages of the query tiles (2: the next tile's copy
+// overlaps this one's work), min_blocks for __launch_bounds__ (the
+// register budget: 65536 / (32 warps min_blocks)). Registers a thread: dk
+// and dv FP, S^T and dP^T BM.
+//
+// Shared memory for a block of bn keys, in floats:
+//   k, v:                (bn, ld) each, the block's keys
+//   stage s: q, d_o      (BM, ld) each, one query tile
+//   stage s: lse (hi, lo), delta  (BM) each
+template <int HDP_, int KW_, int FW_, int BM_, int ST_, int MIN_BLOCKS_>
+struct KvTiling {
+  static constexpr int HDP = HDP_, KW = KW_, FW = FW_, BM = BM_, ST = ST_, min_blocks = MIN_BLOCKS_;
+  static constexpr int warps = KW * FW, threads = 32 * warps;
+  static constexpr int BN = 16 * KW, FP = HDP / FW, ld = row_ld<HDP>();
+  static constexpr int stage = 2 * BM * ld;  // q, then d_o
+  __host__ __device__ static constexpr int v(int bn) { return bn * ld; }
+  __host__ __device__ static constexpr int q(int bn) { return 2 * bn * ld; }
+  __host__ __device__ static constexpr int vec(int bn) { return q(bn) + ST * stage; }  // stage s: lse at + 3 BM s
+  __host__ __device__ static constexpr int floats(int bn) { return vec(bn) + ST * 3 * BM; }
+  static constexpr size_t bytes(int bn) { return (size_t)floats(bn) * sizeof(float); }
+  static_assert(FP % 8 == 0 && BM % 16 == 0 && (ST == 1 || ST == 2), "whole n-tiles, runs of two k-groups");
+  static_assert(ld % 4 == 0 && stage % 4 == 0 && BM % 4 == 0, "16-byte rows, 8-byte lse pairs");
+};
+
+// The dq kernel's tiles: up to QW warps of 16 queries (up to BM = 16 QW a
+// block; the launch takes fewer, bm, as above), BN keys a step, ST stages
+// of the key tiles, min_blocks as above. Registers a thread: dq HDP / 2, S
+// and dP BN.
+//
+// Shared memory for a block of bm queries, in floats:
+//   q, d_o:              (bm, ld) each, the block's queries
+//   stage s: k, v        (BN, ld) each, one key tile
+template <int HDP_, int QW_, int BN_, int ST_, int MIN_BLOCKS_>
+struct QTiling {
+  static constexpr int HDP = HDP_, QW = QW_, BN = BN_, ST = ST_, min_blocks = MIN_BLOCKS_;
+  static constexpr int warps = QW, threads = 32 * warps;
+  static constexpr int BM = 16 * QW, ld = row_ld<HDP>();
+  static constexpr int stage = 2 * BN * ld;  // k, then v
+  __host__ __device__ static constexpr int d_o(int bm) { return bm * ld; }
+  __host__ __device__ static constexpr int k(int bm) { return 2 * bm * ld; }
+  __host__ __device__ static constexpr int floats(int bm) { return k(bm) + ST * stage; }
+  static constexpr size_t bytes(int bm) { return (size_t)floats(bm) * sizeof(float); }
+  static_assert(BN % 16 == 0 && (ST == 1 || ST == 2), "runs of two k-groups");
+  static_assert(ld % 4 == 0 && stage % 4 == 0, "16-byte rows");
+};
+
+// Per padded head dim: the largest blocks, their shared memory and the blocks a Hopper
+// multiprocessor holds (min_blocks: the register budget each kernel is built to, none spilled;
+// 64K registers and 228 KB of shared memory a multiprocessor).
+//   HDP | dk, dv: warps keys  BM  KB blocks | dq: warps queries  BN  KB blocks
+//     8 |          4x1   64  32  13      4 |          4      64  64  18      4
+//    16 |          4x1   64  32  20      4 |          4      64  64  30      4
+//    32 |          4x1   64  32  36      3 |          4      64  32  36      4
+//    48 |          4x1   64  16  39      3 |          4      64  32  52      4
+//    64 |          4x1   64  16  51      3 |          4      64  32  68      3
+//    96 |          4x1   64  16  75      2 |          4      64  32 100      2
+//   128 |          4x1   64  16  99      2 |          4      64  16  99      2
+//   192 |          2x2   32  16  98      2 |          2      32  16  98      2
+//   256 |          2x2   32  16  98      2 |          2      32  16  98      2
+// (warps KW x FW; 256: one stage). Up to HDP 64 the budgets keep 12-16
+// warps a multiprocessor; beyond, shared memory allows two blocks.
+template <int HDP>
+struct KvTc;
+template <int HDP>
+struct QTc;
+template <>
+struct KvTc<8> : KvTiling<8, 4, 1, 32, 2, 4> {};
+template <>
+struct KvTc<16> : KvTiling<16, 4, 1, 32, 2, 4> {};
+template <>
+struct KvTc<32> : KvTiling<32, 4, 1, 32, 2, 3> {};
+template <>
+struct KvTc<48> : KvTiling<48, 4, 1, 16, 2, 3> {};
+template <>
+struct KvTc<64> : KvTiling<64, 4, 1, 16, 2, 3> {};
+template <>
+struct KvTc<96> : KvTiling<96, 4, 1, 16, 2, 2> {};
+template <>
+struct KvTc<128> : KvTiling<128, 4, 1, 16, 2, 2> {};
+template <>
+struct KvTc<192> : KvTiling<192, 2, 2, 16, 2, 2> {};
+template <>
+struct KvTc<256> : KvTiling<256, 2, 2, 16, 1, 2> {};
+template <>
+struct QTc<8> : QTiling<8, 4, 64, 2, 4> {};
+template <>
+struct QTc<16> : QTiling<16, 4, 64, 2, 4> {};
+template <>
+struct QTc<32> : QTiling<32, 4, 32, 2, 4> {};
+template <>
+struct QTc<48> : QTiling<48, 4, 32, 2, 4> {};
+template <>
+struct QTc<64> : QTiling<64, 4, 32, 2, 3> {};
+template <>
+struct QTc<96> : QTiling<96, 4, 32, 2, 2> {};
+template <>
+struct QTc<128> : QTiling<128, 4, 16, 2, 2> {};
+template <>
+struct QTc<192> : QTiling<192, 2, 16, 2, 2> {};
+template <>
+struct QTc<256> : QTiling<256, 2, 16, 1, 2> {};
+
+// The dq-from-dS kernel's tiles: up to QW = 4 warps of 16 queries (64 a
+// block; the launch takes fewer as for the dq kernel), BN keys a step, two
+// stages. No score tiles in registers, only dq (HDP / 2 a thread), so the
+// key tiles are longer than QTc's; min_blocks: 4 blocks (16 warps) an SM up
+// to HDP 32 (128 registers a thread), enough warps to cover the loads' latency.
+// Shared memory a stage, in floats:
+//   dS^T  (BN, ls): ls = 68 = 64 + 4, 4 mod 8, so that load_a_cols's
+//         loads (2t ls + g) hit 32 distinct banks
+//   k     (BN, ld)
+// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32).
+template <int HDP_>
+struct DsTc {
+  static constexpr int HDP = HDP_, QW = 4, BN = HDP <= 64 ? 64 : 32, ST = 2;
+  static constexpr int min_blocks = HDP <= 32 ? 4 : HDP <= 64 ? 3 : 2;
+  static constexpr int threads = 32 * QW, ld = row_ld<HDP>(), ls = 16 * QW + 4;
+  static constexpr int stage = BN * (ls + ld);
+  static constexpr size_t bytes = (size_t)ST * stage * sizeof(float);
+  static_assert(BN % 16 == 0 && ls % 8 == 4 && stage % 4 == 0, "runs of two k-groups, 16-byte rows");
+};
+
+// ---- fragments from fp32 rows in shared memory (PTX m16n8k8 .tf32 layouts, g = lane / 4, t = lane % 4)
+
+// A (16 x 8) = rows 0..15, elements 0..7 of the rows at p: (g, t), (g + 8,
+// t), (g, t + 4), (g + 8, t + 4).
+template <int LD>
+__device__ __forceinline__ FragA load_a_rows(const float* p, int g, int t) {
+  const float* r = p + g * LD + t;
+  return make_a(r[0], r[8 * LD], r[4], r[8 * LD + 4]);
+}
+
+// B (8 x 8) with B[k][n] = M[n][k]: rows (n) 0..7, elements (k) 0..7 of the
+// rows of M at p: (t, g), (t + 4, g).
+template <int LD>
+__device__ __forceinline__ FragB load_b_rows(const float* p, int g, int t) {
+  const float* r = p + g * LD + t;
+  return make_b(r[0], r[4]);
+}
+
+// B (8 x 8) with B[k][n] = M[k][n], k permuted as c_as_a: (t, g) is row 2t,
+// (t + 4, g) row 2t + 1, both at column g of the rows of M at p.
+template <int LD>
+__device__ __forceinline__ FragB load_b_cols(const float* p, int g, int t) {
+  const float* r = p + 2 * t * LD + g;
+  return make_b(r[0], r[LD]);
+}
+
+// A C fragment (16 x 8: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1))
+// as the A fragment of the next product, k permuted: (g, t) is column 2t,
+// (g, t + 4) column 2t + 1.
+__device__ __forceinline__ FragA c_as_a(const float (&c)[4]) { return make_a(c[0], c[2], c[1], c[3]); }
+
+// ---- the products ------------------------------------------------------------------------------
+
+// acc[j] (16 x 8) = rows 0..15 of a . rows 8j .. 8j + 7 of b, over HDP
+// features: S^T = k q^T (a the warp's keys, b the tile's queries), dP^T = v
+// d_o^T, or S = q k^T and dP = d_o v^T. Runs of two 8-deep k-steps, each in
+// a fresh accumulator added in fp32 (the first run is acc itself).
+template <int HDP, int NT, int LD>
+__device__ __forceinline__ void score_tiles(float (&acc)[NT][4], const float* a, const float* b, int g, int t) {
+  constexpr int KS = HDP / 8;
+  if constexpr (KS == 1) {
+    const FragA fa = load_a_rows<LD>(a, g, t);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) three_products<true>(acc[j], fa, load_b_rows<LD>(b + 8 * j * LD, g, t));
+  } else {
+    static_assert(KS % 2 == 0, "runs of two k-steps");
+    {
+      const FragA fa0 = load_a_rows<LD>(a, g, t), fa1 = load_a_rows<LD>(a + 8, g, t);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* bj = b + 8 * j * LD;
+        three_products<true>(acc[j], fa0, load_b_rows<LD>(bj, g, t));
+        three_products<false>(acc[j], fa1, load_b_rows<LD>(bj + 8, g, t));
+      }
+    }
+    // Rolled beyond HDP 32: unrolled, the loads hoisted ahead of their
+    // products take the kernels past their register budgets (dk and dv, or
+    // dq, stay live throughout) and into spills.
+    constexpr int kUnroll = HDP > 32 ? 1 : KS;
+#pragma unroll kUnroll
+    for (int kk = 2; kk < KS; kk += 2) {
+      const FragA fa0 = load_a_rows<LD>(a + 8 * kk, g, t), fa1 = load_a_rows<LD>(a + 8 * kk + 8, g, t);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* bj = b + 8 * j * LD + 8 * kk;
+        mma_3xtf32_x2(acc[j], fa0, load_b_rows<LD>(bj, g, t), fa1, load_b_rows<LD>(bj + 8, g, t));
+      }
+    }
+  }
+}
+
+// acc[f] (16 x 8) += C (16 x 8 NK) . rows 0 .. 8 NK - 1, columns 8f .. 8f +
+// 7 of b: c[j] is the C fragment of columns 8j .. 8j + 7 of the left
+// operand (P^T, dS^T or dS), its A fragment by c_as_a; b's rows (queries or
+// keys) are the k index, read as load_b_cols permutes it. dv += P^T d_o,
+// dk += dS^T q, dq += dS k. Runs of two k-groups, each in a fresh
+// accumulator added in fp32.
+template <int NK, int NF, int LD>
+__device__ __forceinline__ void grad_tiles(float (&acc)[NF][4], const float (&c)[NK][4], const float* b, int g, int t) {
+  static_assert(NK % 2 == 0, "runs of two k-groups");
+#pragma unroll
+  for (int j = 0; j < NK; j += 2) {
+    const FragA a0 = c_as_a(c[j]), a1 = c_as_a(c[j + 1]);
+    const float* bj = b + 8 * j * LD;  // rows 8j .. 8j + 15
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+      mma_3xtf32_x2(acc[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1, load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+  }
+}
+
+// In place on a warp's S^T and dP^T tiles (its 16 keys x 8 NQ queries): s
+// -> P^T = 2^(scale_log2 s - lse2), dp -> dS^T = P^T (dp - delta), lse2 and
+// delta per query (column 8j + 2t + e of c[j][e], e = 0, 1, and of c[j][2 +
+// e]), from the stage's copies at lse (hi), lse_lo, delta (query q0 first). kMasked (tiles
+// that reach past L): zero for keys key0 + row >= L and queries q0 +
+// column >= L. kDropout: P -> P M scale and dS = P (dP M scale - delta),
+// M from keep (16 bits of c[j] at 16 (j % 2) in keep[j / 2],
+// dropout_bit_cols).
+template <int NQ, bool kMasked, bool kDropout>
+__device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)[NQ][4], const float* lse,
+                                                  const float* lse_lo, const float* delta, float scale_log2, int key0,
+                                                  int q0, int L, int g, int t, const uint32_t (&keep)[NQ / 2],
+                                                  float keep_scale) {
+  const bool key_in[2] = {key0 + g < L, key0 + g + 8 < L};
+#pragma unroll
+  for (int j = 0; j < NQ; ++j) {
+    const float2 h2 = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_lo + 8 * j + 2 * t);
+    const float2 d2 = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+    const float hi[2] = {h2.x, h2.y}, lo[2] = {l2.x, l2.y}, dl[2] = {d2.x, d2.y};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = e & 1;  // column 8j + 2t + c; row g + 8 (e >> 1)
+      float p = prob_from_lse2(s[j][e], scale_log2, hi[c], lo[c]), ds;
+      if constexpr (kDropout) {
+        const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_cols(g, e))) & 1u;
+        const float m = kept ? keep_scale : 0.0f;
+        ds = p * fmaf(m, dp[j][e], -dl[c]);
+        p *= m;
+      } else {
+        ds = p * (dp[j][e] - dl[c]);
+      }
+      const bool in = !kMasked || (key_in[e >> 1] && q0 + 8 * j + 2 * t + c < L);
+      s[j][e] = in ? p : 0.0f;
+      dp[j][e] = in ? ds : 0.0f;
+    }
+  }
+}
+
+// In place on a warp's S and dP tiles (its 16 queries x 8 NK keys): s -> P,
+// dp -> dS, with the thread's rows' lse2 (hi, lo: detail/lse.cuh) and delta
+// (rows g, g + 8) in registers. kMasked (tiles that reach past L): zero for keys
+// k0 + column >= L. kDropout: as softmax_grad_cols, keep's bits by
+// dropout_bit_rows.
+template <int NK, bool kMasked, bool kDropout>
+__device__ __forceinline__ void softmax_grad_rows(float (&s)[NK][4], float (&dp)[NK][4], const float (&hi)[2],
+                                                  const float (&lo)[2], const float (&dl)[2], float scale_log2, int k0,
+                                                  int L, int t, const uint32_t (&keep)[NK / 2], float keep_scale) {
+#pragma unroll
+  for (int j = 0; j < NK; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;  // row g + 8r; column 8j + 2t + (e & 1)
+      float p = prob_from_lse2(s[j][e], scale_log2, hi[r], lo[r]), ds;
+      if constexpr (kDropout) {
+        const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_rows(t, e))) & 1u;
+        const float m = kept ? keep_scale : 0.0f;
+        ds = p * fmaf(m, dp[j][e], -dl[r]);
+        p *= m;
+      } else {
+        ds = p * (dp[j][e] - dl[r]);
+      }
+      const bool in = !kMasked || k0 + 8 * j + 2 * t + (e & 1) < L;
+      s[j][e] = in ? p : 0.0f;
+      dp[j][e] = in ? ds : 0.0f;
+    }
+}
+
+// factor * acc into the gradient rows of positions p0 + g, p0 + g + 8 (< L),
+// features f0 + 8f + 2t, + 1 (< hd): dst is one head's column 0 of one part
+// ([dq | dk | dv]) in row 0 of dqkv.
+template <int NF, bool kVec>
+__device__ __forceinline__ void store_tiles(float* dst, const float (&acc)[NF][4], float factor, int64_t row_words,
+                                            const Head& hp, int p0, int f0, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int l = p0 + g + 8 * r;
+    if (l >= hp.L) continue;
+    float* out = dst + (hp.first + (int64_t)l * hp.stride) * row_words;
+#pragma unroll
+    for (int f = 0; f < NF; ++f) {
+      const int c = f0 + 8 * f + 2 * t;
+      if (c >= hp.hd) continue;
+      const float x = factor * acc[f][2 * r], y = factor * acc[f][2 * r + 1];
+      if constexpr (kVec) {
+        *reinterpret_cast<float2*>(out + c) = make_float2(x, y);  // hd % 4 == 0: pairs lie wholly inside
+      } else {
+        out[c] = x;
+        if (c + 1 < hp.hd) out[c + 1] = y;
+      }
+    }
+  }
+}
+
+// The first and one-past-last of `tiles` streamed tiles that split `split` of `splits` takes
+// (contiguous ranges, sizes differing by one at most).
+__device__ __forceinline__ int2 split_range(int tiles, int split, int splits) {
+  return make_int2((int)((int64_t)split * tiles / splits), (int)((int64_t)(split + 1) * tiles / splits));
+}
+
+// hp's rows of a split's partials (Split): row (split items + item) L + l, contiguous.
+__device__ __forceinline__ Head partial_rows(const Head& hp, int64_t items) {
+  Head p = hp;
+  p.first = ((int64_t)hp.split * items + hp.item) * hp.L;
+  p.stride = 1;
+  return p;
+}
+
+// A warp's dS^T (its 16 keys from key0 x 8 NQ queries from q0, C fragments)
+// into the scratch rows of keys < L (ds: the (sequence, head)'s first row,
+// rows of Lp floats): one float2 a pair of queries, pairs from query < L
+// (the second of a pair at L is a zero, as dS is past L; Lp is even).
+template <int NQ>
+__device__ __forceinline__ void store_scores_t(float* ds, const float (&c)[NQ][4], int L, int Lp, int key0, int q0,
+                                               int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + g + 8 * r;
+    if (key >= L) continue;
+    float* row = ds + (int64_t)key * Lp;
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+      const int q = q0 + 8 * j + 2 * t;
+      if (q < L) *reinterpret_cast<float2*>(row + q) = make_float2(c[j][2 * r], c[j][2 * r + 1]);
+    }
+  }
+}
+
+// A (16 x 8) of dS = rows 0..15 (queries), elements 0..7 (keys) read from
+// dS^T stored a row per key at p (row stride LS), k permuted as c_as_a:
+// (g, t) is key 2t, (g, t + 4) key 2t + 1, so that load_b_cols's k rows
+// meet them. LS 4 mod 8 puts the four rows 2t at banks 0, 8, 16, 24 (or
+// their mirror), so a load's 32 words (2t LS + g) meet 32 distinct banks.
+template <int LS>
+__device__ __forceinline__ FragA load_a_cols(const float* p, int g, int t) {
+  const float* r = p + 2 * t * LS + g;
+  return make_a(r[0], r[8], r[LS], r[LS + 8]);
+}
+
+
+
+// acc = 0.
+template <int NF>
+__device__ __forceinline__ void zero_tiles(float (&acc)[NF][4]) {
+#pragma unroll
+  for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[f][e] = 0.0f;
+}
+
+// scale dq of a warp's 16 queries from m0 into the split's partials (sp.splits > 1) or into
+// head hp.h's q columns of dqkv.
+template <int NF, bool kVec>
+__device__ __forceinline__ void store_query_grads(const AttentionBackwardKernelArgs& a, const Split& sp, const Head& hp,
+                                                  const float (&dq)[NF][4], float scale, int m0, int g, int t) {
+  if (sp.splits > 1)
+    store_tiles<NF, kVec>(sp.partials, dq, scale, hp.hd, partial_rows(hp, a.pos.num_seq * a.heads), m0, 0, g, t);
+  else
+    store_tiles<NF, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, 3 * (int64_t)a.D, hp, m0, 0, g, t);
+}
+
+}  // namespace tc
+}  // namespace fastaxial::cuda::attention_backward_detail
