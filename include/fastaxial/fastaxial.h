@@ -131,8 +131,8 @@ bool dropout_compiled();
 // ---- CUDA: plan, workspace, forward --------------------------------------------------------
 // As in CUTLASS: plan the problem, allocate the workspace the plan asks for,
 // then run. The plan is made on the host from the problem (sizes, pointer
-// alignment) and the current device; it picks each pass's kernel family and
-// lays out every byte of the workspace, so the workspace covers the chosen
+// alignment) and the current device; it picks each pass's kernel family (and
+// attention kernel) and lays out every byte of the workspace, so the workspace covers the chosen
 // kernels by construction.
 
 // The CUDA kernel families of one attention pass (README, "Performance"):
@@ -146,11 +146,24 @@ bool dropout_compiled();
 enum class KernelFamily { kFused, kStaged, kGeneric };
 const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
 
+// The flash attention kernel of a staged pass that streams its keys (PassPlan::flash_kernel):
+//   kShort:     sequences of up to 4 positions: a warp per (sequence, head), plain fp32;
+//   kMmaSync:   blocks of 64 queries, keys streamed through shared memory, 3xTF32 mma.sync;
+//   kWgmma:     the same on Hopper's wgmma, head dims 17 to 32, sequences longer than 64;
+//   kWgmmaWide: the same for head dims 49 to 128.
+// kNone: the pass does not run flash attention.
+enum class FlashKernel { kNone, kShort, kMmaSync, kWgmma, kWgmmaWide };
+const char* to_string(FlashKernel kernel);  // "none", "short", "mma.sync", "wgmma", "wgmma-wide"
+
 struct PassPlan {
   KernelFamily family = KernelFamily::kGeneric;
   bool wgmma = false;  // kFused only: the projections on Hopper's wgmma (else mma.sync)
   bool flash = false;  // kStaged only: attention by query tiles with keys streamed (else a
                        // block per (sequence, head) holding all its keys)
+  // Where flash: its kernel, and how many blocks share each query tile's keys (split-KV, for
+  // passes of few long sequences; 1: no split).
+  FlashKernel flash_kernel = FlashKernel::kNone;
+  int flash_splits = 1;
 };
 
 struct CudaPlan {
@@ -175,7 +188,8 @@ struct CudaPlan {
   int64_t batch = 0, height = 0, width = 0, dim = 0, heads = 0;
   int device = -1;
 
-  // One line, e.g. "row: fused (wgmma), col: staged; workspace 1310720 B (...)".
+  // One line, e.g. "row: fused (wgmma), col: staged (flash wgmma-wide, 2 splits); workspace
+  // 1310720 B (...)".
   std::string describe() const;
 };
 

@@ -62,8 +62,6 @@ bool append(size_t* end, size_t bytes, size_t* offset) {
   return true;
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 bool pass_aligned(const AxisWeights& w, const float* src, const float* dst) {
   for (const void* ptr : {static_cast<const void*>(src), static_cast<const void*>(dst),
                           static_cast<const void*>(w.norm_weight), static_cast<const void*>(w.norm_bias),
@@ -84,12 +82,28 @@ const char* to_string(KernelFamily family) {
   return "?";
 }
 
+const char* to_string(FlashKernel kernel) {
+  switch (kernel) {
+    case FlashKernel::kNone: return "none";
+    case FlashKernel::kShort: return "short";
+    case FlashKernel::kMmaSync: return "mma.sync";
+    case FlashKernel::kWgmma: return "wgmma";
+    case FlashKernel::kWgmmaWide: return "wgmma-wide";
+  }
+  return "?";
+}
+
 std::string CudaPlan::describe() const {
   std::ostringstream s;
   const auto pass = [&](const char* name, const PassPlan& p) {
     s << name << ": " << to_string(p.family);
     if (p.family == KernelFamily::kFused) s << (p.wgmma ? " (wgmma)" : " (mma.sync)");
-    if (p.family == KernelFamily::kStaged) s << (p.flash ? " (flash attention)" : " (whole-sequence attention)");
+    if (p.family == KernelFamily::kStaged && !p.flash) s << " (whole-sequence attention)";
+    if (p.family == KernelFamily::kStaged && p.flash) {
+      s << " (flash " << to_string(p.flash_kernel);
+      if (p.flash_splits > 1) s << ", " << p.flash_splits << " splits";
+      s << ")";
+    }
   };
   pass("row", row);
   s << ", ";
@@ -204,12 +218,53 @@ Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned,
   }
   pass->family = family;
   pass->flash = family == KernelFamily::kStaged && !own_attention;
+  pass->flash_kernel = FlashKernel::kNone, pass->flash_splits = 1;
+  if (pass->flash) {
+    // As the forward launches it: no dropout, the plan's partials (flash_partials, at least this pass's).
+    FlashProblem f;
+    f.num_seq = view.num_seq, f.len = view.len, f.head_dim = dim / heads, f.heads = heads;
+    f.partials_bytes = flash_partials_bytes(view.num_seq, view.len, dim / heads, heads, dev.sms);
+    const FlashVariant v = flash_variant(f, dev);
+    pass->flash_kernel = v.kernel, pass->flash_splits = v.splits;
+  }
   // The fused kernel's projections on wgmma: dim 64 with heads of less than
   // 64 (one head of 64 keeps more attention state than a thread of three
   // warpgroups has registers for), up to 64 positions.
   pass->wgmma = family == KernelFamily::kFused && options.fused_wgmma != 0 && dev.sm90a && dim == 64 &&
                 dim / heads < 64 && tiles <= 4 && fused_smem_bytes(view.len, dim) + kFusedWgmmaSmemExtra <= smem;
   return Status::Ok();
+}
+
+namespace {
+
+// The wgmma kernels serve padded head dim hdp for sequences of len on dev: sm_90a code, a kernel
+// for hdp, its shared memory, and two key tiles or more.
+bool flash_wgmma_can_run(int hdp, int64_t len, const DeviceCaps& dev) {
+  const size_t bytes = flash_wgmma_smem_bytes(hdp);
+  return dev.sm90a && len > kFlashWgmmaMinLen && bytes != 0 && bytes <= (size_t)dev.smem_optin;
+}
+
+}  // namespace
+
+FlashVariant flash_variant(const FlashProblem& f, const DeviceCaps& dev) {
+  if (f.len <= kFlashShortMaxLen && !f.mma_sync) return {FlashKernel::kShort, 1};
+  int splits = 1;
+  const size_t need = flash_partials_bytes(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);
+  if (need > 0 && f.partials_bytes >= need && !f.dropout)
+    splits = flash_kv_splits(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);
+  const int hdp = flash_padded_head_dim(f.head_dim);
+  if (!f.mma_sync && flash_wgmma_can_run(hdp, f.len, dev)) {
+    if (hdp != 32)
+      return {FlashKernel::kWgmmaWide, flash_wgmma_wide_splits(f.num_seq, f.len, f.heads, splits, dev.sms)};
+    if (splits == 1) return {FlashKernel::kWgmma, 1};  // the split blocks stay on mma.sync
+  }
+  return {FlashKernel::kMmaSync, splits};
+}
+
+int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int64_t heads, int rule_splits, int sms) {
+  if (rule_splits <= 1 || num_seq <= 0 || len <= 0 || heads <= 0) return 1;
+  const int64_t tiles = num_seq * heads * ((len + kFlashWgmmaQueryTile - 1) / kFlashWgmmaQueryTile);
+  return (int)std::max<int64_t>(1, std::min<int64_t>(rule_splits, std::max(sms, 1) / tiles));
 }
 
 Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan) {
@@ -416,13 +471,13 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
     c.blas = CudaBackwardPlan::kNone;
   else
     fits = fits && append(&end, c.blas_bytes, &c.blas);
-  // The staged path's product (staged/gemm.cu) where the device runs it and its N and K fit.
+  // The staged path's product (gemm/gemm.cu) where the device runs it and its N and K fit.
   c.tensor_core_products = dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kStagedGemmSmemBytes && D % 8 == 0;
   if (c.tensor_core_products) {
     if (D > limit / D) return invalid("the workspace size overflows size_t");
     fits = fits && append(&end, 2 * 16 * D * D * sizeof(float), &c.weight_planes);
   }
-  // The weight gradients on the tensor cores (backward/weight_gradient.cu) where the device runs
+  // The weight gradients on the tensor cores (gemm/weight_gradient.cu) where the device runs
   // them; their partial tiles where the rows are split, sized for the larger product of a pass
   // (d_Wqkv, then d_Wo, then the other pass's: one after another on the stream, so one region).
   c.tensor_core_weight_grads = weight_gradient_fits(dev);

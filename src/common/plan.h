@@ -1,6 +1,6 @@
 // The plan of one CUDA forward (fastaxial.h's CudaPlan), made on the host:
-// which kernel family serves each pass, and where everything lies in the
-// workspace. Host-only code: it knows the device through DeviceCaps, which
+// which kernel family serves each pass (and a staged pass's flash attention
+// kernel), and where everything lies in the workspace. Host-only code: it knows the device through DeviceCaps, which
 // the CUDA side reads once per device, so CI tests every rule without a GPU.
 //
 // Each pass's family, in order:
@@ -52,7 +52,7 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan,
                           bool caller_blas = false);
 
-// Most chunks of rows a column sum of the backward adds separately (backward/column_sums.cu); the
+// Most chunks of rows a column sum of the backward adds separately (norm/column_sums.cu); the
 // backward sums three matrices at once.
 constexpr int64_t kMaxColumnSumChunks = 128;
 
@@ -64,7 +64,7 @@ constexpr int64_t kMaxColumnSumChunks = 128;
 // and for the other products' cuBLAS fallback.)
 size_t backward_blas_bytes(const DeviceCaps& dev);
 
-// ---- the backward's weight gradients (backward/weight_gradient.cu) --------------------------
+// ---- the backward's weight gradients (gemm/weight_gradient.cu) ------------------------------
 // C (N, K) = A^T B summed over T rows (d_Wo = dy^T o, d_Wqkv = dqkv^T xn) on the tensor cores: a
 // block per (output tile, chunk of rows); with S > 1 chunks each block writes its partial tile
 // into [S][N][K] floats, which a second kernel adds in a fixed order. Two kernels: 3xTF32 wgmma
@@ -124,7 +124,7 @@ size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const De
 // The larger of a pass's two weight-gradient products: d_Wqkv (3D, D) and d_Wo (D, D).
 size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCaps& dev);
 
-// ---- the attention backward's score gradients (backward/attention_backward.cu) --------------
+// ---- the attention backward's score gradients (attention/attention_backward.cu) -------------
 // The tensor-core attention backward stores dS^T, the gradient of a pass's scores, from its dk, dv
 // kernel and computes dq as a product from it: 5 products of L^2 hd a (sequence, head) instead of
 // 7 (a dq kernel of its own recomputing S and dP), for 8 bytes of memory traffic an element of dS.
@@ -147,7 +147,7 @@ FASTAXIAL_HOST_DEVICE constexpr int64_t attention_scores_stride(int64_t len) { r
 // pass takes it, else 0.
 size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim);
 
-// ---- the staged path's products (staged/gemm.cu) ------------------------------------------
+// ---- the staged path's products (gemm/gemm.cu) --------------------------------------------
 // One block an SM loops over BM x BN tiles of C (M, N), so a product takes about ceil(tiles / SMs)
 // rounds of one tile's time, and a round where few SMs have a tile costs as much as a full one.
 struct GemmTiling {
@@ -180,6 +180,44 @@ size_t fused_smem_bytes(int64_t len, int64_t dim);
 // Shared memory of the staged attention kernel: one head's keys and values
 // of a whole sequence, split into (hi, lo) TF32 pairs.
 size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
+
+// ---- the staged path's flash attention kernels (cuda/attention/flash_attention*.cu) ---------
+// Which kernel flash_attention() runs for a pass, and with how many key splits: one rule, which
+// the launcher follows and the plan records (PassPlan::flash_kernel), so tests see it without a GPU.
+//   kShort:     L <= kFlashShortMaxLen (unless mma_sync): a warp per (sequence, head) in plain
+//               fp32; the tiled kernels' products would be mostly padding at such lengths.
+//   kWgmma:     padded head dim 32, L > kFlashWgmmaMinLen, sm_90a code, no split: warpgroups
+//               share k and v planes split once a tile (the same results as mma.sync).
+//   kWgmmaWide: padded head dims 64 to 128, L > kFlashWgmmaMinLen, sm_90a code; splits as many
+//               as fill one round of a block an SM, at most the mma.sync rule's.
+//   kMmaSync:   everything else (any sm_80+ GPU), split by flash_kv_splits where partials are
+//               given and dropout is off (the split kernels have no dropout).
+// A wgmma kernel needs two key tiles or more: a single one leaves no copy to overlap.
+constexpr int kFlashShortMaxLen = 4;
+constexpr int64_t kFlashWgmmaMinLen = 64;
+
+// What the choice reads of a flash_attention call (FlashArgs).
+struct FlashProblem {
+  int64_t num_seq = 0, len = 0, head_dim = 0;
+  int64_t heads = 0;
+  bool dropout = false;       // attention dropout on (threshold != 0)
+  bool mma_sync = false;      // FlashArgs::mma_sync: the mma.sync kernel wherever it can run
+  size_t partials_bytes = 0;  // room given for split-KV partials (0: none)
+};
+
+struct FlashVariant {
+  FlashKernel kernel = FlashKernel::kMmaSync;
+  int splits = 1;  // S: blocks (or units) that share a query tile's keys; 1: no split
+};
+
+// The variant for f on dev, f's sizes valid (head_dim 1..256, len >= 1). dev.sm90a is taken to
+// mean that this build's sm_90a code runs (the launcher clears it in a build without).
+FlashVariant flash_variant(const FlashProblem& f, const DeviceCaps& dev);
+
+// The splits the wide kernel takes for a pass the mma.sync kernel would split `rule_splits` ways
+// (flash_kv_splits; the partials are sized for that many): as many as fill one round of a block
+// an SM, at most rule_splits, at least 1.
+int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int64_t heads, int rule_splits, int sms);
 
 // One pass's family and variant: `view` gives its sequences, `aligned`
 // whether its tensors are 16-byte aligned. make_plan calls it for each pass.

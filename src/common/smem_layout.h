@@ -53,7 +53,7 @@ constexpr size_t kFusedWgmmaSmemExtra = 1024;
 // to align): a device that cannot give a block this much has no staged path.
 constexpr size_t kStagedGemmSmemBytes = 4 * (24576 + 2 * 16384) + 64 + 1024;
 
-// The staged path's flash attention kernel (staged/flash_attention.cu): head
+// The staged path's flash attention kernel (attention/flash_attention.cu): head
 // dims up to 256, its largest tiling taking this much shared memory, less
 // than the staged GEMM's, so a device with the staged path fits every one.
 constexpr int kFlashMaxHeadDim = 256;
@@ -79,6 +79,20 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_padded_head_dim(int64_t head_dim) {
 }
 FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ? 64 : hdp <= 128 ? 32 : 16; }
 
+// The wgmma flash kernels (flash_attention_wgmma*.cu; their tiles static_assert these): blocks of
+// kFlashWgmmaQueryTile queries (two warpgroups), and a block's shared memory at padded head dim
+// hdp, 0 where neither kernel serves it. At 32 (the head-dim-32 kernel, 64 keys a step): k and
+// v^T (hi, lo) planes of 64 rows of 128 bytes, two buffers each; two raw stages of k and v rows
+// and two q buffers of 128 rows, at row stride hdp + 4 floats; 1024 bytes to align the base. At
+// 64, 96, 128 (the wide kernel, 32 keys a step): k and v^T planes, two buffers each (1024 hdp
+// bytes), one raw stage (256 (hdp + 4)), q (512 hdp), + 1024.
+constexpr int kFlashWgmmaQueryTile = 128;
+FASTAXIAL_HOST_DEVICE constexpr size_t flash_wgmma_smem_bytes(int hdp) {
+  return hdp == 32                                ? 4 * 64 * 128 * 2 + 4 * 64 * 36 * 4 + 2 * 128 * 36 * 4 + 1024
+         : hdp == 64 || hdp == 96 || hdp == 128 ? (size_t)1024 * hdp + 256 * (hdp + 4) + 512 * hdp + 1024
+                                                  : 0;
+}
+
 // Split-KV ("flash-decoding") in the forwards without dropout: where a pass's
 // (sequence, head, query tile) blocks are too few to fill the device (a
 // long sequence with few sequences and heads: (1, 1, 4096, 32, 1)'s row
@@ -88,12 +102,10 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ?
 //
 // S minimises an estimate of the time: the rounds of blocks the device runs
 // at once (flash_split_blocks_per_sm an SM) times the key tiles a block
-// streams plus a fixed cost of 1.3 tiles a block. Fitted to the H200's
-// times for S = 3 to 32 at head dim 128 (within 10%; docs/perf-notes.md,
-// v45); at head dims 16 to 64 it ranks the timed S about right but spreads
-// them more than they differ. S = 1 at padded head dim 32 runs the wgmma
-// kernel instead, about 1.3x the mma.sync kernel's rate at these lengths
-// (v39): its estimate is taken at 3/4. So one long sequence takes the S
+// streams plus a fixed cost of 1.3 tiles a block (fitted to the H200's
+// times at head dim 128). S = 1 at padded head dim 32 runs the wgmma
+// kernel instead, faster than the mma.sync kernel at these lengths: its
+// estimate is taken at 3/4. So one long sequence takes the S
 // that fills one round with the fewest tiles a block (where the cap below
 // allows a round: not at head dims 8 and 16), and S = 1 is kept where a
 // second round would cost more than the split saves. At most 16, every
@@ -106,7 +118,7 @@ FASTAXIAL_HOST_DEVICE constexpr int flash_key_tile(int hdp) { return hdp <= 64 ?
 constexpr int kFlashMaxSplits = 16;
 constexpr int64_t kFlashMinSplitLen = 1024;
 
-// Blocks of the split kernel (flash_attention.cu, 4 warps) an SM holds on
+// Blocks of the split kernel (attention/flash_attention.cu, 4 warps) an SM holds on
 // sm_90a, by its registers (ptxas) and its two stages of shared memory;
 // test_flash_attention checks them against the occupancy API on the device.
 FASTAXIAL_HOST_DEVICE constexpr int flash_split_blocks_per_sm(int hdp) {
@@ -146,22 +158,19 @@ FASTAXIAL_HOST_DEVICE constexpr size_t flash_partials_bytes(int64_t num_seq, int
   return s < 2 ? 0 : (size_t)s * (size_t)(num_seq * heads * len) * (size_t)(head_dim + 2) * sizeof(float);
 }
 
-
-// Split of the attention backward (cuda/backward/attention_backward.cu) for
+// Split of the attention backward (cuda/attention/attention_backward.cu) for
 // passes of few (sequence, head) items: its dk, dv kernel has a block per
 // (item, key tile) streaming every query tile, its dq kernels a block per
 // (item, query tile) streaming every key tile, so one sequence of 4096 at
-// head dim 128 ran 64 blocks (or, with the blocks cut to one warp to spread
-// them, 2 warps an SM), and its training step took longer than eager's
-// (docs/perf-notes.md, v46). Where the 4-warp blocks are too few for one
+// head dim 128 runs only 64 blocks. Where the 4-warp blocks are too few for one
 // round, each block's streamed tiles are cut into S contiguous ranges, a
 // block each, writing partial dk, dv (or dq) that a combine kernel adds in
-// split order: deterministic, as before.
+// split order: deterministic.
 //
 // S fills one round of resident blocks (attention_grad_blocks_per_sm an SM,
 // the dk, dv kernel's, the lower of the two) and no more: the forward's
-// split measured best at the fewest tiles a block that one round allows
-// (v45). At most kAttentionGradMaxSplits, every split streaming at least
+// split runs best at the fewest tiles a block that one round allows. At
+// most kAttentionGradMaxSplits, every split streaming at least
 // kAttentionGradMinSplitLen positions (beyond that the partials' round trip
 // through L2, 2 hd floats a row and split, nears the split's products); 1
 // where the blocks fill half a round already.

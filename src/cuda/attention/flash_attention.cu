@@ -32,12 +32,13 @@
 // (keys) at column g (feature): two 4-byte loads from v stored as it comes,
 // key-major, at a row stride that puts them in 32 distinct banks.
 //
-// On sm_90a code, sequences longer than 64 go to wgmma versions of this
-// kernel instead: head dims 17 to 32 to flash_attention_wgmma.cu (the same
-// results), 49 to 128 to flash_attention_wgmma_wide.cu (split-KV there too);
-// FlashArgs::mma_sync keeps them here. Sequences of kFlashShortMaxLen (4)
-// positions or fewer take a warp-per-(sequence, head) kernel in plain fp32
-// (flash_short_kernel), unless FlashArgs::mma_sync is set.
+// common/plan.h's flash_variant picks the kernel of a pass: on sm_90a code,
+// sequences longer than 64 go to wgmma versions of this kernel instead (head
+// dims 17 to 32 to flash_attention_wgmma.cu, the same results; 49 to 128 to
+// flash_attention_wgmma_wide.cu, split-KV there too), and sequences of
+// kFlashShortMaxLen (4) positions or fewer to a warp-per-(sequence, head)
+// kernel in plain fp32 (flash_short_kernel); FlashArgs::mma_sync keeps them
+// all here.
 //
 // Head dims: the kernel is a template on a padded head dim HDP (8, 16, 32,
 // 48, 64, 96, 128, 192, 256); columns hd..HDP-1 of q, k and v are zero in
@@ -56,8 +57,8 @@
 // shared memory could hold NaNs), and their scores are -inf before the row
 // max; queries >= L are computed but not stored.
 //
-// Attention dropout (a second instantiation, kDropout; without it the code
-// is as before): after a tile's p enter the row sums l (so l and lse stay
+// Attention dropout (a second instantiation, kDropout, so that the kernel
+// without it carries none of its code): after a tile's p enter the row sums l (so l and lse stay
 // the undropped softmax's), each dropped p is zeroed before p v, and the
 // kept ones' 1 / (1 - p) is applied with 1 / l to o at the end. The mask is
 // common/dropout.h's, drawn a run of four keys per lane and n-tile and
@@ -77,7 +78,7 @@
 //   M = max_s m_s, l = sum_s l_s 2^(m_s - M), o = sum_s o_s 2^(m_s - M) / l,
 //   lse2 = M + log2 l (detail/lse.cuh: two floats, log2 units).
 // Every split holds at least one key < L (S <= key tiles / 2), so m_s is
-// finite. The S = 1 instantiations are the code of before.
+// finite.
 #include "flash_attention.h"
 
 #include <cuda_runtime.h>
@@ -87,6 +88,7 @@
 #include <type_traits>
 
 #include "../../common/smem_layout.h"
+#include "../../common/validate.h"  // aligned16
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
@@ -101,8 +103,8 @@ namespace {
 // the sequence has 32 positions or fewer, so that no warp of the block only
 // copies and the registers and shared memory (q rows) of a block go to warps
 // that compute: such blocks are latency-bound, and twice as many of their
-// (sequence, head) items then run side by side on an SM (perf notes, v38;
-// 3 warps for L <= 48 measured no faster, so there is no such block).
+// (sequence, head) items then run side by side on an SM (a 3-warp block for
+// L <= 48 gained nothing, so there is none).
 constexpr int kWarps = 4;
 constexpr int kBM = 16 * kWarps;  // queries a block of kWarps warps
 static_assert(kBM == kFlashQueryTile, "smem_layout.h's split rule counts these query tiles");
@@ -149,17 +151,10 @@ struct FlashTile {
   static_assert(BN % 16 == 0, "P @ V takes the key groups in pairs");
 };
 
-// What the kernel reads of FlashArgs, the dropout fields aside (those go as
-// a DropoutPass of their own): FlashArgs with them is past 128 bytes, where
-// the compiler treats a struct parameter differently, and the kernels
-// without dropout took other registers.
-struct KernelArgs {
-  AxisView pos;
-  const float* qkv;
-  float* o;
-  float* lse;
-  int D, heads;
-};
+// The kernels take AttentionKernelArgs (flash_kernel_args), the dropout
+// fields as a DropoutPass of their own: FlashArgs with them is past 128
+// bytes, where the compiler treats a struct parameter differently, and the
+// kernels without dropout took other registers.
 
 // One block: queries q0 .. q0 + 16 W - 1 of head h of sequence n, where blockIdx.x =
 // (n * heads + h) * q_tiles + query tile. kVec: the 16-byte copies (every
@@ -169,7 +164,7 @@ struct KernelArgs {
 // to sp.partials unnormalised (a.o and a.lse unused).
 template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
 __global__ void __launch_bounds__(32 * W)
-    flash_attention_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
+    flash_attention_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
                            const FlashPartials sp) {
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   static_assert(!kSplit || W == kWarps, "smem_layout.h's split rule counts blocks of kBM queries");
@@ -178,7 +173,7 @@ __global__ void __launch_bounds__(32 * W)
   constexpr int BN = Tile::BN, KS = HDP / 8, NT = BN / 8, ldk = Tile::ldk, ldv = Tile::ldv;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   // As the launcher sized shared memory (bytes_for(L)); a split has L >= 1024, hence two stages,
-  // written as a constant so that the split kernels' code is that of before.
+  // written as a constant so that the split kernels need no test of L.
   const int stages = kSplit ? 2 : Tile::stages(L);
   extern __shared__ float4 smem4[];
   float* qs = reinterpret_cast<float*>(smem4);  // q is (BM, HDP), row stride ldk
@@ -358,7 +353,8 @@ constexpr int kCombineThreads = 256;
 // Merges the sp.splits partials of each query row, in split order: a thread
 // per (row r = (n heads + h) L + l, column c < hd), thread e = r hd + c, so
 // the o partials are read coalesced; the m and l of a row are broadcasts.
-__global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const KernelArgs a, const FlashPartials sp) {
+__global__ void __launch_bounds__(kCombineThreads)
+    flash_combine_kernel(const AttentionKernelArgs a, const FlashPartials sp) {
   grid_dependency_wait();
   allow_dependent_launch();
   const int hd = a.D / a.heads, L = (int)a.pos.len;
@@ -389,8 +385,7 @@ __global__ void __launch_bounds__(kCombineThreads) flash_combine_kernel(const Ke
 // Short sequences (L <= kFlashShortMaxLen = 4: the column pass of a
 // (B, 1, W) or (B, 2, W) grid, say). The tiled kernel runs a block of 32 queries for
 // each (sequence, head), most of it padding, through all of its products:
-// latency-bound ((1, 1, 4096, 128, 1)'s column pass of 4096 sequences of
-// one took 115 us that way). Here a warp per item (n heads + h), lanes
+// latency-bound. Here a warp per item (n heads + h), lanes
 // over its columns, in plain fp32: for each query, the L scores as
 // warp-reduced dot products, their softmax (base 2, as the tiled kernel's),
 // and o = sum_j p_j v_j / l; the lse as m + log2 l. With L = 1 that is o =
@@ -400,7 +395,7 @@ constexpr int kShortThreads = 256;
 
 template <bool kDropout>
 __global__ void __launch_bounds__(kShortThreads)
-    flash_short_kernel(const KernelArgs a, float scale_log2, const DropoutPass dpass) {
+    flash_short_kernel(const AttentionKernelArgs a, float scale_log2, const DropoutPass dpass) {
   constexpr int kCols = (kFlashMaxHeadDim + 31) / 32;  // a lane's columns c = lane + 32 k
   grid_dependency_wait();
   allow_dependent_launch();
@@ -463,7 +458,7 @@ __global__ void __launch_bounds__(kShortThreads)
 // A template so that a build without Random123 never instantiates the dropout kernel.
 template <typename = void>
 cudaError_t launch_short(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, cudaStream_t stream) {
-  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const AttentionKernelArgs k = flash_kernel_args(a);
   const int64_t items = a.pos.num_seq * a.heads;
   const dim3 grid((unsigned)((items + kShortThreads / 32 - 1) / (kShortThreads / 32)));
   if constexpr (kDropoutAvailable)
@@ -476,14 +471,11 @@ cudaError_t launch_short(const FlashArgs& a, float scale_log2, const DeviceCaps&
 
 // The merge of a split pass's partials into o and lse (flash_combine_kernel).
 cudaError_t launch_combine(const FlashArgs& a, const FlashPartials& sp, const DeviceCaps& dev, cudaStream_t stream) {
-  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const AttentionKernelArgs k = flash_kernel_args(a);
   const int64_t combine_blocks = (sp.rows * (a.D / a.heads) + kCombineThreads - 1) / kCombineThreads;
   return launch_kernel<flash_combine_kernel>(dim3((unsigned)combine_blocks), dim3(kCombineThreads), 0, stream, dev, k,
                                              sp);
 }
-
-// The padded head dim that serves head_dim (0: none).
-int padded_head_dim(int64_t head_dim) { return flash_padded_head_dim(head_dim); }
 
 // One launch of the kernel with W warps a block: a block per (sequence,
 // head, query tile of 16 W) [, split].
@@ -498,7 +490,7 @@ cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const FlashPartia
   const int L = (int)a.pos.len;
   const int q_tiles = (L + Tile::BM - 1) / Tile::BM;
   const int64_t blocks = a.pos.num_seq * a.heads * q_tiles;  // <= 2^31 - 1 (flash_attention checks it for kBM)
-  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const AttentionKernelArgs k = flash_kernel_args(a);
   const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
   if (cudaError_t e = launch_kernel<kernel>(dim3((unsigned)(blocks * sp.splits)), dim3(32 * W), Tile::bytes_for(L),
                                             stream, dev, k, scale_log2, q_tiles, dpass, sp);
@@ -507,25 +499,24 @@ cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const FlashPartia
   return launch_combine(a, sp, dev, stream);
 }
 
-template <int HDP, int W>
-cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
-                         cudaStream_t stream) {
-  if constexpr (kDropoutAvailable)
-    if (a.dropout.threshold != 0)
-      return vec ? launch_flash<HDP, W, true, true, false>(a, scale_log2, sp, dev, stream)
-                 : launch_flash<HDP, W, false, true, false>(a, scale_log2, sp, dev, stream);
-  return vec ? launch_flash<HDP, W, true, false, false>(a, scale_log2, sp, dev, stream)
-             : launch_flash<HDP, W, false, false, false>(a, scale_log2, sp, dev, stream);
-}
-
+// The instantiation for a's flags: 16-byte copies (vec), dropout, split (no dropout there), and
+// blocks of 2 warps for short sequences (flash_warps; splits take kWarps).
 template <int HDP>
 cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                          cudaStream_t stream) {
-  if (sp.splits > 1)
-    return vec ? launch_flash<HDP, kWarps, true, false, true>(a, scale_log2, sp, dev, stream)
-               : launch_flash<HDP, kWarps, false, false, true>(a, scale_log2, sp, dev, stream);
-  if (flash_warps(a.pos.len) == 2) return launch_flash<HDP, 2>(a, vec, scale_log2, sp, dev, stream);
-  return launch_flash<HDP, kWarps>(a, vec, scale_log2, sp, dev, stream);
+  const bool split = sp.splits > 1;
+  const bool dropout = kDropoutAvailable && !split && a.dropout.threshold != 0;
+  const bool two_warps = !split && flash_warps(a.pos.len) == 2;
+  return with_bools(
+      [&](auto v, auto d, auto s, auto two) {
+        constexpr bool kDropout = decltype(d)::value, kSplit = decltype(s)::value;
+        if constexpr ((kDropout && (kSplit || !kDropoutAvailable)) || (kSplit && decltype(two)::value))
+          return cudaErrorInvalidValue;  // never asked for
+        else
+          return launch_flash<HDP, decltype(two)::value ? 2 : kWarps, decltype(v)::value, kDropout, kSplit>(
+              a, scale_log2, sp, dev, stream);
+      },
+      vec, dropout, split, two_warps);
 }
 
 template <int HDP>
@@ -537,14 +528,6 @@ int split_occupancy(const DeviceCaps& dev) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32 * kWarps, Tile::bytes) == cudaSuccess ? n : 0;
 }
 
-// Dropout's arguments, where it applies: the {seed, offset} pair given, and
-// the mask's sizes those of this pass (its elements are numbered by them).
-bool dropout_args_ok(const FlashArgs& a) {
-  if (a.dropout.threshold == 0) return true;
-  return kDropoutAvailable && a.philox != nullptr && (a.pass == 0 || a.pass == 1) &&
-         a.dropout.len[a.pass] == (uint64_t)a.pos.len && a.dropout.heads == (uint64_t)a.heads;
-}
-
 }  // namespace
 
 // The plan (common/plan.cpp) sends a pass here by smem_layout.h's bounds.
@@ -553,11 +536,11 @@ static_assert(FlashTile<256>::bytes == kFlashMaxSmemBytes && FlashTile<192>::byt
                   FlashTile<64>::bytes <= kFlashMaxSmemBytes,
               "smem_layout.h's kFlashMaxSmemBytes is the largest tiling");
 
-bool flash_attention_supports(int64_t head_dim) { return padded_head_dim(head_dim) != 0; }
+bool flash_attention_can_run(int64_t head_dim) { return flash_padded_head_dim(head_dim) != 0; }
 
 int flash_split_occupancy(int64_t head_dim, const DeviceCaps& dev) {
   return with_padded_head_dim(
-      padded_head_dim(head_dim), [&](auto h) { return split_occupancy<decltype(h)::value>(dev); }, 0);
+      flash_padded_head_dim(head_dim), [&](auto h) { return split_occupancy<decltype(h)::value>(dev); }, 0);
 }
 
 size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
@@ -567,7 +550,19 @@ size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head
 
 size_t flash_attention_smem_bytes(int64_t head_dim) {
   return with_padded_head_dim(
-      padded_head_dim(head_dim), [](auto h) { return (size_t)FlashTile<decltype(h)::value>::bytes; }, size_t{0});
+      flash_padded_head_dim(head_dim), [](auto h) { return (size_t)FlashTile<decltype(h)::value>::bytes; }, size_t{0});
+}
+
+FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev) {
+  DeviceCaps d = dev;
+#if !defined(FASTAXIAL_WGMMA)
+  d.sm90a = false;  // no sm_90a code in this build: the wgmma kernels' bodies are traps
+#endif
+  FlashProblem f;
+  f.num_seq = a.pos.num_seq, f.len = a.pos.len, f.head_dim = a.heads > 0 ? a.D / a.heads : 0, f.heads = a.heads;
+  f.dropout = a.dropout.threshold != 0, f.mma_sync = a.mma_sync;
+  f.partials_bytes = a.partials != nullptr ? a.partials_bytes : 0;
+  return flash_variant(f, d);
 }
 
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
@@ -575,8 +570,8 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
       a.pos.len >= kMaxLen)
     return cudaErrorInvalidValue;
   const int hd = a.D / a.heads;
-  const int hdp = padded_head_dim(hd);
-  if (hdp == 0 || !dropout_args_ok(a)) return cudaErrorInvalidValue;
+  const int hdp = flash_padded_head_dim(hd);
+  if (hdp == 0 || !dropout_pass_args_ok(a.dropout, a.pass, a.philox, a.pos.len, a.heads)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
   // Blocks of kBM queries, or fewer where the sequence is short (flash_warps): at most 2^31 - 1,
   // gridDim.x's limit (a short sequence is one query tile whatever the block).
@@ -585,26 +580,26 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   // 16-byte copies where every head slice of every row starts 16-byte
   // aligned: row r's slice of head h begins hd h + r 3D (+ D, + 2D) floats
   // after qkv, and hd % 4 == 0 makes D % 4 == 0 too.
-  const bool vec = hd % 4 == 0 && reinterpret_cast<uintptr_t>(a.qkv) % 16 == 0;
-  const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);  // log2(e) / sqrt(hd)
-  if (a.pos.len <= kFlashShortMaxLen && !a.mma_sync) return launch_short(a, scale_log2, dev, stream);
-  // Split-KV where the rule splits and the caller gave room for the partials
-  // (never with dropout: a training forward with dropout keeps S = 1).
-  FlashPartials sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, 1};
-  const size_t need = flash_partials_bytes(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
-  if (a.partials != nullptr && need > 0 && a.partials_bytes >= need && a.dropout.threshold == 0)
-    sp.splits = flash_kv_splits(a.pos.num_seq, a.pos.len, hd, a.heads, dev.sms);
-  if (sp.splits == 1 && flash_wgmma_applies(a, dev)) return flash_attention_wgmma(a, vec, scale_log2, dev, stream);
-  if (flash_wgmma_wide_applies(a, dev)) {
-    const int splits = flash_wgmma_wide_splits(a.pos.num_seq, a.pos.len, a.heads, sp.splits, dev.sms);
-    if (cudaError_t e = flash_attention_wgmma_wide(a, vec, scale_log2, sp.partials, splits, dev, stream);
-        e != cudaSuccess || splits == 1)
-      return e;
-    return launch_combine(a, FlashPartials{sp.partials, sp.rows, splits}, dev, stream);
+  const bool vec = hd % 4 == 0 && aligned16(a.qkv);
+  const float scale_log2 = kLog2e / sqrtf((float)hd);
+  const FlashVariant v = flash_attention_variant(a, dev);
+  // Split-KV (v.splits > 1) only where the rule splits and the caller gave room for the partials.
+  const FlashPartials sp = {a.partials, a.pos.num_seq * a.heads * a.pos.len, v.splits};
+  switch (v.kernel) {
+    case FlashKernel::kShort:
+      return launch_short(a, scale_log2, dev, stream);
+    case FlashKernel::kWgmma:
+      return flash_attention_wgmma(a, vec, scale_log2, dev, stream);
+    case FlashKernel::kWgmmaWide:
+      if (cudaError_t e = flash_attention_wgmma_wide(a, vec, scale_log2, sp.partials, sp.splits, dev, stream);
+          e != cudaSuccess || sp.splits == 1)
+        return e;
+      return launch_combine(a, sp, dev, stream);
+    default:
+      return with_padded_head_dim(
+          hdp, [&](auto h) { return launch_flash<decltype(h)::value>(a, vec, scale_log2, sp, dev, stream); },
+          cudaErrorInvalidValue);
   }
-  return with_padded_head_dim(
-      hdp, [&](auto h) { return launch_flash<decltype(h)::value>(a, vec, scale_log2, sp, dev, stream); },
-      cudaErrorInvalidValue);
 }
 
 }  // namespace fastaxial::cuda

@@ -11,6 +11,8 @@
 // pass of few (sequence, head, query tile) blocks splits each one's keys
 // over S blocks and merges their partial softmaxes in a second kernel
 // (split-KV; common/smem_layout.h's flash_kv_splits gives S).
+// Which kernel runs a pass (short sequences, wgmma for some head dims, split
+// or not) is common/plan.h's flash_variant, which the plan records too.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,7 +22,8 @@
 
 #include "../../common/axis.h"
 #include "../../common/dropout.h"
-#include "../../common/plan.h"  // DeviceCaps
+#include "../../common/plan.h"  // DeviceCaps, FlashVariant
+#include "../detail/kernel_args.h"
 
 namespace fastaxial::cuda {
 
@@ -39,32 +42,36 @@ struct FlashArgs {
   // Attention dropout (common/dropout.h): where dropout.threshold != 0, the probability of
   // query i, key j of head h of sequence n is scaled by dropout.scale when
   // dropout_keep(dropout, pass, n, h, i, j), else zeroed (seed and offset read from `philox`).
-  DropoutParams dropout;  // default: threshold 0, no dropout (the code path of today)
+  DropoutParams dropout;  // default: threshold 0, no dropout
   int pass = 0;           // 0 row pass, 1 column pass: which of dropout.base/len
   // Device memory {seed, offset}; read (after the kernel's grid-dependency wait) where
   // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
   const uint64_t* philox = nullptr;
-  // Split-KV workspace (device memory), or null: S = 1, the code path of before. Used
-  // where flash_attention_partials_bytes() of this pass is > 0 and partials_bytes is at
+  // Split-KV workspace (device memory), or null: S = 1. Used where
+  // flash_attention_partials_bytes() of this pass is > 0 and partials_bytes is at
   // least that, and dropout is off (the split kernels have no dropout: a training forward
   // with dropout keeps S = 1); the layout is smem_layout.h's flash_partials_bytes.
   float* partials = nullptr;
   size_t partials_bytes = 0;
-  // Run the mma.sync kernel even where a wgmma one (flash_wgmma_applies,
-  // flash_wgmma_wide_applies) or the short-sequence one applies: for tests and benchmarks
-  // that compare them.
+  // Run the mma.sync kernel even where a wgmma one or the short-sequence one would: for tests
+  // and benchmarks that compare them.
   bool mma_sync = false;
 };
 
-// Sequences of at most this many positions take a kernel of a warp per (sequence, head) in
-// plain fp32 (scores as dot products, the softmax, p v), not the tiled one. On an H200 it took
-// 4096 sequences at head dim 128 in 14.5 us at L = 1 (tiled: 109.1), 26.4 at L = 2 (109.8),
-// 2048 at L = 4 in 29.0 (56.8), but 1024 x 2 heads at L = 8 in 67.0 (57.5): its L^2 warp
-// reductions a (sequence, head) grow faster than the tiles' padding shrinks (perf notes v50).
-constexpr int kFlashShortMaxLen = 4;
+// What the kernels receive of a (the dropout fields go as a DropoutPass of their own).
+inline AttentionKernelArgs flash_kernel_args(const FlashArgs& a) { return {a.pos, a.qkv, a.o, a.lse, a.D, a.heads}; }
+
+// The kernel and splits flash_attention runs a's pass with on dev (common/plan.h's
+// flash_variant, dev.sm90a cleared in a build without sm_90a code); a's sizes valid.
+FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev);
+
+// Whether flash_attention runs a's pass on the head-dim-32 wgmma kernel (for benchmarks).
+inline bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev) {
+  return flash_attention_variant(a, dev).kernel == FlashKernel::kWgmma;
+}
 
 // True when the kernel serves this head_dim (1..256).
-bool flash_attention_supports(int64_t head_dim);
+bool flash_attention_can_run(int64_t head_dim);
 
 // Bytes of partials the launch of a pass of num_seq sequences of length len
 // (FlashArgs::pos) with `heads` heads of head_dim on dev splits its keys
@@ -96,40 +103,21 @@ size_t flash_attention_smem_bytes(int64_t head_dim);
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream);
 
 // ---- The wgmma kernel (flash_attention_wgmma.cu) ------------------------------------------
-// Where it applies, flash_attention launches a kernel on Hopper's warpgroup products instead of
-// the mma.sync one: the same products, softmax and dropout mask in the same order (on an H200
-// its o and lse have come out bitwise equal to the mma.sync kernel's). It takes head dims 17 to
-// 32 (padded head dim 32) on sm_90a code (dev.sm90a), sequences longer than kFlashWgmmaMinLen
-// (two key tiles or more: a single tile leaves nothing to overlap and measured slower; so did
-// head dim 16), and no split-KV (the split blocks stay on mma.sync).
-constexpr int64_t kFlashWgmmaMinLen = 64;
-
-// Whether flash_attention runs a's pass (split-KV aside) on the wgmma kernel on dev.
-bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev);
-
-// The launch flash_attention makes where flash_wgmma_applies (sizes already checked there);
+// FlashKernel::kWgmma: the mma.sync kernel's products, softmax and dropout mask in the same
+// order on Hopper's warpgroup products, for padded head dim 32 (its o and lse bitwise equal to
+// the mma.sync kernel's). The launch flash_attention makes for it (sizes already checked there);
 // vec: every head slice of qkv 16-byte aligned; scale_log2 = log2(e) / sqrt(hd).
 cudaError_t flash_attention_wgmma(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
                                   cudaStream_t stream);
 
 // ---- The wgmma kernel for head dims 49 to 128 (flash_attention_wgmma_wide.cu) ----------------
-// Padded head dims 64, 96 and 128 on sm_90a code, sequences longer than kFlashWgmmaMinLen:
-// q raw in shared memory and split a run, keys 32 a step, blocks of 128 queries taking units
-// in turn; dropout, and split-KV where flash_attention gives it partials (S units a query tile,
-// their partials in flash_partials_bytes' layout, merged by flash_attention's combine kernel).
-// Not bitwise the mma.sync kernel's results (both within the float64 tests' bounds).
-
-// Whether flash_attention runs a's pass on this kernel on dev.
-bool flash_wgmma_wide_applies(const FlashArgs& a, const DeviceCaps& dev);
-
-// The splits this kernel takes for a pass the mma.sync kernel would split `rule_splits` ways
-// (flash_kv_splits; its partials are sized for that many): as many as fill one round of a
-// block an SM, at most rule_splits, at least 1.
-int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int heads, int rule_splits, int sms);
-
-// The launch flash_attention makes where flash_wgmma_wide_applies; splits > 1: partials (room
-// for rule_splits >= splits) get the unnormalised o, m and l, and a.o, a.lse are not written;
-// cudaErrorInvalidValue for splits > 1 with dropout (the split kernels have none).
+// FlashKernel::kWgmmaWide: padded head dims 64, 96 and 128: q raw in shared memory and split a
+// run, keys 32 a step, blocks of 128 queries taking units in turn; dropout, and split-KV (S units
+// a query tile, their partials in flash_partials_bytes' layout, merged by flash_attention's
+// combine kernel). Not bitwise the mma.sync kernel's results (both within the float64 tests'
+// bounds). The launch flash_attention makes for it; splits > 1: partials (room for the
+// flash_kv_splits rule's S >= splits) get the unnormalised o, m and l, and a.o, a.lse are not
+// written; cudaErrorInvalidValue for splits > 1 with dropout (the split kernels have none).
 cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale_log2, float* partials, int splits,
                                        const DeviceCaps& dev, cudaStream_t stream);
 

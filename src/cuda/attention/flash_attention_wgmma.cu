@@ -10,8 +10,8 @@
 //
 // Why a second kernel. The mma.sync kernel gives each warp 16 queries and
 // builds every B fragment from shared memory, split on the fly, for each
-// warp; at head dim 32 it runs at about a third of the rate the wgmma GEMMs
-// reach (docs/perf-notes.md, v37). Here a warpgroup (4 warps) owns 64
+// warp; at head dim 32 it runs well below the rate the wgmma GEMMs reach.
+// Here a warpgroup (4 warps) owns 64
 // queries and issues each product as asynchronous 64 x N x 8 steps whose B
 // operand the tensor cores read from shared memory; k and v are split into
 // TF32 (hi, lo) planes once a tile for the whole block, not once a warp,
@@ -63,6 +63,7 @@
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
 #include "flash_attention.h"
+#include "flash_parts.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -90,14 +91,7 @@ struct WgFlashTile {
   static_assert(k_plane % 1024 == 0 && vt_atom % 1024 == 0 && raw_k % 16 == 0 && (ld * 4) % 16 == 0,
                 "swizzled planes on 1024-byte boundaries, cp.async rows on 16-byte ones");
   static_assert(k_pieces * kThreads == BN * (HDP / 4) && v_elems * kThreads == BN * HDP, "whole rounds");
-};
-
-struct KernelArgs {
-  AxisView pos;
-  const float* qkv;
-  float* o;
-  float* lse;
-  int D, heads;
+  static_assert(BM == kFlashWgmmaQueryTile && bytes == flash_wgmma_smem_bytes(HDP), "common/smem_layout.h's sizes");
 };
 
 // A block's units (a unit: 128 queries of one (sequence, head); unit u is
@@ -109,7 +103,7 @@ struct KernelArgs {
 // kVec: 16-byte copies.
 template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(256, 1)
-    flash_wgmma_kernel(const KernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass) {
+    flash_wgmma_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = WgFlashTile<HDP>;
   constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
@@ -142,30 +136,13 @@ __global__ void __launch_bounds__(256, 1)
 
   const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles;
   const int tiles = (L + BN - 1) / BN;
-  const int64_t my_units = (units - blockIdx.x + gridDim.x - 1) / gridDim.x;  // this block's
+  const int64_t my_units = flash_block_units(units);
   const int64_t steps = my_units * tiles;
   const int64_t ps = a.pos.pos_stride;
   const int64_t row_words = 3 * (int64_t)a.D;
 
-  // Unit i of this block: its item, first query, row of position 0 and q columns of row 0 (k at + D, v at + 2D).
-  struct Unit {
-    int64_t item;
-    int q0;
-    int64_t seq;
-    int col;  // h hd
-    const float* qg;
-  };
-  const auto unit_at = [&](int64_t i) {
-    const int64_t u = blockIdx.x + i * gridDim.x;
-    Unit x;
-    x.item = u / q_tiles;
-    x.q0 = (int)(u % q_tiles) * BM;
-    const int h = (int)(x.item % a.heads);
-    x.seq = a.pos.offset(x.item / a.heads, 0);
-    x.col = h * hd;
-    x.qg = a.qkv + x.seq * row_words + x.col;
-    return x;
-  };
+  // Unit i of this block (flash_parts.cuh); S = 1: no split.
+  const auto unit_at = [&](int64_t i) { return flash_unit<BM>(a, i, q_tiles, 1, tiles, hd, row_words); };
 
   // Rows p0 .. p0 + ROWS - 1 of a head slice (src: row 0's) into shared
   // memory at dst (row stride LD); positions >= L as zeros.
@@ -181,7 +158,7 @@ __global__ void __launch_bounds__(256, 1)
   // first tile its q (buffer ci % 2), then moves on (the unit's sizes computed once a unit).
   int64_t ci = 0, cs = 0;
   int cj = 0;
-  Unit cu = unit_at(0);
+  FlashUnit cu = unit_at(0);
   const auto copy_next = [&]() {
     if (cj == 0) copy_rows(RowsQ(), base + Tile::q_off + (uint32_t)((ci & 1) * BM * LD * 4), cu.qg, cu.q0);
     const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
@@ -220,7 +197,7 @@ __global__ void __launch_bounds__(256, 1)
   __syncthreads();
 
   // The current unit; q's A fragments, split once a unit: steps 0, 1 in qa, 2, 3 in qb.
-  Unit cur;
+  FlashUnit cur;
   int64_t ui = 0;
   FragA qa[2], qb[2];
   DropoutParams drop;
@@ -318,7 +295,7 @@ __global__ void __launch_bounds__(256, 1)
   }
 #else
   (void)a, (void)scale_log2, (void)q_tiles, (void)dpass;
-  __trap();  // built without sm_90a: flash_wgmma_applies is false there
+  __trap();  // built without sm_90a: flash_attention_variant never picks it there
 #endif
 }
 
@@ -333,7 +310,7 @@ cudaError_t launch(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, 
   const int q_tiles = (L + Tile::BM - 1) / Tile::BM;
   const int64_t units = a.pos.num_seq * a.heads * q_tiles;  // <= flash_attention's count of 64-query tiles
   const int64_t blocks = std::min<int64_t>(units, std::max(dev.sms, 1));  // a block an SM, taking units in turn
-  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const AttentionKernelArgs k = flash_kernel_args(a);
   const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
   return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(Tile::kThreads), Tile::bytes, stream, dev, k, scale_log2,
                                q_tiles, dpass);
@@ -341,29 +318,17 @@ cudaError_t launch(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, 
 
 template <int HDP>
 cudaError_t launch(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev, cudaStream_t stream) {
-  if constexpr (kDropoutAvailable)
-    if (a.dropout.threshold != 0)
-      return vec ? launch<HDP, true, true>(a, scale_log2, dev, stream)
-                 : launch<HDP, false, true>(a, scale_log2, dev, stream);
-  return vec ? launch<HDP, true, false>(a, scale_log2, dev, stream)
-             : launch<HDP, false, false>(a, scale_log2, dev, stream);
+  return with_bools(
+      [&](auto v, auto d) {
+        if constexpr (decltype(d)::value && !kDropoutAvailable)
+          return cudaErrorInvalidValue;  // never asked for
+        else
+          return launch<HDP, decltype(v)::value, decltype(d)::value>(a, scale_log2, dev, stream);
+      },
+      vec, kDropoutAvailable && a.dropout.threshold != 0);
 }
 
 }  // namespace
-
-bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev) {
-#if defined(FASTAXIAL_WGMMA)
-  // dev.sm90a: a compute-capability 9.0 GPU (entry.cu sets it only in a build with sm_90a code;
-  // the macro makes that hold for callers who fill DeviceCaps themselves too).
-  const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
-  const int hdp = flash_padded_head_dim(hd);
-  return !a.mma_sync && dev.sm90a && hdp == 32 && a.pos.len > kFlashWgmmaMinLen &&
-         (size_t)WgFlashTile<32>::bytes <= (size_t)dev.smem_optin;
-#else
-  (void)a, (void)dev;
-  return false;  // no sm_90a code in this build: the kernel's body is a trap
-#endif
-}
 
 cudaError_t flash_attention_wgmma(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
                                   cudaStream_t stream) {

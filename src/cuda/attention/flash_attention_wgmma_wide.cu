@@ -8,8 +8,8 @@
 // same online softmax and mask).
 //
 // Why a third kernel. The mma.sync kernel builds every B fragment from
-// shared memory, split on the fly, in each warp, and at head dim 128 runs
-// at about 30 TFLOP/s fp32-equivalent (docs/perf-notes.md, v50). The head
+// shared memory, split on the fly, in each warp, which bounds its rate at
+// head dim 128 well below the wgmma products'. The head
 // dim 32 wgmma kernel (flash_attention_wgmma.cu) holds q's split fragments
 // in registers and double-buffers raw rows and q; at head dim 128 neither
 // fits: q's fragments would be 128 registers a thread, and two buffers of
@@ -59,6 +59,7 @@
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
 #include "flash_attention.h"
+#include "flash_parts.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -80,6 +81,7 @@ struct WideTile {
   static constexpr int bytes = q_off + BM * HDP * 4 + 1024;  // + room to align the base
   static constexpr int runs = HDP / 16;                      // runs of the score product
   static_assert(bytes <= 232448, "an H200 block's shared memory (227 KB)");
+  static_assert(BM == kFlashWgmmaQueryTile && bytes == flash_wgmma_smem_bytes(HDP), "common/smem_layout.h's sizes");
   static_assert(chunk % 1024 == 0 && vt_plane % 1024 == 0 && (PN * 128) % 1024 == 0 && q_off % 16 == 0,
                 "swizzled planes on 1024-byte boundaries, cp.async rows on 16-byte ones");
   static_assert(BN * (HDP / 4) == (runs / 2) * kThreads && BN * HDP == 2 * runs * kThreads,
@@ -94,19 +96,12 @@ __device__ __forceinline__ int q_word(int r, int c) {
   return r * HDP + (c ^ ((r & 7) << 2));
 }
 
-struct KernelArgs {
-  AxisView pos;
-  const float* qkv;
-  float* o;
-  float* lse;
-  int D, heads;
-};
-
 // kVec: 16-byte copies. kDropout: dpass applies. kSplit: units carry a split
 // of their keys and write unnormalised o, m and l to sp.partials.
 template <int HDP, bool kVec, bool kDropout, bool kSplit>
-__global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelArgs a, float scale_log2, int q_tiles,
-                                                                  const DropoutPass dpass, const FlashPartials sp) {
+__global__ void __launch_bounds__(256, 1)
+    flash_wgmma_wide_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
+                            const FlashPartials sp) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = WideTile<HDP>;
   constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld, PN = Tile::PN;
@@ -138,34 +133,12 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
   const int S = kSplit ? sp.splits : 1;
   const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles * S;
   const int tiles = (L + BN - 1) / BN;
-  const int64_t my_units = (units - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int64_t my_units = flash_block_units(units);
   const int64_t ps = a.pos.pos_stride;
   const int64_t row_words = 3 * (int64_t)a.D;
 
-  // Unit i of this block: item, split, first query, key tiles j0..j1 - 1,
-  // row of position 0, and q's columns in row 0 (k at + D, v at + 2D).
-  struct Unit {
-    int64_t item;
-    int split, q0, j0, j1;
-    int64_t seq;
-    int col;
-    const float* qg;
-  };
-  const auto unit_at = [&](int64_t i) {
-    const int64_t u = blockIdx.x + i * gridDim.x;
-    Unit x;
-    x.q0 = (int)(u % q_tiles) * BM;
-    const int64_t rest = u / q_tiles;
-    x.split = (int)(rest % S);
-    x.item = rest / S;
-    x.j0 = (int)((int64_t)tiles * x.split / S);
-    x.j1 = (int)((int64_t)tiles * (x.split + 1) / S);
-    const int h = (int)(x.item % a.heads);
-    x.seq = a.pos.offset(x.item / a.heads, 0);
-    x.col = h * hd;
-    x.qg = a.qkv + x.seq * row_words + x.col;
-    return x;
-  };
+  // Unit i of this block (flash_parts.cuh): its split's key tiles are j0 .. j1 - 1.
+  const auto unit_at = [&](int64_t i) { return flash_unit<BM>(a, i, q_tiles, S, tiles, hd, row_words); };
 
   // Rows p0 .. p0 + rows - 1 of a head slice (src: row 0's) into raw rows at
   // dst (stride LD), or with kQ into q's swizzled rows; positions >= L as zeros.
@@ -181,14 +154,14 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
 
   // The copy cursor: the next step to copy is tile cj of unit ci (cu).
   int64_t ci = 0;
-  Unit cu = unit_at(0);
+  FlashUnit cu = unit_at(0);
   int cj = cu.j0;
   const auto copy_step = [&]() {  // its raw rows into the stage, then moves on
     copy_rows(IsRaw(), BN, raw_k, cu.qg + a.D, cj * BN);
     copy_rows(IsRaw(), BN, raw_v, cu.qg + 2 * a.D, cj * BN);
     if (++cj == cu.j1 && ++ci < my_units) cu = unit_at(ci), cj = cu.j0;
   };
-  const auto copy_q = [&](const Unit& x) { copy_rows(IsQ(), BM, base + Tile::q_off, x.qg, x.q0); };
+  const auto copy_q = [&](const FlashUnit& x) { copy_rows(IsQ(), BM, base + Tile::q_off, x.qg, x.q0); };
 
   // Part i (of Tile::runs) of a step's split from the raw stage into plane
   // buffer b: k's piece i / 2 on even parts, two of v's elements on each.
@@ -234,7 +207,7 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
   fence_async_smem();
   __syncthreads();
 
-  Unit cur = unit_at(0);
+  FlashUnit cur = unit_at(0);
   int64_t ui = 0;
   int j = cur.j0;
   int64_t st = 0;
@@ -365,7 +338,7 @@ __global__ void __launch_bounds__(256, 1) flash_wgmma_wide_kernel(const KernelAr
   }
 #else
   (void)a, (void)scale_log2, (void)q_tiles, (void)dpass, (void)sp;
-  __trap();  // built without sm_90a: flash_wgmma_applies is false there
+  __trap();  // built without sm_90a: flash_attention_variant never picks it there
 #endif
 }
 
@@ -380,54 +353,29 @@ cudaError_t launch(const FlashArgs& a, float scale_log2, const FlashPartials& sp
   const int q_tiles = (L + Tile::BM - 1) / Tile::BM;
   const int64_t units = a.pos.num_seq * a.heads * q_tiles * (int64_t)sp.splits;
   const int64_t blocks = std::min<int64_t>(units, std::max(dev.sms, 1));  // a block an SM, taking units in turn
-  const KernelArgs k = {a.pos, a.qkv, a.o, a.lse, a.D, a.heads};
+  const AttentionKernelArgs k = flash_kernel_args(a);
   const DropoutPass dpass = kDropout ? dropout_pass(a.dropout, a.pass, a.philox) : DropoutPass{};
   return launch_kernel<kernel>(dim3((unsigned)blocks), dim3(Tile::kThreads), Tile::bytes, stream, dev, k, scale_log2,
                                q_tiles, dpass, sp);
 }
 
+// The instantiation for a's flags: 16-byte copies (vec), dropout, split (no dropout there).
 template <int HDP>
 cudaError_t launch(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                    cudaStream_t stream) {
-  if (sp.splits > 1)
-    return vec ? launch<HDP, true, false, true>(a, scale_log2, sp, dev, stream)
-               : launch<HDP, false, false, true>(a, scale_log2, sp, dev, stream);
-  if constexpr (kDropoutAvailable)
-    if (a.dropout.threshold != 0)
-      return vec ? launch<HDP, true, true, false>(a, scale_log2, sp, dev, stream)
-                 : launch<HDP, false, true, false>(a, scale_log2, sp, dev, stream);
-  return vec ? launch<HDP, true, false, false>(a, scale_log2, sp, dev, stream)
-             : launch<HDP, false, false, false>(a, scale_log2, sp, dev, stream);
+  const bool split = sp.splits > 1;
+  return with_bools(
+      [&](auto v, auto d, auto s) {
+        constexpr bool kDropout = decltype(d)::value, kSplit = decltype(s)::value;
+        if constexpr (kDropout && (kSplit || !kDropoutAvailable))
+          return cudaErrorInvalidValue;  // never asked for
+        else
+          return launch<HDP, decltype(v)::value, kDropout, kSplit>(a, scale_log2, sp, dev, stream);
+      },
+      vec, kDropoutAvailable && !split && a.dropout.threshold != 0, split);
 }
 
 }  // namespace
-
-bool flash_wgmma_wide_applies(const FlashArgs& a, const DeviceCaps& dev) {
-#if defined(FASTAXIAL_WGMMA)
-  const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
-  const int hdp = flash_padded_head_dim(hd);
-  if (a.mma_sync || !dev.sm90a || a.pos.len <= kFlashWgmmaMinLen) return false;
-  return with_padded_head_dim(
-      hdp,
-      [&](auto h) {
-        constexpr int H = decltype(h)::value;
-        if constexpr (H == 64 || H == 96 || H == 128)
-          return (size_t)WideTile<H>::bytes <= (size_t)dev.smem_optin;
-        else
-          return false;
-      },
-      false);
-#else
-  (void)a, (void)dev;
-  return false;  // no sm_90a code in this build: the kernel's body is a trap
-#endif
-}
-
-int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int heads, int rule_splits, int sms) {
-  if (rule_splits <= 1 || num_seq <= 0 || len <= 0 || heads <= 0) return 1;
-  const int64_t tiles = num_seq * heads * ((len + WideTile<128>::BM - 1) / WideTile<128>::BM);
-  return (int)std::max<int64_t>(1, std::min<int64_t>(rule_splits, std::max(sms, 1) / tiles));
-}
 
 cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale_log2, float* partials, int splits,
                                        const DeviceCaps& dev, cudaStream_t stream) {
@@ -436,16 +384,16 @@ cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale
     return cudaErrorInvalidValue;
   if (a.pos.num_seq <= 0) return a.pos.num_seq == 0 ? cudaSuccess : cudaErrorInvalidValue;
   const FlashPartials sp = {partials, a.pos.num_seq * a.heads * a.pos.len, splits};
-  switch (flash_padded_head_dim(a.D / a.heads)) {
-    case 64:
-      return launch<64>(a, vec, scale_log2, sp, dev, stream);
-    case 96:
-      return launch<96>(a, vec, scale_log2, sp, dev, stream);
-    case 128:
-      return launch<128>(a, vec, scale_log2, sp, dev, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return with_padded_head_dim(
+      flash_padded_head_dim(a.D / a.heads),
+      [&](auto h) {
+        constexpr int H = decltype(h)::value;
+        if constexpr (H == 64 || H == 96 || H == 128)
+          return launch<H>(a, vec, scale_log2, sp, dev, stream);
+        else
+          return cudaErrorInvalidValue;
+      },
+      cudaErrorInvalidValue);
 }
 
 }  // namespace fastaxial::cuda

@@ -1,6 +1,6 @@
 // The flash forward kernels' per-row softmax, shared by the mma.sync kernel
-// (staged/flash_attention.cu) and the two wgmma kernels
-// (staged/flash_attention_wgmma*.cu). All three hold a score tile and the
+// (attention/flash_attention.cu) and the two wgmma kernels
+// (attention/flash_attention_wgmma*.cu). All three hold a score tile and the
 // output rows in the accumulator layout that mma.sync's m16n8 C fragments
 // and wgmma's 64xN tiles share: a warp's rows g and g + 8 (g = lane / 4),
 // element e of column group jn at column 8 jn + 2t + (e & 1) of row
@@ -25,6 +25,23 @@ struct FlashPartials {
   int64_t rows;  // num_seq heads L
   int splits;    // S >= 1
 };
+
+// o's rows g and g + 8 (times inv0 and inv1 unless kRaw) into p0[c] and
+// p1[c] where in0 and in1, for this thread's columns c = 8 f + 2 t + e < hd
+// of o's NF column groups.
+template <int NF, bool kRaw, class O>
+__device__ __forceinline__ void store_columns(O&& o, float* p0, float* p1, bool in0, bool in1, float inv0, float inv1,
+                                              int hd, int t) {
+#pragma unroll
+  for (int f = 0; f < NF; ++f)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 8 * f + 2 * t + e;
+      if (c >= hd) continue;
+      if (in0) p0[c] = kRaw ? o(f, e) : o(f, e) * inv0;
+      if (in1) p1[c] = kRaw ? o(f, 2 + e) : o(f, 2 + e) * inv1;
+    }
+}
 
 // Rows g and g + 8's running maxima (base-2 scaled scores) and sums of
 // 2^(s - m) over this thread's columns.
@@ -92,15 +109,7 @@ struct RowSoftmax {
     const float inv0 = num / l0, inv1 = num / l1;
     float* o0 = in0 ? out + r0 * row_stride : nullptr;
     float* o1 = in1 ? out + r1 * row_stride : nullptr;
-#pragma unroll
-    for (int f = 0; f < NF; ++f)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 8 * f + 2 * t + e;
-        if (c >= hd) continue;
-        if (in0) o0[c] = o(f, e) * inv0;
-        if (in1) o1[c] = o(f, 2 + e) * inv1;
-      }
+    store_columns<NF, false>(o, o0, o1, in0, in1, inv0, inv1, hd, t);
     if (lse && t == 0) {
       if (in0) store_lse2(lse, lse_rows, lse_row0 + r0, m0, l0);
       if (in1) store_lse2(lse, lse_rows, lse_row0 + r1, m1, l1);
@@ -115,15 +124,7 @@ struct RowSoftmax {
     const int r1 = r0 + 8;
     const bool in0 = r0 < L, in1 = r1 < L;
     float* po = sp.partials + ((int64_t)split * sp.rows + item * L) * hd;
-#pragma unroll
-    for (int f = 0; f < NF; ++f)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 8 * f + 2 * t + e;
-        if (c >= hd) continue;
-        if (in0) po[(int64_t)r0 * hd + c] = o(f, e);
-        if (in1) po[(int64_t)r1 * hd + c] = o(f, 2 + e);
-      }
+    store_columns<NF, true>(o, po + (int64_t)r0 * hd, po + (int64_t)r1 * hd, in0, in1, 1.0f, 1.0f, hd, t);
     if (t == 0) {
       float* pm = sp.partials + (int64_t)sp.splits * sp.rows * hd + (int64_t)split * sp.rows + item * L;
       float* pl = pm + (int64_t)sp.splits * sp.rows;

@@ -110,7 +110,8 @@ TEST(Plan, PicksTheFamilyByShapeAndDevice) {
       {4, 128, 4, 200, KernelFamily::kFused, "dim 128, L = 4: 2 rounds, 800 positions"},
       {2, 128, 4, 600, KernelFamily::kStaged, "dim 128, L = 2: 5 rounds"},
       {7, 60, 3, 3, KernelFamily::kGeneric, "dim not a multiple of 8"},
-  };  for (const Case& c : cases)
+  };
+  for (const Case& c : cases)
     EXPECT_EQ(row_pass(c.len, c.dim, c.heads, c.num_seq, h200()).family, c.family)
         << c.why << ": L " << c.len << ", dim " << c.dim << ", heads " << c.heads << ", " << c.num_seq
         << " sequences";
@@ -213,18 +214,14 @@ TEST(Plan, ForcedFamilyTheDeviceCannotRunIsAnError) {
 }
 
 TEST(Plan, EnvironmentValuesAreParsedOrRejected) {
+  const struct { const char *path, *wgmma; ForcedFamily forced; int fused_wgmma; } good[] = {
+      {nullptr, nullptr, ForcedFamily::kNone, -1}, {"fused", "0", ForcedFamily::kFused, 0},
+      {"staged", "1", ForcedFamily::kStaged, 1}, {"generic", nullptr, ForcedFamily::kGeneric, -1}};
   PlanOptions o;
-  ASSERT_TRUE(parse_plan_options(nullptr, nullptr, &o).ok());
-  EXPECT_EQ(o.forced, ForcedFamily::kNone);
-  EXPECT_EQ(o.fused_wgmma, -1);
-  ASSERT_TRUE(parse_plan_options("fused", "0", &o).ok());
-  EXPECT_EQ(o.forced, ForcedFamily::kFused);
-  EXPECT_EQ(o.fused_wgmma, 0);
-  ASSERT_TRUE(parse_plan_options("staged", "1", &o).ok());
-  EXPECT_EQ(o.forced, ForcedFamily::kStaged);
-  EXPECT_EQ(o.fused_wgmma, 1);
-  ASSERT_TRUE(parse_plan_options("generic", nullptr, &o).ok());
-  EXPECT_EQ(o.forced, ForcedFamily::kGeneric);
+  for (const auto& g : good) {
+    ASSERT_TRUE(parse_plan_options(g.path, g.wgmma, &o).ok());
+    EXPECT_TRUE(o.forced == g.forced && o.fused_wgmma == g.fused_wgmma) << (g.path ? g.path : "unset");
+  }
   for (const char* bad : {"", "Fused", "tensor_core", "staged "}) {
     const Status s = parse_plan_options(bad, nullptr, &o);
     EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << "'" << bad << "'";
@@ -272,9 +269,8 @@ TEST(Plan, WorkspaceCoversTheChosenFamilies) {
   EXPECT_EQ(plan.row.family, KernelFamily::kFused);
   EXPECT_EQ(plan.col.family, KernelFamily::kFused);
   EXPECT_EQ(plan.row_output, 0u);
-  EXPECT_EQ(plan.staged_scratch, CudaPlan::kNone);
-  EXPECT_EQ(plan.row_weight_planes, CudaPlan::kNone);
-  EXPECT_EQ(plan.col_weight_planes, CudaPlan::kNone);
+  for (size_t region : {plan.staged_scratch, plan.row_weight_planes, plan.col_weight_planes})
+    EXPECT_EQ(region, CudaPlan::kNone);
   EXPECT_EQ(plan.workspace_bytes, 4u * 32 * 32 * 64 * f);
 
   const size_t e = 2 * 48 * 80 * 96 * f, w96 = 8 * 96 * 96 * f;  // staged both ways on an H200
@@ -346,13 +342,37 @@ TEST(Plan, FlashPartialsRegion) {
   }
 }
 
+// The flash kernel of a pass (plan.h's flash_variant; test_flash_attention.cpp tries its edges). Split-KV
+// on mma.sync at head dim 32, on the wide wgmma kernel at 64 to 128 with as many splits as fill a round.
+TEST(Plan, FlashKernelVariant) {
+  struct V { int64_t n, len, hd; bool mma_sync, partials; FlashKernel kernel; int splits; };
+  const V cases[] = {
+      {4096, 1, 128, false, false, FlashKernel::kShort, 1},    {8, 2048, 32, false, false, FlashKernel::kWgmma, 1},
+      {8, 2048, 64, false, false, FlashKernel::kWgmmaWide, 1}, {8, 2048, 128, false, true, FlashKernel::kWgmmaWide, 1},
+      {8, 2048, 256, false, false, FlashKernel::kMmaSync, 1},  {8, 2048, 32, true, false, FlashKernel::kMmaSync, 1},
+      {4096, 1, 128, true, false, FlashKernel::kMmaSync, 1},   {1, 4096, 32, false, true, FlashKernel::kMmaSync, 6},
+      {1, 4096, 128, false, true, FlashKernel::kWgmmaWide, 4}, {1, 4096, 128, true, true, FlashKernel::kMmaSync, 4},
+  };
+  for (const V& c : cases) {
+    const FlashProblem f = {c.n, c.len, c.hd, 1, false, c.mma_sync,
+                            c.partials ? flash_partials_bytes(c.n, c.len, c.hd, 1, 132) : 0};
+    const FlashVariant v = flash_variant(f, h200());
+    EXPECT_STREQ(to_string(v.kernel), to_string(c.kernel)) << c.n << " x " << c.len << ", head_dim " << c.hd;
+    EXPECT_EQ(v.splits, c.splits) << c.n << " x " << c.len << ", head_dim " << c.hd;
+  }
+}
+
 TEST(Plan, DescribesItself) {
   const CudaPlan plan = plan_of(problem(1, 256, 4, 64, 4), h200());
-  const std::string d = plan.describe();
-  EXPECT_NE(d.find("row: fused (wgmma)"), std::string::npos) << d;
-  EXPECT_NE(d.find("col: staged (flash attention)"), std::string::npos) << d;
+  std::string d = plan.describe();
+  EXPECT_NE(d.find("row: fused (wgmma), col: staged (flash mma.sync)"), std::string::npos) << d;
   EXPECT_NE(d.find("workspace " + std::to_string(plan.workspace_bytes) + " B"), std::string::npos) << d;
   EXPECT_STREQ(to_string(KernelFamily::kGeneric), "generic");
+  // (1, 1, 4096, 128, 1): rows of 4096 on the wide wgmma kernel, 4 splits; columns of 1 on the short one.
+  const CudaPlan split = plan_of(problem(1, 1, 4096, 128, 1), h200());
+  d = split.describe();
+  EXPECT_TRUE(split.row.flash_kernel == FlashKernel::kWgmmaWide && split.row.flash_splits == 4) << d;
+  EXPECT_NE(d.find("row: staged (flash wgmma-wide, 4 splits), col: staged (flash short)"), std::string::npos) << d;
 }
 
 // Sizes are checked before the workspace is sized: a negative size used to

@@ -1,4 +1,4 @@
-// The staged path's flash attention kernel (src/cuda/staged/flash_attention.cu)
+// The staged path's flash attention kernel (src/cuda/attention/flash_attention.cu)
 // on its own: o = softmax(q k^T / sqrt(hd)) v and the log-sum-exp of each
 // query's scaled scores, per (sequence, head), against float64 on the host.
 // Views as the row and column passes give them (strides in rows of the
@@ -292,8 +292,7 @@ int64_t rows_differing(const Problem& pr, const Result& x, const Result& y) {
 bool takes_other_kernel(const Problem& pr, const DeviceCaps& dev) {
   cuda::FlashArgs a;
   a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads;
-  return cuda::flash_wgmma_applies(a, dev) || cuda::flash_wgmma_wide_applies(a, dev) ||
-         pr.L <= cuda::kFlashShortMaxLen;
+  return cuda::flash_attention_variant(a, dev).kernel != FlashKernel::kMmaSync;
 }
 
 class FlashAttention : public ::testing::TestWithParam<Case> {};
@@ -303,7 +302,7 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   DeviceCaps dev;
   std::string why;
   if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
-  ASSERT_TRUE(cuda::flash_attention_supports(c.hd));
+  ASSERT_TRUE(cuda::flash_attention_can_run(c.hd));
   const Problem pr = make_problem(c);
   ASSERT_EQ(pr.view.len, c.L);
   ASSERT_LE(pr.view.num_seq, (c.col ? col_view(pr.p) : row_view(pr.p)).num_seq);
@@ -365,71 +364,81 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4096, 32, 1, false, 1, 1, 0, 0}, Case{1000, 12, 2, true, 1, 2, 1, 0}),
     [](const auto& info) { return case_name(info.param); });
 
-// The kernel flash_attention picks: wgmma for padded head dim 32 past
-// kFlashWgmmaMinLen on sm_90a code, unless the mma.sync kernel is asked for.
-TEST(FlashAttentionRules, WgmmaKernelWhereItApplies) {
+// The kernel flash_attention picks (common/plan.h's flash_variant): wgmma for padded head dim 32
+// and the wide wgmma kernel for 64, 96 and 128, past kFlashWgmmaMinLen on sm_90a code (in a build
+// with it), unless the mma.sync kernel is asked for; the short kernel up to kFlashShortMaxLen.
+TEST(FlashAttentionRules, KernelVariant) {
   DeviceCaps h = h200_caps();
-  const bool sm90a_build = cuda::gemm_tf32x3_available(h);  // a build without sm_90a code never takes it
+  const bool sm90a_build = cuda::gemm_tf32x3_available(h);  // a build without sm_90a code never takes wgmma
+  const FlashKernel wgmma = sm90a_build ? FlashKernel::kWgmma : FlashKernel::kMmaSync;
+  const FlashKernel wide = sm90a_build ? FlashKernel::kWgmmaWide : FlashKernel::kMmaSync;
   cuda::FlashArgs a;
   a.pos = {2, 65, 1, 65, 1, 130};
   a.heads = 4;
-  for (int hd : {17, 24, 32}) {
+  const auto kernel = [&](int hd) {
     a.D = 4 * hd;
-    EXPECT_EQ(cuda::flash_wgmma_applies(a, h), sm90a_build) << hd;
-  }
-  for (int hd : {1, 8, 9, 16, 33, 48, 64, 128}) {
-    a.D = 4 * hd;
-    EXPECT_FALSE(cuda::flash_wgmma_applies(a, h)) << hd;
-  }
-  a.D = 4 * 32;
-  a.pos.len = cuda::kFlashWgmmaMinLen;
-  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
+    return cuda::flash_attention_variant(a, h).kernel;
+  };
+  for (int hd : {17, 24, 32}) EXPECT_EQ(kernel(hd), wgmma) << hd;
+  for (int hd : {49, 64, 65, 80, 96, 100, 128}) EXPECT_EQ(kernel(hd), wide) << hd;
+  for (int hd : {1, 8, 9, 16, 33, 48, 129, 192, 256}) EXPECT_EQ(kernel(hd), FlashKernel::kMmaSync) << hd;
+  a.pos.len = kFlashWgmmaMinLen;
+  EXPECT_EQ(kernel(32), FlashKernel::kMmaSync);
+  EXPECT_EQ(kernel(128), FlashKernel::kMmaSync);
   a.pos.len = 33;
-  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
-  a.pos.len = 4096;
-  EXPECT_EQ(cuda::flash_wgmma_applies(a, h), sm90a_build);
+  EXPECT_EQ(kernel(32), FlashKernel::kMmaSync);
+  a.pos.len = kFlashShortMaxLen;
+  EXPECT_EQ(kernel(32), FlashKernel::kShort);
+  EXPECT_EQ(kernel(256), FlashKernel::kShort);
   a.mma_sync = true;
-  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
+  EXPECT_EQ(kernel(32), FlashKernel::kMmaSync);
+  a.pos.len = 4096;
+  EXPECT_EQ(kernel(32), FlashKernel::kMmaSync);
+  EXPECT_EQ(kernel(128), FlashKernel::kMmaSync);
   a.mma_sync = false;
+  EXPECT_EQ(kernel(32), wgmma);
+  EXPECT_EQ(kernel(128), wide);
+  a.D = 4 * 32;
+  EXPECT_EQ(cuda::flash_wgmma_applies(a, h), sm90a_build);
   h.sm90a = false;  // another GPU, or a build without sm_90a
-  EXPECT_FALSE(cuda::flash_wgmma_applies(a, h));
+  EXPECT_EQ(kernel(32), FlashKernel::kMmaSync);
+  EXPECT_EQ(kernel(128), FlashKernel::kMmaSync);
 }
 
-// The wide wgmma kernel: padded head dims 64, 96 and 128 past kFlashWgmmaMinLen on sm_90a
-// code, unless the mma.sync kernel is asked for; and the splits it takes.
-TEST(FlashAttentionRules, WideWgmmaKernelWhereItApplies) {
-  DeviceCaps h = h200_caps();
+// Split-KV where partials of the rule's size are given and dropout is off: the mma.sync kernel
+// at head dim 32 (not the wgmma one), the wide kernel at 64 to 128 with its own splits.
+TEST(FlashAttentionRules, SplitKernelVariant) {
+  const DeviceCaps h = h200_caps();
   const bool sm90a_build = cuda::gemm_tf32x3_available(h);
   cuda::FlashArgs a;
-  a.pos = {2, 65, 1, 65, 1, 130};
-  a.heads = 4;
-  for (int hd : {49, 64, 65, 80, 96, 100, 128}) {
-    a.D = 4 * hd;
-    EXPECT_EQ(cuda::flash_wgmma_wide_applies(a, h), sm90a_build) << hd;
-    EXPECT_FALSE(cuda::flash_wgmma_applies(a, h)) << hd;
-  }
-  for (int hd : {1, 8, 16, 32, 33, 48, 129, 192, 256}) {
-    a.D = 4 * hd;
-    EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h)) << hd;
-  }
-  a.D = 4 * 128;
-  a.pos.len = cuda::kFlashWgmmaMinLen;
-  EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h));
-  a.pos.len = 4096;
-  EXPECT_EQ(cuda::flash_wgmma_wide_applies(a, h), sm90a_build);
-  a.mma_sync = true;
-  EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h));
-  a.mma_sync = false;
-  h.sm90a = false;
-  EXPECT_FALSE(cuda::flash_wgmma_wide_applies(a, h));
+  a.pos = {1, 4096, 1, 4096, 1, 4096};
+  a.heads = 1;
+  float room;  // never written: nothing launches
+  a.partials = &room;
+  const auto variant = [&](int hd, size_t bytes) {
+    a.D = hd, a.partials_bytes = bytes;
+    return cuda::flash_attention_variant(a, h);
+  };
+  const size_t bytes32 = flash_partials_bytes(1, 4096, 32, 1, h.sms);
+  const size_t bytes128 = flash_partials_bytes(1, 4096, 128, 1, h.sms);
+  EXPECT_EQ(variant(32, bytes32).kernel, FlashKernel::kMmaSync);
+  EXPECT_EQ(variant(32, bytes32).splits, 6);
+  EXPECT_EQ(variant(32, bytes32 - 1).splits, 1) << "too little room: no split";
+  EXPECT_EQ(variant(128, bytes128).kernel, sm90a_build ? FlashKernel::kWgmmaWide : FlashKernel::kMmaSync);
+  EXPECT_EQ(variant(128, bytes128).splits, 4);
+  a.dropout.threshold = dropout_threshold(0.5f);
+  EXPECT_EQ(variant(32, bytes32).splits, 1) << "the split kernels have no dropout";
+  a.dropout.threshold = 0, a.partials = nullptr;
+  EXPECT_EQ(variant(32, bytes32).splits, 1) << "no partials";
 
-  // One sequence of 4096: 32 tiles of 128 queries, 4 splits fill 132 SMs; never more than the rule's.
-  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 4, 132), 4);
-  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 16, 132), 4);
-  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 3, 132), 3);
-  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 4096, 1, 1, 132), 1);
-  EXPECT_EQ(cuda::flash_wgmma_wide_splits(1, 2048, 2, 8, 132), 4);  // 32 tiles
-  EXPECT_EQ(cuda::flash_wgmma_wide_splits(8, 1024, 2, 2, 132), 1);  // 128 tiles: one round already
+  // The wide kernel's splits: one sequence of 4096 is 32 tiles of 128 queries, so 4 splits fill
+  // 132 SMs; never more than the rule's.
+  EXPECT_EQ(flash_wgmma_wide_splits(1, 4096, 1, 4, 132), 4);
+  EXPECT_EQ(flash_wgmma_wide_splits(1, 4096, 1, 16, 132), 4);
+  EXPECT_EQ(flash_wgmma_wide_splits(1, 4096, 1, 3, 132), 3);
+  EXPECT_EQ(flash_wgmma_wide_splits(1, 4096, 1, 1, 132), 1);
+  EXPECT_EQ(flash_wgmma_wide_splits(1, 2048, 2, 8, 132), 4);  // 32 tiles
+  EXPECT_EQ(flash_wgmma_wide_splits(8, 1024, 2, 2, 132), 1);  // 128 tiles: one round already
 }
 
 // ---- split-KV ------------------------------------------------------------------------------------
@@ -696,12 +705,12 @@ TEST(FlashAttentionRules, RejectsDropoutArguments) {
 
 // The host-side rules, without a device.
 TEST(FlashAttentionRules, SupportedHeadDims) {
-  EXPECT_FALSE(cuda::flash_attention_supports(0));
-  EXPECT_FALSE(cuda::flash_attention_supports(257));
+  EXPECT_FALSE(cuda::flash_attention_can_run(0));
+  EXPECT_FALSE(cuda::flash_attention_can_run(257));
   EXPECT_EQ(cuda::flash_attention_smem_bytes(0), 0u);
   EXPECT_EQ(cuda::flash_attention_smem_bytes(257), 0u);
   for (int64_t hd = 1; hd <= 256; ++hd) {
-    ASSERT_TRUE(cuda::flash_attention_supports(hd)) << hd;
+    ASSERT_TRUE(cuda::flash_attention_can_run(hd)) << hd;
     const size_t bytes = cuda::flash_attention_smem_bytes(hd);
     EXPECT_GT(bytes, 0u) << hd;
     EXPECT_LE(bytes, 163u * 1024u) << hd;  // an A100 block's opt-in limit (the H100/H200's: 227 KB)
