@@ -3,7 +3,7 @@
 // plan (common/plan.h); forward_cuda checks the plan and the workspace
 // against the call, then runs the row pass into the workspace and the column
 // pass into the output, each on the family the plan chose (kernels.h). The
-// backward's entry points are in backward/backward.cu.
+// training entry points are in training.cu.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -107,9 +107,9 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
   };
   const cuda::StagedWeights row_split = planes(plan.row_weight_planes), col_split = planes(plan.col_weight_planes);
   // The first staged pass splits the weights of every staged pass, beside its LayerNorm.
-  cuda::WeightSplits splits;
-  if (plan.row.family == KernelFamily::kStaged) splits.from[splits.count] = &p.row, splits.to[splits.count++] = row_split;
-  if (plan.col.family == KernelFamily::kStaged) splits.from[splits.count] = &p.col, splits.to[splits.count++] = col_split;
+  cuda::PlaneJobs splits;
+  if (plan.row.family == KernelFamily::kStaged) cuda::add_weight_splits(&splits, p.row, row_split, (int)p.dim);
+  if (plan.col.family == KernelFamily::kStaged) cuda::add_weight_splits(&splits, p.col, col_split, (int)p.dim);
 
   const auto pass = [&](const PassPlan& pp, const AxisView& view, const AxisWeights& w, const float* src, float* dst,
                         const cuda::StagedWeights& split) -> Status {

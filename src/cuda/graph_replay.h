@@ -1,8 +1,8 @@
 // Replays of a call's kernel launches as one CUDA graph.
 //
-// A training call is 10 to 40 kernel launches. On small problems their GPU
-// work takes less time than the host takes to issue them (several us each),
-// so the host sets the pace. In a training loop the same call comes back
+// A training call is tens of kernel launches. On small problems their GPU
+// work takes less time than the host takes to issue them, so the host sets
+// the pace. In a training loop the same call comes back
 // step after step with the same sizes and, since PyTorch's caching allocator
 // hands out the same blocks each step, the same pointers. run_graphed()
 // therefore captures a call's launches into a graph the second time it sees
@@ -11,7 +11,7 @@
 // A call seen once runs its launches directly, so calls that never repeat
 // (changing shapes) cost a key lookup and nothing else. (A dropout seed that
 // changes every call stays out of the graph: the training forward writes it
-// to device memory by a launch of its own, backward/backward.cu.)
+// to device memory by a launch of its own, training.cu.)
 //
 // Replays are exact: a graph's kernels take the arguments the key lists, by
 // value, as the direct launches would. A call whose enqueue cannot be captured

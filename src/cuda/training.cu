@@ -6,31 +6,30 @@
 //   d_bo  = column sums of dy                         dy (T, D): gradient of the pass's output
 //   d_Wo  = dy^T o                                    o  (T, D): attention output
 //   d_o   = dy Wo
-//   dqkv  = attention backward of (qkv, o, lse, d_o)  (T, 3D), attention_backward.cu
+//   dqkv  = attention backward of (qkv, o, lse, d_o)  (T, 3D), attention/attention_backward.cu
 //   d_Wqkv = dqkv^T xn                                xn (T, D): LayerNorm output
 //   d_xn  = dqkv Wqkv
 //   d_gamma, d_beta = column sums of d_xn * xhat, d_xn
 //   d_src = dy + LayerNorm backward of d_xn           the residual and the branch
-// Why this shape: the training forward runs each pass as LayerNorm (with its
-// statistics), the QKV product, flash attention (with its log-sum-exp) and
-// the output product, and keeps those intermediates (`saved`), so that the
-// backward recomputes nothing but the probabilities, tile by tile. The
-// products are plain GEMMs over all T positions: the projections and the
-// activations' gradients through them on Hopper's tensor cores with 3xTF32
-// (the staged path's wgmma product, staged/gemm.cu, weights split into
-// planes once a call: weight_planes.cu), else cuBLAS fp32. The projection
-// weights' gradients, sums over all T positions into (D, D) and (3D, D),
-// on the tensor cores too (weight_gradient.cu: 3xTF32 on wgmma on sm_90a
-// with aligned operands, else on mma.sync, compute capability 8.0 on, which
-// every device the backward plans for has): on
-// cuBLAS they ran in fp32 on the FFMA units, about a third of a large
-// backward. cuBLAS stays their fallback where the plan says the kernel
-// cannot run (plan.tensor_core_weight_grads). No sum over positions needs
-// atomics: the weight gradients split the positions into chunks by a rule of
-// the sizes and the device alone and add the chunks in a fixed order, the
-// column sums (column_sums.cu) and the attention backward add in a fixed
-// order, and cuBLAS's results are bitwise reproducible, so the whole
-// backward is deterministic.
+// Why this shape: the training forward runs each pass as the staged pass
+// (staged/pass.h: LayerNorm with its statistics, the QKV product, flash
+// attention with its log-sum-exp, the output product) and keeps those
+// intermediates (`saved`), so that the backward recomputes nothing but the
+// probabilities, tile by tile. The products are plain GEMMs over all T
+// positions: the projections and the activations' gradients through them on
+// Hopper's tensor cores with 3xTF32 (gemm/gemm.cu, weights split into planes
+// once a call: gemm/weight_planes.h), else cuBLAS fp32. The projection
+// weights' gradients, sums over all T positions into (D, D) and (3D, D), run
+// on the tensor cores too (gemm/weight_gradient.cu: 3xTF32 on wgmma on
+// sm_90a with aligned operands, else on mma.sync, compute capability 8.0 on,
+// which every device the backward plans for has), since cuBLAS runs them in
+// fp32 on the FFMA units; cuBLAS stays their fallback where the plan says
+// the kernel cannot run (plan.tensor_core_weight_grads). No sum over
+// positions needs atomics: the weight gradients split the positions into
+// chunks by a rule of the sizes and the device alone and add the chunks in a
+// fixed order, the column sums (norm/column_sums.cu) and the attention
+// backward add in a fixed order, and cuBLAS's results are bitwise
+// reproducible, so the whole backward is deterministic.
 // Attention dropout (p.dropout > 0): the flash forward and the attention
 // backward draw the mask of common/dropout.h from the seed and offset the
 // forward writes into `saved` (dropout_state.cu), so the backward draws the
@@ -48,15 +47,15 @@
 #include "detail/host.h"
 #include "graph_replay.h"
 #include "kernels.h"
-#include "attention/flash_attention.h"
-#include "gemm/gemm.h"
 #include "attention/attention_backward.h"
-#include "gemm/blas.h"
-#include "norm/column_sums.h"
 #include "dropout_state.h"
-#include "norm/norm.h"
+#include "gemm/blas.h"
+#include "gemm/gemm.h"
 #include "gemm/weight_gradient.h"
 #include "gemm/weight_planes.h"
+#include "norm/column_sums.h"
+#include "norm/norm.h"
+#include "staged/pass.h"
 
 namespace fastaxial {
 namespace {
@@ -122,16 +121,16 @@ class Training {
 
   // out = the forward of x, each pass's intermediates kept; the mask's seed and offset are already in
   // saved (forward_cuda_training writes them).
+  // The row pass's LayerNorm launch splits both passes' weights first.
   Status forward(float* out) {
-    if (Status s = split_planes(false); !s.ok()) return s;
-    if (Status s = forward_pass(0, row_view(p_), p_.row, p_.x, row_, planes_[0]); !s.ok()) return s;
-    if (Status s = output_product(p_.row, p_.x, row_, planes_[0], x1_); !s.ok()) return s;
-    if (Status s = forward_pass(1, col_view(p_), p_.col, x1_, col_, planes_[1]); !s.ok()) return s;
-    return output_product(p_.col, x1_, col_, planes_[1], out);
+    if (Status s = forward_pass(0, row_view(p_), p_.row, p_.x, row_, planes_[0], x1_, plane_jobs(false)); !s.ok())
+      return s;
+    return forward_pass(1, col_view(p_), p_.col, x1_, col_, planes_[1], out, cuda::PlaneJobs{});
   }
 
   Status backward(const AxialGrads& g) {
-    if (Status s = split_planes(true); !s.ok()) return s;
+    if (cudaError_t e = cuda::split_weight_planes(plane_jobs(true), dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "split_weight_planes launch");
     const bool want_row = g.grad_x != nullptr || any(g.row);
     // Back through the column pass (into the gradient of x1), then the row pass (into grad_x).
     if (Status s = backward_pass(1, col_view(p_), p_.col, x1_, col_, planes_[1], g.grad_out,
@@ -149,22 +148,21 @@ class Training {
   };
 
   // The planes this call's products take: Wqkv and Wout of both passes (forward), or their
-  // transposes (backward).
-  Status split_planes(bool transposed) {
-    if (planes_[0].qkv == nullptr) return Status::Ok();
+  // transposes (backward); none where the products run on cuBLAS.
+  cuda::PlaneJobs plane_jobs(bool transposed) const {
     cuda::PlaneJobs jobs;
+    if (planes_[0].qkv == nullptr) return jobs;
     const AxisWeights* w[2] = {&p_.row, &p_.col};
     for (int i = 0; i < 2; ++i) {
-      jobs.job[jobs.count++] = {w[i]->qkv_weight, transposed ? planes_[i].qkv_t : planes_[i].qkv,
-                                transposed ? D_ : 3 * D_, transposed ? 3 * D_ : D_, transposed};
-      jobs.job[jobs.count++] = {w[i]->out_weight, transposed ? planes_[i].out_t : planes_[i].out, D_, D_, transposed};
+      if (transposed) {
+        jobs.add(w[i]->qkv_weight, planes_[i].qkv_t, D_, 3 * D_, true);
+        jobs.add(w[i]->out_weight, planes_[i].out_t, D_, D_, true);
+      } else {
+        cuda::add_weight_splits(&jobs, *w[i], {planes_[i].qkv, planes_[i].out}, D_);
+      }
     }
-    if (cudaError_t e = cuda::split_weight_planes(jobs, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "split_weight_planes launch");
-    return Status::Ok();
+    return jobs;
   }
-
-  static bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
   // c (M, N) = a (M, K) W'^T (+ bias + residual, both or neither), W' = w (N, K), or with
   // `transposed` W' = w^T, w (K, N). On the tensor cores from `planes` (W' split) where given and
@@ -209,31 +207,23 @@ class Training {
     return blas_gemm(true, false, N, D_, T_, a, N, b, D_, 0.0f, c, D_, what);
   }
 
-  // xn = LayerNorm(src), qkv = xn Wqkv^T, attn and lse = attention of qkv (pass 0: rows, 1: columns).
+  // One pass of the forward (staged/pass.h), its intermediates kept in b: xn = LayerNorm(src),
+  // qkv = xn Wqkv^T, attn and lse = attention of qkv, dst = src + attn Wo^T + bo (pass 0: rows,
+  // 1: columns); `splits` go with the LayerNorm's launch.
   Status forward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
-                      const Planes& planes) {
-    if (cudaError_t e = cuda::layer_norm_forward(src, w.norm_weight, w.norm_bias, p_.eps, T_, D_, b.norm, b.stats,
-                                                 dev_, stream_);
-        e != cudaSuccess)
-      return cuda_error(e, "layer_norm_forward launch");
-    if (Status s = product(b.norm, w.qkv_weight, planes.qkv, false, 3 * D_, D_, nullptr, nullptr, b.qkv, "QKV product");
-        !s.ok())
-      return s;
-    cuda::FlashArgs f;
-    f.pos = row_indices(view, D_);
-    f.qkv = b.qkv, f.o = b.attn, f.lse = b.lse;
-    f.D = D_, f.heads = (int)p_.heads;
-    f.dropout = dropout_, f.pass = pass, f.philox = dropout_state_;
-    f.partials = flash_partials_, f.partials_bytes = flash_partials_bytes_;  // used without dropout only
-    if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "flash_attention launch");
-    return Status::Ok();
-  }
-
-  // dst = src + attn Wo^T + bo.
-  Status output_product(const AxisWeights& w, const float* src, const PassBuffers& b, const Planes& planes,
-                        float* dst) {
-    return product(b.attn, w.out_weight, planes.out, false, D_, D_, w.out_bias, src, dst, "output product");
+                      const Planes& planes, float* dst, const cuda::PlaneJobs& splits) {
+    const cuda::StagedProduct project = [this](const cuda::GemmArgs& g, const float* weight, const char* what) {
+      return product(g.a, weight, g.w, false, g.N, g.K, g.bias, g.residual, g.c, what);
+    };
+    cuda::StagedPass s;
+    s.view = view, s.p = &p_, s.w = &w, s.src = src, s.dst = dst;
+    s.norm = b.norm, s.qkv = b.qkv, s.attn = b.attn;
+    s.planes = {planes.qkv, planes.out}, s.splits = splits;
+    s.flash_partials = flash_partials_, s.flash_partials_bytes = flash_partials_bytes_;
+    s.dropout = dropout_, s.pass = pass, s.philox = dropout_state_;
+    s.keep = {b.stats, b.lse};
+    s.product = &project;
+    return cuda::run_staged_pass(s, dev_, stream_);
   }
 
   // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight

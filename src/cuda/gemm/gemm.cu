@@ -25,10 +25,8 @@
 //
 // Why 192-row tiles (three consumer warpgroups) where M allows: the
 // product is bound by the L2 -> shared memory traffic, not the tensor cores
-// (perf notes v49: with the copies left out, the products alone ran at
-// 1.24x; with the products left out, the copies alone took 62% of the
-// time). A tile's traffic per k-step is its A rows plus twice its W rows
-// (two planes), so taller tiles read W fewer times.
+// (docs/perf-notes.md). A tile's traffic per k-step is its A rows plus twice
+// its W rows (two planes), so taller tiles read W fewer times.
 //
 // Why A from registers: a thread loads its A fragment once per step (four
 // 4-byte loads) and splits it itself, so the kernels before the product

@@ -9,14 +9,11 @@
 // Why a kernel of its own: T is every position of the grid (up to millions),
 // N and K are D or 3D, so the product is a long reduction into a small
 // output. cuBLAS runs it in fp32 on the FFMA units (its TF32 modes lose
-// precision), about a third of a large backward on an H200. Two kernels:
-// 3xTF32 on wgmma (sm_90a, below) where the build, the device and the
-// operands allow it, else 3xTF32 on mma.sync (compute capability 8.0). The
-// mma.sync kernel was expected at twice the FFMA rate and measures at
-// cuBLAS's (perf notes, v32: 46 to 51 TFLOP/s), half the rate of the
-// forward's wgmma product of the same FLOPs; both keep the backward off
-// cuBLAS, so that a training call can be replayed as a CUDA graph
-// (graph_replay.h).
+// precision), a large share of a backward. Two kernels: 3xTF32 on wgmma
+// (sm_90a, below) where the build, the device and the operands allow it,
+// else 3xTF32 on mma.sync (compute capability 8.0), which runs at about
+// cuBLAS's rate (docs/perf-notes.md); both keep the backward off cuBLAS, so
+// that a training call can be replayed as a CUDA graph (graph_replay.h).
 //
 // ---- The mma.sync kernel ----
 // Shape. A block owns a 128 x 64 tile of C (kWeightGradTileN x
@@ -27,9 +24,8 @@
 // 2 x 4 mma tiles of 16 x 8, 32 accumulators a thread, 32 more for the fresh
 // accumulator of a run (below), 32 for one step's split fragments; so 128
 // registers hold it and two blocks fit an SM (__launch_bounds__(256, 2)), the
-// second hiding the first's barrier waits (ptxas, CUDA 13.0, sm_90a and
-// sm_80: 126 to 128 registers, no spills, with a stage's two runs in a loop
-// rather than unrolled). Why 128 x 64: each row of a chunk is read once per
+// second hiding the first's barrier waits (with a stage's two runs in a loop
+// rather than unrolled, so that it fits without spills). Why 128 x 64: each row of a chunk is read once per
 // tile, so the loads per product fall as the tile grows (192 floats a row for
 // 8192 outputs, against 128 for 4096 at 64 x 64: a quarter less L2 traffic),
 // and N (D or 3D) is the larger side of d_Wqkv; 128 x 128 would need 16 warps
@@ -83,8 +79,7 @@
 // running sum, 64 for the fresh accumulator of a run, 16 + 16 for the split A
 // fragments of two runs (the next run's are loaded while one runs), 16 for the
 // B block in flight (below): 176, plus addresses and the copies' set-up
-// (ptxas, CUDA 13.0, sm_90a: 254 registers at BN 128, ptxas taking what the
-// bound allows, as for gemm.cu's kernels; 167 at BN 64; no spills, no stack),
+// (ptxas takes what the bound allows, as for gemm.cu's kernels; no spills),
 // so one block an SM (__launch_bounds__(256, 1)), as the shared memory below
 // wants anyway. gemm.cu alternates two fresh accumulators per warpgroup, one
 // run's products going on while the other's are added; with the B block on top
@@ -174,6 +169,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../../common/validate.h"
 #include "../detail/async_copy.cuh"
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
@@ -654,8 +650,6 @@ __global__ void __launch_bounds__(kSumCols* kSumLanes)
   for (int l = 0; l < kSumLanes; ++l) total += lane_sums[l][threadIdx.x];
   c[e / K * ldc + e % K] = total;
 }
-
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 template <bool kVec>
 cudaError_t launch_chunks(const Product& p, unsigned tiles, unsigned splits, const DeviceCaps& dev,

@@ -4,8 +4,8 @@
 // The sums run in fp64 and round to fp32 once at the end: a bias gradient is
 // a sum over every position of the grid (tens of thousands of terms), and an
 // fp32 tree over them adds rounding errors of the order of the terms' own
-// (docs/perf-notes.md, v44); the kernels are memory-bound, so the wider adds
-// cost nothing.
+// (docs/perf-notes.md); the kernels are memory-bound, so the wider adds cost
+// nothing.
 #include "column_sums.h"
 
 #include <algorithm>

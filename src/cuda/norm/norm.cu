@@ -1,18 +1,29 @@
-// Per-position kernels of the backward: a warp per position for the two
+// Per-position kernels of the staged passes: a warp per position for the
 // LayerNorm kernels (a position's D features are one contiguous row, and its
-// statistics are warp sums), a thread per element for the bias. Each block
-// loops over positions so that any T launches a grid the device holds.
+// statistics are warp sums), a thread per element for the bias.
 //
-// Each LayerNorm kernel comes in two forms. The vectorised one (D % 4 == 0,
-// D <= 1024, every pointer but stats 16-byte aligned; the launchers check)
-// keeps a lane's share of the row in registers, as float4s: the forward reads
-// x once (the scalar one three times: mean, variance, output), the backward
-// reads x, d_norm and d_res once (the scalar one x and d_norm twice), all as
-// 16-byte accesses. The scalar one (4-byte accesses, any D and alignment)
-// serves the rest. Per element both do the same arithmetic; a lane's partial
-// sums run over other columns (4 adjacent ones per float4 instead of every
-// 32nd), so the two forms' results may differ in the last bits. Each is
-// deterministic.
+// LayerNorm's forward comes in two families (norm.h: layer_norm_forward),
+// one per forward, each keeping that forward's results bit for bit:
+// - without statistics (the inference forward): a warp per position and a
+//   block per 8 positions, plus blocks after them that split weights into
+//   planes (gemm/weight_planes.cuh) in the same launch: the first staged pass
+//   of a forward splits the weights of both, 4 D^2 elements a pass;
+// - with statistics (the training forward): blocks that loop over the
+//   positions, so that any T launches a grid the device holds.
+// Per row the first does the arithmetic of the second's scalar form (below):
+// the two forwards' LayerNorms agree bit for bit where the training forward
+// runs that form; its vectorised one may differ in the last bits.
+//
+// The kernels with statistics, and the backward, come in two forms. The
+// vectorised one (D % 4 == 0, D <= 1024, every pointer but stats 16-byte
+// aligned; the launchers check) keeps a lane's share of the row in
+// registers, as float4s: the forward reads x once (the scalar one three
+// times: mean, variance, output), the backward reads x, d_norm and d_res once
+// (the scalar one x and d_norm twice), all as 16-byte accesses. The scalar
+// one (4-byte accesses, any D and alignment) serves the rest. Per element
+// both do the same arithmetic; a lane's partial sums run over other columns
+// (4 adjacent ones per float4 instead of every 32nd), so the two forms'
+// results may differ in the last bits. Each is deterministic.
 #include "norm.h"
 
 #include <algorithm>
@@ -22,11 +33,34 @@
 
 #include "../detail/launch.cuh"
 #include "../detail/warp_ops.cuh"
+#include "../gemm/weight_planes.cuh"
 
 namespace fastaxial::cuda {
 namespace {
 
 constexpr int kWarps = 8;  // positions a block at a time
+
+// Blocks below ln_blocks: xs (T, D) = LayerNorm(x (T, D)), a warp per
+// position. The blocks after them split the matrices of `splits` (split_total
+// elements, all straight) into (hi, lo) planes, a thread per element of the
+// flat list.
+__global__ void layer_norm_and_split_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
+                                            const float* __restrict__ beta, float eps, int64_t T, int D,
+                                            float* __restrict__ xs, int64_t ln_blocks, const PlaneJobs splits,
+                                            int64_t split_total) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  if (blockIdx.x >= ln_blocks) {
+    const int64_t stride = (gridDim.x - ln_blocks) * (int64_t)blockDim.x;
+    for (int64_t i = (blockIdx.x - ln_blocks) * (int64_t)blockDim.x + threadIdx.x; i < split_total; i += stride)
+      split_plane_element<false>(splits, i);
+    return;
+  }
+  const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+  if (pos >= T) return;
+  float* out = xs + pos * D;
+  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
+}
 
 // out = LayerNorm(src), its (mean, rstd) in stats.
 __global__ void __launch_bounds__(32 * kWarps)
@@ -224,6 +258,20 @@ unsigned grid_for(int64_t work, int per_block, const DeviceCaps& dev) {
   return (unsigned)std::max<int64_t>(1, std::min<int64_t>(blocks, 32 * (int64_t)std::max(dev.sms, 1)));
 }
 
+// layer_norm_forward without statistics: one launch of layer_norm_and_split_kernel.
+cudaError_t layer_norm_and_split(const float* src, const float* gamma, const float* beta, float eps, int64_t T, int D,
+                                 float* out, const PlaneJobs& splits, const DeviceCaps& dev, cudaStream_t stream) {
+  const int64_t ln_blocks = (T + kWarps - 1) / kWarps;
+  // As many split blocks as one pass's 4 D^2 elements take at 256 a block, at most 4 an SM.
+  const int64_t split_blocks = splits.count ? std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms) : 0;
+  if (ln_blocks + split_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  for (int j = 0; j < splits.count; ++j)
+    if (splits.job[j].transpose) return cudaErrorInvalidValue;
+  return launch_kernel<layer_norm_and_split_kernel>((unsigned)(ln_blocks + split_blocks), 32 * kWarps, 0, stream, dev,
+                                                    src, gamma, beta, eps, T, D, out, ln_blocks, splits,
+                                                    splits.elements());
+}
+
 }  // namespace
 
 int layer_norm_forward_width(int D, const float* src, const float* gamma, const float* beta, const float* out) {
@@ -239,7 +287,10 @@ int layer_norm_backward_width(int D, const float* src, const float* gamma, const
 }
 
 cudaError_t layer_norm_forward(const float* src, const float* gamma, const float* beta, float eps, int64_t T, int D,
-                               float* out, float* stats, const DeviceCaps& dev, cudaStream_t stream) {
+                               float* out, float* stats, const DeviceCaps& dev, cudaStream_t stream,
+                               const PlaneJobs& splits) {
+  if (stats == nullptr) return layer_norm_and_split(src, gamma, beta, eps, T, D, out, splits, dev, stream);
+  if (cudaError_t e = split_weight_planes(splits, dev, stream); e != cudaSuccess) return e;
   if (T == 0) return cudaSuccess;
   const unsigned grid = grid_for(T, kWarps, dev);
   float2* stats2 = reinterpret_cast<float2*>(stats);

@@ -1,6 +1,7 @@
-// The backward's per-position kernels (norm.cu): LayerNorm with its
-// statistics kept, LayerNorm's backward with the residual's gradient added,
-// and the bias-plus-residual start of an output product.
+// The per-position kernels of the staged passes (norm.cu): LayerNorm, its
+// statistics kept for the training backward or not, LayerNorm's backward
+// with the residual's gradient added, and the bias-plus-residual start of an
+// output product.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,13 +9,23 @@
 #include <cstdint>
 
 #include "../../common/plan.h"  // DeviceCaps
+#include "../gemm/weight_planes.h"
 
 namespace fastaxial::cuda {
 
-// For each of the T positions: out (T, D) = LayerNorm(src (T, D)) with gamma and beta, and
-// stats (T, 2) = (mean, 1 / sqrt(var + eps)).
+// For each of the T positions: out (T, D) = LayerNorm(src (T, D)) with gamma and beta, and where
+// stats is not null (the training forward: its backward reads them) stats (T, 2) = (mean,
+// 1 / sqrt(var + eps)); the weights of `splits` split into planes (weight_planes.h) first.
+// Two forms, one per forward, each giving that forward's results bit for bit (the vectorised
+// kernel sums a row in another order than the scalar ones, norm.cu):
+// - stats null (the inference forward): one launch, a warp per position, 4-byte accesses, and the
+//   splits (straight ones only, else cudaErrorInvalidValue) in blocks after the LayerNorm's;
+//   cudaErrorInvalidConfiguration, and nothing launched, where that grid passes 2^31 - 1 blocks.
+// - stats given: the splits' launch (split_weight_planes) where there are any, then the LayerNorm,
+//   vectorised where layer_norm_forward_width allows, its warps looping over the positions.
 cudaError_t layer_norm_forward(const float* src, const float* gamma, const float* beta, float eps, int64_t T, int D,
-                               float* out, float* stats, const DeviceCaps& dev, cudaStream_t stream);
+                               float* out, float* stats, const DeviceCaps& dev, cudaStream_t stream,
+                               const PlaneJobs& splits = {});
 
 // out (T, D) = x (T, D) + bias (D) on every row: the residual and bias that an output
 // product (beta = 1) then adds to.
@@ -29,7 +40,8 @@ cudaError_t layer_norm_backward(const float* src, const float* stats, const floa
                                 const float* d_res, int64_t T, int D, float* d_src, float* d_norm_xhat,
                                 const DeviceCaps& dev, cudaStream_t stream);
 
-// Float4s a lane holds where the vectorised kernels (norm.cu) run these arguments: 1, 2, 4 or 8;
+// Float4s a lane holds where the vectorised kernels (norm.cu) run these arguments (the forward's:
+// with stats): 1, 2, 4 or 8;
 // 0 where the scalar ones do (D not a multiple of 4 or above 1024, or a pointer the kernel reads
 // or writes not 16-byte aligned; null pointers, and d_res without d_src, are not read).
 int layer_norm_forward_width(int D, const float* src, const float* gamma, const float* beta, const float* out);

@@ -1,34 +1,16 @@
-// One attention pass as a pipeline of tensor-core kernels with the
-// intermediates in the workspace: for sequences longer than the fused kernel
-// holds (L > 128), for dims whose q, k, v do not fit one block's shared
-// memory, and for the wider-dim passes where it beats the fused kernel (the
-// plan decides: common/plan.cpp).
+// The staged pass's whole-sequence attention kernel (pass.h: step 3), for
+// the passes whose sequences its shared memory holds (the plan decides, and
+// gives the others to the flash kernel): for every sequence n and head h,
+//   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h              (T, D)
+// from the (T, 3D) qkv rows that the QKV product wrote, on the tensor cores
+// with the 3xTF32 split.
 //
-// For the pass's T = B*H*W positions (the same flat rows for both axes:
-// LayerNorm and the projections act on each position alone, only the
-// attention sees the axis):
-//   1. layer_norm_kernel: xs = LayerNorm(src)                    (T, D)
-//      and, in the same launch, Wqkv and Wout split into planes (4 D^2
-//      elements a pass: the first staged pass of a forward splits the
-//      weights of both passes)
-//   2. gemm_tf32x3:       qkv = xs @ Wqkv^T                      (T, 3D)
-//   3. attention_kernel:  o_h = softmax(q_h k_h^T * scale) v_h   (T, D), into xs's space
-//   4. gemm_tf32x3:       dst = src + o @ Wout^T + bout          (T, D)
-// Each launch is a programmatic dependent of the one before (detail/launch.cuh).
-// Why this shape: at these sizes the projections are most of the arithmetic,
-// and as plain GEMMs over all T positions they run on Hopper's warpgroup
-// tensor-core instructions (gemm.cu); the weights are stored split once (1),
-// and the products split their A operands (xs, o) in registers, so those are
-// written once, as plain fp32. The path needs an sm_90a build on a
-// compute-capability 9.0 device; elsewhere the plan gives these shapes to
-// the fused kernel where it holds the sequence, else to the generic one.
-//
-// The attention kernel works on one (sequence, head) item at a time: the
-// head's keys and values of the whole sequence are split into shared memory
-// once (keys (Lp, hd), values transposed (hd, Lp), Lp = L rounded up to 16),
-// and each warp owns 16 queries at a time, going over the keys 32 (hd 32) or
-// 64 at a time with an online softmax (running max and sum per row), scores
-// in registers and P fed to P @ V from the score registers as in the fused
+// The kernel works on one (sequence, head) item at a time: the head's keys
+// and values of the whole sequence are split into shared memory once (keys
+// (Lp, hd), values transposed (hd, Lp), Lp = L rounded up to 16), and each
+// warp owns 16 queries at a time, going over the keys 32 (hd 32) or 64 at a
+// time with an online softmax (running max and sum per row), scores in
+// registers and P fed to P @ V from the score registers as in the fused
 // kernel. Its blocks stay resident and loop over items; where shared memory
 // holds a raw copy beside the split one, the next item's keys and values
 // arrive by cp.async while the current item computes (a block that fetched
@@ -42,55 +24,13 @@
 #include "../../common/plan.h"
 #include "../../common/smem_layout.h"
 #include "../detail/async_copy.cuh"
+#include "../detail/kernel_args.h"
 #include "../detail/launch.cuh"
 #include "../detail/tf32x3.cuh"
-#include "../detail/warp_ops.cuh"
-#include "../kernels.h"
-#include "../attention/flash_attention.h"
-#include "../gemm/gemm.h"
+#include "pass.h"
 
 namespace fastaxial::cuda {
 namespace {
-
-// Matrices to split into (hi, lo) planes beside a LayerNorm: Wqkv and Wout
-// of one or two passes.
-struct SplitJobs {
-  static constexpr int kMax = 4;
-  const float* src[kMax];
-  float* dst[kMax];  // hi (count floats), then lo (count floats)
-  int64_t count[kMax];
-  int n = 0;
-};
-
-// Blocks below ln_blocks: xs (T, D) = LayerNorm(x (T, D)), a warp per
-// position. The blocks after them split the matrices of `jobs` into (hi, lo)
-// planes, a thread per element of the flat list.
-__global__ void layer_norm_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
-                                  const float* __restrict__ beta, float eps, int64_t T, int D, float* __restrict__ xs,
-                                  int64_t ln_blocks, const SplitJobs jobs) {
-  grid_dependency_wait();
-  allow_dependent_launch();
-  if (blockIdx.x >= ln_blocks) {
-    const int64_t stride = (gridDim.x - ln_blocks) * (int64_t)blockDim.x;
-    // Unrolled, so each job is read from the parameters by a constant index
-    // (a runtime index would copy the struct to local memory in every thread
-    // of the launch, the LayerNorm blocks' too).
-#pragma unroll
-    for (int j = 0; j < SplitJobs::kMax; ++j) {
-      if (j >= jobs.n) break;
-      for (int64_t i = (blockIdx.x - ln_blocks) * (int64_t)blockDim.x + threadIdx.x; i < jobs.count[j]; i += stride) {
-        const float2 v = split_pair(jobs.src[j][i]);
-        jobs.dst[j][i] = v.x;
-        jobs.dst[j][jobs.count[j] + i] = v.y;
-      }
-    }
-    return;
-  }
-  const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
-  if (pos >= T) return;
-  float* out = xs + pos * D;
-  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
-}
 
 struct AttnArgs {
   AxisView pos;  // sequence n, position l -> row of qkv and o
@@ -429,65 +369,21 @@ cudaError_t launch_attention(const AttnArgs& a, const DeviceCaps& dev, cudaStrea
 
 }  // namespace
 
-Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src, float* dst,
-                     float* scratch, const StagedWeights& split, const WeightSplits& split_now, bool flash,
-                     float* flash_partials, size_t flash_partials_bytes, const DeviceCaps& dev, cudaStream_t stream) {
-  const int D = (int)p.dim;
-  const int64_t T = view.num_seq * view.len;
-  float* xs = scratch;      // (T, D): LayerNorm output, then attention output
-  float* qkv = xs + T * D;  // (T, 3D)
-
-  SplitJobs jobs;
-  for (int i = 0; i < split_now.count; ++i) {
-    const AxisWeights& from = *split_now.from[i];
-    jobs.src[jobs.n] = from.qkv_weight, jobs.dst[jobs.n] = split_now.to[i].qkv, jobs.count[jobs.n++] = 3 * (int64_t)D * D;
-    jobs.src[jobs.n] = from.out_weight, jobs.dst[jobs.n] = split_now.to[i].out, jobs.count[jobs.n++] = (int64_t)D * D;
+cudaError_t staged_attention(const AxisView& pos, const float* qkv, float* o, int D, int heads, const DeviceCaps& dev,
+                             cudaStream_t stream) {
+  AttnArgs a;
+  a.pos = pos;
+  a.D = D, a.heads = heads;
+  const int hd = D / heads;
+  a.scale_log2 = kLog2e / sqrtf((float)hd);
+  a.qkv = qkv, a.o = o;
+  switch (hd) {
+    case 8: return launch_attention<8>(a, dev, stream);
+    case 16: return launch_attention<16>(a, dev, stream);
+    case 32: return launch_attention<32>(a, dev, stream);
+    case 64: return launch_attention<64>(a, dev, stream);
   }
-  const int64_t ln_blocks = (T + 7) / 8;  // 8 warps, a position each
-  const int64_t split_blocks = jobs.n ? std::min<int64_t>(4 * (int64_t)D * D / 256 + 1, 4 * dev.sms) : 0;
-  if (ln_blocks + split_blocks > INT32_MAX) return {StatusCode::kUnsupported, "too many positions for one pass"};
-  if (cudaError_t e = launch_kernel<layer_norm_kernel>((unsigned)(ln_blocks + split_blocks), 256, 0, stream,
-                                    dev, src, w.norm_weight, w.norm_bias, p.eps, T, D, xs, ln_blocks, jobs);
-      e != cudaSuccess)
-    return cuda_error(e, "layer_norm_kernel launch");
-
-  GemmArgs g;
-  g.a = xs, g.w = split.qkv, g.c = qkv, g.M = T, g.N = 3 * D, g.K = D;
-  if (cudaError_t e = gemm_tf32x3(g, dev, stream); e != cudaSuccess) return cuda_error(e, "QKV gemm_tf32x3 launch");
-
-  cudaError_t e = cudaErrorInvalidValue;
-  if (flash) {
-    FlashArgs f;
-    f.pos = row_indices(view, D);
-    f.qkv = qkv, f.o = xs;
-    f.D = D, f.heads = (int)p.heads;
-    // Split-KV partials: the plan's CudaPlan::flash_partials, the larger
-    // pass's flash_attention_partials_bytes (the launcher splits only where
-    // its rule asks for them and they fit). For (1, 1, 4096, 32, 1)'s row
-    // pass: 64 blocks become 6 splits x 64 = 384 (one round at three blocks
-    // an SM of 132) and a combine kernel; the per-block code is as with S = 1.
-    f.partials = flash_partials, f.partials_bytes = flash_partials ? flash_partials_bytes : 0;
-    e = flash_attention(f, dev, stream);
-  } else {
-    AttnArgs a;
-    a.pos = row_indices(view, D);
-    a.D = D, a.heads = (int)p.heads;
-    const int hd = (int)(p.dim / p.heads);
-    a.scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
-    a.qkv = qkv, a.o = xs;
-    switch (hd) {
-      case 8: e = launch_attention<8>(a, dev, stream); break;
-      case 16: e = launch_attention<16>(a, dev, stream); break;
-      case 32: e = launch_attention<32>(a, dev, stream); break;
-      case 64: e = launch_attention<64>(a, dev, stream); break;
-    }
-  }
-  if (e != cudaSuccess) return cuda_error(e, flash ? "flash_attention_kernel launch" : "staged attention_kernel launch");
-
-  g.a = xs, g.w = split.out, g.bias = w.out_bias, g.residual = src, g.c = dst, g.N = D;
-  if (cudaError_t e2 = gemm_tf32x3(g, dev, stream); e2 != cudaSuccess)
-    return cuda_error(e2, "output gemm_tf32x3 launch");
-  return Status::Ok();
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace fastaxial::cuda
