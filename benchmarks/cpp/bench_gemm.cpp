@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
               {32768, 768, 256},  {32768, 256, 256},  // (2, 128, 128, 256, 8)
               {65536, 384, 128},  {65536, 128, 128}}; // (1, 256, 256, 128, 4)
   const fastaxial::DeviceCaps dev = fastaxial::test::bench_device(reps);
-  if (!cuda::gemm_tf32x3_available(dev)) {
+  if (!cuda::gemm_tf32x3_can_run(dev)) {
     std::fprintf(stderr, "gemm_tf32x3 needs compute capability 9.0 and an sm_90a build\n");
     return 1;
   }

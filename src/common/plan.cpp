@@ -321,11 +321,11 @@ size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64
   return bytes <= cap && bytes <= (long double)(int64_t{1} << 62) ? (size_t)bytes : 0;
 }
 
-bool weight_gradient_fits(const DeviceCaps& dev) {
+bool weight_gradient_can_run(const DeviceCaps& dev) {
   return dev.cc_major >= 8 && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradSmemBytes;
 }
 
-bool weight_gradient_wgmma_fits(const DeviceCaps& dev) {
+bool weight_gradient_wgmma_can_run(const DeviceCaps& dev) {
   return dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradWgmmaSmemBytes;
 }
 
@@ -385,7 +385,7 @@ WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const Dev
 
 size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev) {
   int64_t splits = weight_gradient_split(T, N, K, dev, WeightGradKernel::kMmaSync).splits;
-  if (weight_gradient_wgmma_fits(dev))
+  if (weight_gradient_wgmma_can_run(dev))
     splits = std::max(splits, weight_gradient_split(T, N, K, dev, WeightGradKernel::kWgmma).splits);
   return splits > 1 ? (size_t)splits * (size_t)N * (size_t)K : 0;
 }
@@ -480,7 +480,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   // The weight gradients on the tensor cores (gemm/weight_gradient.cu) where the device runs
   // them; their partial tiles where the rows are split, sized for the larger product of a pass
   // (d_Wqkv, then d_Wo, then the other pass's: one after another on the stream, so one region).
-  c.tensor_core_weight_grads = weight_gradient_fits(dev);
+  c.tensor_core_weight_grads = weight_gradient_can_run(dev);
   if (c.tensor_core_weight_grads) {
     // S N K <= 2 resident blocks' tiles of 128 x 64 floats (mma.sync), one wave's tiles of 128 x
     // 128 (wgmma), or kWeightGradWgmmaMaxWaveSplits N K = 12 D^2 (wgmma, where the tiles alone

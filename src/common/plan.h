@@ -60,7 +60,7 @@ constexpr int64_t kMaxColumnSumChunks = 128;
 // (32 MiB), 4 MiB on older GPUs. Less changes its choice of algorithm for the weight gradients
 // (long sums over all B H W positions into a small output) to ones with longer sums in one
 // thread: 1 MiB gave errors 5 times fp32 PyTorch's at 4096 positions of dim 16. (The weight
-// gradients now run on cuBLAS only where weight_gradient_fits says no; the size is kept for them
+// gradients now run on cuBLAS only where weight_gradient_can_run says no; the size is kept for them
 // and for the other products' cuBLAS fallback.)
 size_t backward_blas_bytes(const DeviceCaps& dev);
 
@@ -104,10 +104,10 @@ constexpr int64_t kWeightGradWgmmaMaxWaveSplits = 4;
 
 // The device runs the mma.sync kernel: mma.sync of TF32 (compute capability 8.0) and its shared
 // memory. The weight gradients run on the tensor cores where this holds.
-bool weight_gradient_fits(const DeviceCaps& dev);
+bool weight_gradient_can_run(const DeviceCaps& dev);
 
 // The device runs the wgmma kernel too: sm_90a code (dev.sm90a) and its shared memory.
-bool weight_gradient_wgmma_fits(const DeviceCaps& dev);
+bool weight_gradient_wgmma_can_run(const DeviceCaps& dev);
 
 // How a product over T rows is split for `kernel`: `splits` chunks (S) of `rows` rows each (a
 // multiple of kWeightGradStageRows; the last chunk may have fewer). Depends on T, N, K, the

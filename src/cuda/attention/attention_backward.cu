@@ -352,7 +352,7 @@ using namespace attention_backward_detail;
 
 constexpr int kMaxLen = 1 << 30;  // L below this: positions and tile arithmetic in int
 
-bool attention_backward_supports(int64_t head_dim) { return flash_padded_head_dim(head_dim) != 0; }
+bool attention_backward_can_run(int64_t head_dim) { return flash_padded_head_dim(head_dim) != 0; }
 
 int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
   if (a.heads <= 0 || a.D <= 0 || a.D % a.heads != 0 || a.pos.num_seq <= 0 || a.pos.len <= 0 ||

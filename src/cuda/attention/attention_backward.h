@@ -75,7 +75,7 @@ struct AttentionBackwardArgs {
 };
 
 // True when the kernels serve this head_dim (1..256).
-bool attention_backward_supports(int64_t head_dim);
+bool attention_backward_can_run(int64_t head_dim);
 
 // The largest shared memory one of the launch's kernels takes for this
 // head_dim on the tensor-core path (ffma: on the FFMA kernels); 0 where the

@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(Tiling<CW, BN>::kThreads, 1) gemm_tf32x3_kerne
   }
 #else
   (void)p;
-  __trap();  // built without sm_90a: gemm_tf32x3_available() is false and nothing launches this
+  __trap();  // built without sm_90a: gemm_tf32x3_can_run() is false and nothing launches this
 #endif
 }
 
@@ -330,7 +330,7 @@ cudaError_t launch_tiles(const GemmArgs& g, int64_t tiles, const DeviceCaps& dev
 
 }  // namespace
 
-bool gemm_tf32x3_available(const DeviceCaps& dev) {
+bool gemm_tf32x3_can_run(const DeviceCaps& dev) {
 #if defined(FASTAXIAL_WGMMA)
   return dev.sm90a && (size_t)dev.smem_optin >= kStagedGemmSmemBytes;  // the largest tiling
 #else
@@ -341,7 +341,7 @@ bool gemm_tf32x3_available(const DeviceCaps& dev) {
 
 cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceCaps& dev, cudaStream_t stream) {
   if (g.M == 0 || g.N == 0) return cudaSuccess;
-  if (!gemm_tf32x3_available(dev)) return cudaErrorInvalidDeviceFunction;
+  if (!gemm_tf32x3_can_run(dev)) return cudaErrorInvalidDeviceFunction;
   // One block an SM (the ring takes most of its shared memory), each looping over tiles whose
   // shape the plan's rule picks (common/plan.h: gemm_tiling) to waste the fewest rounds.
   const GemmTiling t = gemm_tiling(g.M, g.N, dev.sms);

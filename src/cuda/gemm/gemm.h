@@ -24,7 +24,7 @@ struct GemmArgs {
 // True when this build has the kernel for the device (sm_90a code, built with
 // CUDA_ARCHITECTURES holding 90a, run on a compute-capability 9.0 GPU) and the
 // device gives it enough shared memory (kStagedGemmSmemBytes).
-bool gemm_tf32x3_available(const DeviceCaps& dev);
+bool gemm_tf32x3_can_run(const DeviceCaps& dev);
 
 // Launches the product on `stream` (a programmatic dependent, detail/launch.cuh).
 cudaError_t gemm_tf32x3(const GemmArgs& g, const DeviceCaps& dev, cudaStream_t stream);

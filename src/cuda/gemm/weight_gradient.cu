@@ -131,7 +131,7 @@
 // its B operand starts 32 bytes into the planes' rows per step.
 //
 // Where it runs: an sm_90a build on a compute-capability 9.0 GPU with the
-// shared memory (weight_gradient_wgmma_fits), A and B 16-byte aligned with row
+// shared memory (weight_gradient_wgmma_can_run), A and B 16-byte aligned with row
 // strides and K multiples of 4 (16-byte loads; a float4 of B lies wholly
 // inside K or outside): weight_gradient_wgmma. N is free (the A copies
 // zero-fill the columns past N, the B blocks past K are stored as zeros, rows
@@ -669,11 +669,9 @@ cudaError_t launch_wgmma(const Product& p, unsigned tiles, unsigned splits, cons
 
 }  // namespace
 
-bool weight_gradient_available(const DeviceCaps& dev) { return weight_gradient_fits(dev); }
-
 bool weight_gradient_wgmma(const WeightGradientArgs& g, const DeviceCaps& dev) {
 #if defined(FASTAXIAL_WGMMA)
-  return !g.mma_sync && weight_gradient_wgmma_fits(dev) && g.K % 4 == 0 && aligned16(g.a) && aligned16(g.b) &&
+  return !g.mma_sync && weight_gradient_wgmma_can_run(dev) && g.K % 4 == 0 && aligned16(g.a) && aligned16(g.b) &&
          g.lda % 4 == 0 && g.ldb % 4 == 0;
 #else
   (void)g, (void)dev;

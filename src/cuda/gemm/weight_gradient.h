@@ -29,13 +29,8 @@ struct WeightGradientArgs {
   bool mma_sync = false;
 };
 
-// True when the device runs the mma.sync kernel (compute capability 8.0 or newer, and its shared
-// memory: weight_gradient_fits of plan.h), and so every call; where weight_gradient_wgmma says so
-// a call runs the wgmma kernel instead.
-bool weight_gradient_available(const DeviceCaps& dev);
-
 // True when weight_gradient runs g on the wgmma kernel: a build with sm_90a code on a device that
-// runs it (plan.h: weight_gradient_wgmma_fits), a and b 16-byte aligned, lda, ldb and K multiples
+// runs it (plan.h: weight_gradient_wgmma_can_run), a and b 16-byte aligned, lda, ldb and K multiples
 // of 4, and g.mma_sync unset. Else the mma.sync kernel (any alignment, stride and K).
 bool weight_gradient_wgmma(const WeightGradientArgs& g, const DeviceCaps& dev);
 

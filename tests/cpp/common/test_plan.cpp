@@ -577,8 +577,8 @@ TEST(BackwardPlan, WeightGradientSplitRule) {
   small_smem.smem_optin = 99 * 1024;  // one block an SM (compute capability 8.6, 8.9)
   EXPECT_EQ(weight_gradient_split(32768, 384, 128, small_smem, WeightGradKernel::kMmaSync).splits, 36)
       << "216 / 6 chunks of 911 -> 928 rows";
-  EXPECT_TRUE(weight_gradient_fits(small_smem));
-  EXPECT_FALSE(weight_gradient_wgmma_fits(small_smem));
+  EXPECT_TRUE(weight_gradient_can_run(small_smem));
+  EXPECT_FALSE(weight_gradient_wgmma_can_run(small_smem));
 }
 
 // The same for the wgmma kernel (128 x 128 tiles, one block an SM): one wave, S = SMs / tiles,
@@ -586,7 +586,7 @@ TEST(BackwardPlan, WeightGradientSplitRule) {
 // waves to 90%.
 TEST(BackwardPlan, WeightGradientWgmmaSplitRule) {
   const DeviceCaps dev = h200();
-  EXPECT_TRUE(weight_gradient_wgmma_fits(dev));
+  EXPECT_TRUE(weight_gradient_wgmma_can_run(dev));
   for (int64_t T : {1, 31, 255, 511, 512, 1000, 4096, 32768, 40000, 3000000})
     for (const auto& [N, K] : {std::pair<int64_t, int64_t>{1, 1}, {64, 64}, {192, 64}, {768, 256}, {3072, 1024}}) {
       const WeightGradSplit s = weight_gradient_split(T, N, K, dev, WeightGradKernel::kWgmma);

@@ -30,11 +30,11 @@ std::string env(const char* name) {
 }
 
 // The current device as the plan sees it: sm90a also needs a build with
-// sm_90a code, which gemm_tf32x3_available() knows (the library's FASTAXIAL_WGMMA).
+// sm_90a code, which gemm_tf32x3_can_run() knows (the library's FASTAXIAL_WGMMA).
 DeviceCaps device_caps() {
   DeviceCaps c;
   if (!read_device_caps(&c)) return c;
-  c.sm90a = cuda::gemm_tf32x3_available(c);
+  c.sm90a = cuda::gemm_tf32x3_can_run(c);
   return c;
 }
 

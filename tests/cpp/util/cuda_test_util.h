@@ -48,7 +48,7 @@ inline std::vector<float*> raw(const std::vector<DevicePtr>& bufs) {
 
 // The current device's attributes as src/cuda/entry.cu reads them; sm90a is
 // compute capability 9.0 (whether the build has sm_90a code, the library's
-// FASTAXIAL_WGMMA, is cuda::gemm_tf32x3_available's to add). False when a
+// FASTAXIAL_WGMMA, is cuda::gemm_tf32x3_can_run's to add). False when a
 // query fails.
 inline bool read_device_caps(DeviceCaps* dev) {
   if (cudaGetDevice(&dev->device) != cudaSuccess) return false;

@@ -12,7 +12,7 @@
 
 #include "src/common/plan.h"
 #include "src/cuda/attention/attention_backward.h"
-#include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
+#include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_can_run: whether the build has sm_90a code
 #include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
@@ -76,7 +76,7 @@ TEST(AttentionBackwardRules, RejectsDropoutArguments) {
 // unless a hook asks for other kernels.
 TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
   DeviceCaps h = h200_caps();
-  const bool sm90a_build = cuda::gemm_tf32x3_available(h);
+  const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);
   cuda::AttentionBackwardArgs a;
   a.pos = {2, 193, 1, 193, 1, 386};
   a.heads = 2;
@@ -102,13 +102,13 @@ TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
 }
 
 TEST(AttentionBackwardRules, SupportedHeadDims) {
-  EXPECT_FALSE(cuda::attention_backward_supports(0));
-  EXPECT_FALSE(cuda::attention_backward_supports(257));
+  EXPECT_FALSE(cuda::attention_backward_can_run(0));
+  EXPECT_FALSE(cuda::attention_backward_can_run(257));
   for (bool ffma : {false, true}) {
     EXPECT_EQ(cuda::attention_backward_smem_bytes(0, ffma), 0u);
     EXPECT_EQ(cuda::attention_backward_smem_bytes(257, ffma), 0u);
     for (int64_t hd = 1; hd <= 256; ++hd) {
-      ASSERT_TRUE(cuda::attention_backward_supports(hd)) << hd;
+      ASSERT_TRUE(cuda::attention_backward_can_run(hd)) << hd;
       const size_t bytes = cuda::attention_backward_smem_bytes(hd, ffma);
       EXPECT_GT(bytes, 0u) << hd << (ffma ? " ffma" : " tc");
       EXPECT_LE(bytes, 105u * 1024u) << hd

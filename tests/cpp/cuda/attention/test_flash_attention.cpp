@@ -40,7 +40,7 @@
 #include "src/common/plan.h"
 #include "src/common/smem_layout.h"
 #include "src/cuda/attention/flash_attention.h"
-#include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_available: whether the build has sm_90a code
+#include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_can_run: whether the build has sm_90a code
 #include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
@@ -369,7 +369,7 @@ INSTANTIATE_TEST_SUITE_P(
 // with it), unless the mma.sync kernel is asked for; the short kernel up to kFlashShortMaxLen.
 TEST(FlashAttentionRules, KernelVariant) {
   DeviceCaps h = h200_caps();
-  const bool sm90a_build = cuda::gemm_tf32x3_available(h);  // a build without sm_90a code never takes wgmma
+  const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);  // a build without sm_90a code never takes wgmma
   const FlashKernel wgmma = sm90a_build ? FlashKernel::kWgmma : FlashKernel::kMmaSync;
   const FlashKernel wide = sm90a_build ? FlashKernel::kWgmmaWide : FlashKernel::kMmaSync;
   cuda::FlashArgs a;
@@ -409,7 +409,7 @@ TEST(FlashAttentionRules, KernelVariant) {
 // at head dim 32 (not the wgmma one), the wide kernel at 64 to 128 with its own splits.
 TEST(FlashAttentionRules, SplitKernelVariant) {
   const DeviceCaps h = h200_caps();
-  const bool sm90a_build = cuda::gemm_tf32x3_available(h);
+  const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);
   cuda::FlashArgs a;
   a.pos = {1, 4096, 1, 4096, 1, 4096};
   a.heads = 1;

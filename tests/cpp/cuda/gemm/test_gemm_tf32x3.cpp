@@ -59,7 +59,7 @@ TEST_P(GemmTf32x3, MatchesDoubleProduct) {
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
   if (HasFatalFailure()) return;
-  if (!cuda::gemm_tf32x3_available(dev)) GTEST_SKIP() << "needs compute capability 9.0 and an sm_90a build";
+  if (!cuda::gemm_tf32x3_can_run(dev)) GTEST_SKIP() << "needs compute capability 9.0 and an sm_90a build";
 
   const auto [M, N, K] = GetParam();
   std::mt19937 rng(7 + M + N + K);

@@ -117,7 +117,7 @@ TEST_P(WeightGradient, MatchesDoubleProductAndRepeatsBitwise) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
-  if (!cuda::weight_gradient_available(dev)) GTEST_SKIP() << "needs compute capability 8.0";
+  if (!weight_gradient_can_run(dev)) GTEST_SKIP() << "needs compute capability 8.0";
 
   const Case c = GetParam();
   const int64_t T = c.T, N = c.N, K = c.K;
@@ -279,7 +279,7 @@ TEST(WeightGradientSplit, RefusesMissingOrShortPartials) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
-  if (!cuda::weight_gradient_available(dev)) GTEST_SKIP() << "the kernel does not run on this device";
+  if (!weight_gradient_can_run(dev)) GTEST_SKIP() << "the kernel does not run on this device";
   const int64_t T = 4096, N = 64, K = 64;
   const size_t floats = weight_gradient_partials_floats(T, N, K, dev);
   ASSERT_GT(floats, 0u);
