@@ -53,13 +53,25 @@ int main() {
   }
   double sum = 0.0, sum_abs = 0.0;
   for (float e : out) sum += e, sum_abs += std::fabs(e);
-  std::printf("fastaxial consumer: out (%lld, %lld, %lld, %lld), sum %.6f, mean |out| %.6f, CUDA kernels %s\n",
-              (long long)B, (long long)H, (long long)W, (long long)D, sum, sum_abs / out.size(),
-              fastaxial::cuda_compiled() ? "built" : "not built");
-  // The CUDA plan of the same problem: which kernels would run, and the
-  // workspace to allocate (no device: the status says so).
+  std::printf("fastaxial consumer: CPU forward, out (%lld, %lld, %lld, %lld), sum %.6f, mean |out| %.6f\n",
+              (long long)B, (long long)H, (long long)W, (long long)D, sum, sum_abs / out.size());
+  // The CUDA plan of the same problem: which kernels would run on this machine's GPU, and the
+  // workspace to allocate. It needs a build with the CUDA kernels and a GPU with its driver.
   fastaxial::CudaPlan plan;
   const fastaxial::Status planned = fastaxial::plan_cuda(p, &plan);
-  std::printf("CUDA plan: %s\n", planned.ok() ? plan.describe().c_str() : planned.message.c_str());
+  if (planned.ok()) {
+    std::printf("CUDA plan: %s\n", plan.describe().c_str());
+  } else if (!fastaxial::cuda_compiled()) {
+    std::printf("CUDA: this build of fastaxial has no CUDA kernels (no GPU where it was built, or "
+                "FASTAXIAL_CUDA=OFF); only the CPU path ran\n");
+  } else if (planned.code == fastaxial::StatusCode::kUnsupported) {
+    // No device the CUDA runtime can use: no GPU, or no NVIDIA driver (the runtime then reports
+    // "driver version is insufficient", which reads as an old driver rather than none).
+    std::printf("CUDA: no usable CUDA GPU here (no GPU, or no NVIDIA driver; the CUDA runtime says: %s); "
+                "only the CPU path ran\n", planned.message.c_str());
+  } else {
+    std::fprintf(stderr, "CUDA plan failed: %s\n", planned.message.c_str());
+    return 1;
+  }
   return std::isfinite(sum) ? 0 : 1;
 }

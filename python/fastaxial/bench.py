@@ -71,7 +71,7 @@ fill), and host rows are measured the same way as on CUDA; the training
 step's peak memory is None there.
 
 In bench.json, per shape: "results" (queued, with the correctness check),
-"synchronized" and "harness", each {contender: {mean_us, median_us, iters}}
+"synchronized" and "harness", each {contender: {mean_us, median_us, iters, stdev_us}}
 (harness: {error} for a contender that failed); "training" where asked for:
 {iters, wall_s, grad_abs_max (the float64 gradients' largest magnitudes),
 contenders: {contender: {synchronized, queued, peak_bytes, peak_over_eager,
@@ -155,7 +155,8 @@ def _sync(device):
 
 
 def _stats(times):
-    return {"mean_us": statistics.fmean(times), "median_us": statistics.median(times), "iters": len(times)}
+    return {"mean_us": statistics.fmean(times), "median_us": statistics.median(times), "iters": len(times),
+            "stdev_us": statistics.stdev(times) if len(times) > 1 else 0.0}
 
 
 def _host_clock(fn, iters):
@@ -244,7 +245,27 @@ def device_ceilings(device, timer):
     return {"fp32_flops_per_s": rate, "copy_bytes_per_s": 2 * 4 * count / t}
 
 
+def _import_cpp_extension_quietly():
+    """torch.compile imports torch.utils.cpp_extension, which logs "No CUDA runtime is found, using
+    CUDA_HOME=..." at import on every machine with nvcc but no GPU: harmless (compiled CPU code needs
+    no CUDA), and alarming in the main job's output. Imported here first, with that logger quiet."""
+    import logging
+    import sys
+
+    if "torch.utils.cpp_extension" in sys.modules:
+        return
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        log.setLevel(level)
+
+
 def contenders(ref, new, device, compile_=True):
+    if compile_:
+        _import_cpp_extension_quietly()
     weights = ref.weights()
     eps = ref.row_norm.eps
     out = {

@@ -115,7 +115,22 @@ class AxialAttention(reference.AxialAttentionReference):
                 # This class's forward, not self.forward: a subclass's forward that calls this one
                 # would run its own part again on x (a second x + pos, say).
                 return AxialAttention.forward(self, x)
+            except ValueError:  # the operator refused x (costs nothing until it raises)
+                err = self._call_error(x, rn["weight"])
+                if err is None:
+                    raise
+                raise err from None
         return self._reference_forward(x)
+
+    def _call_error(self, x, norm_weight):
+        """The error to raise instead of the operator's where it names a consequence, not the cause:
+        x's last dimension other than the module's dim (the operator reports it as a weight shape, or,
+        when it is not a multiple of num_heads, as that). None where the operator's error stands."""
+        dim = norm_weight.shape[0]
+        if x.dim() == 4 and x.shape[3] != dim:
+            return ValueError(f"fastaxial.AxialAttention: x's last dimension is {x.shape[3]}, but this module's "
+                              f"dim is {dim}: x must be (B, H, W, {dim}), got {tuple(x.shape)}")
+        return None
 
     def _dropout_supported(self, x):
         """Whether the fused kernels apply attention dropout to x: in a build with dropout, everywhere
@@ -168,10 +183,20 @@ class AxialAttention(reference.AxialAttentionReference):
     def _reference_forward(self, x):
         if isinstance(x, torch.Tensor):
             weights = self.weights()
+            if not x.is_floating_point():
+                raise TypeError(f"fastaxial.AxialAttention: x is {x.dtype}, but fastaxial takes float32 input: pass "
+                                "x.float(), which runs the fused kernels. (A module converted to float64, float16 "
+                                "or bfloat16 with module.to(dtype) takes x of that dtype and runs the reference "
+                                "PyTorch math instead, with a warning.)")
             mismatch = next((w.dtype for w in weights if w.dtype != x.dtype), None)
             if mismatch is not None:
-                raise TypeError(f"fastaxial.AxialAttention: x is {x.dtype} but the weights are {mismatch}; "
-                                f"convert one to the other's dtype (e.g. module.to({x.dtype}) or x.to({mismatch}))")
+                if mismatch is torch.float32:
+                    fix = (f"pass x.float(), which runs the fused kernels; or convert the module, "
+                           f"module.to({x.dtype}), to run the reference PyTorch math in {x.dtype}, with a warning")
+                else:
+                    fix = (f"convert both to float32 (module.float(), x.float()) to run the fused kernels, or x to "
+                           f"the weights' dtype (x.to({mismatch})) to run the reference PyTorch math, with a warning")
+                raise TypeError(f"fastaxial.AxialAttention: x is {x.dtype} but the weights are {mismatch}: {fix}")
             reason = self._fused_unsupported(x)
             if reason is not None:
                 _warn_once(reason)

@@ -240,5 +240,15 @@ def _(grad_out, x, *rest):
 def describe_cuda_plan(x, num_heads):
     """Which CUDA kernels a forward of x (B, H, W, D) on x's device runs, and its workspace, as one line:
     e.g. 'row: fused (wgmma), col: fused (wgmma); workspace 1048576 B: ...'. FASTAXIAL_CUDA_PATH and
-    FASTAXIAL_FUSED_WGMMA apply as in the forward."""
+    FASTAXIAL_FUSED_WGMMA apply as in the forward. x must be a CUDA tensor, in a build with the
+    CUDA kernels: anything else is a ValueError that says so."""
+    if not isinstance(x, torch.Tensor) or not x.is_cuda:
+        where = f"x is on {x.device}" if isinstance(x, torch.Tensor) else f"x is a {type(x).__name__}"
+        raise ValueError(f"fastaxial.ops.describe_cuda_plan needs a CUDA tensor; {where}. It describes the "
+                         "CUDA kernels a forward would run: pass x.cuda() on a machine with a GPU "
+                         "(the CPU path has one kernel and no plan)")
+    if not has_kernel("cuda"):
+        raise ValueError("fastaxial.ops.describe_cuda_plan: this build of fastaxial has no CUDA kernels "
+                         "(built where no GPU was found, or with FASTAXIAL_CUDA=OFF); rebuild with "
+                         "FASTAXIAL_CUDA=ON (docs/install.md)")
     return torch.ops.fastaxial.describe_cuda_plan(x, num_heads)

@@ -61,8 +61,36 @@ def test_main_job_on_cpu():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("fastaxial (1, 4, 4, 16, 2) on CPU: correct"), lines[0]
-    assert "| contender | queued µs | speedup | synchronized µs | speedup | harness µs | speedup |" in done.stdout
-    assert "**Host**" in done.stdout
+    # On the CPU one protocol, its cells labelled; none of the GPU protocols or the host rows.
+    assert "| contender | forward (host clock) µs, mean / median | speedup | max abs err |" in done.stdout
+    for word in ("queued", "synchronized", "harness", "**Host**"):
+        assert word not in done.stdout, word
+    assert lines[-1].startswith("Summary: fastaxial is correct (max abs error "), lines[-1]
+    assert "the fastest other contender" in lines[-1] and ", on CPU." in lines[-1], lines[-1]
+
+
+def test_main_job_summary_and_noise_warning():
+    from fastaxial import __main__ as main_job
+
+    def row(mean, median, stdev=None):
+        r = {"mean_us": mean, "median_us": median, "iters": 20}
+        if stdev is not None:
+            r["stdev_us"] = stdev
+        return r
+
+    s = {"results": {"fastaxial": {**row(100, 100, 1), "max_abs_err": 1e-6, "allclose_1e-4": True},
+                     "eager": {**row(400, 390, 4), "max_abs_err": 0.0},
+                     "sdpa": {**row(250, 240, 100), "max_abs_err": 1e-7}},
+         "synchronized": {"fastaxial": row(130, 100)}}  # an older report: no stdev_us, mean far from median
+    line = main_job.summary(s, "NVIDIA H200")
+    assert line == ("Summary: fastaxial is correct (max abs error 1.0e-06) and 2.5x faster than the fastest "
+                    "other contender, sdpa (100 vs 250 µs mean per forward, queued), on NVIDIA H200."), line
+    assert [(p, n) for p, n, _ in main_job.noisy_rows(s)] == [("queued", "sdpa"), ("synchronized", "fastaxial")]
+    s["results"]["fastaxial"].update({"mean_us": 500, "allclose_1e-4": False})
+    line = main_job.summary(s, "CPU", cpu=True)
+    assert line.startswith("Summary: fastaxial is WRONG") and "2.0x slower than the fastest other contender, sdpa" in line
+    s["results"]["fastaxial"]["mean_us"] = 240
+    assert "about as fast as (1.04x) the fastest other contender, sdpa" in main_job.summary(s, "CPU", cpu=True)
 
 
 # H != W, two sequences per axis: the training table's tiny problem.

@@ -81,7 +81,7 @@ def test_module_rejects_bad_heads():
 
 def test_module_wrong_last_dim(device):
     _, new = make_pair(32, 4, 3, 4, device)
-    with pytest.raises(ValueError, match="must have shape"):
+    with pytest.raises(ValueError, match="x's last dimension is 16, but this module's dim is 32"):
         new(torch.randn(1, 3, 4, 16, device=device))
 
 
