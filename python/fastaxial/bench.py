@@ -14,56 +14,44 @@ waits for each result pays both; a loop that keeps the GPU fed pays the
 larger. One run measures them all (--protocols picks; queued always runs;
 training only when asked for):
 
-queued: under no_grad, each forward between two CUDA events, after a write
-    of a 256 MB buffer that flushes L2; one synchronize at the end, so the
-    GPU never waits for the host. The host prepares the next forward while
-    the GPU runs the flush and the forwards queued before it: host time
+queued: under no_grad, each forward between two CUDA events, after a write of a 256 MB buffer that
+    flushes L2; one synchronize at the end, so the GPU never waits for the host. The host prepares
+    the next forward while the GPU runs the flush and the forwards queued before it: host time
     shorter than that is hidden. It measures the GPU's time on a cold L2.
-synchronized: under no_grad, per forward: the same flush, synchronize,
-    start event, forward, end event, synchronize. The GPU sits idle when
-    the call begins, so the events also span the host's work up to the last
-    launch: the latency a caller that waits for each result sees.
-harness: how KernelBench's cuda_event timing times a drop-in module: grad
-    mode and training mode (the module as constructed: parameters that
-    require grad, an input that does not), and per forward: synchronize,
-    allocate a 256 MB tensor, fill it and free it, start event, forward,
-    end event, synchronize; mean and median of --harness-iters forwards
-    (KernelBench times 100) after warm-up. The fill is queued after the
-    synchronize, so it runs on the GPU while the host prepares the forward
-    (256 MB at a few TB/s: tens of µs); host time beyond the fill shows.
-    KernelBench also empties the allocator cache after warm-up and drops
-    its first trial, which refills it; here the warm-up leaves it filled.
-    A contender that fails in grad mode records its error instead of times.
-host: on the first shape, the host's time per call: --host-calls calls back
-    to back without synchronizing, only that loop timed by the host clock
-    (synchronizing before and after it, outside the timed region), median
-    over 7 repetitions. Rows: the fastaxial module under no_grad, under
-    inference_mode and in grad mode; the bare operator under no_grad; and
-    x.add(1.0) under no_grad, the unit of the ratios. On CUDA also
-    fastaxial's GPU time alone ("gpu_alone"): one forward captured in a CUDA
-    graph, 100 replays back to back between two events, median over 7
-    (no flush: input and weights stay in L2 between replays).
+synchronized: under no_grad, per forward: the same flush, synchronize, start event, forward, end
+    event, synchronize. The GPU sits idle when the call begins, so the events also span the host's
+    work up to the last launch: the latency a caller that waits for each result sees.
+harness: how KernelBench's cuda_event timing times a drop-in module: grad mode and training mode
+    (the module as constructed: parameters that require grad, an input that does not), and per
+    forward: synchronize, allocate a 256 MB tensor, fill it and free it, start event, forward, end
+    event, synchronize; mean and median of --harness-iters forwards (KernelBench times 100) after
+    warm-up. The fill is queued after the synchronize, so it runs on the GPU while the host prepares
+    the forward (256 MB at a few TB/s: tens of µs); host time beyond the fill shows. KernelBench
+    also empties the allocator cache after warm-up and drops its first trial, which refills it; here
+    the warm-up leaves it filled. A contender that fails in grad mode records its error instead of
+    times.
+host: on the first shape, the host's time per call: --host-calls calls back to back without
+    synchronizing, only that loop timed by the host clock (synchronizing before and after it,
+    outside the timed region), median over 7 repetitions. Rows: the fastaxial module under no_grad,
+    under inference_mode and in grad mode; the bare operator under no_grad; and x.add(1.0) under
+    no_grad, the unit of the ratios. On CUDA also fastaxial's GPU time alone ("gpu_alone"): one
+    forward captured in a CUDA graph, 100 replays back to back between two events, median over 7 (no
+    flush: input and weights stay in L2 between replays).
 
-training: a training step per shape and contender (fastaxial, eager,
-    sdpa, compile, compile+cudagraph): the module in training mode, its
-    parameters requiring grad, x not; the ten gradients set to None, the
-    forward, then out.backward(g) with a fixed random g. Timed under the
-    synchronized and the queued protocols above (--training-iters steps
-    each, after --warmup); on CUDA also the step's peak memory: the
-    allocator's peak during one step minus what was allocated before it,
-    and its ratio to eager's (compile+cudagraph's buffers live in its CUDA
-    graph pool, reserved at capture: its figure counts only what a replayed
-    step allocates outside that pool). Then
-    one step with x requiring grad: the max abs error of each gradient
-    (x and the ten weights) against the reference module evaluated in
-    float64 with the same weights, x and g; eager's row is fp32 PyTorch's
-    own error, and every other row gives its ratio to it per gradient.
-    A contender that fails records its error. Also, on the default
-    problem: fastaxial and eager built with dropout 0.1 in training mode
-    (fastaxial draws the mask in its kernels), µs per step synchronized,
-    against the same modules without dropout. Not in the default set: it
-    compiles forward and backward per shape, twice each (x not requiring
-    grad, then requiring it).
+training: a training step per shape and contender (fastaxial, eager, sdpa, compile,
+    compile+cudagraph): the module in training mode, its parameters requiring grad, x not; the ten
+    gradients set to None, the forward, then out.backward(g) with a fixed random g. Timed under the
+    synchronized and the queued protocols above (--training-iters steps each, after --warmup); on
+    CUDA also the step's peak memory: the allocator's peak during one step minus what was allocated
+    before it, and its ratio to eager's (compile+cudagraph's buffers live in its CUDA graph pool,
+    reserved at capture: its figure counts only what a replayed step allocates outside that pool).
+    Then one step with x requiring grad: the max abs error of each gradient (x and the ten weights)
+    against the reference module evaluated in float64 with the same weights, x and g; eager's row is
+    fp32 PyTorch's own error, and every other row gives its ratio to it per gradient. A contender
+    that fails records its error. Also, on the default problem: fastaxial and eager built with
+    dropout 0.1 in training mode (fastaxial draws the mask in its kernels), µs per step
+    synchronized, against the same modules without dropout. Not in the default set: it compiles
+    forward and backward per shape, twice each (x not requiring grad, then requiring it).
 
 On the CPU every protocol times each call by the host clock (nothing to
 flush or synchronize; harness there is grad and training mode without the
@@ -82,12 +70,12 @@ failed, beside whatever it measured before failing); at the top: "host"
 
 Also measured in the same run: the device's fp32 matrix rate and copy
 bandwidth, which give each shape's floor (the larger of FLOPs / rate and
-bytes / bandwidth).
-"""
+bytes / bandwidth)."""
 
 import argparse
 import copy
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -246,14 +234,8 @@ def device_ceilings(device, timer):
 
 
 def _import_cpp_extension_quietly():
-    """torch.compile imports torch.utils.cpp_extension, which logs "No CUDA runtime is found, using
-    CUDA_HOME=..." at import on every machine with nvcc but no GPU: harmless (compiled CPU code needs
-    no CUDA), and alarming in the main job's output. Imported here first, with that logger quiet."""
-    import logging
-    import sys
-
-    if "torch.utils.cpp_extension" in sys.modules:
-        return
+    """torch.compile imports torch.utils.cpp_extension, which logs a harmless "No CUDA runtime is found"
+    on machines with nvcc and no GPU: imported here first, with that logger quiet."""
     log = logging.getLogger("torch.utils.cpp_extension")
     level = log.level
     log.setLevel(logging.ERROR)
