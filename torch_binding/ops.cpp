@@ -51,6 +51,10 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "fastaxial.axial_attention: x must be float32, got ",
                    x.scalar_type(), " (other dtypes are not supported yet)");
   const int64_t D = x.size(3);
+  // x's last dimension against the weights' before the heads: a wrong x is the likelier mistake.
+  TORCH_CHECK_VALUE(row_norm_weight.dim() != 1 || row_norm_weight.size(0) == D, "fastaxial.axial_attention: x's last ",
+                    "dimension is ", D, " but the weights are for dim ", row_norm_weight.size(0), ": x must be (B, H, W, ",
+                    row_norm_weight.size(0), "), got ", x.sizes());
   TORCH_CHECK_VALUE(num_heads >= 1, "fastaxial.axial_attention: num_heads must be >= 1, got ", num_heads);
   TORCH_CHECK_VALUE(D % num_heads == 0, "fastaxial.axial_attention: dim (x.size(3) = ", D,
                     ") must be divisible by num_heads (", num_heads, ")");

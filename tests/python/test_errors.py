@@ -25,7 +25,10 @@ def test_wrong_rank(device):
 def test_last_dim_not_dim(device):
     a = args_for(device)
     a[0] = torch.randn(2, 3, 4, 16, device=device)
-    with pytest.raises(ValueError, match="row_norm_weight must have shape"):
+    with pytest.raises(ValueError, match="x's last dimension is 16 but the weights are for dim"):
+        OP(*a)
+    a[0] = torch.randn(2, 3, 4, 63, device=device)  # not a multiple of the heads either: still named as x's
+    with pytest.raises(ValueError, match="x's last dimension is 63 but the weights are for dim"):
         OP(*a)
 
 
