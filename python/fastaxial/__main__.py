@@ -61,26 +61,19 @@ def protocol_name(p, cpu):
 def contender_table(s, cpu=False):
     """Per contender: mean / median µs and fastaxial's speedup under each protocol measured, and the
     max abs error against the reference."""
+    from .bench import cell, speedups
+
     keys = {p: k for p, k in PROTOCOL_KEYS.items() if k in s}
-    speed = {p: _speedups(s[k]) for p, k in keys.items()}
+    speed = {p: speedups(s[k]) for p, k in keys.items()}
     head = " | ".join(f"{protocol_name(p, cpu)} µs, mean / median | speedup" for p in keys)
     lines = [f"| contender | {head} | max abs err |", "|---" * (2 + 2 * len(keys)) + "|"]
     for name, r in s["results"].items():
         cells = []
         for p, k in keys.items():
             row = s[k].get(name)
-            cells += [_cell(row) if row else "-", f"{speed[p][name]:.2f}x" if name in speed[p] else "-"]
+            cells += [cell(row) if row else "-", f"{speed[p][name]:.2f}x" if name in speed[p] else "-"]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['max_abs_err']:.1e} |")
     return lines
-
-
-def _cell(row):
-    return f"{row['mean_us']:.1f} / {row['median_us']:.1f}" if "mean_us" in row else "error"
-
-
-def _speedups(rows):
-    fa = rows.get("fastaxial", {}).get("mean_us")
-    return {k: v["mean_us"] / fa for k, v in rows.items() if fa and "mean_us" in v}
 
 
 def spread(row):
