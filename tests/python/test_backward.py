@@ -1,25 +1,23 @@
 """The operator's backward on every device: the fused backward operator (axial_attention_backward,
-CPU and CUDA kernels) against float64 autograd of the reference, long axes and wide heads on the
-GPU, frozen weights, the output mask, determinism, its fake kernel and opcheck, a compiled
-training step, a CUDA-graph captured training step, and double backward refused."""
+CPU and CUDA kernels) and the forward that feeds it against float64 autograd of the reference (the
+accuracy rule, accuracy.py), long axes and wide heads on the GPU, frozen weights (no gradient, no
+gradient work, the others still right), the output mask, determinism, its fake kernel and opcheck,
+a compiled training step, a CUDA-graph captured training step, and double backward refused."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastaxial
+from accuracy import (GRAD_NAMES, assert_accurate, assert_all_accurate, float64_copy, fused_outputs_and_grads,
+                      outputs_and_grads)
 from conftest import DEVICES, make_pair, randomize_
 
 BACKWARD = torch.ops.fastaxial.axial_attention_backward.default
 
 
-def rel_err(a, ref):
-    return ((a.double() - ref).norm() / ref.norm()).item()
-
-
-def grads_of(module, x, g, dtype=None):
+def grads_of(module, x, g):
     """Gradients of (module(x) * g).sum() with respect to x and every parameter, in the op's order."""
-    if dtype is not None:
-        module, x, g = module.to(dtype), x.to(dtype), g.to(dtype)
     x = x.detach().clone().requires_grad_()
     module.zero_grad()
     (module(x) * g).sum().backward()
@@ -49,27 +47,69 @@ def test_backward_matches_float64(device, shape):
     new.load_state_dict(ref.state_dict())
     torch.manual_seed(7)
     x, g = torch.randn(B, H, W, D, device=device), torch.randn(B, H, W, D, device=device)
-    got = grads_of(new, x, g)
-    fp32 = grads_of(ref, x, g)
-    ref64 = fastaxial.AxialAttentionReference(D, heads, H, W).double().to(device)
-    ref64.load_state_dict({k: v.double() for k, v in ref.state_dict().items()})
-    exact = grads_of(ref64, x, g, torch.float64)
-    names = ["x"] + [f"{m}.{p}" for m, p in fastaxial.reference._WEIGHT_NAMES]
-    for name, a, b, e in zip(names, got, fp32, exact):
-        # No worse than twice the fp32 reference's own error against float64 (with a floor of
-        # 1e-6 for gradients that fp32 happens to get almost exactly).
-        assert rel_err(a, e) <= max(2 * rel_err(b, e), 1e-6), (name, rel_err(a, e), rel_err(b, e))
+    got_out, got = fused_outputs_and_grads(new, x, g)
+    fp32_out, fp32 = outputs_and_grads(ref, x, g)
+    exact_out, exact = outputs_and_grads(float64_copy(ref), x, g, torch.float64)
+    # The forward that the backward differentiates (the training forward on CUDA), then every
+    # gradient: each no worse than K times the fp32 reference's own error against float64.
+    assert_accurate(got_out, fp32_out, exact_out, "output")
+    assert_all_accurate(got, fp32, exact)
 
 
-def test_frozen_weights_cost_nothing_and_get_no_gradient(device):
+class BackwardCalls(TorchDispatchMode):
+    """Records the output_mask of every fastaxial backward operator call made while active, and how
+    many gradients each returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is BACKWARD:
+            self.calls.append((list(args[14]), len(out)))
+        return out
+
+
+# (frozen parameters, whether x requires grad): some weights, every weight, x alone frozen.
+FROZEN = [(("row_qkv.weight", "col_out.bias"), True), (("row_norm.weight", "row_norm.bias", "col_out.weight"), False),
+          (tuple(f"{m}.{p}" for m, p in fastaxial.reference._WEIGHT_NAMES), True)]
+
+
+@pytest.mark.parametrize("frozen,x_grad", FROZEN, ids=str)
+def test_frozen_weights_cost_nothing_and_get_no_gradient(frozen, x_grad, device):
+    """Frozen weights (and x without requires_grad): no gradient (None), no gradient work (the fused
+    backward is asked for exactly the gradients that are wanted, and returns only those), and the
+    gradients that are wanted still meet the accuracy rule against float64."""
     ref, new = make_pair(16, 2, 4, 5, device, seed=3)
-    for m in (ref, new):
-        m.row_qkv.weight.requires_grad_(False)
-        m.col_out.bias.requires_grad_(False)
-    x = torch.randn(2, 4, 5, 16, device=device, requires_grad=True)
-    new(x).sum().backward()
-    assert new.row_qkv.weight.grad is None and new.col_out.bias.grad is None
-    assert x.grad is not None and new.col_qkv.weight.grad is not None
+    randomize_(ref, 3)
+    new.load_state_dict(ref.state_dict())
+    ref64 = float64_copy(ref)
+    for m in (ref, new, ref64):
+        for name in frozen:
+            m.get_parameter(name).requires_grad_(False)
+    wanted = [x_grad] + [name not in frozen for name in GRAD_NAMES[1:]]
+    gen = torch.Generator().manual_seed(3)
+    x, g = (torch.randn(2, 4, 5, 16, generator=gen).to(device) for _ in range(2))
+
+    def run(module, dtype):
+        xs = x.to(dtype, copy=True).requires_grad_(x_grad)
+        module.zero_grad(set_to_none=True)
+        out = module(xs)
+        with BackwardCalls() as calls:
+            (out * g.to(dtype)).sum().backward()
+        return [xs.grad] + [p.grad for p in module.weights()], calls.calls, out
+
+    got, calls, out = run(new, torch.float32)
+    assert "AxialAttentionFunction" in out.grad_fn.name()
+    for name, grad, want in zip(GRAD_NAMES, got, wanted):
+        assert (grad is not None) == want, (name, "gradient" if grad is not None else "no gradient")
+    if device.type == "cpu" or fastaxial.module._cuda_training_device(device):
+        # The fused backward ran once, asked for the wanted gradients only, and returned only those.
+        assert calls == [(wanted, sum(wanted))], calls
+    fp32, _, _ = run(ref, torch.float32)
+    exact, _, _ = run(ref64, torch.float64)
+    assert_all_accurate(got, fp32, exact)
 
 
 def test_backward_operator_returns_what_the_mask_asks_for(device):

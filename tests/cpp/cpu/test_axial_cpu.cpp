@@ -1,10 +1,13 @@
-// CPU forward vs the double-precision reference, and argument checking.
+// CPU forward vs the double-precision reference (the accuracy rule of util/reference.h), the
+// drop-in contract's tolerance, and argument checking.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "util/reference.h"
@@ -12,18 +15,34 @@
 namespace fastaxial::test {
 namespace {
 
+// The drop-in contract's tolerance (torch.allclose's atol and rtol): checked on its own
+// (ContractTolerance); the correctness tests use the accuracy rule, 100 to 500 times tighter.
 constexpr double kAtol = 1e-4, kRtol = 1e-4;
+
+// out = forward_cpu(p) into a poisoned buffer, within the accuracy rule.
+void expect_accurate(const Problem& p) {
+  std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());  // poisoned
+  const Status st = forward_cpu(params(p, out.data()));
+  ASSERT_TRUE(st.ok()) << st.message;
+  expect_forward_within_rule(p, out, shape_name(p.shape));
+}
 
 class CpuForward : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CpuForward, MatchesDoubleReference) {
   const Shape s = GetParam();
-  const Problem p = random_problem(s, 1234u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));
-  std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());  // poisoned
-  const Status st = forward_cpu(params(p, out.data()));
-  ASSERT_TRUE(st.ok()) << st.message;
-  const double worst = worst_ratio(out, reference_forward(p), kAtol, kRtol);
-  EXPECT_LE(worst, 1.0) << "worst |out - ref| / (atol + rtol |ref|) for " << shape_name(s);
+  expect_accurate(random_problem(s, 1234u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W)));
+}
+
+// The drop-in contract: the output within atol = rtol = 1e-4 of the float64 reference
+// (elementwise, as torch.allclose) on the default problem and a long row.
+TEST(CpuForward, ContractTolerance) {
+  for (const Shape s : {Shape{2, 8, 8, 64, 4}, Shape{1, 1, 300, 32, 2}}) {
+    const Problem p = random_problem(s, 4242);
+    std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(forward_cpu(params(p, out.data())).ok());
+    EXPECT_LE(worst_ratio(out, reference_forward(p), kAtol, kRtol), 1.0) << shape_name(s);
+  }
 }
 
 // L = 1 and 7, H != W, head_dim 8, 16, 32, 64, dim up to 256.
@@ -40,7 +59,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
 
 // LayerNorm eps other than the default 1e-5. Each case checks first that
 // its eps decides the result: the float64 forward with eps 1e-5 instead is
-// more than 100 times the tolerance away (in fact thousands of times: on x =
+// more than 100 times even the contract's tolerance away (in fact thousands of times: on x =
 // 3 + 1e-3 N(0, 1), each position's variance is ~1e-6, so LayerNorm divides
 // by sqrt(0.5) with eps 0.5 but by ~3.3e-3 with eps 1e-5, and the normalised
 // values, ~1.4e-3 against ~0.3, reach the output through both passes'
@@ -53,11 +72,7 @@ class CpuForwardEps : public ::testing::TestWithParam<EpsCase> {};
 TEST_P(CpuForwardEps, MatchesDoubleReference) {
   const Problem p = eps_problem(GetParam());
   ASSERT_GT(eps_effect(p, kAtol, kRtol), 100.0) << "eps does not decide this case: a kernel that ignored it would pass";
-  const std::vector<double> ref = reference_forward(p);
-  std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
-  const Status st = forward_cpu(params(p, out.data()));
-  ASSERT_TRUE(st.ok()) << st.message;
-  EXPECT_LE(worst_ratio(out, ref, kAtol, kRtol), 1.0);
+  expect_accurate(p);
 }
 
 INSTANTIATE_TEST_SUITE_P(LargeEps, CpuForwardEps,
@@ -133,6 +148,44 @@ TEST_F(BadArguments, NullWeight) {
 TEST_F(BadArguments, NegativeEps) {
   a.eps = -1.0f;
   expect_invalid("eps");
+}
+TEST_F(BadArguments, NanEps) {  // !(eps >= 0), not eps < 0: NaN is no eps
+  a.eps = std::numeric_limits<float>::quiet_NaN();
+  expect_invalid("eps must be >= 0");
+}
+// Each of the ten weights, null alone, named in the message; out left unwritten.
+TEST_F(BadArguments, EachNullWeight) {
+  const std::pair<AxisWeights AxialParams::*, const char*> axes[] = {{&AxialParams::row, "row"},
+                                                                      {&AxialParams::col, "col"}};
+  const std::pair<const float* AxisWeights::*, const char*> weights[] = {
+      {&AxisWeights::norm_weight, "norm_weight"}, {&AxisWeights::norm_bias, "norm_bias"},
+      {&AxisWeights::qkv_weight, "qkv_weight"},   {&AxisWeights::out_weight, "out_weight"},
+      {&AxisWeights::out_bias, "out_bias"}};
+  const AxialParams good = a;
+  for (const auto& [axis, axis_name] : axes)
+    for (const auto& [weight, weight_name] : weights) {
+      std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
+      a = good;
+      (a.*axis).*weight = nullptr;
+      expect_invalid(std::string(axis_name) + "." + weight_name + " is null");
+      for (float v : out) ASSERT_TRUE(std::isnan(v)) << "out written with a null " << axis_name << "." << weight_name;
+    }
+}
+// Each negative size, named; and dim not a multiple of heads where heads < dim (8, 3) and
+// heads > dim (8, 16).
+TEST_F(BadArguments, EachNegativeSize) {
+  const std::pair<int64_t AxialParams::*, const char*> sizes[] = {
+      {&AxialParams::batch, "batch"}, {&AxialParams::height, "height"}, {&AxialParams::width, "width"}};
+  const AxialParams good = a;
+  for (const auto& [size, name] : sizes) {
+    a = good;
+    a.*size = -3;
+    expect_invalid(std::string(name) + " must be >= 0");
+  }
+}
+TEST_F(BadArguments, MoreHeadsThanDim) {
+  a.heads = 16;
+  expect_invalid("divisible by heads");
 }
 TEST_F(BadArguments, SizeOverflow) {
   a.batch = a.height = a.width = int64_t{1} << 30;

@@ -5,7 +5,9 @@
 //    binomial bounds, seed and offset (both 64-bit words) changing the mask.
 //  - The float64 reference with dropout: its backward against central differences of its
 //    forward under the same (fixed) mask; p = 0 and p = 1; each pass's mask mattering.
-//  - forward_cpu and backward_cpu against the reference at p = 0.1, 0.5 and 1 on several shapes;
+//  - forward_cpu and backward_cpu against the reference (the accuracy rule, util/reference.h) at
+//    p = 0.1, 0.5 and 1 on several shapes; rows the mask drops whole (p = 0.9 on short rows);
+//    the few-sequences path and the backward's heads across threads (thread count set here);
 //    same (seed, offset) bitwise identical, another seed or offset different; p = 0 bitwise the
 //    no-dropout result; bad p rejected.
 #include <gtest/gtest.h>
@@ -320,18 +322,24 @@ std::string rate_case_name(const ::testing::TestParamInfo<RateCase>& info) {
   return shape_name(std::get<0>(info.param)) + "_p" + rate_name(std::get<1>(info.param));
 }
 
-constexpr double kAtol = 1e-4, kRtol = 1e-4;  // test_axial_cpu.cpp's forward bounds
+// The drop-in contract's tolerance: here only as a yardstick of how far another mask moves the
+// result (OtherSeedOrOffsetGivesOtherResults); correctness is the accuracy rule's.
+constexpr double kAtol = 1e-4, kRtol = 1e-4;
+
+// forward_cpu(p) within the accuracy rule.
+void expect_forward_accurate(const Problem& p) {
+  std::vector<float> out(p.x.size(), kNaN);
+  const Status st = forward_cpu(params(p, out.data()));
+  ASSERT_TRUE(st.ok()) << st.message;
+  expect_forward_within_rule(p, out);
+}
 
 class CpuDropoutForward : public ::testing::TestWithParam<RateCase> {};
 
 TEST_P(CpuDropoutForward, MatchesDoubleReference) {
   const auto [s, rate] = GetParam();
-  const Problem p = with_dropout(random_problem(s, 1234u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W)), rate,
-                                 0xC0FFEEull + static_cast<uint64_t>(s.H), 17);
-  std::vector<float> out(p.x.size(), kNaN);
-  const Status st = forward_cpu(params(p, out.data()));
-  ASSERT_TRUE(st.ok()) << st.message;
-  EXPECT_LE(worst_ratio(out, reference_forward(p), kAtol, kRtol), 1.0) << "worst |out - ref| / (atol + rtol |ref|)";
+  expect_forward_accurate(with_dropout(random_problem(s, 1234u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W)),
+                                       rate, 0xC0FFEEull + static_cast<uint64_t>(s.H), 17));
 }
 
 // L = 1 and 7, H != W, head dims 8 to 64, dims up to 128, grids with H < W and H > W; one long
@@ -367,6 +375,56 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuDropoutBackward,
                                                               Shape{1, 2, 521, 16, 2}),
                                             ::testing::Values(0.1f, 0.5f, 1.0f)),
                          rate_case_name);
+
+// Rows the mask drops whole: p = 0.9 on rows of 2 and columns of 3 (a row kept in none of its
+// keys with probability 0.81 and 0.73): their attention output is exactly zero (no 0/0: the
+// softmax's sum is taken before the mask), the others' a few kept keys times 10.
+TEST(CpuDropoutRows, FullyMaskedRows) {
+  const Shape s{2, 3, 2, 16, 2};
+  const Problem p = with_dropout(random_problem(s, 66), 0.9f, 1234, 5);
+  int whole = 0, partial = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t N = pass ? s.B * s.W : s.B * s.H, L = pass ? s.H : s.W;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < s.heads; ++h)
+        for (int64_t i = 0; i < L; ++i) {
+          int kept = 0;
+          for (int64_t j = 0; j < L; ++j) kept += p.keep(pass, n, h, i, j);
+          (kept == 0 ? whole : partial) += 1;
+        }
+  }
+  ASSERT_GT(whole, 0) << "no row dropped whole";
+  ASSERT_GT(partial, 0) << "every row dropped whole";
+  expect_forward_accurate(p);
+  expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 9));
+}
+
+#ifdef _OPENMP
+// The thread-dependent branches with dropout (test_cpu_paths.cpp has them without): at 3 threads
+// one long row (130) and one long column (200) take the forward's few-sequences path, whose
+// query tiles draw the mask from their own first query, and the backward's heads go to the
+// threads; at 1 thread, the one-thread paths. The thread count set here, whatever
+// OMP_NUM_THREADS says.
+class CpuDropoutThreads : public ::testing::TestWithParam<std::tuple<Shape, int>> {};
+
+TEST_P(CpuDropoutThreads, MatchesDoubleReference) {
+  const auto [s, threads] = GetParam();
+  const Problem p = with_dropout(random_problem(s, 4321), 0.3f, 77, 3);
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(threads);
+  expect_forward_accurate(p);  // returns on a fatal failure; the thread count is restored below
+  expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 21));
+  omp_set_num_threads(before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, CpuDropoutThreads,
+                         ::testing::Combine(::testing::Values(Shape{1, 1, 130, 32, 2}, Shape{1, 200, 1, 16, 2}),
+                                            ::testing::Values(1, 3)),
+                         [](const auto& info) {
+                           return shape_name(std::get<0>(info.param)) + "_threads" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+#endif
 
 // ---- determinism, seed and offset, p = 0 ------------------------------------------------------
 

@@ -77,17 +77,6 @@ std::vector<std::vector<Real>*> ref_list(RefGrads<Real>& r) {
           &r.col.norm_w, &r.col.norm_b, &r.col.qkv_w, &r.col.out_w, &r.col.out_b};
 }
 
-template <typename A>
-double rel_err(const std::vector<A>& got, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - ref[i];
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
-
 inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -99,21 +88,23 @@ inline bool all_nan(const std::vector<float>& a) {
 }
 
 // Two bounds per gradient of `got`, on the norm-relative error ||g - ref|| / ||ref||:
-//  - 1e-5 outright. The unit roundoff of fp32 is 6e-8; each gradient is a few products deep
-//    (two passes, each with LayerNorm, the QKV, score, softmax and output products and their
-//    transposes) with sums over D, L and, for the weights, every position (up to ~1500 in the
-//    CPU suite), whose rounding errors, of random sign, grow like sqrt(length) u: a few 1e-7
-//    measured (1e-7 .. 5e-7), so 1e-5 leaves a margin of 20 for the summation orders of other
-//    instruction sets, while a wrong formula errs by O(1);
-//  - within 4 times (plus 1e-7, for gradients that fp32 gets exact) the error of the plainest
-//    fp32 evaluation, reference_backward_as<float> (the same formulas as sequential loops):
-//    no worse than fp32 arithmetic itself, whatever the shape. Measured: 0.3 to 1.5 times it.
+//  - the accuracy rule (reference.h): within kAccuracyFactor times the error of the plainest fp32
+//    evaluation, reference_backward_as<float> (the same formulas as sequential loops), plus
+//    kAccuracyFloor: no worse than fp32 arithmetic itself, whatever the shape and inputs;
+//  - where `outright` (the suites' ordinary random problems), 1e-5 as well. The unit roundoff
+//    of fp32 is 6e-8; each gradient is a few products deep (two passes, each with LayerNorm, the
+//    QKV, score, softmax and output products and their transposes) with sums over D, L and, for
+//    the weights, every position (up to ~1500 in the CPU suite), whose rounding errors, of
+//    random sign, grow like sqrt(length) u: a few 1e-7 measured (1e-7 .. 5e-7), so 1e-5 leaves a
+//    margin of 20 for the summation orders of other instruction sets, while a wrong formula errs
+//    by O(1). Inputs chosen to strain fp32 (test_cpu_extremes.cpp: means of 300, logits of 100)
+//    cost fp32 itself more than 1e-5 (the fp32 loops: up to 5e-5): there the rule alone applies.
 // A gradient whose reference is exactly zero (with dropout 1 every attention branch is zero,
 // and so are the gradients of the QKV, LayerNorm and output weights) must be exactly zero.
 // Each gradient's error is recorded as a test property.
 constexpr double kBackwardRelTol = 1e-5;
 
-inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float>& ref32) {
+inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float>& ref32, bool outright = true) {
   const auto refs = ref_list(ref);
   const auto refs32 = ref_list(ref32);
   const auto list = got.all();
@@ -127,8 +118,9 @@ inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float
     }
     const double err = rel_err(*list[i].first, *refs[i]);
     const double err32 = rel_err(*refs32[i], *refs[i]);
-    EXPECT_LE(err, kBackwardRelTol) << list[i].second << " (plain fp32: " << err32 << ")";
-    EXPECT_LE(err, 4 * err32 + 1e-7) << list[i].second << ": worse than plain fp32 (" << err32 << ")";
+    if (outright) EXPECT_LE(err, kBackwardRelTol) << list[i].second << " (plain fp32: " << err32 << ")";
+    EXPECT_TRUE(within_rule(err, err32)) << list[i].second << ": error " << err << ", worse than " << kAccuracyFactor
+                                         << " x plain fp32's (" << err32 << ") + " << kAccuracyFloor;
     char note[64];
     std::snprintf(note, sizeof note, "%.2e (fp32 loops %.2e)", err, err32);
     ::testing::Test::RecordProperty(list[i].second, note);
@@ -136,7 +128,8 @@ inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float
 }
 
 // backward_cpu(p) for the output gradient gout against the float64 reference (expect_grads_match).
-inline void expect_cpu_backward_matches_reference(const Problem& p, const std::vector<double>& gout) {
+inline void expect_cpu_backward_matches_reference(const Problem& p, const std::vector<double>& gout,
+                                                  bool outright = true) {
   const std::vector<float> gout_f(gout.begin(), gout.end());
   Grads got(p.shape);
   AxialGrads g = got.view();
@@ -145,7 +138,7 @@ inline void expect_cpu_backward_matches_reference(const Problem& p, const std::v
   ASSERT_TRUE(st.ok()) << st.message;
   RefGrads<double> ref = reference_backward(p, gout);
   RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
-  expect_grads_match(got, ref, ref32);
+  expect_grads_match(got, ref, ref32, outright);
 }
 
 // reference_backward(p, gout) against central differences of the loss gout . reference_forward(p)
