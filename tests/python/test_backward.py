@@ -16,14 +16,6 @@ from conftest import DEVICES, make_pair, randomize_
 BACKWARD = torch.ops.fastaxial.axial_attention_backward.default
 
 
-def grads_of(module, x, g):
-    """Gradients of (module(x) * g).sum() with respect to x and every parameter, in the op's order."""
-    x = x.detach().clone().requires_grad_()
-    module.zero_grad()
-    (module(x) * g).sum().backward()
-    return [x.grad] + [p.grad for p in module.weights()]
-
-
 # (B, H, W, D, heads): head_dim 1, 3, 8, 16; L from 1 to 33; H != W.
 SHAPES = [(2, 5, 7, 32, 4), (1, 1, 9, 16, 2), (3, 4, 1, 8, 8), (1, 6, 5, 6, 2), (2, 33, 3, 16, 1)]
 # The GPU's too: long axes (L = 257, 1024, 2048, 4096) and head dims 1, 3, 8, 128, 256.

@@ -77,15 +77,15 @@ def test_saturated_softmax_is_finite_and_accurate(shape, device):
     assert_finite(got, "fused")
 
 
-# Scores of 1e4 and more (QKV weights N(0, 400)): the softmax is one-hot, the fp32 reference's
-# gradients are exact to ~1e-6 and a reordered fp32 reference's too (accuracy.py), but the fused
-# backward's are off by 2e-3 to 4e-3 (3000x here). A possible bug, reported: dS = P o (dP - delta)
-# with delta = rowsum(dO o O) (not rowsum(P o dP)) leaves dO.v - dO.v rounding residue where P is
-# one-hot, and dQ = dS K scales it by |K|. Emulating that delta in Python reproduces the error.
-def test_fully_saturated_softmax_forward_is_finite_and_accurate(device):
+# Scores of 1e4 and more (QKV weights N(0, 400)): the softmax is one-hot. The forward stays finite
+# and within the rule (fused / fp32 error 0.37 and 5.6 at these seeds, where the permuted reference
+# of accuracy.py is 0.4 and 1.0: the fused forward is the less accurate one here, reported). The
+# gradients are the next test's.
+@pytest.mark.parametrize("seed", [0, 2])
+def test_fully_saturated_softmax_forward_is_finite_and_accurate(seed, device):
     shape = (2, 8, 8, 32, 2)
-    ref, new = pair(shape, device, seed=0, qkv_std=20.0)
-    x, g = inputs(shape, device, seed=0)
+    ref, new = pair(shape, device, seed=seed, qkv_std=20.0)
+    x, g = inputs(shape, device, seed=seed)
     assert largest_score(ref, x) > 1e4
     got = fused_outputs_and_grads(new, x, g)
     fp32 = outputs_and_grads(ref, x, g)
@@ -94,10 +94,15 @@ def test_fully_saturated_softmax_forward_is_finite_and_accurate(device):
     assert_accurate(got[0], fp32[0], exact[0], "output", K_ILL_CONDITIONED)
 
 
+# The fp32 reference's gradients with a one-hot softmax are exact to ~1e-6 and a permuted fp32
+# reference's too (accuracy.py), but the fused backward's are off by 2e-3 to 4e-3 (5000x here). A
+# possible bug, reported: dS = P o (dP - delta) with delta = rowsum(dO o O) (not rowsum(P o dP))
+# leaves the rounding residue of dO.v - dO.v where P is one-hot, and dQ = dS K scales it by |K|;
+# emulating that delta in Python reproduces the error.
 def test_fully_saturated_softmax_gradients(device, request):
     # Expected to fail (strictly on the CPU, where it was measured; CUDA not measured yet).
     request.applymarker(pytest.mark.xfail(
-        reason="reported: with a one-hot softmax (scores of 1e4) the fused backward's gradients are ~3000x "
+        reason="reported: with a one-hot softmax (scores of 1e4) the fused backward's gradients are ~5000x "
                "the fp32 reference's error (delta = rowsum(dO o O)); see accuracy.py", strict=device.type == "cpu"))
     shape = (2, 8, 8, 32, 2)
     ref, new = pair(shape, device, seed=0, qkv_std=20.0)
