@@ -288,8 +288,9 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   bool fits = append(&end, bytes, &c.row_output);
   const bool row_staged = c.row.family == KernelFamily::kStaged, col_staged = c.col.family == KernelFamily::kStaged;
   if (fits && (row_staged || col_staged)) {
-    const size_t planes = 8 * (size_t)p.dim * (size_t)p.dim * sizeof(float);
-    fits = bytes <= ~size_t{0} / 4 && append(&end, 4 * bytes, &c.staged_scratch);
+    const size_t D = (size_t)p.dim, planes = 8 * D * D * sizeof(float);
+    fits = D <= ~size_t{0} / (8 * sizeof(float)) / D && bytes <= ~size_t{0} / 4 &&
+           append(&end, 4 * bytes, &c.staged_scratch);
     // The flash kernel's split-KV partials (smem_layout.h): the larger pass's.
     size_t partials = 0;
     if (c.row.flash) partials = flash_partials_bytes(row.num_seq, row.len, p.dim / p.heads, p.heads, dev.sms);
@@ -474,7 +475,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   // The staged path's product (gemm/gemm.cu) where the device runs it and its N and K fit.
   c.tensor_core_products = dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kStagedGemmSmemBytes && D % 8 == 0;
   if (c.tensor_core_products) {
-    if (D > limit / D) return invalid("the workspace size overflows size_t");
+    if (D > limit / D / 8) return invalid("the workspace size overflows size_t");  // 128 D^2 bytes
     fits = fits && append(&end, 2 * 16 * D * D * sizeof(float), &c.weight_planes);
   }
   // The weight gradients on the tensor cores (gemm/weight_gradient.cu) where the device runs

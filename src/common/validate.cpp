@@ -47,13 +47,15 @@ Status validate_sizes(const AxialParams& p) {
             "this build has no attention dropout: it was built without Random123 (Debian: librandom123-dev); "
             "install it and rebuild"};
 #endif
-  // B*H*W*D must fit in int64 (every index below is 64-bit).
+  // B*H*W*D must fit in int64 (every index below is 64-bit), and so must the products of the
+  // non-zero sizes (B*H sequences of a row pass where W = 0), and the qkv weight's 3 D^2 elements.
   const int64_t max = std::numeric_limits<int64_t>::max();
   int64_t n = p.dim;
   for (int64_t v : {p.width, p.height, p.batch}) {
     if (v != 0 && n > max / v) return invalid("B*H*W*D overflows int64");
-    n *= v;
+    if (v != 0) n *= v;
   }
+  if (p.dim > max / 3 / p.dim) return invalid("dim is too large: the qkv weight's 3 dim^2 elements overflow int64");
   // The dropout mask numbers its elements in uint64 (common/dropout.h): B H heads W^2 of the
   // row pass, then B W heads H^2 of the column pass, which must fit (only absurd grids fail).
   if (p.dropout > 0.0f) {

@@ -10,13 +10,14 @@
 // LayerNorm, qkv and per sequence and head the scores and softmax, the way the forward does
 // (one QKV product per block; max-subtracted exp), then, with P = softmax and O = P V:
 //   dbout = colsum(dOut), dWout = dOut^T O, dO = dOut Wout,
-//   per head dV = P^T dO_h, dP = dO_h V^T, dS = P o (dP - rowsum(dO_h o O_h)),
+//   per head dV = P^T dO_h, dP = dO_h V^T, dS = P o (dP - rowsum(P o dP)),
 //            dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd),
 //   dWqkv = [dQ|dK|dV]^T y, dy = [dQ|dK|dV] Wqkv, dg = colsum(dy o xhat), db = colsum(dy),
 //   dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
 // With attention dropout (p.dropout > 0; common/dropout.h), M the keep mask and c = 1 / (1 - p):
-//   O = Pd V with Pd = P o M c;  dV = Pd^T dO_h,  dP = (dO_h V^T) o M c,  dS = P o (dP - rowsum(dO_h o O_h))
-// (rowsum(P o dP) = rowsum(Pd o dO_h V^T) = rowsum(dO_h o O_h): the same delta as without dropout).
+//   O = Pd V with Pd = P o M c;  dV = Pd^T dO_h,  dP = (dO_h V^T) o M c,  dS = P o (dP - rowsum(P o dP))
+// (rowsum(P o dP) = rowsum(Pd o dO_h V^T) = rowsum(dO_h o O_h), the form the CUDA kernels use; the CPU
+// sums P o dP, an (n, L) product per range, small beside the (n, L, hd) ones, and exact where P is one-hot).
 // The mask is drawn again from (seed, offset, element), the forward's: nothing of it is stored.
 // With p.dropout = 0 none of this code runs.
 // Recomputing the scores costs one (L, L, hd) product per head more than keeping P would,
@@ -215,7 +216,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   const bool want_g = gw.norm_weight, want_b = gw.norm_bias, want_dx = dsrc != nullptr;
   const bool want_dy = want_dx || want_g || want_b;        // the gradient of LayerNorm's output
   const bool want_dqkv = want_dy || want_qkv;              // the attention backward
-  const bool want_o = want_dqkv || want_out;               // the attention output (delta needs it)
+  const bool want_o = want_dqkv || want_out;               // the attention's P (and O for dWout)
   const bool any_weight = want_qkv || want_out || want_bout || want_g || want_b;
   if (!want_o && !want_bout) return;
 
@@ -265,25 +266,22 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           const int64_t s = i / heads, h = i % heads;
           const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
           const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
-          auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);
-          auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
           for (int64_t r = 0; r < R; ++r) {
             const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
             const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
             auto o = t.o.block(s * L + r0, h * hd, n, hd);
             hs.s.noalias() = q * k.transpose();
             softmax_rows(hs.s, scale);  // P
-            if (!drop) {
-              o.noalias() = hs.s * val;
-            } else {
+            if (drop) {
               fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
               hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
-              o.noalias() = hs.pd * val;
             }
+            if (want_out) o.noalias() = (drop ? hs.pd : hs.s) * val;  // O, for dWout alone
             if (!want_dqkv) continue;
+            auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
+            auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
             const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
-            hs.delta = (dO.array() * o.array()).rowwise().sum();  // rowsum(dO_h o O_h)
-            const Mat& p = drop ? hs.pd : hs.s;                   // dV = P^T dO (Pd with dropout)
+            const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
             if (r == 0) {
               dv.noalias() = p.transpose() * dO;
             } else {
@@ -292,6 +290,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
             }
             hs.dp.noalias() = dO * val.transpose();   // dP = dO V^T (dPd with dropout)
             if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
+            // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
+            // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
+            // the reference, where dO_h.o_h, summed in another order, would leave a rounding residue
+            // that dQ = dS K multiplies by |K| (scores of 1e4: 5000x the fp32 reference's error).
+            hs.delta = (hs.s.array() * hs.dp.array()).rowwise().sum();
             // dS (of the scaled scores) times the scale: both dQ and dK carry it.
             hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
             t.dqkv.block(s * L + r0, h * hd, n, hd).noalias() = hs.dp * k;  // dQ

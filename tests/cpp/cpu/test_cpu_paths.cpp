@@ -182,9 +182,9 @@ TEST(CpuPaths, CoversEveryBranch) {
 // in row tiles of 64 (few_sequences_pass): other matrix shapes for Eigen's products, so other
 // summation orders. Measured on (1, 200, 1, 16, 2), the shape: at 2 threads 170 of 3200
 // elements differ from 1 thread's, by at most 2.4e-7 (one or two units in the last place;
-// ||out2 - out1|| / ||out1|| = 1.2e-8), 590 at 8 threads; on (1, 1, 129, 48, 3) 1098 of 6192 at
-// any count above 1; where every pass keeps its path and blocking, none ((2, 16, 24, 32, 2),
-// (3, 16, 16, 64, 4)). So the promise is: at any thread count the forward is within the accuracy
+// ||out2 - out1|| / ||out1|| = 1.2e-8), 590 at 8 threads; on (1, 1, 129, 48, 3) about 1100 of
+// 6192 at any count above 1; where every pass keeps its path and blocking, none ((2, 16, 24, 32,
+// 2), (3, 16, 16, 64, 4)). (The counts are test properties of ThreadCountPromise.) So the promise is: at any thread count the forward is within the accuracy
 // rule, and at a given count it is bitwise the same from call to call; across thread counts it
 // need not be bitwise the same.
 TEST(CpuThreads, ThreadCountPromise) {
