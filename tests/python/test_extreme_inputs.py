@@ -99,12 +99,13 @@ def test_fully_saturated_softmax_forward_is_finite_and_accurate(seed, device):
 # P and dP: the equal rowsum(dO o O), summed in another order, leaves a rounding residue of dO.v - dO.v
 # where P is one-hot, and dQ = dS K scales it by |K| (5000x the fp32 reference's error here, on the CPU
 # before its backward summed P o dP). The CUDA backward takes delta from the forward's O (rowsum(dO o O),
-# computed before the key blocks, as flash attention backwards do): expected to fail there.
+# computed before the key blocks, as flash attention backwards do): it fails there (seen on the H200);
+# strict, so that a fix shows as a pass.
 def test_fully_saturated_softmax_gradients(device, request):
     if device.type == "cuda":
         request.applymarker(pytest.mark.xfail(
             reason="the CUDA backward's delta is rowsum(dO o O): with a one-hot softmax (scores of 1e4) its "
-                   "gradients are far above the fp32 reference's error", strict=False))
+                   "gradients are far above the fp32 reference's error", strict=True))
     shape = (2, 8, 8, 32, 2)
     ref, new = pair(shape, device, seed=0, qkv_std=20.0)
     x, g = inputs(shape, device, seed=0)
@@ -163,7 +164,16 @@ def test_layernorm_eps_and_tiny_variance(std, eps, device):
 # FTZ/DAZ as -ffast-math sets them, gets other gradients: checked to fail here) and up to 1e30.
 @pytest.mark.parametrize("x_scale,grad_scale", [(1e-30, 1.0), (1e-38, 1.0), (1e18, 1.0), (1.0, 1e-38), (1.0, 1e-30),
                                                 (1.0, 1e30)], ids=lambda v: f"{v:g}")
-def test_extreme_magnitudes(x_scale, grad_scale, device):
+def test_extreme_magnitudes(x_scale, grad_scale, device, request):
+    if device.type == "cuda" and grad_scale < 1e-37:
+        # Measured on the H200: x's gradient 7.1e-4 from float64, the fp32 reference's 5.7e-7: TF32's
+        # accuracy (2^-11 = 4.9e-4), not 3xTF32's. The CUDA backward's products run as 3xTF32 on the
+        # tensor cores, a = hi + lo, and lo of an operand below about 2^-115 (2.4e-35) is subnormal:
+        # flushing those would give exactly this (the likely cause, not yet confirmed). Gradients of
+        # 1e-30 keep their digits; the CPU path keeps subnormals. Strict: a fix shows as a pass.
+        request.applymarker(pytest.mark.xfail(
+            reason="CUDA: output gradients in fp32's subnormal range get TF32 accuracy (3xTF32's lo parts are "
+                   "subnormal there)", strict=True))
     shape = (2, 5, 7, 32, 4)
     ref, new = pair(shape, device, seed=13)
     x, g = inputs(shape, device, seed=13, std=x_scale, grad_scale=grad_scale)
@@ -214,13 +224,24 @@ def test_nan_and_inf_propagate_like_the_reference(case, device):
     names = ("output",) + GRAD_NAMES
     some_nonfinite = False
     for name, a, b, e in zip(names, (got[0], *got[1]), (fp32[0], *fp32[1]), (exact[0], *exact[1])):
-        assert torch.equal(torch.isnan(a), torch.isnan(b)), (name, "NaN", torch.isnan(a).sum().item(), torch.isnan(b).sum().item())
-        for sign in (1, -1):
-            assert torch.equal(a == sign * INF, b == sign * INF), (name, sign * INF)
+        # Where the math is finite (float64) but the fp32 reference is not, the reference overflowed
+        # on its own: PyTorch's CUDA layer_norm gives NaN for a row holding 3e38, which its CPU
+        # layer_norm and float64 do not. There the fused result is either the reference's or finite
+        # and accurate against float64 (held to the rule's yardstick: K times the fp32 reference's
+        # error on the elements where it is finite, plus the floor).
+        overflow = torch.isfinite(e) & ~torch.isfinite(b)
+        like_ref = (torch.isnan(a) == torch.isnan(b)) & (a == INF).eq(b == INF) & (a == -INF).eq(b == -INF)
+        better = overflow & torch.isfinite(a)
+        assert (like_ref | better).all(), (name, "NaN", torch.isnan(a).sum().item(), torch.isnan(b).sum().item(),
+                                           "inf", torch.isinf(a).sum().item(), torch.isinf(b).sum().item())
         some_nonfinite |= not torch.isfinite(b).all().item()
-        finite = torch.isfinite(e) & torch.isfinite(b)  # where the math is finite
+        finite = torch.isfinite(e) & torch.isfinite(b)  # where the math and the reference are finite
         if finite.any():
             assert_accurate(a[finite], b[finite], e[finite], f"{name}'s finite elements")
+        if better.any():
+            yardstick = K * rel_err(b[finite], e[finite]) + FLOOR if finite.any() else FLOOR
+            err = rel_err(a[better], e[better])
+            assert err <= yardstick, f"{name}: where the fp32 reference overflowed, error {err:.3g} > {yardstick:.3g}"
     if case != "x 3e38":
         assert some_nonfinite  # the case reaches the result
     if case.startswith("x ") and case != "x 3e38":
