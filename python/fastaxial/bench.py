@@ -1,8 +1,8 @@
 """fastaxial.bench: fastaxial against PyTorch on the same inputs and weights.
 
     python -m fastaxial.bench [--shapes all|default|"B H W D heads;..."] [--out DIR] [--iters N]
-        [--protocols queued,synchronized,harness,host,training] [--harness-iters N] [--host-calls N]
-        [--training-iters N]
+        [--protocols queued,synchronized,harness,host,training,model] [--harness-iters N] [--host-calls N]
+        [--training-iters N] [--model-steps N]
 
 Contenders, all fp32 with TF32 off: fastaxial; the PyTorch eager reference;
 the same math with scaled_dot_product_attention; torch.compile of the
@@ -11,8 +11,9 @@ reference; on CUDA, torch.compile with mode="reduce-overhead" (CUDA graphs).
 A forward costs host time (Python, dispatch, launches) and GPU time, and
 the protocols differ in how much of the host's part they show. A user who
 waits for each result pays both; a loop that keeps the GPU fed pays the
-larger. One run measures them all (--protocols picks; queued always runs;
-training only when asked for):
+larger. One run measures them all (--protocols picks; queued always runs on
+the shapes given, --shapes none gives none; training and model only when
+asked for):
 
 queued: under no_grad, each forward between two CUDA events, after a write of a 256 MB buffer that
     flushes L2; one synchronize at the end, so the GPU never waits for the host. The host prepares
@@ -53,6 +54,11 @@ training: a training step per shape and contender (fastaxial, eager, sdpa, compi
     synchronized, against the same modules without dropout. Not in the default set: it compiles
     forward and backward per shape, twice each (x not requiring grad, then requiring it).
 
+model: training steps of a small axial transformer (fastaxial.model_bench says which), the
+    reference attention against fastaxial's, eager and under torch.compile (and on CUDA with CUDA
+    graphs), at attention dropout 0 and 0.1; ms per synchronized step and peak memory; and the two
+    models' loss curves from the same weights and batches.
+
 On the CPU every protocol times each call by the host clock (nothing to
 flush or synchronize; harness there is grad and training mode without the
 fill), and host rows are measured the same way as on CUDA; the training
@@ -83,15 +89,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import reference
+from . import model_bench, reference
 from .module import AxialAttention
 
 DEFAULT_SHAPE = (reference.BATCH, reference.HEIGHT, reference.WIDTH, reference.DIM, reference.HEADS)
 SHAPES = [DEFAULT_SHAPE, (16, 32, 32, 64, 4), (8, 64, 64, 128, 8), (2, 128, 128, 256, 8),
           (1, 256, 256, 128, 4), (2, 48, 80, 96, 3)]
 
-PROTOCOLS = ("queued", "synchronized", "harness", "host", "training")
-DEFAULT_PROTOCOLS = ("queued", "synchronized", "harness", "host")  # training only when asked for
+PROTOCOLS = ("queued", "synchronized", "harness", "host", "training", "model")
+DEFAULT_PROTOCOLS = ("queued", "synchronized", "harness", "host")  # training and model only when asked for
 HARNESS_ITERS = 100  # KernelBench's timed trials per module
 HARNESS_CONTENDERS = ("fastaxial", "eager", "compile", "compile+cudagraph")  # the modules a harness would time
 HOST_REPEATS = 7
@@ -674,12 +680,16 @@ def markdown(report):
               f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (measured in this run).")
     if report["device"] == "CPU":
         device += " On the CPU every protocol times each call by the host clock: no flush, nothing to synchronize."
-    parts = [device, queued_table(report)]
-    parts += [protocol_table(report, k) for k in ("synchronized", "harness") if k in report["shapes"][0]]
+    parts = [device]
+    if report["shapes"]:
+        parts.append(queued_table(report))
+        parts += [protocol_table(report, k) for k in ("synchronized", "harness") if k in report["shapes"][0]]
     if "host" in report:
         parts.append(host_table(report))
-    if "training" in report["shapes"][0]:
+    if report["shapes"] and "training" in report["shapes"][0]:
         parts.append(training_tables(report))
+    if "model" in report:
+        parts.append(model_bench.markdown(report["model"]))
     return "\n\n".join(parts) + "\n"
 
 
@@ -689,6 +699,8 @@ def chart(report, path):
     import matplotlib.pyplot as plt
 
     shapes = report["shapes"]
+    if not shapes:
+        return
     labels = [shape_label(s["shape"], ",") for s in shapes]
     panels = [(lambda s: s["results"], "µs per forward (queued, mean, log scale)",
                f"fastaxial vs PyTorch, fp32, {report['device']}")]
@@ -714,7 +726,7 @@ def chart(report, path):
 
 
 def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=DEFAULT_PROTOCOLS,
-        harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None):
+        harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None, model_steps=None):
     """Benchmarks every shape under the protocols asked for (queued always), writes bench.json, bench.md
     and bench.png to out when given, and returns the report."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -735,11 +747,15 @@ def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, proto
         log(f"[bench] training with dropout {TRAINING_DROPOUT}, shape {DEFAULT_SHAPE}")
         report["training_dropout"] = training_dropout_rows(
             DEFAULT_SHAPE, device, timer, training_iters or default_training_iters(device), warmup)
-    if "host" in protocols:
+    if "host" in protocols and shapes:
         log(f"[bench] host time per call, shape {shapes[0]}")
         report["host"] = host_rows(shapes[0], device, host_calls or default_iters(device))
         if device.type == "cuda":
             report["gpu_alone"] = gpu_alone(shapes[0], device)
+    if "model" in protocols:
+        log("[bench] model: training steps of a small axial transformer")
+        report["model"] = model_bench.run(device, steps=model_steps or model_bench.default_steps(device), warmup=warmup,
+                                          variants=model_bench.VARIANTS if compile_ else ("eager",), log=log)
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -767,8 +783,8 @@ def parse_protocols(text):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m fastaxial.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="all", help="'all' (the six benchmark shapes), 'default', or "
-                   "semicolon-separated 'B H W D heads' groups")
+    p.add_argument("--shapes", default="all", help="'all' (the six benchmark shapes), 'default', 'none' (no "
+                   "shape: the model protocol alone), or semicolon-separated 'B H W D heads' groups")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--iters", type=int, default=None, help=ITERS_HELP + "; queued and synchronized")
     p.add_argument("--warmup", type=int, default=10)
@@ -782,13 +798,20 @@ def main(argv=None):
                    help="back-to-back calls per host-time repetition (default 200 CUDA, 20 CPU)")
     p.add_argument("--training-iters", type=int, default=None,
                    help="timed training steps per contender, synchronized and queued each (default 30 CUDA, 10 CPU)")
+    p.add_argument("--model-steps", type=int, default=None,
+                   help="timed training steps per model variant (default 50 CUDA, 3 CPU)")
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     a = p.parse_args(argv)
     device = torch.device(a.device)
-    shapes = {"all": SHAPES, "default": [DEFAULT_SHAPE]}.get(a.shapes) or [parse_shape(s) for s in a.shapes.split(";")]
+    shapes = {"all": SHAPES, "default": [DEFAULT_SHAPE], "none": []}.get(a.shapes)
+    if shapes is None:
+        shapes = [parse_shape(s) for s in a.shapes.split(";")]
+    if not shapes and "model" not in a.protocols:
+        p.error("--shapes none runs nothing without --protocols model")
     iters = a.iters or default_iters(device)
     report = run(shapes, device, iters, a.warmup, not a.no_compile, a.out, protocols=a.protocols,
-                 harness_iters=a.harness_iters, host_calls=a.host_calls, training_iters=a.training_iters)
+                 harness_iters=a.harness_iters, host_calls=a.host_calls, training_iters=a.training_iters,
+                 model_steps=a.model_steps)
     print(markdown(report))
     print(f"wrote {a.out}/bench.json, bench.md, bench.png")
 
