@@ -52,6 +52,9 @@ struct AxialParams {
   int64_t dim = 0;     // D: features per position
   int64_t heads = 0;   // D % heads == 0
   float eps = 1e-5f;   // LayerNorm epsilon
+  // Sizes: B, H, W >= 0; B*H*W*D, the product of the non-zero ones among B, H, W times D, and
+  // 3 D^2 (the qkv weight) must fit in int64, else kInvalidArgument (even where a zero size leaves
+  // nothing to compute).
 
   const float* x = nullptr;  // (B, H, W, D) input
   float* out = nullptr;      // (B, H, W, D) output; may not alias x

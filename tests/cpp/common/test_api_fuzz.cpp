@@ -110,11 +110,11 @@ unsigned sizes_rule(const AxialParams& p) {
   if (elements(p) > u(kI64Max)) return kInvalid;  // B*H*W*D must fit in int64
   unsigned a = kOk;
   // Where a size is zero there is nothing to compute, but the library forms the other sizes'
-  // products too (B*H sequences of a row pass with W = 0): it may refuse those whose product
-  // overflows. Likewise for a qkv weight of 3 D^2 elements beyond int64.
+  // products too (B*H sequences of a row pass with W = 0): the header's rule refuses those whose
+  // product overflows, and a qkv weight of 3 D^2 elements beyond int64.
   const u128 nonzero = mul({std::max<u128>(u(p.batch), 1), std::max<u128>(u(p.height), 1),
                             std::max<u128>(u(p.width), 1), u(p.dim)});
-  if (nonzero > u(kI64Max) || mul({3, u(p.dim), u(p.dim)}) > u(kI64Max)) a |= kInvalid;
+  if (nonzero > u(kI64Max) || mul({3, u(p.dim), u(p.dim)}) > u(kI64Max)) return kInvalid;
   if (p.dropout > 0.0f) {  // the mask's elements, heads (B H W^2 + B W H^2), are numbered in uint64
     const u128 B = u(p.batch), H = u(p.height), W = u(p.width), h = u(p.heads);
     const u128 count = mul({h, B, H, W, W}) + mul({h, B, W, H, H});
@@ -1018,7 +1018,7 @@ TEST(ApiFuzzFound, NoPositionsAndADimWhoseWeightsOverflow) {
 
 // One size zero and the others' product beyond int64 (B H = 2^80, W = 0): B*H*W*D is 0, so
 // validate_sizes passed it, then every entry point formed B*H (the row pass's sequences) or B*H*W
-// left to right: signed overflow. Either refuse it or compute nothing, without overflowing.
+// left to right: signed overflow. It is refused (fastaxial.h's rule on the non-zero sizes).
 TEST(ApiFuzzFound, AZeroSizeBesideAnOverflowingProduct) {
   const int64_t big = int64_t{1} << 40;
   for (Small s : {Small(big, big, 0, 1, 1), Small(big, 0, big, 1, 1), Small(0, big, big, 1, 1),
