@@ -25,7 +25,17 @@ __device__ __forceinline__ float warp_max(float v) {
 // Mean and reciprocal standard deviation of a row of D values spread over a
 // group of W adjacent lanes (W a power of two, at most 32): the mean, then the
 // mean squared deviation, two reductions as in the reference. sum_own(f) returns the
-// sum of f(v) over the calling lane's own values of the row.
+// sum of f(v) over the calling lane's own values of the row. Every lane of the
+// warp calls it (the reductions shuffle across the whole warp).
+//
+// Finite values so large that their sum or squared deviations overflow fp32 (|v -
+// mean| past 1.8e19) would give rstd = 0, and a LayerNorm of zeros where the exact
+// one is finite: such a row's statistics are taken again from the row scaled by an
+// exact power of two 2^-k, k from the magnitude of its largest values (the sum of |v|
+// 2^-64, which cannot overflow: |v| < 2^128). A warp-wide vote keeps that second
+// pass off every other row (and its shuffles uniform); rows of ordinary values keep
+// the first pass's statistics bit for bit, and a row holding an inf or a NaN keeps
+// them too, so that it propagates as before.
 template <int W, class SumOwn>
 __device__ __forceinline__ float2 row_mean_rstd(int D, float eps, SumOwn sum_own) {
   const float mean = lane_group_sum<W>(sum_own([](float v) { return v; })) / D;
@@ -33,7 +43,20 @@ __device__ __forceinline__ float2 row_mean_rstd(int D, float eps, SumOwn sum_own
     const float d = v - mean;
     return d * d;
   }));
-  return make_float2(mean, rsqrtf(sq / D + eps));
+  float2 stats = make_float2(mean, rsqrtf(sq / D + eps));
+  if (__any_sync(0xffffffffu, !isfinite(sq))) {
+    const float a = lane_group_sum<W>(sum_own([](float v) { return fabsf(v) * 0x1p-64f; }));
+    const int k = isfinite(a) && a > 0.0f ? ilogbf(a) + 65 : 0;  // every |v| 2^-k < 1
+    const float mean_k = lane_group_sum<W>(sum_own([k](float v) { return scalbnf(v, -k); })) / D;
+    const float sq_k = lane_group_sum<W>(sum_own([k, mean_k](float v) {
+      const float d = scalbnf(v, -k) - mean_k;
+      return d * d;
+    }));
+    // rstd = 2^-k / sqrt(sq_k / D + eps 2^-2k); eps 2^-2k may underflow to 0, as it is negligible then.
+    if (!isfinite(sq) && isfinite(a))
+      stats = make_float2(scalbnf(mean_k, k), scalbnf(rsqrtf(sq_k / D + scalbnf(eps, -2 * k)), -k));
+  }
+  return stats;
 }
 
 // LayerNorm of one row x[0, D) by the calling warp, then store(c, y_c) for
