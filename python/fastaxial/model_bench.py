@@ -15,7 +15,9 @@ Variants: each attention, eager; under torch.compile (default mode); under torch
 mode="reduce-overhead" (CUDA graphs). A training step is zero_grad, forward, loss, backward and
 the optimizer's step; it is timed synchronized (synchronize, start event, step, end event,
 synchronize: host time included), --model-steps steps after warm-up, median and mean. Peak memory:
-the allocator's peak during the timed steps minus what was allocated before them. At dropout 0 and
+the allocator's peak during the timed steps minus what was allocated before them (compile+cudagraph's
+buffers live in its CUDA graph pool, reserved at capture: its figure counts only what a replayed
+step allocates outside it). At dropout 0 and
 at attention dropout 0.1 (fastaxial's mask is its own, so at 0.1 the losses differ by design).
 
 Loss curves: the reference and fastaxial models from the same initial weights (the same seed: the
