@@ -29,6 +29,11 @@
 // products' gradients, 3D doubles of the column sums: the LayerNorm weight and shift and the
 // output bias, sums of a term per position, added in fp64 and rounded once, as on CUDA), and
 // after the parallel loop each weight element sums the chunks' partials in chunk order.
+// Where the pass's activations take no more memory than those partials (few positions, a wide
+// dim: T <= 2/3 chunks D), the two products' gradients are instead one product each over the
+// whole pass after the loop (dWqkv = dqkv^T y, dWout = dOut^T o, K = T), from the activations
+// the blocks keep (whole_pass_products): per-block products of few rows into partials of 4 D^2
+// floats are a read-modify-write of partials far larger than the cache, three times slower.
 // Block and chunk sizes depend on the shape alone, not on the thread count, so the result
 // does not depend on how many threads run it or which thread takes which chunk.
 //
@@ -203,6 +208,24 @@ void add_row(double* acc, const Row& row, int64_t n) {
   for (int64_t j = 0; j < n; ++j) acc[j] += static_cast<double>(row(j));
 }
 
+// Whether a pass takes its product weight gradients over the whole pass (header comment): its
+// activations y, o, dOut (T, D) and dqkv (T, 3D), 6 T D floats, no more than the chunks' partials,
+// 4 D^2 floats each. A rule of the shape alone, so the result does not depend on the thread count.
+bool whole_pass_products(int64_t T, int64_t D, int64_t chunks) { return T <= 4 * chunks * D / 6; }
+
+// dst (M, D) = a^T b for a (T, M) and b (T, D), row-major, in tiles of 64 rows of dst across the
+// threads: each element from one product of fixed shape, whichever thread takes its tile.
+void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, int64_t D) {
+  constexpr int64_t kTile = 64;
+  const int64_t tiles = (M + kTile - 1) / kTile;
+  const int team = (int)std::min<int64_t>(max_threads(), tiles);
+#pragma omp parallel for num_threads(team) if (team > 1) schedule(dynamic)
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t r0 = i * kTile, nr = std::min(kTile, M - r0);
+    MatMap(dst, M, D).middleRows(r0, nr).noalias() = a.middleCols(r0, nr).transpose() * b;
+  }
+}
+
 // One pass backward. src: the pass's input; dout: the gradient of its output; dsrc (or null):
 // where the gradient of its input goes (may equal dout: each block reads its rows of dout
 // before it writes them, and blocks hold disjoint sequences). Weight gradients into gw.
@@ -225,8 +248,12 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);
   const PartialLayout lay(D);
+  const bool whole = (want_qkv || want_out) && whole_pass_products(N * L, D, bk.num_chunks);
+  Mat all_y, all_dqkv, all_g, all_o;  // the pass's activations, rows in sequence order, where whole
+  if (whole && want_qkv) all_y.resize(N * L, D), all_dqkv.resize(N * L, 3 * D);
+  if (whole && want_out) all_g.resize(N * L, D), all_o.resize(N * L, D);
   if (any_weight) {
-    partials.assign(bk.num_chunks * lay.size, 0.0f);
+    if (!whole) partials.assign(bk.num_chunks * lay.size, 0.0f);
     col_partials.assign(bk.num_chunks * lay.col_size, 0.0);
   }
 
@@ -236,7 +263,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
     Scratch t;
 #pragma omp for schedule(dynamic)
     for (int64_t c = 0; c < bk.num_chunks; ++c) {
-      float* part = any_weight ? partials.data() + c * lay.size : nullptr;
+      float* part = any_weight && !whole ? partials.data() + c * lay.size : nullptr;
       double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
       for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
         const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
@@ -244,6 +271,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         t.g.resize(rows, D);
         for (int64_t s = 0; s < ns; ++s)
           for (int64_t l = 0; l < L; ++l) t.g.row(s * L + l) = ConstVec(dout + v.offset(n0 + s, l), D);
+        if (whole && want_out) all_g.middleRows(n0 * L, rows) = t.g;  // (t.g becomes dsrc below)
         // Column sums row by row, each element in row order (add_row; Eigen's colwise().sum()
         // picks scalar or packet code by the destination's alignment, and the two add in
         // different orders, which would make the result depend on where malloc put the partials).
@@ -306,9 +334,14 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
             }
           }
         });
-        if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
+        if (whole) {
+          if (want_out) all_o.middleRows(n0 * L, rows) = t.o;
+          if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
+        } else {
+          if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
+          if (want_qkv && want_dqkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
+        }
         if (!want_dqkv) continue;
-        if (want_qkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
         if (!want_dy) continue;
         t.dy.noalias() = t.dqkv * wqkv;  // (rows, D)
         for (int64_t r = 0; r < rows; ++r) {
@@ -345,8 +378,13 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       dst[e] = acc;
     }
   };
-  reduce(gw.qkv_weight, lay.qkv, 3 * D * D);
-  reduce(gw.out_weight, lay.out, D * D);
+  if (whole) {
+    if (want_qkv) product_over_positions(gw.qkv_weight, all_dqkv, all_y, 3 * D, D);
+    if (want_out) product_over_positions(gw.out_weight, all_g, all_o, D, D);
+  } else {
+    reduce(gw.qkv_weight, lay.qkv, 3 * D * D);
+    reduce(gw.out_weight, lay.out, D * D);
+  }
   // The column sums: the chunks' fp64 partials in chunk order, rounded once.
   auto reduce_columns = [&](float* dst, int64_t off) {
     if (dst == nullptr) return;

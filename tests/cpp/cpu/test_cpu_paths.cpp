@@ -59,6 +59,15 @@ Bwd backward_branch(int64_t L, int64_t N, int64_t heads, int threads) {
   return threads >= 2 && std::min(per_block, N) * heads >= 2 ? Bwd::kHeads : Bwd::kOneThread;
 }
 
+// src/cpu/backward_cpu.cpp, whole_pass_products: a pass takes its product weight gradients as one
+// product over all its T positions where its activations (6 T D floats) take no more memory than
+// the chunks' partials (4 D^2 floats a chunk), else per chunk into partials.
+bool weights_whole_pass(int64_t L, int64_t N, int64_t D) {
+  const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(128 / L, N / 32));
+  const int64_t chunks = std::min<int64_t>((N + per_block - 1) / per_block, 64);
+  return N * L <= 4 * chunks * D / 6;
+}
+
 const char* name(Fwd f) {
   return f == Fwd::kOneThread ? "one thread" : f == Fwd::kBlocks ? "blocks" : "few sequences";
 }
@@ -162,13 +171,18 @@ TEST(CpuPaths, CoversEveryBranch) {
     for (Fwd f : {c.row_fwd, c.col_fwd}) seen.insert(std::string("forward ") + name(f) + at);
     for (Bwd b : {c.row_bwd, c.col_bwd}) seen.insert(std::string("backward ") + name(b) + at);
     if (std::max(c.shape.H, c.shape.W) >= 512) seen.insert("backward query ranges" + at);
+    const Shape& s = c.shape;
+    for (bool whole : {weights_whole_pass(s.W, s.B * s.H, s.D), weights_whole_pass(s.H, s.B * s.W, s.D)})
+      seen.insert(std::string("backward weights ") + (whole ? "over the whole pass" : "in chunk partials") + at);
   }
   for (const char* want :
        {"forward one thread at 1 thread", "forward one thread at several threads", "forward blocks at several threads",
         "forward few sequences at several threads", "backward one thread at 1 thread",
         "backward one thread at several threads", "backward chunks at several threads",
         "backward heads at several threads", "backward query ranges at 1 thread",
-        "backward query ranges at several threads"})
+        "backward query ranges at several threads", "backward weights over the whole pass at 1 thread",
+        "backward weights over the whole pass at several threads", "backward weights in chunk partials at 1 thread",
+        "backward weights in chunk partials at several threads"})
     EXPECT_TRUE(seen.count(want)) << "no case takes: " << want;
 }
 
