@@ -33,7 +33,7 @@
 // dim: T <= 2/3 chunks D), the two products' gradients are instead one product each over the
 // whole pass after the loop (dWqkv = dqkv^T y, dWout = dOut^T o, K = T), from the activations
 // the blocks keep (whole_pass_products): per-block products of few rows into partials of 4 D^2
-// floats are a read-modify-write of partials far larger than the cache, three times slower.
+// floats are a read-modify-write of partials far larger than the cache (perf notes v54).
 // Block and chunk sizes depend on the shape alone, not on the thread count, so the result
 // does not depend on how many threads run it or which thread takes which chunk.
 //
@@ -339,7 +339,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
         } else {
           if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
-          if (want_qkv && want_dqkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
+          if (want_qkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
         }
         if (!want_dqkv) continue;
         if (!want_dy) continue;

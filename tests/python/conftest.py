@@ -1,9 +1,11 @@
 """Shared fixtures: the devices present, and seeded module pairs."""
 
 import math
+import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import fastaxial
 
@@ -20,6 +22,22 @@ def available_devices():
 
 
 DEVICES = available_devices()
+
+
+def spawn_and_wait(worker, args, nprocs, timeout_s, what):
+    """torch.multiprocessing.spawn(worker, args, nprocs), waited for: a failing worker's traceback is
+    raised here, past timeout_s the test fails, and workers still alive are killed either way."""
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=1):  # raises with a worker's traceback if one fails
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {what} workers did not finish within {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 @pytest.fixture(params=DEVICES)

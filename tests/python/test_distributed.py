@@ -22,17 +22,16 @@ training; and the steps train (the loss on the first batch falls).
 import datetime
 import math
 import os
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import fastaxial
 from accuracy import FUSED_NODE, K, check
+from conftest import spawn_and_wait
 from fastaxial import model_bench
 
 IMAGE, DIM = 16, 32  # a 4x4 grid of dim 32, 4 blocks: a few ms a step on one core
@@ -161,18 +160,8 @@ def _worker(rank, world, backend, device_type, init_file, out_dir):
 
 def run_ranks(world, backend, device_type, tmp):
     """The workers spawned and waited for (RUN_TIMEOUT_S at most, then killed); each rank's results."""
-    ctx = mp.spawn(_worker, args=(world, backend, device_type, str(tmp / "store"), str(tmp)), nprocs=world,
-                   join=False)
-    deadline = time.monotonic() + RUN_TIMEOUT_S[device_type]
-    try:
-        while not ctx.join(timeout=1):  # raises with a worker's traceback if one fails
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {backend} workers did not finish within {RUN_TIMEOUT_S[device_type]} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    spawn_and_wait(_worker, (world, backend, device_type, str(tmp / "store"), str(tmp)), world,
+                   RUN_TIMEOUT_S[device_type], backend)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
 
 

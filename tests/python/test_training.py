@@ -5,15 +5,14 @@ steps of training against the reference module, loss curve by loss curve."""
 import datetime
 import math
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fastaxial
+from conftest import spawn_and_wait
 
 DIM, HEADS, HEIGHT, WIDTH = 16, 2, 6, 5
 
@@ -98,18 +97,8 @@ def test_ddp_two_processes_match_single_process_training(tmp_path, monkeypatch, 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    ctx = mp.spawn(_ddp_worker, args=(str(tmp_path / "store"), init, batches, str(tmp_path)), nprocs=DDP_WORLD,
-                   join=False)
-    deadline = time.monotonic() + DDP_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):  # raises with the worker's traceback if one fails
-            if time.monotonic() > deadline:
-                pytest.fail(f"the DDP workers did not finish within {DDP_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    spawn_and_wait(_ddp_worker, (str(tmp_path / "store"), init, batches, str(tmp_path)), DDP_WORLD, DDP_TIMEOUT_S,
+                   "DDP")
 
     sgd_steps(single, batches, DDP_LR)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DDP_WORLD)]

@@ -32,6 +32,7 @@
 
 #include "fastaxial/fastaxial.h"
 #include "src/common/plan.h"
+#include "util/devices.h"
 
 // A crash, a failed assertion or (under a sanitizer) a finding ends the process at once: the
 // test says which case it was in.
@@ -505,12 +506,9 @@ struct Region {
 // newer GPU running the PTX build, a compute-capability 8.0 one with 48 KB of shared memory a
 // block, and one that reports nothing.
 std::vector<DeviceCaps> devices() {
-  DeviceCaps h200, a100, ptx, small, none;
-  h200.sms = 132, h200.smem_optin = 227 * 1024, h200.cc_major = 9, h200.sm90a = true;
-  a100.sms = 108, a100.smem_optin = 163 * 1024, a100.cc_major = 8;
-  ptx = h200, ptx.cc_major = 10, ptx.sm90a = false;
+  DeviceCaps small, none;
   small.sms = 2, small.smem_optin = 48 * 1024, small.cc_major = 8;  // too little for the tensor-core kernels
-  return {h200, a100, ptx, small, none};
+  return {h200(), a100(), ptx_only(), small, none};
 }
 
 // ---- checking one call -----------------------------------------------------------------------

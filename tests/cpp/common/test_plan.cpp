@@ -10,31 +10,10 @@
 #include "src/common/plan.h"
 #include "src/common/smem_layout.h"
 #include "fastaxial/fastaxial.h"
+#include "util/devices.h"
 
 namespace fastaxial::test {
 namespace {
-
-// An H200: 132 SMs, 227 KB of shared memory a block, sm_90a code.
-DeviceCaps h200() {
-  DeviceCaps d;
-  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.cc_minor = 0, d.sm90a = true;
-  return d;
-}
-
-// A newer GPU with as much shared memory, running the PTX build: no sm_90a
-// code, so no staged path and no wgmma.
-DeviceCaps ptx_only() {
-  DeviceCaps d = h200();
-  d.cc_major = 10, d.sm90a = false;
-  return d;
-}
-
-// An Ampere-class GPU: less shared memory, and the PTX build.
-DeviceCaps a100() {
-  DeviceCaps d;
-  d.sms = 108, d.smem_optin = 163 * 1024, d.cc_major = 8, d.cc_minor = 0, d.sm90a = false;
-  return d;
-}
 
 // The plan of the row pass of num_seq sequences of len positions.
 PassPlan row_pass(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, const DeviceCaps& dev,

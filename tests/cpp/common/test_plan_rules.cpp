@@ -9,16 +9,10 @@
 
 #include "fastaxial/fastaxial.h"
 #include "src/common/plan.h"
+#include "util/devices.h"
 
 namespace fastaxial::test {
 namespace {
-
-// An H200: 132 SMs, 227 KB of shared memory a block, sm_90a code.
-DeviceCaps h200() {
-  DeviceCaps d;
-  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.cc_minor = 0, d.sm90a = true;
-  return d;
-}
 
 // The plan of a row pass of num_seq sequences of len positions (16-byte aligned tensors).
 PassPlan row_pass(int64_t len, int64_t dim, int64_t heads, int64_t num_seq, const DeviceCaps& dev = h200()) {

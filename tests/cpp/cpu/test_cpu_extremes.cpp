@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "util/backward_util.h"
@@ -47,6 +48,15 @@ class ThreadCount {
   int before_ = 1;
 };
 
+// The mean and the variance of the D values at x, in double, in two passes.
+std::pair<double, double> mean_variance(const float* x, int64_t D) {
+  double mean = 0, var = 0;
+  for (int64_t c = 0; c < D; ++c) mean += x[c];
+  mean /= D;
+  for (int64_t c = 0; c < D; ++c) var += (x[c] - mean) * (x[c] - mean);
+  return {mean, var / D};
+}
+
 // The largest |score| q.k / sqrt(hd) of p's row pass, in double (LayerNorm and the QKV product as
 // the reference computes them): above 88.7, exp of it overflows fp32.
 double max_row_logit(const Problem& p) {
@@ -57,11 +67,7 @@ double max_row_logit(const Problem& p) {
   for (int64_t seq = 0; seq < s.B * s.H; ++seq) {
     for (int64_t l = 0; l < s.W; ++l) {
       const float* x = &p.x[(seq * s.W + l) * D];
-      double mean = 0, var = 0;
-      for (int64_t c = 0; c < D; ++c) mean += x[c];
-      mean /= D;
-      for (int64_t c = 0; c < D; ++c) var += (x[c] - mean) * (x[c] - mean);
-      var /= D;
+      const auto [mean, var] = mean_variance(x, D);
       for (int64_t j = 0; j < 3 * D; ++j) {
         double acc = 0;
         for (int64_t c = 0; c < D; ++c)
@@ -87,11 +93,8 @@ double one_pass_variance_error(const Problem& p) {
   double worst = 0;
   for (size_t r = 0; r < p.x.size() / D; ++r) {
     float s = 0, s2 = 0;
-    double mean = 0, var = 0;
-    for (int64_t c = 0; c < D; ++c) s += p.x[r * D + c], s2 += p.x[r * D + c] * p.x[r * D + c], mean += p.x[r * D + c];
-    mean /= D;
-    for (int64_t c = 0; c < D; ++c) var += (p.x[r * D + c] - mean) * (p.x[r * D + c] - mean);
-    var /= D;
+    for (int64_t c = 0; c < D; ++c) s += p.x[r * D + c], s2 += p.x[r * D + c] * p.x[r * D + c];
+    const double var = mean_variance(&p.x[r * D], D).second;
     const float m = s / D, naive = s2 / D - m * m;
     worst = std::max(worst, std::fabs(naive - var) / var);
   }
@@ -102,13 +105,7 @@ double one_pass_variance_error(const Problem& p) {
 double max_variance(const Problem& p) {
   const int64_t D = p.shape.D;
   double worst = 0;
-  for (size_t r = 0; r < p.x.size() / D; ++r) {
-    double mean = 0, var = 0;
-    for (int64_t c = 0; c < D; ++c) mean += p.x[r * D + c];
-    mean /= D;
-    for (int64_t c = 0; c < D; ++c) var += (p.x[r * D + c] - mean) * (p.x[r * D + c] - mean);
-    worst = std::max(worst, var / D);
-  }
+  for (size_t r = 0; r < p.x.size() / D; ++r) worst = std::max(worst, mean_variance(&p.x[r * D], D).second);
   return worst;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "src/common/plan.h"
+#include "util/devices.h"  // h200(): the kernels' rules on an H200, without a device
 
 namespace fastaxial::test {
 
@@ -60,13 +61,6 @@ inline bool read_device_caps(DeviceCaps* dev) {
     if (cudaDeviceGetAttribute(value, attr, dev->device) != cudaSuccess) return false;
   dev->sm90a = dev->cc_major == 9 && dev->cc_minor == 0;
   return true;
-}
-
-// An H200 as the kernels' rules see it, for the rule tests without a device.
-inline DeviceCaps h200_caps() {
-  DeviceCaps d;
-  d.sms = 132, d.smem_optin = 227 * 1024, d.cc_major = 9, d.sm90a = true;
-  return d;
 }
 
 }  // namespace fastaxial::test

@@ -75,7 +75,7 @@ TEST(AttentionBackwardRules, RejectsDropoutArguments) {
 // dq on wgmma: padded head dim 32 past kQueryGradsWgmmaMinLen (192) on sm_90a code,
 // unless a hook asks for other kernels.
 TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
-  DeviceCaps h = h200_caps();
+  DeviceCaps h = h200();
   const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);
   cuda::AttentionBackwardArgs a;
   a.pos = {2, 193, 1, 193, 1, 386};

@@ -368,7 +368,7 @@ INSTANTIATE_TEST_SUITE_P(
 // and the wide wgmma kernel for 64, 96 and 128, past kFlashWgmmaMinLen on sm_90a code (in a build
 // with it), unless the mma.sync kernel is asked for; the short kernel up to kFlashShortMaxLen.
 TEST(FlashAttentionRules, KernelVariant) {
-  DeviceCaps h = h200_caps();
+  DeviceCaps h = h200();
   const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);  // a build without sm_90a code never takes wgmma
   const FlashKernel wgmma = sm90a_build ? FlashKernel::kWgmma : FlashKernel::kMmaSync;
   const FlashKernel wide = sm90a_build ? FlashKernel::kWgmmaWide : FlashKernel::kMmaSync;
@@ -408,7 +408,7 @@ TEST(FlashAttentionRules, KernelVariant) {
 // Split-KV where partials of the rule's size are given and dropout is off: the mma.sync kernel
 // at head dim 32 (not the wgmma one), the wide kernel at 64 to 128 with its own splits.
 TEST(FlashAttentionRules, SplitKernelVariant) {
-  const DeviceCaps h = h200_caps();
+  const DeviceCaps h = h200();
   const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);
   cuda::FlashArgs a;
   a.pos = {1, 4096, 1, 4096, 1, 4096};
@@ -451,7 +451,7 @@ class FlashAttentionSplit : public ::testing::TestWithParam<Case> {};
 TEST_P(FlashAttentionSplit, MatchesDoubleReference) {
   const Case c = GetParam();
   const Problem pr = make_problem(c);
-  const size_t h200_bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, h200_caps());
+  const size_t h200_bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, h200());
   if (c.L >= 1030) EXPECT_GT(h200_bytes, 0u) << "no split on an H200";
   DeviceCaps dev;
   std::string why;
@@ -503,7 +503,7 @@ TEST(FlashAttentionSplit, BlocksAnSmAsTheRuleCounts) {
 
 // The split rule (smem_layout.h's flash_kv_splits) on an H200, without a device.
 TEST(FlashAttentionRules, SplitRule) {
-  const DeviceCaps h = h200_caps();
+  const DeviceCaps h = h200();
   // (1, 1, 4096, 32, 1)'s row pass: 64 query tiles, 64 key tiles, 3 blocks an SM -> 6 splits,
   // 384 blocks: one round of 396 with 10 or 11 key tiles a block.
   EXPECT_EQ(flash_kv_splits(1, 4096, 32, 1, h.sms), 6);
