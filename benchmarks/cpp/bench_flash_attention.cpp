@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
     double ms[2];
     for (int v = 0; v < 2; ++v) ms[v] = time(v);
     const double flop = 4.0 * (double)s.N * s.heads * (double)s.L * (double)s.L * s.hd;
-    const bool wgmma = cuda::flash_wgmma_applies(a, dev);
+    const bool wgmma = cuda::flash_wgmma_chosen(a, dev);
     std::printf("%6lld %5lld %4d %5d | %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", (long long)s.N,
                 (long long)s.L, s.hd, s.heads, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma",
                 1e3 * ms[1], flop / ms[1] * 1e-9, relative_difference(o[0], o[1], (size_t)(T * D)));
@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
     std::printf("%6s %5s %4s %5s | backward %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e | from dS^T %8.1f us "
                 "%5.1f TF | %.1e\n",
                 "", "", "", "", 1e3 * bms[0], bflop / bms[0] * 1e-9,
-                cuda::query_grads_wgmma_applies(b, dev) ? "wgmma" : "mma", 1e3 * bms[1], bflop / bms[1] * 1e-9,
+                cuda::query_grads_wgmma_can_run(b, dev) ? "wgmma" : "mma", 1e3 * bms[1], bflop / bms[1] * 1e-9,
                 relative_difference(dqkv[0], dqkv[1], (size_t)(T * 3 * D)), 1e3 * bms[2], bflop / bms[2] * 1e-9,
                 relative_difference(dqkv[0], dqkv[2], (size_t)(T * 3 * D)));
     BENCH_CHECK(cudaFree(ds));

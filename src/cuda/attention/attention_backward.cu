@@ -292,7 +292,7 @@ cudaError_t launch_tc(const AttentionBackwardArgs& a, const BackwardLaunch& s, c
     const int ds_warps = split ? Ds::QW : tc_row_warps(Ds::QW, L, s.items, dev.sms);
     const int ds_tiles = (int)((L + 16 * ds_warps - 1) / (16 * ds_warps));  // <= query_tiles: tile_counts bounds it
     e = launch_query_grads_ds(s, k, {ds_warps, ds_tiles, sp}, dev, stream);
-  } else if (HDP == 32 && query_grads_wgmma_applies(a, dev)) {  // never with a split
+  } else if (HDP == 32 && query_grads_wgmma_can_run(a, dev)) {  // never with a split
     e = query_grads_wgmma(a, s.vec, s.scale, s.dpass, dev, stream);
   } else {
     e = launch_query_grads_tc(s, {query_warps, query_tiles, sp}, dev, stream);

@@ -62,7 +62,7 @@ struct AttentionBackwardArgs {
   // shared memory.
   bool ffma = false;
   // Test hook: the dq kernel on mma.sync even where the wgmma one applies
-  // (query_grads_wgmma_applies).
+  // (query_grads_wgmma_can_run).
   bool mma_sync = false;
   // Attention dropout (common/dropout.h): where dropout.threshold != 0, the probability of
   // query i, key j of head h of sequence n is scaled by dropout.scale when
@@ -111,9 +111,9 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
 constexpr int64_t kQueryGradsWgmmaMinLen = 192;
 
 // Whether attention_backward computes a's dq on the wgmma kernel on dev.
-bool query_grads_wgmma_applies(const AttentionBackwardArgs& a, const DeviceCaps& dev);
+bool query_grads_wgmma_can_run(const AttentionBackwardArgs& a, const DeviceCaps& dev);
 
-// The dq launch attention_backward makes where query_grads_wgmma_applies (after delta and the
+// The dq launch attention_backward makes where query_grads_wgmma_can_run (after delta and the
 // key side, as their programmatic dependent); vec: every head slice of qkv, d_o and dqkv 16-byte
 // aligned; scale = 1 / sqrt(hd); dpass: the pass's dropout (threshold 0: none).
 cudaError_t query_grads_wgmma(const AttentionBackwardArgs& a, bool vec, float scale, const DropoutPass& dpass,

@@ -19,18 +19,15 @@
 // registers and shared memory they no longer hold let more of them share an
 // SM.
 //
-// Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh):
-//   s (16, BN) = q (16, HDP) k^T (HDP, BN)       runs of two 8-deep steps
+// Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh),
+// the parts of flash_parts.cuh and mainloop_mma.cuh:
+//   s (16, BN) = q (16, HDP) k^T (HDP, BN)       MmaMainloop::scores
 //   online softmax on s in registers: running row max m and sum l (base 2:
-//   s is scaled by log2(e) / sqrt(hd), p = exp2(s - m))
-//   o (16, HDP) = o * exp2(m_old - m) + p (16, BN) v (BN, HDP)   runs of two
-//   8-key groups
-// P needs no trip through shared memory: with k permuted (k index t for key
-// 2t, t + 4 for key 2t + 1 inside each group of 8), a thread's C fragment of
-// s, (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1), is its A fragment of
-// p for the product with v, whose B fragment is then v's rows 2t and 2t + 1
-// (keys) at column g (feature): two 4-byte loads from v stored as it comes,
-// key-major, at a row stride that puts them in 32 distinct banks.
+//   s is scaled by log2(e) / sqrt(hd), p = exp2(s - m))    FlashRows::step
+//   o (16, HDP) = o * exp2(m_old - m) + p (16, BN) v (BN, HDP)   MmaMainloop::pv
+//   at the end, o / l and the lse, or a split's partials    FlashRows::store*
+// v is stored as it comes, key-major, at a row stride that puts the pv
+// product's B fragment loads in 32 distinct banks.
 //
 // common/plan.h's flash_variant picks the kernel of a pass: on sm_90a code,
 // sequences longer than 64 go to wgmma versions of this kernel instead (head
@@ -95,6 +92,8 @@
 #include "../detail/lse.cuh"
 #include "../detail/online_softmax.cuh"
 #include "../detail/tf32x3.cuh"
+#include "flash_parts.cuh"
+#include "mainloop_mma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -156,12 +155,11 @@ struct FlashTile {
 // bytes, where the compiler treats a struct parameter differently, and the
 // kernels without dropout took other registers.
 
-// One block: queries q0 .. q0 + 16 W - 1 of head h of sequence n, where blockIdx.x =
-// (n * heads + h) * q_tiles + query tile. kVec: the 16-byte copies (every
-// head slice 16-byte aligned). kDropout: dpass applies (threshold != 0).
-// kSplit: key tiles of split `split` of sp.splits only, blockIdx.x =
-// ((n * heads + h) * sp.splits + split) * q_tiles + query tile, o, m and l
-// to sp.partials unnormalised (a.o and a.lse unused).
+// One block: one unit (flash_parts.cuh), blockIdx.x = ((n heads + h) S +
+// split) q_tiles + query tile, with S = sp.splits under kSplit, else 1.
+// kVec: the 16-byte copies (every head slice 16-byte aligned). kDropout:
+// dpass applies (threshold != 0). kSplit: the split's key tiles only, o, m
+// and l to sp.partials unnormalised (a.o and a.lse unused).
 template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
 __global__ void __launch_bounds__(32 * W)
     flash_attention_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
@@ -169,8 +167,9 @@ __global__ void __launch_bounds__(32 * W)
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   static_assert(!kSplit || W == kWarps, "smem_layout.h's split rule counts blocks of kBM queries");
   using Tile = FlashTile<HDP, W>;
+  using Mainloop = MmaMainloop<Tf32x3, HDP, Tile::BN, Tile::ldk, Tile::ldv>;
   constexpr int BM = Tile::BM, kThreads = 32 * W;
-  constexpr int BN = Tile::BN, KS = HDP / 8, NT = BN / 8, ldk = Tile::ldk, ldv = Tile::ldv;
+  constexpr int BN = Tile::BN, NT = Mainloop::NT, ldk = Tile::ldk, ldv = Tile::ldv;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   // As the launcher sized shared memory (bytes_for(L)); a split has L >= 1024, hence two stages,
   // written as a constant so that the split kernels need no test of L.
@@ -179,15 +178,8 @@ __global__ void __launch_bounds__(32 * W)
   float* qs = reinterpret_cast<float*>(smem4);  // q is (BM, HDP), row stride ldk
   float* ks = qs + Tile::q_floats;              // k stage s at ks + s * k_floats: (BN, HDP), row stride ldk
   float* vs = ks + stages * Tile::k_floats;     // v stage s at vs + s * v_floats: (BN, HDP), row stride ldv
-
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
-  const int qt = (int)(blockIdx.x % (unsigned)q_tiles);
-  const unsigned rest = blockIdx.x / (unsigned)q_tiles;  // (n * heads + h) [* splits + split]
-  const int split = kSplit ? (int)(rest % (unsigned)sp.splits) : 0;
-  const int64_t item = kSplit ? rest / (unsigned)sp.splits : rest;  // n * heads + h
-  const int h = (int)(item % a.heads);
-  const int64_t n = item / a.heads;
-  const int q0 = qt * BM;
+  const BlockUnit u = flash_block_unit<kSplit>(q_tiles, sp.splits, a.heads, BM);
 
   // Columns hd..HDP-1 of every buffer are zero for the whole block: the
   // copies below never write them. Shared memory only, so before the wait.
@@ -204,19 +196,13 @@ __global__ void __launch_bounds__(32 * W)
   grid_dependency_wait();
   allow_dependent_launch();
 
-  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
-  // element of the warp's first query row, key 0.
-  DropoutParams drop;
-  uint64_t e_warp = 0;
-  if constexpr (kDropout) {
-    drop = dropout_read(dpass);
-    e_warp = dpass.base + ((uint64_t)item * (uint64_t)L + (uint64_t)(q0 + 16 * warp)) * (uint64_t)L;
-  }
+  UnitDropout<kDropout> dropout(dpass);
+  dropout.start(dpass, u.item, u.q0 + 16 * warp, L);
 
-  const int64_t seq = a.pos.offset(n, 0);  // row of position 0 (one 64-bit division a block)
+  const int64_t seq = a.pos.offset(u.n, 0);  // row of position 0 (one 64-bit division a block)
   const int64_t ps = a.pos.pos_stride;
   const int64_t row_words = 3 * (int64_t)a.D;
-  const float* qg = a.qkv + (int64_t)h * hd;  // this head's q columns of row 0; k at + D, v at + 2D
+  const float* qg = a.qkv + (int64_t)u.h * hd;  // this head's q columns of row 0; k at + D, v at + 2D
   const float* kg = qg + a.D;
   const float* vg = qg + 2 * a.D;
 
@@ -236,22 +222,17 @@ __global__ void __launch_bounds__(32 * W)
   const int tiles = (L + BN - 1) / BN;
   int j0 = 0, j1 = tiles;
   if constexpr (kSplit) {
-    j0 = (int)((int64_t)tiles * split / sp.splits);
-    j1 = (int)((int64_t)tiles * (split + 1) / sp.splits);
+    j0 = (int)((int64_t)tiles * u.split / sp.splits);
+    j1 = (int)((int64_t)tiles * (u.split + 1) / sp.splits);
   }
-  copy_rows(RowsQ(), LdK(), qs, qg, q0);
+  copy_rows(RowsQ(), LdK(), qs, qg, u.q0);
   copy_rows(RowsKV(), LdK(), ks, kg, j0 * BN);
   copy_rows(RowsKV(), LdV(), vs, vg, j0 * BN);
   copy_async_commit();
 
-  // This thread's part of the warp's 16 rows: rows g (softmax.m0, softmax.l0;
-  // o[f][0..1]) and g + 8 (softmax.m1, softmax.l1; o[f][2..3]), columns 8f + 2t,
-  // 8f + 2t + 1 of o.
-  const bool active = q0 + 16 * warp < L;  // a warp whose rows are all >= L only copies
-  float o[KS][4];
-#pragma unroll
-  for (int f = 0; f < KS; ++f) o[f][0] = o[f][1] = o[f][2] = o[f][3] = 0.0f;
-  RowSoftmax softmax;
+  const bool active = u.q0 + 16 * warp < L;  // a warp whose rows are all >= L only copies
+  FlashRows<HDP / 8> rows;
+  rows.reset();
   const float* qw = qs + 16 * warp * ldk;  // the warp's q rows (16, HDP)
 
   for (int j = j0; j < j1; ++j) {
@@ -269,83 +250,24 @@ __global__ void __launch_bounds__(32 * W)
     const float* kt = ks + ((j - j0) & 1) * Tile::k_floats;  // k tile (BN, HDP)
     const float* vt = vs + ((j - j0) & 1) * Tile::v_floats;  // v tile (BN, HDP)
 
-    // Dropout's keep bits of the tile, drawn before s is live (fewer
-    // registers at once): n-tiles jn and jn + 1 in keep[jn / 2], 16 bits each.
     uint32_t keep[NT / 2];
-    if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
-
-    // s (16, BN) = q k^T: s[jn] is n-tile jn, keys 8 jn .. 8 jn + 7 of the
-    // tile; this thread holds keys 8 jn + 2t, + 1 of rows g and g + 8. Runs
-    // of two 8-deep steps per fresh accumulator (the first run is s itself).
+    dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
     float s[NT][4];
-    if constexpr (KS == 1) {
-      const FragA qa = load_a_perm(qw, ldk);
-#pragma unroll
-      for (int jn = 0; jn < NT; ++jn) three_products<true>(s[jn], qa, load_bt_perm(kt + 8 * jn * ldk, ldk));
-    } else {
-      static_assert(KS % 2 == 0, "runs of two steps");
-      // Features 0..15 straight into s, then the other runs each into a
-      // fresh accumulator added to s. At HDP 192 and 256 (o alone is 96 and
-      // 128 registers) the loop over runs stays rolled: unrolled, the loads
-      // hoisted ahead of their products spill.
-      {
-        const FragA qa0 = load_a_perm(qw, ldk), qa1 = load_a_perm(qw + 8, ldk);
-#pragma unroll
-        for (int jn = 0; jn < NT; ++jn) {
-          const float* kr = kt + 8 * jn * ldk;  // keys 8 jn .., features 0 ..
-          three_products<true>(s[jn], qa0, load_bt_perm(kr, ldk));
-          three_products<false>(s[jn], qa1, load_bt_perm(kr + 8, ldk));
-        }
-      }
-      constexpr int kUnroll = HDP > 128 ? 1 : KS;
-#pragma unroll kUnroll
-      for (int kk = 2; kk < KS; kk += 2) {
-        const FragA qa0 = load_a_perm(qw + 8 * kk, ldk), qa1 = load_a_perm(qw + 8 * kk + 8, ldk);
-#pragma unroll
-        for (int jn = 0; jn < NT; ++jn) {
-          const float* kr = kt + 8 * jn * ldk + 8 * kk;  // keys 8 jn .., features 8 kk ..
-          mma_3xtf32_x2(s[jn], qa0, load_bt_perm(kr, ldk), qa1, load_bt_perm(kr + 8, ldk));
-        }
-      }
-    }
-
+    Mainloop::scores(s, qw, kt);
     // Scores in base 2, keys >= L at -inf (only the last tile has any), the
     // online softmax; dropped p zeroed after the row sums.
     const auto sx = [&](int jn, int e) -> float& { return s[jn][e]; };
-    softmax.step<NT, KS>(sx, [&](int f, int e) -> float& { return o[f][e]; }, scale_log2, j * BN, L, t);
-    if constexpr (kDropout) drop_probs<NT>(sx, keep, t);
-
-    // o += p v: key groups jn, jn + 1 into one fresh accumulator per output
-    // n-tile f (features 8f .. 8f + 7). A fragment of p for group jn, k index
-    // t standing for key 2t and t + 4 for key 2t + 1: (g, t) = p(g, 2t) =
-    // s[jn][0], (g + 8, t) = s[jn][2], (g, t + 4) = p(g, 2t + 1) = s[jn][1],
-    // (g + 8, t + 4) = s[jn][3]. B fragment: (t, g) = v[key 8 jn + 2t][8f + g],
-    // (t + 4, g) = v[key 8 jn + 2t + 1][8f + g].
-#pragma unroll
-    for (int jn = 0; jn < NT; jn += 2) {
-      const FragA pa = make_a(s[jn][0], s[jn][2], s[jn][1], s[jn][3]);
-      const FragA pb = make_a(s[jn + 1][0], s[jn + 1][2], s[jn + 1][1], s[jn + 1][3]);
-      const float* v0 = vt + (8 * jn + 2 * t) * ldv + g;  // key 8 jn + 2t, feature g
-#pragma unroll
-      for (int f = 0; f < KS; ++f) {
-        const FragB b0 = make_b(v0[8 * f], v0[ldv + 8 * f]);
-        const FragB b1 = make_b(v0[8 * ldv + 8 * f], v0[9 * ldv + 8 * f]);
-        mma_3xtf32_x2(o[f], pa, b0, pb, b1);
-      }
-    }
+    rows.template step<NT>(sx, scale_log2, j * BN, L, t);
+    dropout.template apply<NT>(sx, keep, t);
+    Mainloop::pv([&](int f) -> float(&)[4] { return rows.group(f); }, s, vt, g, t);
   }
   if (!active) return;
 
-  softmax.sum_rows();
-  const auto ox = [&](int f, int e) -> float& { return o[f][e]; };
-  const int r0 = q0 + 16 * warp + g;  // position of row g
-  if constexpr (kSplit) {
-    softmax.store_partials<KS>(ox, sp, split, item, r0, L, hd, t);
-  } else {
-    // With dropout, the kept probabilities' scale too (0 where p = 1).
-    softmax.store_rows<KS>(ox, kDropout ? dpass.scale : 1.0f, a.o + seq * a.D + (int64_t)h * hd, ps * a.D, r0, L, hd, t,
-                      a.lse, a.pos.num_seq * a.heads * L, item * L);
-  }
+  const int r0 = u.q0 + 16 * warp + g;  // position of row g
+  if constexpr (kSplit)
+    rows.store_partials(sp, u.split, u.item, r0, L, hd, t);
+  else  // with dropout, the kept probabilities' scale too (0 where p = 1)
+    rows.store(a, kDropout ? dpass.scale : 1.0f, seq, u.h * hd, u.item, r0, L, hd, t);
 }
 
 constexpr int kCombineThreads = 256;

@@ -66,7 +66,7 @@ inline AttentionKernelArgs flash_kernel_args(const FlashArgs& a) { return {a.pos
 FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev);
 
 // Whether flash_attention runs a's pass on the head-dim-32 wgmma kernel (for benchmarks).
-inline bool flash_wgmma_applies(const FlashArgs& a, const DeviceCaps& dev) {
+inline bool flash_wgmma_chosen(const FlashArgs& a, const DeviceCaps& dev) {
   return flash_attention_variant(a, dev).kernel == FlashKernel::kWgmma;
 }
 

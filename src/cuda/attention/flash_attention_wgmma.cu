@@ -64,6 +64,7 @@
 #include "../detail/wgmma.cuh"
 #include "flash_attention.h"
 #include "flash_parts.cuh"
+#include "mainloop_wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(256, 1)
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = WgFlashTile<HDP>;
   constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
-  constexpr int KS = HDP / 8, NT = BN / 8, NO = HDP / 2;  // q k^T steps, key n-tiles, o accumulators
+  constexpr int NT = BN / 8, NO = HDP / 2;  // key n-tiles, o accumulators
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   extern __shared__ float4 smem4[];
   const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
@@ -156,20 +157,17 @@ __global__ void __launch_bounds__(256, 1)
   // The copies run ahead of the products: the next step to copy is tile cj of this block's unit
   // ci (cu), step cs. copy_next brings its raw k and v rows into stage cs % 2, and with a unit's
   // first tile its q (buffer ci % 2), then moves on (the unit's sizes computed once a unit).
-  int64_t ci = 0, cs = 0;
-  int cj = 0;
-  FlashUnit cu = unit_at(0);
+  StepCursor copy(unit_at);
+  int64_t cs = 0;
   const auto copy_next = [&]() {
-    if (cj == 0) copy_rows(RowsQ(), base + Tile::q_off + (uint32_t)((ci & 1) * BM * LD * 4), cu.qg, cu.q0);
+    const FlashUnit& cu = copy.cur;
+    if (copy.first()) copy_rows(RowsQ(), base + Tile::q_off + (uint32_t)((copy.ui & 1) * BM * LD * 4), cu.qg, cu.q0);
     const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
-    copy_rows(RowsKV(), d, cu.qg + a.D, cj * BN);
-    copy_rows(RowsKV(), d + Tile::raw_k, cu.qg + 2 * a.D, cj * BN);
+    copy_rows(RowsKV(), d, cu.qg + a.D, copy.j * BN);
+    copy_rows(RowsKV(), d + Tile::raw_k, cu.qg + 2 * a.D, copy.j * BN);
     copy_async_commit();
     ++cs;
-    if (++cj == tiles) {
-      cj = 0;
-      if (++ci < my_units) cu = unit_at(ci);
-    }
+    copy.advance(unit_at, my_units);
   };
 
   // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k's rows
@@ -197,93 +195,56 @@ __global__ void __launch_bounds__(256, 1)
   __syncthreads();
 
   // The current unit; q's A fragments, split once a unit: steps 0, 1 in qa, 2, 3 in qb.
-  FlashUnit cur;
+  FlashUnit cur;  // the unit in the products: step st is its tile j
   int64_t ui = 0;
+  int j = 0;
   FragA qa[2], qb[2];
-  DropoutParams drop;
-  if constexpr (kDropout) drop = dropout_read(dpass);
-  uint64_t e_warp = 0;  // with dropout: the element of the warp's first query row, key 0
-  // Rows g (o[4f], o[4f + 1]; softmax.m0, softmax.l0) and g + 8 (o[4f + 2], o[4f + 3];
-  // softmax.m1, softmax.l1) of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
-  float o[NO];
-  RowSoftmax softmax;
-  const auto ox = [&](int f, int e) -> float& { return o[4 * f + e]; };
+  UnitDropout<kDropout> dropout(dpass);
+  FlashRows<NO / 4> rows;  // the warp's 16 rows of o (flash_parts.cuh)
 
   // Step s = tile j of unit ui: its planes are split and visible, step s + 1's raw rows are in.
-  int j = 0;
   for (int64_t st = 0; st < steps; ++st) {
     if (j == 0) {
       cur = unit_at(ui);
       const float* qw = qs + ((ui & 1) * BM + 16 * warp) * LD;  // the warp's q rows
       qa[0] = rows_frag<LD>(qw, 0, g, t), qa[1] = rows_frag<LD>(qw, 1, g, t);
-      if constexpr (KS == 4) qb[0] = rows_frag<LD>(qw, 2, g, t), qb[1] = rows_frag<LD>(qw, 3, g, t);
-      if constexpr (kDropout)
-        e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
-#pragma unroll
-      for (int i = 0; i < NO; ++i) o[i] = 0.0f;
-      softmax = RowSoftmax{};
+      qb[0] = rows_frag<LD>(qw, 2, g, t), qb[1] = rows_frag<LD>(qw, 3, g, t);
+      dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
+      rows.reset();
     }
     // s (64, BN) = q k^T, issued: s[4 jn + e] is key 8 jn + 2t + e of row g,
     // s[4 jn + 2 + e] of row g + 8; steps 2, 3 into ts, added after the wait.
     float s[BN / 2], ts[BN / 2];
-    {
-      const uint32_t kb = base + Tile::k_off + (uint32_t)((st & 1) * 2 * Tile::k_plane);
-      const uint64_t d0[2] = {desc_sw128(kb), desc_sw128(kb + 32)};
-      wgmma_3xtf32_run<BN>(s, qa, d0, Tile::k_plane >> 4);
-      if constexpr (KS == 4) {
-        const uint64_t d1[2] = {desc_sw128(kb + 64), desc_sw128(kb + 96)};
-        wgmma_3xtf32_run<BN>(ts, qb, d1, Tile::k_plane >> 4);
-      }
-    }
+    rows_times_plane<BN>(s, ts, qa, qb, base + Tile::k_off + (uint32_t)((st & 1) * 2 * Tile::k_plane), Tile::k_plane);
     // While the products run: step s + 2's copies into the stage step s
     // left, and step s + 1's split into the other plane buffer (both free:
     // every warpgroup finished step s - 1 before the last barrier).
     if (st + 2 < steps) copy_next();  // step s + 2
     if (st + 1 < steps) split_step(st + 1);
 
-    // Dropout's keep bits of the tile: n-tiles jn, jn + 1 in keep[jn / 2], 16
-    // bits each (common/dropout.h).
     uint32_t keep[NT / 2];
-    if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
+    dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
 
     wgmma_wait<0>();
     fence_frags(qa);
     fence_regs(s);
-    if constexpr (KS == 4) {
-      fence_frags(qb);
-      add_to(s, ts);
-    }
+    fence_frags(qb);
+    add_to(s, ts);
 
-    // Scores in base 2, keys >= L at -inf, the online softmax
-    // (detail/online_softmax.cuh); dropped p zeroed after the row sums.
+    // Scores in base 2, keys >= L at -inf, the online softmax; dropped p
+    // zeroed after the row sums.
     const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
-    softmax.step<NT, NO / 4>(sx, ox, scale_log2, j * BN, L, t);
-    if constexpr (kDropout) drop_probs<NT>(sx, keep, t);
+    rows.template step<NT>(sx, scale_log2, j * BN, L, t);
+    dropout.template apply<NT>(sx, keep, t);
 
-    // o += p v: runs of two key groups (8-deep steps) into fresh
-    // accumulators t0 and t1 in turn, so one run's products go on while the
-    // other's total is added.
-    {
-      const uint32_t vb = base + Tile::vt_off + (uint32_t)((st & 1) * 2 * Tile::vt_plane);
-      const auto run = [&](float(&acc)[NO], FragA(&f)[2], int r) {
-        uint64_t d[2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int jg = 2 * r + k;  // key group: keys 8 jg .. 8 jg + 7
-          f[k] = make_a(s[4 * jg], s[4 * jg + 2], s[4 * jg + 1], s[4 * jg + 3]);
-          d[k] = desc_sw128(vb + (jg / 4) * Tile::vt_atom + (jg % 4) * 32);
-        }
-        wgmma_3xtf32_run<HDP>(acc, f, d, Tile::vt_plane >> 4);
-      };
-      wgmma_add_runs4(o, run);
-    }
+    // o += p v, v^T's planes as B.
+    tile_times_planes<HDP>(rows.o, s, base + Tile::vt_off + (uint32_t)((st & 1) * 2 * Tile::vt_plane), Tile::vt_atom,
+                           Tile::vt_plane);
 
     if (++j == tiles) {  // the unit's last tile: o / l and the lse out
       j = 0;
       ++ui;
-      softmax.sum_rows();
-      softmax.store_rows<NO / 4>(ox, kDropout ? dpass.scale : 1.0f, a.o + cur.seq * a.D + cur.col, ps * a.D,
-                            cur.q0 + 16 * warp + g, L, hd, t, a.lse, a.pos.num_seq * a.heads * L, cur.item * L);
+      rows.store(a, kDropout ? dpass.scale : 1.0f, cur.seq, cur.col, cur.item, cur.q0 + 16 * warp + g, L, hd, t);
     }
     if (st + 1 < steps) {
       // Step s + 2's raw rows in (this thread's copies, then everyone's),

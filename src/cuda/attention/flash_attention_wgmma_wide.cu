@@ -96,6 +96,76 @@ __device__ __forceinline__ int q_word(int r, int c) {
   return r * HDP + (c ^ ((r & 7) << 2));
 }
 
+#if FASTAXIAL_SM90A_DEVICE
+// The mainloop's products (wgmma, 3xTF32) for a warpgroup's 64 queries and a
+// step of BN = 32 keys.
+
+// s (64, 32) = q k^T: HDP / 16 runs of two 8-deep steps, alternating two
+// fresh accumulators; q_frag(kk) reads and splits q's A fragment of step kk;
+// between(r) runs once run r is issued (the next step's split goes there).
+// k's planes at kb: chunks of 32 features, Tile::chunk bytes apart.
+template <int HDP, class QFrag, class Between>
+__device__ __forceinline__ void wide_scores(float (&s)[WideTile<HDP>::BN / 2], uint32_t kb, QFrag&& q_frag,
+                                            Between&& between) {
+  using Tile = WideTile<HDP>;
+  constexpr int N = Tile::BN;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) s[i] = 0.0f;
+  float acc[2][N / 2];
+  FragA f[2][2];
+#pragma unroll
+  for (int r = 0; r < Tile::runs; ++r) {
+    f[r % 2][0] = q_frag(2 * r), f[r % 2][1] = q_frag(2 * r + 1);
+    uint64_t d[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int kk = 2 * r + k;
+      d[k] = desc_sw128(kb + (kk / 4) * Tile::chunk + (kk % 4) * 32);
+    }
+    wgmma_3xtf32_run<N>(acc[r % 2], f[r % 2], d, Tile::k_plane >> 4);
+    between(r);
+    if (r > 0) {
+      wgmma_wait<1>();
+      fence_frags(f[(r - 1) % 2]);
+      add_to(s, acc[(r - 1) % 2]);
+    }
+  }
+  wgmma_wait<0>();
+  fence_frags(f[(Tile::runs - 1) % 2]);
+  add_to(s, acc[(Tile::runs - 1) % 2]);
+}
+
+// o (64, HDP) += p v, PN columns at a time: runs of two key groups into a
+// fresh accumulator, v^T's planes at vb (one atom: the step's 32 keys of
+// every feature).
+template <int HDP>
+__device__ __forceinline__ void wide_pv(float (&o)[HDP / 2], float (&s)[WideTile<HDP>::BN / 2], uint32_t vb) {
+  using Tile = WideTile<HDP>;
+  constexpr int PN = Tile::PN;
+#pragma unroll
+  for (int hh = 0; hh < HDP / PN; ++hh)
+#pragma unroll
+    for (int rr = 0; rr < Tile::BN / 16; ++rr) {
+      FragA f[2];
+      uint64_t d[2];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int jg = 2 * rr + k;  // keys 8 jg .. 8 jg + 7
+        f[k] = make_a(s[4 * jg], s[4 * jg + 2], s[4 * jg + 1], s[4 * jg + 3]);
+        d[k] = desc_sw128(vb + hh * PN * 128 + jg * 32);
+      }
+      float acc[PN / 2];
+      wgmma_3xtf32_run<PN>(acc, f, d, Tile::vt_plane >> 4);
+      wgmma_wait<0>();
+      fence_frags(f);
+      fence_regs(acc);
+#pragma unroll
+      for (int i = 0; i < PN / 2; ++i) o[hh * (PN / 2) + i] += acc[i];
+    }
+}
+
+#endif  // FASTAXIAL_SM90A_DEVICE
+
 // kVec: 16-byte copies. kDropout: dpass applies. kSplit: units carry a split
 // of their keys and write unnormalised o, m and l to sp.partials.
 template <int HDP, bool kVec, bool kDropout, bool kSplit>
@@ -104,7 +174,7 @@ __global__ void __launch_bounds__(256, 1)
                             const FlashPartials sp) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = WideTile<HDP>;
-  constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld, PN = Tile::PN;
+  constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
   constexpr int NT = BN / 8, NO = HDP / 2;  // key n-tiles; o's accumulators
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   const int hd = a.D / a.heads, L = (int)a.pos.len;
@@ -152,14 +222,12 @@ __global__ void __launch_bounds__(256, 1)
   using IsRaw = std::integral_constant<bool, false>;
   const uint32_t raw_k = base + Tile::raw_off, raw_v = raw_k + BN * LD * 4;
 
-  // The copy cursor: the next step to copy is tile cj of unit ci (cu).
-  int64_t ci = 0;
-  FlashUnit cu = unit_at(0);
-  int cj = cu.j0;
+  // The copy cursor: the next step to copy.
+  StepCursor copy(unit_at);
   const auto copy_step = [&]() {  // its raw rows into the stage, then moves on
-    copy_rows(IsRaw(), BN, raw_k, cu.qg + a.D, cj * BN);
-    copy_rows(IsRaw(), BN, raw_v, cu.qg + 2 * a.D, cj * BN);
-    if (++cj == cu.j1 && ++ci < my_units) cu = unit_at(ci), cj = cu.j0;
+    copy_rows(IsRaw(), BN, raw_k, copy.cur.qg + a.D, copy.j * BN);
+    copy_rows(IsRaw(), BN, raw_v, copy.cur.qg + 2 * a.D, copy.j * BN);
+    copy.advance(unit_at, my_units);
   };
   const auto copy_q = [&](const FlashUnit& x) { copy_rows(IsQ(), BM, base + Tile::q_off, x.qg, x.q0); };
 
@@ -193,7 +261,7 @@ __global__ void __launch_bounds__(256, 1)
   };
 
   // Prologue: unit 0's q and step 0's rows in and split, step 1's rows in.
-  copy_q(cu);
+  copy_q(copy.cur);
   copy_step();
   copy_async_commit();
   copy_async_wait<0>();
@@ -201,24 +269,16 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
   for (int i = 0; i < Tile::runs; ++i) split_part(i, 0);
   __syncthreads();  // the stage read; its next rows may come
-  if (ci < my_units) copy_step();  // step 1, where there is one
+  if (copy.ui < my_units) copy_step();  // step 1, where there is one
   copy_async_commit();
   copy_async_wait<0>();
   fence_async_smem();
   __syncthreads();
 
-  FlashUnit cur = unit_at(0);
-  int64_t ui = 0;
-  int j = cur.j0;
+  StepCursor step(unit_at);  // the step in the products (flash_parts.cuh)
   int64_t st = 0;
-  DropoutParams drop;
-  if constexpr (kDropout) drop = dropout_read(dpass);
-  uint64_t e_warp = 0;
-  // Rows g (o[4f], o[4f + 1]; softmax.m0, softmax.l0) and g + 8 (o[4f + 2], o[4f + 3];
-  // softmax.m1, softmax.l1) of the warp's 16, columns 8f + 2t, 8f + 2t + 1 (detail/wgmma.cuh).
-  float o[NO];
-  RowSoftmax softmax;
-  const auto ox = [&](int f, int e) -> float& { return o[4 * f + e]; };
+  UnitDropout<kDropout> dropout(dpass);
+  FlashRows<NO / 4> rows;  // the warp's 16 rows of o
   const float* qw = qs + 16 * warp * HDP;  // the warp's q rows (swizzle: row % 8 = g)
   const auto q_frag = [&](int kk) {         // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) of step kk
     const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
@@ -228,99 +288,49 @@ __global__ void __launch_bounds__(256, 1)
   // Step st = tile j of unit ui: its planes (buffer st % 2) split and visible;
   // the raw stage holds step st + 1's rows, landed.
   while (true) {
-    const bool first = j == cur.j0, last = j + 1 == cur.j1;
-    const bool has_next = !last || ui + 1 < my_units;  // a step st + 1
-    if (first) {
-      if constexpr (kDropout)
-        e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
-#pragma unroll
-      for (int i = 0; i < NO; ++i) o[i] = 0.0f;
-      softmax = RowSoftmax{};
+    const FlashUnit& cur = step.cur;
+    const int j = step.j;
+    const bool last = step.last();
+    const bool has_next = !last || step.ui + 1 < my_units;  // a step st + 1
+    if (step.first()) {
+      dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
+      rows.reset();
     }
     const int b = (int)(st & 1);
 
     // 1. s = q k^T: runs of steps 2r, 2r + 1 into acc[r % 2], q's fragments
     // read and split a run; step st + 1's split between the runs.
     float s[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
-    {
-      const uint32_t kb = base + Tile::k_off + (uint32_t)(b * 2 * Tile::k_plane);
-      float acc[2][BN / 2];
-      FragA f[2][2];
-#pragma unroll
-      for (int r = 0; r < Tile::runs; ++r) {
-        f[r % 2][0] = q_frag(2 * r), f[r % 2][1] = q_frag(2 * r + 1);
-        uint64_t d[2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int kk = 2 * r + k;
-          d[k] = desc_sw128(kb + (kk / 4) * Tile::chunk + (kk % 4) * 32);
-        }
-        wgmma_3xtf32_run<BN>(acc[r % 2], f[r % 2], d, Tile::k_plane >> 4);
-        if (has_next) split_part(r, b ^ 1);
-        if (r > 0) {
-          wgmma_wait<1>();
-          fence_frags(f[(r - 1) % 2]);
-          add_to(s, acc[(r - 1) % 2]);
-        }
-      }
-      wgmma_wait<0>();
-      fence_frags(f[(Tile::runs - 1) % 2]);
-      add_to(s, acc[(Tile::runs - 1) % 2]);
-    }
+    wide_scores<HDP>(s, base + Tile::k_off + (uint32_t)(b * 2 * Tile::k_plane), q_frag, [&](int r) {
+      if (has_next) split_part(r, b ^ 1);
+    });
 
     // 2. Every thread past its split and its reads of q: the stage and (with
     // the unit's last step) the q buffer are free.
     fence_async_smem();  // the planes were written by ordinary stores; wgmma reads them
     __syncthreads();
-    if (ci < my_units) copy_step();  // step st + 2, where there is one
-    if (last && ui + 1 < my_units) copy_q(unit_at(ui + 1));
+    if (copy.ui < my_units) copy_step();  // step st + 2, where there is one
+    if (last && step.ui + 1 < my_units) copy_q(unit_at(step.ui + 1));
     copy_async_commit();
 
-    // Dropout's keep bits of the tile (common/dropout.h).
     uint32_t keep[NT / 2];
-    if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
+    dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
 
-    // 3. Scores in base 2, keys >= L at -inf, the online softmax
-    // (detail/online_softmax.cuh); dropped p zeroed after the row sums.
+    // 3. Scores in base 2, keys >= L at -inf, the online softmax; dropped p
+    // zeroed after the row sums.
     const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
-    softmax.step<NT, NO / 4>(sx, ox, scale_log2, j * BN, L, t);
-    if constexpr (kDropout) drop_probs<NT>(sx, keep, t);
+    rows.template step<NT>(sx, scale_log2, j * BN, L, t);
+    dropout.template apply<NT>(sx, keep, t);
 
-    // 4. o += p v, PN columns at a time: runs of two key groups into a fresh accumulator.
-    {
-      const uint32_t vb = base + Tile::vt_off + (uint32_t)(b * 2 * Tile::vt_plane);
-#pragma unroll
-      for (int hh = 0; hh < HDP / PN; ++hh)
-#pragma unroll
-        for (int rr = 0; rr < BN / 16; ++rr) {
-          FragA f[2];
-          uint64_t d[2];
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int jg = 2 * rr + k;  // keys 8 jg .. 8 jg + 7
-            f[k] = make_a(s[4 * jg], s[4 * jg + 2], s[4 * jg + 1], s[4 * jg + 3]);
-            d[k] = desc_sw128(vb + hh * PN * 128 + jg * 32);
-          }
-          float acc[PN / 2];
-          wgmma_3xtf32_run<PN>(acc, f, d, Tile::vt_plane >> 4);
-          wgmma_wait<0>();
-          fence_frags(f);
-          fence_regs(acc);
-#pragma unroll
-          for (int i = 0; i < PN / 2; ++i) o[hh * (PN / 2) + i] += acc[i];
-        }
-    }
+    // 4. o += p v, v^T's planes as B.
+    wide_pv<HDP>(rows.o, s, base + Tile::vt_off + (uint32_t)(b * 2 * Tile::vt_plane));
 
     if (last) {  // the unit's end: o / l and the lse out, or the split's partials
-      softmax.sum_rows();
       const int r0 = cur.q0 + 16 * warp + g;
       if constexpr (kSplit)
-        softmax.store_partials<NO / 4>(ox, sp, cur.split, cur.item, r0, L, hd, t);
+        rows.store_partials(sp, cur.split, cur.item, r0, L, hd, t);
       else
-        softmax.store_rows<NO / 4>(ox, kDropout ? dpass.scale : 1.0f, a.o + cur.seq * a.D + cur.col, ps * a.D, r0, L,
-                                   hd, t, a.lse, a.pos.num_seq * a.heads * L, cur.item * L);
+        rows.store(a, kDropout ? dpass.scale : 1.0f, cur.seq, cur.col, cur.item, r0, L, hd, t);
     }
 
     // 5. Step st + 2's rows (and the next unit's q) in; every warpgroup done
@@ -329,12 +339,7 @@ __global__ void __launch_bounds__(256, 1)
     copy_async_wait<0>();
     __syncthreads();
     ++st;
-    if (last) {
-      cur = unit_at(++ui);
-      j = cur.j0;
-    } else {
-      ++j;
-    }
+    step.advance(unit_at, my_units);
   }
 #else
   (void)a, (void)scale_log2, (void)q_tiles, (void)dpass, (void)sp;

@@ -51,9 +51,15 @@
 #include "../detail/wgmma.cuh"
 #include "attention_backward.h"
 #include "backward_launch.cuh"  // with_kernel_flags
+#include "backward_parts.cuh"   // Head, store_tiles
+#include "flash_parts.cuh"
+#include "mainloop_wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
+
+using attention_backward_detail::Head;
+using attention_backward_detail::tc::store_tiles;
 
 struct QgTile {
   static constexpr int HDP = 32, BM = 128, BN = 64, kThreads = 256;
@@ -113,26 +119,13 @@ __global__ void __launch_bounds__(256, 1)
 
   const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles;
   const int tiles = (L + BN - 1) / BN;
-  const int64_t my_units = (units - blockIdx.x + gridDim.x - 1) / gridDim.x;
+  const int64_t my_units = flash_block_units(units);
   const int64_t steps = my_units * tiles;
   const int64_t ps = a.pos.pos_stride;
   const int64_t W = 3 * (int64_t)a.D;
 
-  struct Unit {
-    int64_t item;
-    int q0;
-    int64_t seq;  // row of position 0
-    int col;      // h hd
-  };
-  const auto unit_at = [&](int64_t i) {
-    const int64_t u = blockIdx.x + i * gridDim.x;
-    Unit x;
-    x.item = u / q_tiles;
-    x.q0 = (int)(u % q_tiles) * BM;
-    x.col = (int)(x.item % a.heads) * hd;
-    x.seq = a.pos.offset(x.item / a.heads, 0);
-    return x;
-  };
+  // Unit i of this block (flash_parts.cuh); S = 1: no split.
+  const auto unit_at = [&](int64_t i) { return flash_unit<BM>(a, i, q_tiles, 1, tiles, hd, W); };
 
   // Rows p0 .. p0 + ROWS - 1 of a head slice (src: row 0's, rows of `words`
   // floats) into shared memory at dst (row stride LD); positions >= L as zeros.
@@ -143,26 +136,23 @@ __global__ void __launch_bounds__(256, 1)
   };
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
-  // The copy cursor, as in the forward's kernel: tile cj of unit ci (cu), step cs.
-  int64_t ci = 0, cs = 0;
-  int cj = 0;
-  Unit cu = unit_at(0);
+  // The copy cursor, as in the forward's kernel (flash_parts.cuh), at step cs.
+  StepCursor copy(unit_at);
+  int64_t cs = 0;
   const auto copy_next = [&]() {
-    if (cj == 0) {
-      const uint32_t qd = base + Tile::q_off + (uint32_t)((ci & 1) * 2 * Tile::unit_q);
-      copy_rows(RowsQ(), qd, a.qkv + cu.seq * W + cu.col, W, cu.q0);
+    const FlashUnit& cu = copy.cur;
+    if (copy.first()) {
+      const uint32_t qd = base + Tile::q_off + (uint32_t)((copy.ui & 1) * 2 * Tile::unit_q);
+      copy_rows(RowsQ(), qd, cu.qg, W, cu.q0);
       copy_rows(RowsQ(), qd + Tile::unit_q, a.d_o + cu.seq * a.D + cu.col, a.D, cu.q0);
     }
     const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
-    const float* kg = a.qkv + cu.seq * W + a.D + cu.col;
-    copy_rows(RowsKV(), d, kg, W, cj * BN);
-    copy_rows(RowsKV(), d + Tile::raw_k, kg + a.D, W, cj * BN);
+    const float* kg = cu.qg + a.D;
+    copy_rows(RowsKV(), d, kg, W, copy.j * BN);
+    copy_rows(RowsKV(), d + Tile::raw_k, kg + a.D, W, copy.j * BN);
     copy_async_commit();
     ++cs;
-    if (++cj == tiles) {
-      cj = 0;
-      if (++ci < my_units) cu = unit_at(ci);
-    }
+    copy.advance(unit_at, my_units);
   };
 
   // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k and v
@@ -188,22 +178,19 @@ __global__ void __launch_bounds__(256, 1)
   fence_async_smem();
   __syncthreads();
 
-  Unit cur;
-  int64_t ui = 0;
+  StepCursor step(unit_at);  // the step in the products
   FragA qa[2], qb[2];  // q's A fragments: k-steps 0, 1 and 2, 3
   const float* dw = nullptr;  // the warp's d_o rows (their fragments are split at each step: registers)
   float hi[2], lo[2], dl[2];  // lse2 (detail/lse.cuh) and delta of rows g, g + 8
   const int64_t rows = a.pos.num_seq * a.heads * L;
-  DropoutParams drop;
-  if constexpr (kDropout) drop = dropout_read(dpass);
-  uint64_t e_warp = 0;
+  UnitDropout<kDropout> dropout(dpass);
   float dq[NO];  // rows g (dq[4f], dq[4f + 1]) and g + 8, columns 8f + 2t, + 1
 
-  int j = 0;
   for (int64_t st = 0; st < steps; ++st) {
-    if (j == 0) {
-      cur = unit_at(ui);
-      const float* qw = qs + ((ui & 1) * 2 * BM + 16 * warp) * LD;
+    const FlashUnit& cur = step.cur;
+    const int j = step.j;
+    if (step.first()) {
+      const float* qw = qs + ((step.ui & 1) * 2 * BM + 16 * warp) * LD;
       dw = qw + BM * LD;
       qa[0] = rows_frag<LD>(qw, 0, g, t), qa[1] = rows_frag<LD>(qw, 1, g, t);
       qb[0] = rows_frag<LD>(qw, 2, g, t), qb[1] = rows_frag<LD>(qw, 3, g, t);
@@ -215,24 +202,19 @@ __global__ void __launch_bounds__(256, 1)
         lo[r] = in ? a.lse[rows + cur.item * L + l] : 0.0f;
         dl[r] = in ? a.delta[cur.item * L + l] : 0.0f;
       }
-      if constexpr (kDropout)
-        e_warp = dpass.base + ((uint64_t)cur.item * (uint64_t)L + (uint64_t)(cur.q0 + 16 * warp)) * (uint64_t)L;
+      dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
 #pragma unroll
       for (int i = 0; i < NO; ++i) dq[i] = 0.0f;
     }
     // s = q k^T, issued (k-steps 2, 3 into ts); dp = d_o v^T after it, below.
     const uint32_t kb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer);
     float s[BN / 2], ts[BN / 2];
-    {
-      const uint64_t k0[2] = {desc_sw128(kb), desc_sw128(kb + 32)}, k1[2] = {desc_sw128(kb + 64), desc_sw128(kb + 96)};
-      wgmma_3xtf32_run<BN>(s, qa, k0, Tile::plane >> 4);
-      wgmma_3xtf32_run<BN>(ts, qb, k1, Tile::plane >> 4);
-    }
+    rows_times_plane<BN>(s, ts, qa, qb, kb, Tile::plane);
     if (st + 2 < steps) copy_next();  // step s + 2
     if (st + 1 < steps) split_step(st + 1);
 
     uint32_t keep[NT / 2];
-    if constexpr (kDropout) dropout_keep_rows<NT>(keep, drop, e_warp, j * BN, L, g, t);
+    dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
 
     wgmma_wait<0>();
     fence_frags(qa), fence_frags(qb);
@@ -241,14 +223,9 @@ __global__ void __launch_bounds__(256, 1)
     // dp (64, 64) = d_o v^T, issued (k-steps 2, 3 into tdp); p from s while it runs.
     float dp[BN / 2], tdp[BN / 2];
     FragA da[2], db[2];
-    {
-      da[0] = rows_frag<LD>(dw, 0, g, t), da[1] = rows_frag<LD>(dw, 1, g, t);
-      db[0] = rows_frag<LD>(dw, 2, g, t), db[1] = rows_frag<LD>(dw, 3, g, t);
-      const uint32_t vb = kb + 2 * Tile::plane;
-      const uint64_t v0[2] = {desc_sw128(vb), desc_sw128(vb + 32)}, v1[2] = {desc_sw128(vb + 64), desc_sw128(vb + 96)};
-      wgmma_3xtf32_run<BN>(dp, da, v0, Tile::plane >> 4);
-      wgmma_3xtf32_run<BN>(tdp, db, v1, Tile::plane >> 4);
-    }
+    da[0] = rows_frag<LD>(dw, 0, g, t), da[1] = rows_frag<LD>(dw, 1, g, t);
+    db[0] = rows_frag<LD>(dw, 2, g, t), db[1] = rows_frag<LD>(dw, 3, g, t);
+    rows_times_plane<BN>(dp, tdp, da, db, kb + 2 * Tile::plane, Tile::plane);
     // s -> p in place: key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1) in s[4 jn + e].
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] = prob_from_lse2(s[i], scale_log2, hi[(i >> 1) & 1], lo[(i >> 1) & 1]);
@@ -278,44 +255,16 @@ __global__ void __launch_bounds__(256, 1)
         dp[4 * jn + e] = in ? ds : 0.0f;
       }
 
-    // dq += dS k: runs of two key groups, two in flight (as the forward's p v).
-    {
-      const uint32_t tb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer + 4 * Tile::plane);
-      const auto run = [&](float(&acc)[NO], FragA(&f)[2], int r) {
-        uint64_t d[2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int jg = 2 * r + k;
-          f[k] = make_a(dp[4 * jg], dp[4 * jg + 2], dp[4 * jg + 1], dp[4 * jg + 3]);
-          d[k] = desc_sw128(tb + (jg / 4) * (HDP * 128) + (jg % 4) * 32);
-        }
-        wgmma_3xtf32_run<HDP>(acc, f, d, Tile::plane >> 4);
-      };
-      wgmma_add_runs4(dq, run);
-    }
+    // dq += dS k, k^T's planes as B (as the forward's p v).
+    tile_times_planes<HDP>(dq, dp, base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer + 4 * Tile::plane),
+                           HDP * 128, Tile::plane);
 
-    if (++j == tiles) {  // the unit's last tile: scale dq into dqkv's q columns
-      j = 0;
-      ++ui;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int l = cur.q0 + 16 * warp + g + 8 * r;
-        if (l >= L) continue;
-        float* out = a.dqkv + (cur.seq + (int64_t)l * ps) * W + cur.col;
-#pragma unroll
-        for (int f = 0; f < NO / 4; ++f) {
-          const int c = 8 * f + 2 * t;
-          if (c >= hd) continue;
-          const float x = scale * dq[4 * f + 2 * r], y = scale * dq[4 * f + 2 * r + 1];
-          if constexpr (kVec) {
-            *reinterpret_cast<float2*>(out + c) = make_float2(x, y);  // hd % 4 == 0: pairs lie wholly inside
-          } else {
-            out[c] = x;
-            if (c + 1 < hd) out[c + 1] = y;
-          }
-        }
-      }
+    if (step.last()) {  // the unit's last tile: scale dq into dqkv's q columns (backward_parts.cuh)
+      const Head hp = {cur.item, cur.seq, ps, 0, hd, L, 0, 0};
+      store_tiles<NO / 4, kVec>(a.dqkv + cur.col, *reinterpret_cast<const float(*)[NO / 4][4]>(dq), scale, W, hp,
+                                cur.q0 + 16 * warp, 0, g, t);
     }
+    step.advance(unit_at, my_units);
     if (st + 1 < steps) {
       if (st + 2 < steps) copy_async_wait<0>();
       fence_async_smem();
@@ -324,7 +273,7 @@ __global__ void __launch_bounds__(256, 1)
   }
 #else
   (void)a, (void)scale, (void)scale_log2, (void)q_tiles, (void)dpass;
-  __trap();  // built without sm_90a: query_grads_wgmma_applies is false there
+  __trap();  // built without sm_90a: query_grads_wgmma_can_run is false there
 #endif
 }
 
@@ -345,7 +294,7 @@ cudaError_t launch(const AttentionBackwardArgs& a, float scale, const DropoutPas
 
 }  // namespace
 
-bool query_grads_wgmma_applies(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
+bool query_grads_wgmma_can_run(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
 #if defined(FASTAXIAL_WGMMA)
   const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
   return !a.mma_sync && !a.ffma && dev.sm90a && flash_padded_head_dim(hd) == 32 && a.pos.len > kQueryGradsWgmmaMinLen &&

@@ -170,4 +170,31 @@ __device__ __forceinline__ FragA load_a_split(const float* p, int ld) {
   return f;
 }
 
+// ---- The element traits -------------------------------------------------------
+// What a mainloop (attention/mainloop_*.cuh) needs of its element type: the
+// fragments, one warp's product of an 8-deep step, and a run of two steps.
+// Tf32x3 is fp32 in memory on the 3xTF32 products of this file; a 16-bit
+// type brings traits with the same members (its own fragments and
+// mma.sync shape) and no split.
+struct Tf32x3 {
+  using Element = float;
+  using FragA = cuda::FragA;
+  using FragB = cuda::FragB;
+  __device__ static __forceinline__ FragA a(float a0, float a1, float a2, float a3) { return make_a(a0, a1, a2, a3); }
+  __device__ static __forceinline__ FragB b(float b0, float b1) { return make_b(b0, b1); }
+  // t = a b (kFresh) or t += a b, one 8-deep step, in t's accumulator.
+  template <bool kFresh>
+  __device__ static __forceinline__ void step(float (&t)[4], const FragA& a, const FragB& b) {
+    three_products<kFresh>(t, a, b);
+  }
+  // A = rows 0..15, B^T = rows 0..7 of fp32 rows at p (row stride ld), 8 elements from p, k permuted.
+  __device__ static __forceinline__ FragA load_a_perm(const float* p, int ld) { return cuda::load_a_perm(p, ld); }
+  __device__ static __forceinline__ FragB load_bt_perm(const float* p, int ld) { return cuda::load_bt_perm(p, ld); }
+  // c += a0 b0 + a1 b1: a run of two steps in a fresh accumulator, added to c in fp32.
+  __device__ static __forceinline__ void run(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
+                                             const FragB& b1) {
+    mma_3xtf32_x2(c, a0, b0, a1, b1);
+  }
+};
+
 }  // namespace fastaxial::cuda

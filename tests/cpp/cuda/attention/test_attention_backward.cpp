@@ -71,7 +71,7 @@ std::string case_name(const Case& c) {
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
 // The kernels a case runs on: the tensor cores (the default; dq on wgmma
-// where query_grads_wgmma_applies), the tensor cores with dq on mma.sync
+// where query_grads_wgmma_can_run), the tensor cores with dq on mma.sync
 // (AttentionBackwardArgs::mma_sync), the tensor cores with dS^T stored by
 // the dk, dv kernel and dq a product from it (AttentionBackwardArgs::ds,
 // given a poisoned scratch), or the FFMA kernels (AttentionBackwardArgs::ffma); kSplit and
@@ -401,7 +401,7 @@ void expect_matches_reference(const Problem& pr, const std::vector<float>& got, 
 bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
   cuda::AttentionBackwardArgs a;
   a.pos = pr.view, a.D = (int)pr.D, a.heads = (int)pr.heads;
-  return cuda::query_grads_wgmma_applies(a, dev);
+  return cuda::query_grads_wgmma_can_run(a, dev);
 }
 
 // Path::kScores's scratch: every element of (num_seq, heads, L keys, the

@@ -82,23 +82,23 @@ TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
   a.heads = 2;
   for (int hd : {17, 20, 32}) {
     a.D = 2 * hd;
-    EXPECT_EQ(cuda::query_grads_wgmma_applies(a, h), sm90a_build) << hd;
+    EXPECT_EQ(cuda::query_grads_wgmma_can_run(a, h), sm90a_build) << hd;
   }
   for (int hd : {1, 8, 16, 33, 64, 128}) {
     a.D = 2 * hd;
-    EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h)) << hd;
+    EXPECT_FALSE(cuda::query_grads_wgmma_can_run(a, h)) << hd;
   }
   a.D = 64;
   a.pos.len = cuda::kQueryGradsWgmmaMinLen;
-  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+  EXPECT_FALSE(cuda::query_grads_wgmma_can_run(a, h));
   a.pos.len = 2048;
-  EXPECT_EQ(cuda::query_grads_wgmma_applies(a, h), sm90a_build);
+  EXPECT_EQ(cuda::query_grads_wgmma_can_run(a, h), sm90a_build);
   a.mma_sync = true;
-  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+  EXPECT_FALSE(cuda::query_grads_wgmma_can_run(a, h));
   a.mma_sync = false, a.ffma = true;
-  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+  EXPECT_FALSE(cuda::query_grads_wgmma_can_run(a, h));
   a.ffma = false, h.sm90a = false;
-  EXPECT_FALSE(cuda::query_grads_wgmma_applies(a, h));
+  EXPECT_FALSE(cuda::query_grads_wgmma_can_run(a, h));
 }
 
 TEST(AttentionBackwardRules, SupportedHeadDims) {

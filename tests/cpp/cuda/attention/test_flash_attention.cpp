@@ -399,7 +399,7 @@ TEST(FlashAttentionRules, KernelVariant) {
   EXPECT_EQ(kernel(32), wgmma);
   EXPECT_EQ(kernel(128), wide);
   a.D = 4 * 32;
-  EXPECT_EQ(cuda::flash_wgmma_applies(a, h), sm90a_build);
+  EXPECT_EQ(cuda::flash_wgmma_chosen(a, h), sm90a_build);
   h.sm90a = false;  // another GPU, or a build without sm_90a
   EXPECT_EQ(kernel(32), FlashKernel::kMmaSync);
   EXPECT_EQ(kernel(128), FlashKernel::kMmaSync);

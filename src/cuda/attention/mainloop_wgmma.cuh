@@ -1,0 +1,57 @@
+// The flash kernels' mainloop products on Hopper's warpgroup instructions
+// (wgmma, sm_90a only), for a warpgroup's 64 rows (queries) and a key tile of
+// 64, in the element type's products (3xTF32 for fp32: detail/wgmma.cuh):
+//   rows_times_plane: acc (64, N) = A (64, 32) B^T, A from registers (split
+//     fragments of four 8-deep steps), B (N, 32) as a straight plane pair:
+//     q k^T in the forward, q k^T and d_o v^T in the backward's dq;
+//   tile_times_planes: acc (64, N) += X (64, 64) Y, X a score-shaped tile in
+//     registers (p in the forward, dS in the dq kernel), Y (64, N) as
+//     transposed planes: p v, dS k.
+// Used by flash_attention_wgmma.cu and query_grads_wgmma.cu (head dim 32).
+#pragma once
+
+#include <cstdint>
+
+#include "../detail/wgmma.cuh"
+
+#if FASTAXIAL_SM90A_DEVICE
+namespace fastaxial::cuda {
+
+// Issues acc (64, N) = A B^T over 32 features: steps 0, 1 (fragments a01)
+// into acc, steps 2, 3 (a23) into acc2, one commit group each. B's rows are
+// 128-byte swizzled rows of a plane pair at `plane` (hi; lo plane_bytes
+// after). The caller waits, fences a01, a23 and acc, and adds acc2 to acc.
+template <int N>
+__device__ __forceinline__ void rows_times_plane(float (&acc)[N / 2], float (&acc2)[N / 2], FragA (&a01)[2],
+                                                 FragA (&a23)[2], uint32_t plane, int plane_bytes) {
+  const uint64_t d01[2] = {desc_sw128(plane), desc_sw128(plane + 32)};
+  const uint64_t d23[2] = {desc_sw128(plane + 64), desc_sw128(plane + 96)};
+  wgmma_3xtf32_run<N>(acc, a01, d01, plane_bytes >> 4);
+  wgmma_3xtf32_run<N>(acc2, a23, d23, plane_bytes >> 4);
+}
+
+// acc (64, N) += X Y for X (64, 64) in the accumulator layout of a score
+// tile (x[4 jn + e]: key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1)) and Y
+// (64 keys, N) as transposed planes at tb: atoms of 32 keys atom_bytes
+// apart, keys permuted inside each group of 8 (slot t for key 2t, t + 4 for
+// key 2t + 1), so that X's accumulator registers are its A fragments as they
+// are. Four runs of two key groups, two in flight (wgmma_add_runs4); the lo
+// plane plane_bytes after the hi one.
+template <int N>
+__device__ __forceinline__ void tile_times_planes(float (&acc)[N / 2], const float (&x)[32], uint32_t tb,
+                                                  int atom_bytes, int plane_bytes) {
+  const auto run = [&](float(&t)[N / 2], FragA(&f)[2], int r) {
+    uint64_t d[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int jg = 2 * r + k;  // key group: keys 8 jg .. 8 jg + 7
+      f[k] = make_a(x[4 * jg], x[4 * jg + 2], x[4 * jg + 1], x[4 * jg + 3]);
+      d[k] = desc_sw128(tb + (jg / 4) * atom_bytes + (jg % 4) * 32);
+    }
+    wgmma_3xtf32_run<N>(t, f, d, plane_bytes >> 4);
+  };
+  wgmma_add_runs4(acc, run);
+}
+
+}  // namespace fastaxial::cuda
+#endif  // FASTAXIAL_SM90A_DEVICE
