@@ -80,25 +80,6 @@ Blocking blocking(const AxisView& v) {
   return b;
 }
 
-// Runs body(i, scratch) for items i = 0..n-1 of one block: on the calling thread with its own
-// scratch, or, where the block loop runs on one thread (`outer_team` == 1: few sequences, one
-// long one say) and there are several items, across the OpenMP threads, each with a scratch of
-// its own. Items write disjoint outputs, so the results do not depend on the thread count.
-template <class Scratch_, class Body>
-void for_heads(int64_t n, int outer_team, Scratch_& own, const Body& body) {
-  const int inner = (int)std::min<int64_t>(max_threads(), n);
-  if (outer_team > 1 || inner < 2) {
-    for (int64_t i = 0; i < n; ++i) body(i, own);
-    return;
-  }
-#pragma omp parallel num_threads(inner)
-  {
-    Scratch_ mine;
-#pragma omp for schedule(dynamic)
-    for (int64_t i = 0; i < n; ++i) body(i, mine);
-  }
-}
-
 // Per-thread scratch of one (sequence, head).
 struct HeadScratch {
   Mat s, dp;
@@ -107,12 +88,57 @@ struct HeadScratch {
   Eigen::VectorXf delta;
 };
 
+// Whether a block's (item, query range) pairs run across the threads: where the block loop runs
+// on one thread (`outer_team` == 1: few sequences, one long one say) and there are several pairs.
+bool spread_ranges(int outer_team, int64_t pairs) { return outer_team == 1 && max_threads() > 1 && pairs > 1; }
+
+// Runs body(i, r, scratch) for the query ranges r = 0..R-1 (query_ranges) of items i = 0..n-1
+// (a block's (sequence, head) pairs): on the calling thread with its own scratch, item by item
+// and each item's ranges in order, or, where `spread`, the n R pairs across the OpenMP threads,
+// each thread with a scratch of its own. Ranges write disjoint rows; what they add up (dk, dv)
+// the backward adds in range order after them, so the results do not depend on the thread count.
+template <class Body>
+void for_ranges(int64_t n, int64_t R, bool spread, HeadScratch& own, const Body& body) {
+  if (!spread) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t r = 0; r < R; ++r) body(i, r, own);
+    return;
+  }
+  const int inner = (int)std::min<int64_t>(max_threads(), n * R);
+#pragma omp parallel num_threads(inner)
+  {
+    HeadScratch mine;
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < n * R; ++task) body(task / R, task % R, mine);
+  }
+}
+
 // Per-thread scratch of one block.
 struct Scratch {
   Mat x, xhat, y, qkv, o, g, dO, dqkv, dy;
   HeadScratch head;
+  std::vector<Mat> parts;  // dv and dk parts of each (item, query range > 0), where the ranges run side by side
   Eigen::VectorXf rstd;
 };
+
+// Runs body(i, scratch) for i = 0..n-1 on a team of `team` threads (dynamic schedule), each with
+// a Scratch of its own. A team of one runs on the calling thread outside any parallel region:
+// the regions for_ranges opens inside must not be nested in another (nested, they cost more than
+// the threads gained: perf notes v56).
+template <class Body>
+void for_blocks(int64_t n, int team, const Body& body) {
+  if (team <= 1) {
+    Scratch t;
+    for (int64_t i = 0; i < n; ++i) body(i, t);
+    return;
+  }
+#pragma omp parallel num_threads(team)
+  {
+    Scratch t;
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < n; ++i) body(i, t);
+  }
+}
 
 // Gathers the block's rows of src into t.x and LayerNorms them: t.xhat (normalised), t.y (affine), t.rstd.
 void gather_norm(const AxisView& v, int64_t n0, int64_t ns, int64_t D, float eps, const AxisWeights& w,
@@ -162,35 +188,28 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);
   const int team = (int)std::min<int64_t>(max_threads(), bk.num_blocks);
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-    Scratch t;
-#pragma omp for schedule(dynamic)
-    for (int64_t blk = 0; blk < bk.num_blocks; ++blk) {
+  for_blocks(bk.num_blocks, team, [&](int64_t blk, Scratch& t) {
       const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
       gather_norm(v, n0, ns, D, eps, w, src, t);
       t.qkv.noalias() = t.y * wqkv.transpose();
       t.o.resize(rows, D);
       const int64_t R = query_ranges(L);
-      for_heads(ns * heads, team, t.head, [&](int64_t i, HeadScratch& hs) {
+      for_ranges(ns * heads, R, spread_ranges(team, ns * heads * R), t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
-          hs.s.noalias() = t.qkv.block(s * L + r0, h * hd, n, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
-          softmax_rows(hs.s, scale);
-          if (drop) {
-            fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
-            hs.s.array() *= hs.m.array();  // Pd
-          }
-          t.o.block(s * L + r0, h * hd, n, hd).noalias() = hs.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+        const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
+        hs.s.noalias() = t.qkv.block(s * L + r0, h * hd, n, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
+        softmax_rows(hs.s, scale);
+        if (drop) {
+          fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
+          hs.s.array() *= hs.m.array();  // Pd
         }
+        t.o.block(s * L + r0, h * hd, n, hd).noalias() = hs.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
       });
       t.x.noalias() += t.o * wout.transpose();
       t.x.rowwise() += bout;
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
-    }
-  }
+  });
 }
 
 // Where a chunk's partial weight gradients lie in its slice of the partials buffers: the
@@ -258,11 +277,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   }
 
   const int team = (int)std::min<int64_t>(max_threads(), bk.num_chunks);
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-    Scratch t;
-#pragma omp for schedule(dynamic)
-    for (int64_t c = 0; c < bk.num_chunks; ++c) {
+  for_blocks(bk.num_chunks, team, [&](int64_t c, Scratch& t) {
       float* part = any_weight && !whole ? partials.data() + c * lay.size : nullptr;
       double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
       for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
@@ -288,52 +303,64 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         }
         // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
         // (query_ranges): o and dq row by row; dk and dv, sums over the queries, as the ranges'
-        // parts added in range order.
-        const int64_t R = query_ranges(L);
-        for_heads(ns * heads, team, t.head, [&](int64_t i, HeadScratch& hs) {
+        // parts added in range order. Where the ranges run side by side (spread_ranges), each
+        // range r > 0 keeps its parts in t.parts, added in range order after them.
+        const int64_t R = query_ranges(L), items = ns * heads;
+        const bool spread = spread_ranges(team, items * R);
+        if (spread && want_dqkv && R > 1) t.parts.resize(2 * items * R);
+        for_ranges(items, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
           const int64_t s = i / heads, h = i % heads;
           const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
           const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
-            const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
-            auto o = t.o.block(s * L + r0, h * hd, n, hd);
-            hs.s.noalias() = q * k.transpose();
-            softmax_rows(hs.s, scale);  // P
-            if (drop) {
-              fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
-              hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
-            }
-            if (want_out) o.noalias() = (drop ? hs.pd : hs.s) * val;  // O, for dWout alone
-            if (!want_dqkv) continue;
-            auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
-            auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
-            const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
-            const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
-            if (r == 0) {
-              dv.noalias() = p.transpose() * dO;
-            } else {
-              hs.part.noalias() = p.transpose() * dO;
-              dv += hs.part;
-            }
-            hs.dp.noalias() = dO * val.transpose();   // dP = dO V^T (dPd with dropout)
-            if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
-            // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
-            // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
-            // the reference, where dO_h.o_h, summed in another order, would leave a rounding residue
-            // that dQ = dS K multiplies by |K| (scores of 1e4: 5000x the fp32 reference's error).
-            hs.delta = (hs.s.array() * hs.dp.array()).rowwise().sum();
-            // dS (of the scaled scores) times the scale: both dQ and dK carry it.
-            hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
-            t.dqkv.block(s * L + r0, h * hd, n, hd).noalias() = hs.dp * k;  // dQ
-            if (r == 0) {                                                    // dK = dS^T Q
-              dk.noalias() = hs.dp.transpose() * q;
-            } else {
-              hs.part.noalias() = hs.dp.transpose() * q;
-              dk += hs.part;
-            }
+          const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
+          const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
+          auto o = t.o.block(s * L + r0, h * hd, n, hd);
+          hs.s.noalias() = q * k.transpose();
+          softmax_rows(hs.s, scale);  // P
+          if (drop) {
+            fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
+            hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
+          }
+          if (want_out) o.noalias() = (drop ? hs.pd : hs.s) * val;  // O, for dWout alone
+          if (!want_dqkv) return;
+          auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
+          auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
+          // Range r > 0's parts of dv and dk: kept (spread) or added at once (in range order either way).
+          Mat& dv_part = spread && r > 0 ? t.parts[2 * (i * R + r)] : hs.part;
+          Mat& dk_part = spread && r > 0 ? t.parts[2 * (i * R + r) + 1] : hs.part;
+          const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
+          const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
+          if (r == 0) {
+            dv.noalias() = p.transpose() * dO;
+          } else {
+            dv_part.noalias() = p.transpose() * dO;
+            if (!spread) dv += dv_part;
+          }
+          hs.dp.noalias() = dO * val.transpose();   // dP = dO V^T (dPd with dropout)
+          if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
+          // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
+          // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
+          // the reference, where dO_h.o_h, summed in another order, would leave a rounding residue
+          // that dQ = dS K multiplies by |K| (scores of 1e4: 5000x the fp32 reference's error).
+          hs.delta = (hs.s.array() * hs.dp.array()).rowwise().sum();
+          // dS (of the scaled scores) times the scale: both dQ and dK carry it.
+          hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
+          t.dqkv.block(s * L + r0, h * hd, n, hd).noalias() = hs.dp * k;  // dQ
+          if (r == 0) {                                                    // dK = dS^T Q
+            dk.noalias() = hs.dp.transpose() * q;
+          } else {
+            dk_part.noalias() = hs.dp.transpose() * q;
+            if (!spread) dk += dk_part;
           }
         });
+        if (spread && want_dqkv && R > 1)
+          for (int64_t i = 0; i < items; ++i) {
+            const int64_t s = i / heads, h = i % heads;
+            for (int64_t r = 1; r < R; ++r) {
+              t.dqkv.block(s * L, 2 * D + h * hd, L, hd) += t.parts[2 * (i * R + r)];
+              t.dqkv.block(s * L, D + h * hd, L, hd) += t.parts[2 * (i * R + r) + 1];
+            }
+          }
         if (whole) {
           if (want_out) all_o.middleRows(n0 * L, rows) = t.o;
           if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
@@ -361,8 +388,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         for (int64_t s = 0; s < ns; ++s)
           for (int64_t l = 0; l < L; ++l) VecMap(dsrc + v.offset(n0 + s, l), D) = t.g.row(s * L + l);
       }
-    }
-  }
+  });
   if (!any_weight) return;
 
   // Each wanted element: the chunks' partials summed in chunk order.

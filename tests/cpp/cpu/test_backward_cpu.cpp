@@ -135,7 +135,7 @@ TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
 // Block and chunk sizes depend on the shape alone, so the thread count changes who computes
 // a chunk, never what is summed in which order: the results are even bitwise identical. The
 // second shape's row pass is one sequence of 4 heads, whose heads go to the threads within the
-// block (for_heads); its column pass is 300 sequences of one position. The third's one head of
+// block (for_ranges); its column pass is 300 sequences of one position. The third's one head of
 // 600 positions is cut into two query ranges (query_ranges), whose dk and dv parts add in order.
 // The fourth is the shape whose forward is not bitwise the same at 1 and 2 threads
 // (test_cpu_paths.cpp, ThreadCountPromise): its gradients are.

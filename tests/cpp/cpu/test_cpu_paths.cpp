@@ -45,18 +45,19 @@ Fwd forward_branch(int64_t L, int64_t N, int threads) {
   return std::min<int64_t>(threads, blocks) > 1 ? Fwd::kBlocks : Fwd::kOneThread;
 }
 
-// src/cpu/backward_cpu.cpp, blocking and for_heads: blocks of about 128 rows, yet 32 blocks
+// src/cpu/backward_cpu.cpp, blocking and spread_ranges: blocks of about 128 rows, yet 32 blocks
 // where the sequences allow, in at most 64 chunks; a team of min(threads, chunks) takes the
-// chunks; where that is one thread, the (sequence, head) items of each block go to the threads
-// (for_heads) where there are two or more of each. A head of 512 positions or more is taken in
-// query ranges (query_ranges).
-enum class Bwd { kOneThread, kChunks, kHeads };
+// chunks; where that is one thread, the (sequence, head, query range) triples of each block go to
+// the threads (for_ranges) where there are two or more. A head of 512 positions or more is taken
+// in query ranges (query_ranges: min(8, L / 256)).
+enum class Bwd { kOneThread, kChunks, kRanges };
 
 Bwd backward_branch(int64_t L, int64_t N, int64_t heads, int threads) {
   const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(128 / L, N / 32));
   const int64_t blocks = (N + per_block - 1) / per_block, chunks = std::min<int64_t>(blocks, 64);
   if (std::min<int64_t>(threads, chunks) > 1) return Bwd::kChunks;
-  return threads >= 2 && std::min(per_block, N) * heads >= 2 ? Bwd::kHeads : Bwd::kOneThread;
+  const int64_t ranges = L < 512 ? 1 : std::min<int64_t>(8, L / 256);
+  return threads >= 2 && std::min(per_block, N) * heads * ranges >= 2 ? Bwd::kRanges : Bwd::kOneThread;
 }
 
 // src/cpu/backward_cpu.cpp, whole_pass_products: a pass takes its product weight gradients as one
@@ -71,7 +72,7 @@ bool weights_whole_pass(int64_t L, int64_t N, int64_t D) {
 const char* name(Fwd f) {
   return f == Fwd::kOneThread ? "one thread" : f == Fwd::kBlocks ? "blocks" : "few sequences";
 }
-const char* name(Bwd b) { return b == Bwd::kOneThread ? "one thread" : b == Bwd::kChunks ? "chunks" : "heads"; }
+const char* name(Bwd b) { return b == Bwd::kOneThread ? "one thread" : b == Bwd::kChunks ? "chunks" : "ranges"; }
 
 // A case: a shape at a thread count, and the branch each pass takes (row pass: B H sequences of
 // W; column pass: B W sequences of H).
@@ -100,15 +101,15 @@ const PathCase kCases[] = {
     {{3, 16, 16, 64, 4}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
     // One long row (L = 130: two row tiles and a partial one of 2 rows), 130 columns of one.
     {{1, 1, 130, 32, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
-    {{1, 1, 130, 32, 2}, 3, F::kFewSequences, F::kBlocks, B::kHeads, B::kChunks},
+    {{1, 1, 130, 32, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
     // The shape: 200 rows of one position, one column of 200 (a partial tile of 8).
     {{1, 200, 1, 16, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
-    {{1, 200, 1, 16, 2}, 2, F::kBlocks, F::kFewSequences, B::kChunks, B::kHeads},
-    {{1, 200, 1, 16, 2}, 8, F::kBlocks, F::kFewSequences, B::kChunks, B::kHeads},
+    {{1, 200, 1, 16, 2}, 2, F::kBlocks, F::kFewSequences, B::kChunks, B::kRanges},
+    {{1, 200, 1, 16, 2}, 8, F::kBlocks, F::kFewSequences, B::kChunks, B::kRanges},
     // Two rows of exactly two tiles: the few-sequences path walks two sequences.
     {{1, 2, 128, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kChunks, B::kChunks},
     // One row of 64, a single block: one thread although three are there (a tile, not two).
-    {{1, 1, 64, 32, 2}, 3, F::kOneThread, F::kBlocks, B::kHeads, B::kChunks},
+    {{1, 1, 64, 32, 2}, 3, F::kOneThread, F::kBlocks, B::kRanges, B::kChunks},
     // One head of 65: a partial tile of one row; the backward's one item a block stays on one thread.
     {{1, 1, 65, 16, 1}, 3, F::kFewSequences, F::kBlocks, B::kOneThread, B::kChunks},
     // Two rows of 100 at 2 threads: a block each (a team of two); at 3, the few-sequences path.
@@ -116,7 +117,9 @@ const PathCase kCases[] = {
     {{1, 2, 100, 48, 3}, 3, F::kFewSequences, F::kBlocks, B::kChunks, B::kChunks},
     // A head of 520 positions: the backward's two query ranges; nine row tiles in the forward.
     {{1, 1, 520, 16, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
-    {{1, 1, 520, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kHeads, B::kChunks},
+    {{1, 1, 520, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    // One head of 600: its two query ranges go to the two threads (one item, one thread before).
+    {{1, 1, 600, 16, 1}, 2, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
 };
 
 class ThreadCount {
@@ -179,7 +182,7 @@ TEST(CpuPaths, CoversEveryBranch) {
        {"forward one thread at 1 thread", "forward one thread at several threads", "forward blocks at several threads",
         "forward few sequences at several threads", "backward one thread at 1 thread",
         "backward one thread at several threads", "backward chunks at several threads",
-        "backward heads at several threads", "backward query ranges at 1 thread",
+        "backward ranges at several threads", "backward query ranges at 1 thread",
         "backward query ranges at several threads", "backward weights over the whole pass at 1 thread",
         "backward weights over the whole pass at several threads", "backward weights in chunk partials at 1 thread",
         "backward weights in chunk partials at several threads"})
