@@ -88,28 +88,43 @@ struct HeadScratch {
   Eigen::VectorXf delta;
 };
 
-// Whether a block's (item, query range) pairs run across the threads: where the block loop runs
-// on one thread (`outer_team` == 1: few sequences, one long one say) and there are several pairs.
-bool spread_ranges(int outer_team, int64_t pairs) { return outer_team == 1 && max_threads() > 1 && pairs > 1; }
+// How a block's (item, query range) pairs run: one after another on the calling thread; the
+// items across the threads, each item's ranges in order; or the pairs across the threads, each
+// range r > 0 keeping its parts of the item's sums (dk, dv) for the caller to add in range order.
+enum class Spread { kNone, kItems, kPairs };
+
+// Pairs spread where the block loop runs on one thread (`outer_team` == 1: few sequences, one
+// long one say) and there are several; items alone where the kept parts (two (L, hd) matrices a
+// pair) would pass 64 MB. The results are the same bits in every mode.
+Spread spread_ranges(int outer_team, int64_t items, int64_t R, int64_t L, int64_t hd) {
+  if (outer_team > 1 || max_threads() < 2 || items * R < 2) return Spread::kNone;
+  if (R > 1 && 2 * items * R * L * hd * (int64_t)sizeof(float) <= (int64_t{64} << 20)) return Spread::kPairs;
+  return items > 1 ? Spread::kItems : Spread::kNone;
+}
 
 // Runs body(i, r, scratch) for the query ranges r = 0..R-1 (query_ranges) of items i = 0..n-1
-// (a block's (sequence, head) pairs): on the calling thread with its own scratch, item by item
-// and each item's ranges in order, or, where `spread`, the n R pairs across the OpenMP threads,
-// each thread with a scratch of its own. Ranges write disjoint rows; what they add up (dk, dv)
-// the backward adds in range order after them, so the results do not depend on the thread count.
+// (a block's (sequence, head) pairs) as `spread` says, each thread with a scratch of its own.
+// Ranges write disjoint rows, so the results do not depend on the thread count.
 template <class Body>
-void for_ranges(int64_t n, int64_t R, bool spread, HeadScratch& own, const Body& body) {
-  if (!spread) {
+void for_ranges(int64_t n, int64_t R, Spread spread, HeadScratch& own, const Body& body) {
+  if (spread == Spread::kNone) {
     for (int64_t i = 0; i < n; ++i)
       for (int64_t r = 0; r < R; ++r) body(i, r, own);
     return;
   }
-  const int inner = (int)std::min<int64_t>(max_threads(), n * R);
+  const int64_t tasks = spread == Spread::kPairs ? n * R : n;
+  const int inner = (int)std::min<int64_t>(max_threads(), tasks);
 #pragma omp parallel num_threads(inner)
   {
     HeadScratch mine;
 #pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < n * R; ++task) body(task / R, task % R, mine);
+    for (int64_t task = 0; task < tasks; ++task) {
+      if (spread == Spread::kPairs) {
+        body(task / R, task % R, mine);
+      } else {
+        for (int64_t r = 0; r < R; ++r) body(task, r, mine);
+      }
+    }
   }
 }
 
@@ -162,11 +177,12 @@ void gather_norm(const AxisView& v, int64_t n0, int64_t ns, int64_t D, float eps
     }
 }
 
-// Query ranges a (sequence, head) of length L is taken in, one after another: (rows, L) score
-// tiles that stay in cache where a whole (L, L) one would not. A function of L alone, so that what
-// is summed in which order (dk and dv add the ranges' parts in range order) does not depend on the
-// thread count. One below 512 positions.
-int64_t query_ranges(int64_t L) { return L < 512 ? 1 : std::min<int64_t>(8, L / 256); }
+// Query ranges a (sequence, head) of length L is taken in: (rows, L) score tiles that stay in
+// cache where a whole (L, L) one would not, and units that the threads can share when a pass has
+// one long sequence. A function of L alone, so that what is summed in which order (dk and dv add
+// the ranges' parts in range order) does not depend on the thread count: ranges of 64 queries or
+// more, at most 16; one below 128 positions.
+int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, L / 64); }
 
 // softmax(scale * t.s) row by row, in place, max-subtracted as in the forward.
 void softmax_rows(Mat& s, float scale) {
@@ -194,7 +210,7 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
       t.qkv.noalias() = t.y * wqkv.transpose();
       t.o.resize(rows, D);
       const int64_t R = query_ranges(L);
-      for_ranges(ns * heads, R, spread_ranges(team, ns * heads * R), t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+      for_ranges(ns * heads, R, spread_ranges(team, ns * heads, R, L, hd), t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
         const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
         hs.s.noalias() = t.qkv.block(s * L + r0, h * hd, n, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
@@ -303,11 +319,12 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         }
         // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
         // (query_ranges): o and dq row by row; dk and dv, sums over the queries, as the ranges'
-        // parts added in range order. Where the ranges run side by side (spread_ranges), each
+        // parts added in range order. Where the pairs run side by side (Spread::kPairs), each
         // range r > 0 keeps its parts in t.parts, added in range order after them.
         const int64_t R = query_ranges(L), items = ns * heads;
-        const bool spread = spread_ranges(team, items * R);
-        if (spread && want_dqkv && R > 1) t.parts.resize(2 * items * R);
+        const Spread spread = spread_ranges(team, items, R, L, hd);
+        const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
+        if (keep) t.parts.resize(2 * items * R);
         for_ranges(items, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
           const int64_t s = i / heads, h = i % heads;
           const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
@@ -326,15 +343,15 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
           auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
           // Range r > 0's parts of dv and dk: kept (spread) or added at once (in range order either way).
-          Mat& dv_part = spread && r > 0 ? t.parts[2 * (i * R + r)] : hs.part;
-          Mat& dk_part = spread && r > 0 ? t.parts[2 * (i * R + r) + 1] : hs.part;
+          Mat& dv_part = keep && r > 0 ? t.parts[2 * (i * R + r)] : hs.part;
+          Mat& dk_part = keep && r > 0 ? t.parts[2 * (i * R + r) + 1] : hs.part;
           const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
           const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
           if (r == 0) {
             dv.noalias() = p.transpose() * dO;
           } else {
             dv_part.noalias() = p.transpose() * dO;
-            if (!spread) dv += dv_part;
+            if (!keep) dv += dv_part;
           }
           hs.dp.noalias() = dO * val.transpose();   // dP = dO V^T (dPd with dropout)
           if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
@@ -350,10 +367,10 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
             dk.noalias() = hs.dp.transpose() * q;
           } else {
             dk_part.noalias() = hs.dp.transpose() * q;
-            if (!spread) dk += dk_part;
+            if (!keep) dk += dk_part;
           }
         });
-        if (spread && want_dqkv && R > 1)
+        if (keep)
           for (int64_t i = 0; i < items; ++i) {
             const int64_t s = i / heads, h = i % heads;
             for (int64_t r = 1; r < R; ++r) {

@@ -39,7 +39,7 @@ TEST_P(CpuBackward, MatchesDoubleReference) {
 }
 
 // heads 1, 2, 4; head dims 1, 3, 8, 16, 24, 32; L from 1 to 40, and 600 and 1030 (a head's queries
-// in 2 and 4 ranges: query_ranges); H != W; B > 1.
+// in 9 and 16 ranges: query_ranges); H != W; B > 1.
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuBackward,
                          ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 3, 5, 4, 4}, Shape{1, 7, 4, 6, 2},
                                            Shape{2, 5, 9, 16, 2}, Shape{1, 40, 3, 32, 2}, Shape{1, 6, 11, 32, 1},
@@ -136,7 +136,7 @@ TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
 // a chunk, never what is summed in which order: the results are even bitwise identical. The
 // second shape's row pass is one sequence of 4 heads, whose heads go to the threads within the
 // block (for_ranges); its column pass is 300 sequences of one position. The third's one head of
-// 600 positions is cut into two query ranges (query_ranges), whose dk and dv parts add in order.
+// 600 positions is cut into nine query ranges (query_ranges), whose dk and dv parts add in order.
 // The fourth is the shape whose forward is not bitwise the same at 1 and 2 threads
 // (test_cpu_paths.cpp, ThreadCountPromise): its gradients are.
 TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {

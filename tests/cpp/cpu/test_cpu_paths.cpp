@@ -48,15 +48,15 @@ Fwd forward_branch(int64_t L, int64_t N, int threads) {
 // src/cpu/backward_cpu.cpp, blocking and spread_ranges: blocks of about 128 rows, yet 32 blocks
 // where the sequences allow, in at most 64 chunks; a team of min(threads, chunks) takes the
 // chunks; where that is one thread, the (sequence, head, query range) triples of each block go to
-// the threads (for_ranges) where there are two or more. A head of 512 positions or more is taken
-// in query ranges (query_ranges: min(8, L / 256)).
+// the threads (for_ranges) where there are two or more. A head of 128 positions or more is taken
+// in query ranges (query_ranges: min(16, L / 64)).
 enum class Bwd { kOneThread, kChunks, kRanges };
 
 Bwd backward_branch(int64_t L, int64_t N, int64_t heads, int threads) {
   const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(128 / L, N / 32));
   const int64_t blocks = (N + per_block - 1) / per_block, chunks = std::min<int64_t>(blocks, 64);
   if (std::min<int64_t>(threads, chunks) > 1) return Bwd::kChunks;
-  const int64_t ranges = L < 512 ? 1 : std::min<int64_t>(8, L / 256);
+  const int64_t ranges = L < 128 ? 1 : std::min<int64_t>(16, L / 64);
   return threads >= 2 && std::min(per_block, N) * heads * ranges >= 2 ? Bwd::kRanges : Bwd::kOneThread;
 }
 
@@ -115,10 +115,10 @@ const PathCase kCases[] = {
     // Two rows of 100 at 2 threads: a block each (a team of two); at 3, the few-sequences path.
     {{1, 2, 100, 48, 3}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
     {{1, 2, 100, 48, 3}, 3, F::kFewSequences, F::kBlocks, B::kChunks, B::kChunks},
-    // A head of 520 positions: the backward's two query ranges; nine row tiles in the forward.
+    // A head of 520 positions: the backward's eight query ranges; nine row tiles in the forward.
     {{1, 1, 520, 16, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
     {{1, 1, 520, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
-    // One head of 600: its two query ranges go to the two threads (one item, one thread before).
+    // One head of 600: its nine query ranges go to the two threads.
     {{1, 1, 600, 16, 1}, 2, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
 };
 
@@ -166,14 +166,14 @@ INSTANTIATE_TEST_SUITE_P(Branches, CpuPaths, ::testing::ValuesIn(kCases), case_n
 
 // The cases take every branch of each pass, forward and backward, at 1 thread where the branch
 // can run there (the few-sequences path and the backward's teams need two threads or more) and at
-// several threads; and the backward's query ranges (L >= 512) at both.
+// several threads; and the backward's query ranges (L >= 128) at both.
 TEST(CpuPaths, CoversEveryBranch) {
   std::set<std::string> seen;
   for (const PathCase& c : kCases) {
     const std::string at = c.threads == 1 ? " at 1 thread" : " at several threads";
     for (Fwd f : {c.row_fwd, c.col_fwd}) seen.insert(std::string("forward ") + name(f) + at);
     for (Bwd b : {c.row_bwd, c.col_bwd}) seen.insert(std::string("backward ") + name(b) + at);
-    if (std::max(c.shape.H, c.shape.W) >= 512) seen.insert("backward query ranges" + at);
+    if (std::max(c.shape.H, c.shape.W) >= 128) seen.insert("backward query ranges" + at);
     const Shape& s = c.shape;
     for (bool whole : {weights_whole_pass(s.W, s.B * s.H, s.D), weights_whole_pass(s.H, s.B * s.W, s.D)})
       seen.insert(std::string("backward weights ") + (whole ? "over the whole pass" : "in chunk partials") + at);
