@@ -27,8 +27,7 @@ bool staged_can_be_faster(int64_t dim) { return dim > 64; }
 //   kernel pads each sequence to 16 rows and runs one at a time an SM, about
 //   3.5 us a round of `sms` sequences however short; a staged pass costs
 //   about 17 us of chained launches plus its positions' work. It wins from
-//   4 rounds for L <= 4 (4096 sequences of L = 1: 114 -> about 30 us a pass)
-//   and from 8 for L <= 16; at 2 rounds, or L = 8 at 4, the fused kernel
+//   4 rounds for L <= 4 and from 8 for L <= 16; at 2 rounds, or L = 8 at 4, the fused kernel
 //   wins or ties, and at L = 32 it wins at 4 rounds.
 // - otherwise, dim 64 and less: the fused kernel everywhere; its projections
 //   are a small share of its time there.

@@ -132,8 +132,7 @@ size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCa
 // floats (key rows, query columns), L / hd times a (T, D) activation. A pass takes it where that
 // is at least kAttentionScoresMinActivations activations, so that attention matrices are what
 // dominates an eager step's memory (it keeps one a pass and makes two more in its backward) and
-// one more stays below it (measured: a step of (2, 48, 80, 96, 3), L / hd 2.5, went from 0.92 to
-// 1.04 times eager's peak with it; its dq gains a few microseconds), and at most
+// one more stays below it (perf notes v41: the peak memory of (2, 48, 80, 96, 3)'s step), and at most
 // kAttentionScoresMaxActivations activations or kAttentionScoresMinBytes, whichever is larger, so
 // that long sequences recompute rather than take gigabytes.
 constexpr int64_t kAttentionScoresMinActivations = 4;
@@ -157,7 +156,7 @@ struct GemmTiling {
 // the SMs idle or more, with 96 columns where N pads less to a multiple of 96 than of 128. Else
 // 128 rows, and 96 or 128 columns, whichever costs less as rounds x width, a 96-column tile's
 // width weighted 1.15 (its lower rate per column: a thread loads and splits the same A fragments
-// for either width; 1.07 to 1.16 measured on dim 96's products, perf notes v22c); ties go to 128,
+// for either width; perf notes v22c); ties go to 128,
 // and the narrower padding always wins. Then 192 rows instead of 128 where that takes fewer
 // rounds by more than a 192-row tile's extra cost (1.22 a k-step, perf notes v49).
 GemmTiling gemm_tiling(int64_t M, int64_t N, int sms);
