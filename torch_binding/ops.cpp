@@ -15,12 +15,25 @@ namespace {
 
 const char* const kWeightNames[5] = {"norm_weight", "norm_bias", "qkv_weight", "out_weight", "out_bias"};
 
+// A dtype as Python spells it, for messages.
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
+bool low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
 // The weight's name is `axis` + kWeightNames[i] ("row_", "col_"); the checks'
 // messages are built only when one fails, as every call checks ten weights.
 void check_weight(const at::Tensor& w, const char* axis, const char* name, at::IntArrayRef shape,
                   const at::Tensor& x) {
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat, "fastaxial.axial_attention: ", axis, name,
-                   " must be float32 like x, got ", w.scalar_type());
+  TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), "fastaxial.axial_attention: ", axis, name, " must be ",
+                   dtype_name(x.scalar_type()), " like x, got ", dtype_name(w.scalar_type()));
   TORCH_CHECK(w.device() == x.device(), "fastaxial.axial_attention: ", axis, name, " is on ", w.device(),
               " but x is on ", x.device());
   TORCH_CHECK_VALUE(w.sizes() == shape, "fastaxial.axial_attention: ", axis, name, " must have shape ", shape,
@@ -48,8 +61,11 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
   check_dropout(dropout, op);
   TORCH_CHECK_VALUE(x.dim() == 4, "fastaxial.axial_attention: x must have 4 dimensions (B, H, W, D), got ",
                     x.dim(), " with shape ", x.sizes());
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "fastaxial.axial_attention: x must be float32, got ",
-                   x.scalar_type(), " (other dtypes are not supported yet)");
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || (low_precision(dtype) && x.is_cpu()), "fastaxial.axial_attention: x must be "
+                   "float32, got ", dtype_name(dtype),
+                   low_precision(dtype) ? " (on the CPU, bfloat16 and float16 run as fp32 math; on CUDA not yet)"
+                                        : " (float32 on any device; bfloat16 and float16 on the CPU)");
   const int64_t D = x.size(3);
   // x's last dimension against the weights' before the heads: a wrong x is the likelier mistake.
   TORCH_CHECK_VALUE(row_norm_weight.dim() != 1 || row_norm_weight.size(0) == D, "fastaxial.axial_attention: x's last ",
@@ -71,6 +87,12 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
       check_weight(*given[axis][i], axis == 0 ? "row_" : "col_", kWeightNames[i], shapes[i], x);
       (axis == 0 ? c.row : c.col)[i] = given[axis][i]->contiguous();
     }
+  if (dtype != at::kFloat) {  // fp32 math on 16-bit storage (the CPU): float32 copies
+    c.dtype = dtype;
+    c.x = c.x.to(at::kFloat);
+    for (auto* w : {&c.row, &c.col})
+      for (at::Tensor& t : *w) t = t.to(at::kFloat);
+  }
   check_rng_state(rng_state, c.x, op);
   c.dropout = dropout;
   return c;
@@ -79,12 +101,12 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
 BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const std::array<bool, 11>& output_mask) {
   TORCH_CHECK_VALUE(grad_out.sizes() == c.x.sizes(), "fastaxial.axial_attention_backward: grad_out must have x's "
                     "shape ", c.x.sizes(), ", got ", grad_out.sizes());
-  TORCH_CHECK_TYPE(grad_out.scalar_type() == at::kFloat, "fastaxial.axial_attention_backward: grad_out must be "
-                   "float32, got ", grad_out.scalar_type());
+  TORCH_CHECK_TYPE(grad_out.scalar_type() == c.dtype, "fastaxial.axial_attention_backward: grad_out must be ",
+                   dtype_name(c.dtype), " like x, got ", dtype_name(grad_out.scalar_type()));
   TORCH_CHECK(grad_out.device() == c.x.device(), "fastaxial.axial_attention_backward: grad_out is on ",
               grad_out.device(), " but x is on ", c.x.device());
   BackwardCall b;
-  b.grad_out = grad_out.contiguous();
+  b.grad_out = grad_out.to(at::kFloat).contiguous();  // (no copy where it is float32 and contiguous)
   b.grads.grad_out = b.grad_out.data_ptr<float>();
   float** slots[11] = {&b.grads.grad_x,         &b.grads.row.norm_weight, &b.grads.row.norm_bias,
                        &b.grads.row.qkv_weight, &b.grads.row.out_weight,  &b.grads.row.out_bias,

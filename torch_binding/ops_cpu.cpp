@@ -1,4 +1,5 @@
-// CPU kernels of fastaxial::axial_attention, its training forward and its backward. Dropout's
+// CPU kernels of fastaxial::axial_attention, its training forward and its backward, for float32,
+// and for bfloat16 and float16 as fp32 math on float32 copies (check_call). Dropout's
 // seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
 // offset is 0, unless the call passes its own (`rng_state`); the training forward keeps the pair
 // in its 16-byte `saved` for the backward.
@@ -35,15 +36,15 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
   p->offset = 0;
 }
 
-// out = the forward of the call; the dropout state drawn into *p.
+// out = the forward of the call, in the caller's dtype; the dropout state drawn into *p.
 at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op) {
-  at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
+  at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);  // float32, as c.x
   *p = c.params(out);
-  if (out.numel() == 0) return out;  // nothing drawn, as on CUDA
+  if (out.numel() == 0) return out.to(c.dtype);  // nothing drawn, as on CUDA
   draw_dropout_seed(p, rng_state);
   const Status s = forward_cpu(*p);
   TORCH_CHECK(s.ok(), op, " (CPU): ", s.message);
-  return out;
+  return out.to(c.dtype);  // (out itself where the call is float32)
 }
 
 at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
@@ -97,6 +98,7 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   const Status s = backward_cpu(p, b.grads);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CPU): ", s.message);
+  for (at::Tensor& t : b.outputs) t = t.to(c.dtype);  // the gradients in the inputs' dtype
   return b.outputs;
 }
 

@@ -67,6 +67,7 @@ _SLOT_INDEX = tuple(_SLOT_MODULES.index(m) for m, _ in reference._WEIGHT_NAMES) 
 # forward() spells this layout out:
 assert _SLOT_INDEX == (0, 0, 1, 2, 2, 3, 3, 4, 5, 5) and _PARAM_NAMES == ("weight", "bias", "weight", "weight", "bias") * 2
 _Tensor, _FLOAT32 = torch.Tensor, torch.float32  # read per call: one global each, not torch and an attribute
+_CPU_16BIT = (torch.bfloat16, torch.float16)  # fp32 math on 16-bit storage in the CPU kernels
 
 
 class AxialAttention(reference.AxialAttentionReference):
@@ -78,8 +79,9 @@ class AxialAttention(reference.AxialAttentionReference):
     flow through the operator's autograd kernel. Attention dropout in training
     mode runs in the fused kernels, its mask drawn from PyTorch's default
     generator of x's device (torch.manual_seed fixes it; it is not the
-    reference's nn.Dropout mask). Inputs the fused kernels do not serve yet (a
-    dtype other than float32, a device without a kernel, different LayerNorm
+    reference's nn.Dropout mask). bfloat16 and float16 modules run the CPU
+    kernels as fp32 math on their 16-bit storage. Inputs the fused kernels do
+    not serve yet (float64, 16-bit dtypes on CUDA, a device without a kernel, different LayerNorm
     epsilons per axis, dropout on CUDA with head_dim above 256, dropout in a
     build without Random123) run the reference math instead, with a warning
     the first time. Under torch.compile, each call's mask comes from a random
@@ -96,7 +98,9 @@ class AxialAttention(reference.AxialAttentionReference):
     def forward(self, x):
         mods = self._modules
         eps = mods["row_norm"].eps
-        if (isinstance(x, _Tensor) and x.dtype is _FLOAT32 and (_HAS_CUDA and x.is_cuda or _HAS_CPU and x.is_cpu)
+        if (isinstance(x, _Tensor)
+                and (x.dtype is _FLOAT32 and (_HAS_CUDA and x.is_cuda or _HAS_CPU and x.is_cpu)
+                     or _HAS_CPU and x.is_cpu and x.dtype in _CPU_16BIT)
                 and eps == mods["col_norm"].eps):
             p = mods["dropout"].p if self.training else 0.0  # attention dropout, in the kernels
             if p > 0 and not self._dropout_supported(x):
@@ -120,6 +124,10 @@ class AxialAttention(reference.AxialAttentionReference):
                 if err is None:
                     raise
                 raise err from None
+            except TypeError:  # a dtype the operator refused: the module's message names both and the way out
+                if x.dtype is _FLOAT32:
+                    raise
+                return self._reference_forward(x)
         return self._reference_forward(x)
 
     def _call_error(self, x, norm_weight):
@@ -214,7 +222,9 @@ class AxialAttention(reference.AxialAttentionReference):
             return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
                     f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:
-            return f"dtype {x.dtype} is not supported yet (float32 is)"
+            if x.dtype in _CPU_16BIT:
+                return f"dtype {x.dtype} on {x.device.type} is not supported yet (float32 is; {x.dtype} on the CPU)"
+            return f"dtype {x.dtype} is not supported yet (float32 is; bfloat16 and float16 on the CPU)"
         if not ops.has_kernel(x.device.type):
             return f"no fastaxial kernel for device type '{x.device.type}' in this build"
         return "row_norm and col_norm have different eps"

@@ -48,16 +48,30 @@ def test_zero_heads(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_unsupported_dtype(device, dtype):
+    # x and the weights all of dtype: float64 is refused everywhere, the 16-bit dtypes on CUDA.
+    a = args_for(device)
+    a[:11] = [t.to(dtype) for t in a[:11]]
+    if device.type == "cpu" and dtype is not torch.float64:
+        assert OP(*a).dtype is dtype  # the CPU runs them as fp32 math (test_low_precision.py)
+        return
+    with pytest.raises(TypeError, match=rf"x must be float32, got {dtype}"):
+        OP(*a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_x_dtype_other_than_the_weights(device, dtype):
     a = args_for(device)
     a[0] = a[0].to(dtype)
-    with pytest.raises(TypeError, match="x must be float32"):
+    want = (rf"row_norm_weight must be {dtype} like x, got torch.float32" if device.type == "cpu"
+            else rf"x must be float32, got {dtype}")
+    with pytest.raises(TypeError, match=want):
         OP(*a)
 
 
 def test_weight_dtype(device):
     a = args_for(device)
     a[3] = a[3].double()
-    with pytest.raises(TypeError, match="row_qkv_weight must be float32"):
+    with pytest.raises(TypeError, match="row_qkv_weight must be torch.float32 like x, got torch.float64"):
         OP(*a)
 
 
