@@ -67,7 +67,9 @@ _SLOT_INDEX = tuple(_SLOT_MODULES.index(m) for m, _ in reference._WEIGHT_NAMES) 
 # forward() spells this layout out:
 assert _SLOT_INDEX == (0, 0, 1, 2, 2, 3, 3, 4, 5, 5) and _PARAM_NAMES == ("weight", "bias", "weight", "weight", "bias") * 2
 _Tensor, _FLOAT32 = torch.Tensor, torch.float32  # read per call: one global each, not torch and an attribute
-_CPU_16BIT = (torch.bfloat16, torch.float16)  # fp32 math on 16-bit storage in the CPU kernels
+# fp32 math on 16-bit storage in the CPU kernels. Not bfloat16: PyTorch's own bfloat16 products
+# beat that fp32 math on some shapes of CPUs that have them (perf notes v58); the operator takes it.
+_CPU_16BIT = (torch.float16,)
 
 
 class AxialAttention(reference.AxialAttentionReference):
@@ -79,9 +81,9 @@ class AxialAttention(reference.AxialAttentionReference):
     flow through the operator's autograd kernel. Attention dropout in training
     mode runs in the fused kernels, its mask drawn from PyTorch's default
     generator of x's device (torch.manual_seed fixes it; it is not the
-    reference's nn.Dropout mask). bfloat16 and float16 modules run the CPU
-    kernels as fp32 math on their 16-bit storage. Inputs the fused kernels do
-    not serve yet (float64, 16-bit dtypes on CUDA, a device without a kernel, different LayerNorm
+    reference's nn.Dropout mask). float16 modules run the CPU kernels as fp32
+    math on their 16-bit storage. Inputs the fused kernels do not serve yet
+    (float64, bfloat16, float16 on CUDA, a device without a kernel, different LayerNorm
     epsilons per axis, dropout on CUDA with head_dim above 256, dropout in a
     build without Random123) run the reference math instead, with a warning
     the first time. Under torch.compile, each call's mask comes from a random
@@ -222,9 +224,13 @@ class AxialAttention(reference.AxialAttentionReference):
             return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
                     f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:
+            if x.dtype is torch.bfloat16 and x.is_cpu:
+                return ("dtype torch.bfloat16 runs the reference math on the CPU: the fused kernels would run it as "
+                        "fp32 math, slower than PyTorch's bfloat16 products on some shapes; "
+                        "fastaxial.ops.axial_attention runs them anyway")
             if x.dtype in _CPU_16BIT:
                 return f"dtype {x.dtype} on {x.device.type} is not supported yet (float32 is; {x.dtype} on the CPU)"
-            return f"dtype {x.dtype} is not supported yet (float32 is; bfloat16 and float16 on the CPU)"
+            return f"dtype {x.dtype} is not supported yet (float32 is; float16 on the CPU)"
         if not ops.has_kernel(x.device.type):
             return f"no fastaxial kernel for device type '{x.device.type}' in this build"
         return "row_norm and col_norm have different eps"
