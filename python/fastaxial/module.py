@@ -109,6 +109,8 @@ class AxialAttention(reference.AxialAttentionReference):
                 return self._reference_forward(x)
             slots = self.__dict__.get("_slots") or self._weight_slots()
             rn, rq, ro, cn, cq, co = slots
+            if x.dtype is not _FLOAT32 and any(w.dtype is not x.dtype for w in self.weights()):
+                return self._reference_forward(x)  # its error names both dtypes
             # One call site (torch.jit.trace compares the source lines of two traces), ten subscripts
             # straight into it: 0.25 us fewer than map() and a * unpacking.
             try:
@@ -195,14 +197,16 @@ class AxialAttention(reference.AxialAttentionReference):
             weights = self.weights()
             if not x.is_floating_point():
                 raise TypeError(f"fastaxial.AxialAttention: x is {x.dtype}, but fastaxial takes float32 input: pass "
-                                "x.float(), which runs the fused kernels. (A module converted to float64, float16 "
-                                "or bfloat16 with module.to(dtype) takes x of that dtype and runs the reference "
-                                "PyTorch math instead, with a warning.)")
+                                "x.float(), which runs the fused kernels. (A module converted with "
+                                "module.to(dtype) takes x of that dtype: float16 runs the fused CPU kernels, "
+                                "float64 and bfloat16 the reference PyTorch math, with a warning.)")
             mismatch = next((w.dtype for w in weights if w.dtype != x.dtype), None)
             if mismatch is not None:
                 if mismatch is torch.float32:
+                    runs = (f"the fused CPU kernels in {x.dtype}" if x.is_cpu and x.dtype in _CPU_16BIT
+                            else f"the reference PyTorch math in {x.dtype}, with a warning")
                     fix = (f"pass x.float(), which runs the fused kernels; or convert the module, "
-                           f"module.to({x.dtype}), to run the reference PyTorch math in {x.dtype}, with a warning")
+                           f"module.to({x.dtype}), to run {runs}")
                 else:
                     fix = (f"convert both to float32 (module.float(), x.float()) to run the fused kernels, or x to "
                            f"the weights' dtype (x.to({mismatch})) to run the reference PyTorch math, with a warning")
@@ -228,9 +232,8 @@ class AxialAttention(reference.AxialAttentionReference):
                 return ("dtype torch.bfloat16 runs the reference math on the CPU: the fused kernels would run it as "
                         "fp32 math, slower than PyTorch's bfloat16 products on some shapes; "
                         "fastaxial.ops.axial_attention runs them anyway")
-            if x.dtype in _CPU_16BIT:
-                return f"dtype {x.dtype} on {x.device.type} is not supported yet (float32 is; {x.dtype} on the CPU)"
-            return f"dtype {x.dtype} is not supported yet (float32 is; float16 on the CPU)"
+            if not (x.dtype in _CPU_16BIT and x.is_cpu):  # (float16 on the CPU: the kernels serve it)
+                return f"dtype {x.dtype} is not supported yet (float32 is; float16 on the CPU)"
         if not ops.has_kernel(x.device.type):
             return f"no fastaxial kernel for device type '{x.device.type}' in this build"
         return "row_norm and col_norm have different eps"

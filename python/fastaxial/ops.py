@@ -180,6 +180,9 @@ def _(x, *args):
     torch._check(x.dim() == 4, lambda: f"fastaxial.axial_attention: x must have 4 dimensions, got {x.dim()}")
     torch._check(x.dtype == torch.float32 or x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16),
                  lambda: f"fastaxial.axial_attention: x must be float32, got {x.dtype}")
+    for w in args[:10]:
+        torch._check(w.dtype == x.dtype, lambda: f"fastaxial.axial_attention: the weights must be {x.dtype} like x, "
+                     f"got {w.dtype}")
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 

@@ -108,3 +108,21 @@ def test_opcheck_in_16_bits(dtype):
         rng = torch.tensor([5, 0], dtype=torch.int64)
         torch.library.opcheck(torch.ops.fastaxial.axial_attention_training.default,
                               (x.detach(), *[t.detach() for t in w], 2, 1e-5, 0.1, rng))
+
+
+def test_messages_in_16_bits():
+    """A float16 module that falls back for another reason names that reason; a float16 x with a
+    float32 module says what each fix runs; the fake kernel checks the weights' dtype too."""
+    m = fastaxial.AxialAttention(32, 4, 6, 7).half()
+    m.col_norm.eps = 1e-3
+    with pytest.warns(UserWarning, match="row_norm and col_norm have different eps"):
+        m(torch.randn(2, 6, 7, 32).half())
+    with pytest.raises(TypeError, match=r"x is torch.float16 but the weights are torch.float32: .*module.to\("
+                                        r"torch.float16\), to run the fused CPU kernels in torch.float16"):
+        fastaxial.AxialAttention(32, 4, 6, 7)(torch.randn(2, 6, 7, 32).half())
+    shapes = [tuple(w.shape) for w in fastaxial.AxialAttention(32, 4, 6, 7).weights()]
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        x = torch.empty(2, 6, 7, 32, dtype=torch.float16)
+        fake = [torch.empty(shape) for shape in shapes]  # float32
+        with pytest.raises(RuntimeError, match="the weights must be torch.float16 like x, got torch.float32"):
+            torch.ops.fastaxial.axial_attention(x, *fake, 4, 1e-5)
