@@ -94,11 +94,12 @@ struct HeadScratch {
 enum class Spread { kNone, kItems, kPairs };
 
 // Pairs spread where the block loop runs on one thread (`outer_team` == 1: few sequences, one
-// long one say) and there are several; items alone where the kept parts (two (L, hd) matrices a
-// pair) would pass 64 MB. The results are the same bits in every mode.
-Spread spread_ranges(int outer_team, int64_t items, int64_t R, int64_t L, int64_t hd) {
+// long one say) and there are several; items alone where the parts the pairs keep (pair_bytes
+// each: the backward's two (L, hd) matrices, none in the forward) would pass 64 MB. The results
+// are the same bits in every mode.
+Spread spread_ranges(int outer_team, int64_t items, int64_t R, int64_t pair_bytes) {
   if (outer_team > 1 || max_threads() < 2 || items * R < 2) return Spread::kNone;
-  if (R > 1 && 2 * items * R * L * hd * (int64_t)sizeof(float) <= (int64_t{64} << 20)) return Spread::kPairs;
+  if (R > 1 && items * R * pair_bytes <= (int64_t{64} << 20)) return Spread::kPairs;
   return items > 1 ? Spread::kItems : Spread::kNone;
 }
 
@@ -139,7 +140,7 @@ struct Scratch {
 // Runs body(i, scratch) for i = 0..n-1 on a team of `team` threads (dynamic schedule), each with
 // a Scratch of its own. A team of one runs on the calling thread outside any parallel region:
 // the regions for_ranges opens inside must not be nested in another (nested, they cost more than
-// the threads gained: perf notes v56).
+// the threads gained: perf notes v57).
 template <class Body>
 void for_blocks(int64_t n, int team, const Body& body) {
   if (team <= 1) {
@@ -210,7 +211,7 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
       t.qkv.noalias() = t.y * wqkv.transpose();
       t.o.resize(rows, D);
       const int64_t R = query_ranges(L);
-      for_ranges(ns * heads, R, spread_ranges(team, ns * heads, R, L, hd), t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+      for_ranges(ns * heads, R, spread_ranges(team, ns * heads, R, 0), t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
         const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
         hs.s.noalias() = t.qkv.block(s * L + r0, h * hd, n, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
@@ -322,7 +323,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         // parts added in range order. Where the pairs run side by side (Spread::kPairs), each
         // range r > 0 keeps its parts in t.parts, added in range order after them.
         const int64_t R = query_ranges(L), items = ns * heads;
-        const Spread spread = spread_ranges(team, items, R, L, hd);
+        const Spread spread = spread_ranges(team, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
         const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
         if (keep) t.parts.resize(2 * items * R);
         for_ranges(items, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
