@@ -206,26 +206,27 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
   const Blocking bk = blocking(v);
   const int team = (int)std::min<int64_t>(max_threads(), bk.num_blocks);
   for_blocks(bk.num_blocks, team, [&](int64_t blk, Scratch& t) {
-      const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
-      gather_norm(v, n0, ns, D, eps, w, src, t);
-      t.qkv.noalias() = t.y * wqkv.transpose();
-      t.o.resize(rows, D);
-      const int64_t R = query_ranges(L);
-      for_ranges(ns * heads, R, spread_ranges(team, ns * heads, R, 0), t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
-        const int64_t s = i / heads, h = i % heads;
-        const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
-        hs.s.noalias() = t.qkv.block(s * L + r0, h * hd, n, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
-        softmax_rows(hs.s, scale);
-        if (drop) {
-          fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
-          hs.s.array() *= hs.m.array();  // Pd
-        }
-        t.o.block(s * L + r0, h * hd, n, hd).noalias() = hs.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
-      });
-      t.x.noalias() += t.o * wout.transpose();
-      t.x.rowwise() += bout;
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
+    const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
+    gather_norm(v, n0, ns, D, eps, w, src, t);
+    t.qkv.noalias() = t.y * wqkv.transpose();
+    t.o.resize(rows, D);
+    const int64_t R = query_ranges(L);
+    const Spread spread = spread_ranges(team, ns * heads, R, 0);  // (no parts kept)
+    for_ranges(ns * heads, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+      const int64_t s = i / heads, h = i % heads;
+      const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
+      hs.s.noalias() = t.qkv.block(s * L + r0, h * hd, n, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
+      softmax_rows(hs.s, scale);
+      if (drop) {
+        fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
+        hs.s.array() *= hs.m.array();  // Pd
+      }
+      t.o.block(s * L + r0, h * hd, n, hd).noalias() = hs.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+    });
+    t.x.noalias() += t.o * wout.transpose();
+    t.x.rowwise() += bout;
+    for (int64_t s = 0; s < ns; ++s)
+      for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
   });
 }
 
@@ -295,117 +296,117 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
 
   const int team = (int)std::min<int64_t>(max_threads(), bk.num_chunks);
   for_blocks(bk.num_chunks, team, [&](int64_t c, Scratch& t) {
-      float* part = any_weight && !whole ? partials.data() + c * lay.size : nullptr;
-      double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
-      for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
-        const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
-        // The gradient of the block's outputs, (rows, D).
-        t.g.resize(rows, D);
-        for (int64_t s = 0; s < ns; ++s)
-          for (int64_t l = 0; l < L; ++l) t.g.row(s * L + l) = ConstVec(dout + v.offset(n0 + s, l), D);
-        if (whole && want_out) all_g.middleRows(n0 * L, rows) = t.g;  // (t.g becomes dsrc below)
-        // Column sums row by row, each element in row order (add_row; Eigen's colwise().sum()
-        // picks scalar or packet code by the destination's alignment, and the two add in
-        // different orders, which would make the result depend on where malloc put the partials).
-        if (want_bout)
-          for (int64_t r = 0; r < rows; ++r) add_row(col + lay.bout, t.g.row(r), D);
-        if (!want_o) continue;
+    float* part = any_weight && !whole ? partials.data() + c * lay.size : nullptr;
+    double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
+    for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
+      const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
+      // The gradient of the block's outputs, (rows, D).
+      t.g.resize(rows, D);
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t l = 0; l < L; ++l) t.g.row(s * L + l) = ConstVec(dout + v.offset(n0 + s, l), D);
+      if (whole && want_out) all_g.middleRows(n0 * L, rows) = t.g;  // (t.g becomes dsrc below)
+      // Column sums row by row, each element in row order (add_row; Eigen's colwise().sum()
+      // picks scalar or packet code by the destination's alignment, and the two add in
+      // different orders, which would make the result depend on where malloc put the partials).
+      if (want_bout)
+        for (int64_t r = 0; r < rows; ++r) add_row(col + lay.bout, t.g.row(r), D);
+      if (!want_o) continue;
 
-        gather_norm(v, n0, ns, D, eps, w, src, t);
-        t.qkv.noalias() = t.y * wqkv.transpose();
-        t.o.resize(rows, D);
-        if (want_dqkv) {
-          t.dO.noalias() = t.g * wout;  // (rows, D)
-          t.dqkv.resize(rows, 3 * D);
-        }
-        // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
-        // (query_ranges): o and dq row by row; dk and dv, sums over the queries, as the ranges'
-        // parts added in range order. Where the pairs run side by side (Spread::kPairs), each
-        // range r > 0 keeps its parts in t.parts, added in range order after them.
-        const int64_t R = query_ranges(L), items = ns * heads;
-        const Spread spread = spread_ranges(team, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
-        const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
-        if (keep) t.parts.resize(2 * items * R);
-        for_ranges(items, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
-          const int64_t s = i / heads, h = i % heads;
-          const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
-          const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
-          const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
-          const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
-          auto o = t.o.block(s * L + r0, h * hd, n, hd);
-          hs.s.noalias() = q * k.transpose();
-          softmax_rows(hs.s, scale);  // P
-          if (drop) {
-            fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
-            hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
-          }
-          if (want_out) o.noalias() = (drop ? hs.pd : hs.s) * val;  // O, for dWout alone
-          if (!want_dqkv) return;
-          auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
-          auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
-          // Range r > 0's parts of dv and dk: kept (spread) or added at once (in range order either way).
-          Mat& dv_part = keep && r > 0 ? t.parts[2 * (i * R + r)] : hs.part;
-          Mat& dk_part = keep && r > 0 ? t.parts[2 * (i * R + r) + 1] : hs.part;
-          const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
-          const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
-          if (r == 0) {
-            dv.noalias() = p.transpose() * dO;
-          } else {
-            dv_part.noalias() = p.transpose() * dO;
-            if (!keep) dv += dv_part;
-          }
-          hs.dp.noalias() = dO * val.transpose();   // dP = dO V^T (dPd with dropout)
-          if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
-          // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
-          // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
-          // the reference, where dO_h.o_h, summed in another order, would leave a rounding residue
-          // that dQ = dS K multiplies by |K| (scores of 1e4: 5000x the fp32 reference's error).
-          hs.delta = (hs.s.array() * hs.dp.array()).rowwise().sum();
-          // dS (of the scaled scores) times the scale: both dQ and dK carry it.
-          hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
-          t.dqkv.block(s * L + r0, h * hd, n, hd).noalias() = hs.dp * k;  // dQ
-          if (r == 0) {                                                    // dK = dS^T Q
-            dk.noalias() = hs.dp.transpose() * q;
-          } else {
-            dk_part.noalias() = hs.dp.transpose() * q;
-            if (!keep) dk += dk_part;
-          }
-        });
-        if (keep)
-          for (int64_t i = 0; i < items; ++i) {
-            const int64_t s = i / heads, h = i % heads;
-            for (int64_t r = 1; r < R; ++r) {
-              t.dqkv.block(s * L, 2 * D + h * hd, L, hd) += t.parts[2 * (i * R + r)];
-              t.dqkv.block(s * L, D + h * hd, L, hd) += t.parts[2 * (i * R + r) + 1];
-            }
-          }
-        if (whole) {
-          if (want_out) all_o.middleRows(n0 * L, rows) = t.o;
-          if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
-        } else {
-          if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
-          if (want_qkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
-        }
-        if (!want_dqkv) continue;
-        if (!want_dy) continue;
-        t.dy.noalias() = t.dqkv * wqkv;  // (rows, D)
-        for (int64_t r = 0; r < rows; ++r) {
-          if (want_g) add_row(col + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
-          if (want_b) add_row(col + lay.b, t.dy.row(r), D);
-        }
-        if (!want_dx) continue;
-        // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
-        const float inv_d = 1.0f / static_cast<float>(D);
-        for (int64_t r = 0; r < rows; ++r) {
-          auto dxhat = t.dy.row(r);
-          dxhat.array() *= gamma.array();
-          const float m1 = dxhat.sum() * inv_d;
-          const float m2 = dxhat.dot(t.xhat.row(r)) * inv_d;
-          t.g.row(r).array() += t.rstd(r) * (dxhat.array() - m1 - t.xhat.row(r).array() * m2);
-        }
-        for (int64_t s = 0; s < ns; ++s)
-          for (int64_t l = 0; l < L; ++l) VecMap(dsrc + v.offset(n0 + s, l), D) = t.g.row(s * L + l);
+      gather_norm(v, n0, ns, D, eps, w, src, t);
+      t.qkv.noalias() = t.y * wqkv.transpose();
+      t.o.resize(rows, D);
+      if (want_dqkv) {
+        t.dO.noalias() = t.g * wout;  // (rows, D)
+        t.dqkv.resize(rows, 3 * D);
       }
+      // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
+      // (query_ranges): o and dq row by row; dk and dv, sums over the queries, as the ranges'
+      // parts added in range order. Where the pairs run side by side (Spread::kPairs), each
+      // range r > 0 keeps its parts in t.parts, added in range order after them.
+      const int64_t R = query_ranges(L), items = ns * heads;
+      const Spread spread = spread_ranges(team, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
+      const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
+      if (keep) t.parts.resize(2 * items * R);
+      for_ranges(items, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+        const int64_t s = i / heads, h = i % heads;
+        const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
+        const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+        const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
+        const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
+        auto o = t.o.block(s * L + r0, h * hd, n, hd);
+        hs.s.noalias() = q * k.transpose();
+        softmax_rows(hs.s, scale);  // P
+        if (drop) {
+          fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
+          hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
+        }
+        if (want_out) o.noalias() = (drop ? hs.pd : hs.s) * val;  // O, for dWout alone
+        if (!want_dqkv) return;
+        auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
+        auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
+        // Range r > 0's parts of dv and dk: kept (spread) or added at once (in range order either way).
+        Mat& dv_part = keep && r > 0 ? t.parts[2 * (i * R + r)] : hs.part;
+        Mat& dk_part = keep && r > 0 ? t.parts[2 * (i * R + r) + 1] : hs.part;
+        const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
+        const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
+        if (r == 0) {
+          dv.noalias() = p.transpose() * dO;
+        } else {
+          dv_part.noalias() = p.transpose() * dO;
+          if (!keep) dv += dv_part;
+        }
+        hs.dp.noalias() = dO * val.transpose();   // dP = dO V^T (dPd with dropout)
+        if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
+        // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
+        // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
+        // the reference, where dO_h.o_h, summed in another order, would leave a rounding residue
+        // that dQ = dS K multiplies by |K| (scores of 1e4: 5000x the fp32 reference's error).
+        hs.delta = (hs.s.array() * hs.dp.array()).rowwise().sum();
+        // dS (of the scaled scores) times the scale: both dQ and dK carry it.
+        hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
+        t.dqkv.block(s * L + r0, h * hd, n, hd).noalias() = hs.dp * k;  // dQ
+        if (r == 0) {                                                    // dK = dS^T Q
+          dk.noalias() = hs.dp.transpose() * q;
+        } else {
+          dk_part.noalias() = hs.dp.transpose() * q;
+          if (!keep) dk += dk_part;
+        }
+      });
+      if (keep)
+        for (int64_t i = 0; i < items; ++i) {
+          const int64_t s = i / heads, h = i % heads;
+          for (int64_t r = 1; r < R; ++r) {
+            t.dqkv.block(s * L, 2 * D + h * hd, L, hd) += t.parts[2 * (i * R + r)];
+            t.dqkv.block(s * L, D + h * hd, L, hd) += t.parts[2 * (i * R + r) + 1];
+          }
+        }
+      if (whole) {
+        if (want_out) all_o.middleRows(n0 * L, rows) = t.o;
+        if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
+      } else {
+        if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
+        if (want_qkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
+      }
+      if (!want_dqkv) continue;
+      if (!want_dy) continue;
+      t.dy.noalias() = t.dqkv * wqkv;  // (rows, D)
+      for (int64_t r = 0; r < rows; ++r) {
+        if (want_g) add_row(col + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
+        if (want_b) add_row(col + lay.b, t.dy.row(r), D);
+      }
+      if (!want_dx) continue;
+      // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
+      const float inv_d = 1.0f / static_cast<float>(D);
+      for (int64_t r = 0; r < rows; ++r) {
+        auto dxhat = t.dy.row(r);
+        dxhat.array() *= gamma.array();
+        const float m1 = dxhat.sum() * inv_d;
+        const float m2 = dxhat.dot(t.xhat.row(r)) * inv_d;
+        t.g.row(r).array() += t.rstd(r) * (dxhat.array() - m1 - t.xhat.row(r).array() * m2);
+      }
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t l = 0; l < L; ++l) VecMap(dsrc + v.offset(n0 + s, l), D) = t.g.row(s * L + l);
+    }
   });
   if (!any_weight) return;
 
