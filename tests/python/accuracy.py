@@ -63,8 +63,8 @@ reported:
   test_extreme_inputs.py); and test_properties.py's dropout property found (B, H, W, D, heads) =
   (1, 1, 1, 8, 8) with p 0.01, where row_norm.weight's gradient errs by 1.03e-6 against the fp32
   reference's 2.17e-7 (the bound 2 * FLOOR = 1e-6): one position, head dim 1, every gradient a
-  chain of short 3xTF32 products. Open (issue 36's LayerNorm gradients). A TF32 split that rounds
-  its lo part passes it (measured on the H200), at 4 to 7% of speed (perf notes v56).
+  chain of short 3xTF32 products. The cause was the split's lo part, which the tensor core
+  truncated; the projection products now round it (perf notes v59), and the case passes.
 """
 
 import copy

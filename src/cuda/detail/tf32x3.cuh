@@ -30,13 +30,38 @@ struct FragB {  // an 8 x 8 operand, split
 // lo = x - hi below is NaN, so a product with it still is.
 __device__ __forceinline__ uint32_t to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 
+// x rounded to TF32, ties to even, NaN kept: one F2FP instruction on sm_90
+// (cvt.rn.tf32.f32), cvt.rna before it. Conversions issue at a fraction of
+// the integer rate, so hi above stays on to_tf32.
+__device__ __forceinline__ uint32_t to_tf32_rn(float x) {
+  uint32_t r;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+#else
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+#endif
+  return r;
+}
+
 // hi = x rounded to TF32; lo = x - hi, exact in fp32 and left there: the
-// tensor core reads only the top 10 mantissa bits of a TF32 operand, and
-// truncating lo instead of rounding it changes no product measurably
-// (scripts/emulate_tf32x3.py). Three instructions per element.
+// tensor core reads only the top 10 mantissa bits of a TF32 operand, so it
+// truncates lo, up to 2^-22 of x off (a rounded lo: 2^-23). In a long product
+// that averages out (scripts/emulate_tf32x3.py); in short chains of short
+// products (a few positions, small dims) it left gradients 4x the fp32
+// reference's error (docs/perf-notes.md, v59). Three instructions per
+// element: the form for splits on a mainloop's critical path.
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   hi = to_tf32(x);
   lo = __float_as_uint(x - __uint_as_float(hi));
+}
+
+// split with lo rounded to TF32 as well: four instructions, for operands
+// split once and read by many products (the weight planes, the projection
+// products' A fragments, the weight gradients' operands), where the
+// conversion is off the tensor cores' critical path. NaN stays NaN in lo.
+__device__ __forceinline__ void split_rn(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32_rn(x - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ FragA make_a(float a0, float a1, float a2, float a3) {
@@ -52,6 +77,16 @@ __device__ __forceinline__ FragB make_b(float b0, float b1) {
   FragB f;
   split(b0, f.hi[0], f.lo[0]);
   split(b1, f.hi[1], f.lo[1]);
+  return f;
+}
+
+// make_a with split_rn: for fragments that feed many products.
+__device__ __forceinline__ FragA make_a_rn(float a0, float a1, float a2, float a3) {
+  FragA f;
+  split_rn(a0, f.hi[0], f.lo[0]);
+  split_rn(a1, f.hi[1], f.lo[1]);
+  split_rn(a2, f.hi[2], f.lo[2]);
+  split_rn(a3, f.hi[3], f.lo[3]);
   return f;
 }
 
@@ -140,6 +175,13 @@ __device__ __forceinline__ FragB load_bt_perm(const float* p, int ld) {
 __device__ __forceinline__ float2 split_pair(float x) {
   uint32_t hi, lo;
   split(x, hi, lo);
+  return make_float2(__uint_as_float(hi), __uint_as_float(lo));
+}
+
+// split_pair with split_rn: for planes made once a call (the weight planes).
+__device__ __forceinline__ float2 split_pair_rn(float x) {
+  uint32_t hi, lo;
+  split_rn(x, hi, lo);
   return make_float2(__uint_as_float(hi), __uint_as_float(lo));
 }
 

@@ -14,6 +14,7 @@
 
 #include "src/common/plan.h"
 #include "src/cuda/gemm/gemm.h"
+#include "src/cuda/gemm/weight_planes.h"
 #include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
@@ -37,6 +38,23 @@ std::vector<float> split_planes(const std::vector<float>& v) {
     out[v.size() + i] = to_tf32(v[i] - out[i]);
   }
   return out;
+}
+
+// fp32 -> TF32 rounded to nearest, ties to even (cvt.rn.tf32.f32); NaN stays NaN.
+float to_tf32_even(float x) {
+  if (std::isnan(x)) return x;
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0xFFFu + ((u >> 13) & 1u)) & 0xFFFFE000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
 }
 
 struct Dims {
@@ -98,6 +116,55 @@ TEST_P(GemmTf32x3, MatchesDoubleProduct) {
       if (!(ratio <= worst)) worst = ratio, bad_m = m, bad_n = n;  // NaN counts as worst
     }
   EXPECT_LE(worst, 1.0) << "worst element (" << bad_m << ", " << bad_n << ")";
+}
+
+// The weight planes (gemm/weight_planes.h) that the products read: hi = w rounded to TF32 (ties
+// away), lo = w - hi rounded to TF32 too (ties to even), bit for bit, straight and transposed.
+// A lo left unrounded (the tensor core truncates it) loses up to 2^-22 of w a product, which
+// short chains of products (a few positions, small dims) showed as gradients 4x the fp32
+// reference's error. NaN stays NaN in lo; an infinity's lo is NaN (inf - inf).
+TEST(WeightPlanes, BothPartsRoundedToNearest) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
+  DeviceCaps dev;
+  ASSERT_TRUE(read_device_caps(&dev));
+  if (HasFatalFailure()) return;
+  const int64_t n = 24, k = 40;  // (n, k) straight, and the transpose of a (k, n) source
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> w((size_t)(n * k));
+  for (float& x : w) x = normal(rng) * std::ldexp(1.0f, (int)(rng() % 40) - 20);
+  // Special values: lo exactly half a TF32 unit of lo (a tie), zero, subnormal, huge, inf, NaN.
+  w[0] = 1.0f + std::ldexp(1.0f, -12) + std::ldexp(1.0f, -23);  // hi 1, lo 2^-12 (1 + 2^-11): a tie, to even
+  w[1] = 0.0f, w[2] = -0.0f, w[3] = 1e-40f, w[4] = 3e38f;
+  w[5] = INFINITY, w[6] = -INFINITY, w[7] = NAN;
+  const DevicePtr src = upload(w), dst = upload(std::vector<float>(4 * w.size()));
+  ASSERT_TRUE(src && dst);
+  ASSERT_EQ(cudaMemset(dst.get(), 0xff, 4 * w.size() * 4), cudaSuccess);
+  cuda::PlaneJobs jobs;
+  jobs.add(src.get(), dst.get(), n, k, false);
+  jobs.add(src.get(), dst.get() + 2 * w.size(), n, k, true);  // src read as (k, n)
+  ASSERT_EQ(cuda::split_weight_planes(jobs, dev, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> out(4 * w.size());
+  ASSERT_EQ(cudaMemcpy(out.data(), dst.get(), out.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  int checked_nan = 0;
+  for (int t = 0; t < 2; ++t)
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < k; ++c) {
+        const float x = t == 0 ? w[(size_t)(r * k + c)] : w[(size_t)(c * n + r)];
+        const float hi = out[(size_t)(2 * t * n * k + r * k + c)], lo = out[(size_t)((2 * t + 1) * n * k + r * k + c)];
+        if (std::isnan(x) || std::isinf(x)) {
+          EXPECT_TRUE(std::isnan(lo)) << "x " << x << " lo " << lo;
+          ++checked_nan;
+          continue;
+        }
+        const float want_hi = to_tf32(x), want_lo = to_tf32_even(x - want_hi);
+        ASSERT_EQ(bits(hi), bits(want_hi)) << "x " << x << " at " << t << ", " << r << ", " << c;
+        ASSERT_EQ(bits(lo), bits(want_lo)) << "x " << x << " hi " << hi << " lo " << lo << " at " << t << ", " << r
+                                           << ", " << c;
+      }
+  EXPECT_EQ(checked_nan, 6);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, GemmTf32x3,
