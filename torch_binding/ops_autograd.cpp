@@ -5,6 +5,8 @@
 // the forward, its `saved`:
 //  - with dropout (CPU and CUDA): `saved` holds the mask's seed and offset,
 //    which the backward needs to draw the forward's mask again;
+//  - on the CPU: `saved` holds the row pass's output too, so that the
+//    backward does not run the row pass again (AxialParams::row_out);
 //  - on CUDA: `saved` holds the forward's intermediates, so that the
 //    backward recomputes only the probabilities. (The training forward's
 //    launches replay as one CUDA graph once a call repeats, fastaxial.h, so
@@ -127,9 +129,9 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["dropout"] = dropout;
-    if (dropout > 0 || cuda_training(x, heads)) {
+    if (dropout > 0 || x.is_cpu() || cuda_training(x, heads)) {
       // The training forward: the output, and what its backward reads (the intermediates on CUDA,
-      // the dropout mask's seed and offset).
+      // the row pass's output on the CPU, the dropout mask's seed and offset).
       const at::AutoDispatchBelowADInplaceOrView below;
       auto [out, saved] =
           training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state);

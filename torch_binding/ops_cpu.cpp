@@ -1,8 +1,9 @@
 // CPU kernels of fastaxial::axial_attention, its training forward and its backward, for float32,
 // and for bfloat16 and float16 as fp32 math on float32 copies (check_call). Dropout's
 // seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
-// offset is 0, unless the call passes its own (`rng_state`); the training forward keeps the pair
-// in its 16-byte `saved` for the backward.
+// offset is 0, unless the call passes its own (`rng_state`). The training forward's `saved` keeps
+// what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), then
+// that pair (4 floats).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
@@ -36,10 +37,13 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
   p->offset = 0;
 }
 
-// out = the forward of the call, in the caller's dtype; the dropout state drawn into *p.
-at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op) {
+// out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; the row
+// pass's output into row_out where given.
+at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op,
+                   float* row_out = nullptr) {
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);  // float32, as c.x
   *p = c.params(out);
+  p->row_out = row_out;
   if (out.numel() == 0) return out.to(c.dtype);  // nothing drawn, as on CUDA
   draw_dropout_seed(p, rng_state);
   const Status s = forward_cpu(*p);
@@ -58,7 +62,8 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
   return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
 
-// The output, and `saved`: the dropout state (seed, offset as two uint64) in 4 floats.
+// The output, and `saved`: x1 (B H W D floats), then the dropout state (seed, offset as two
+// uint64) in 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
@@ -66,11 +71,12 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const std::optional<at::Tensor>& rng_state) {
   Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout, rng_state);
+  const int64_t n = c.x.numel();
+  at::Tensor saved = at::empty({n + kDropoutStateFloats}, c.x.options());  // float32, as c.x
   AxialParams p;
-  at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training");
-  at::Tensor saved = at::empty({kDropoutStateFloats}, c.x.options());
+  at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training", saved.data_ptr<float>());
   const uint64_t state[2] = {p.seed, p.offset};
-  std::memcpy(saved.data_ptr<float>(), state, sizeof state);
+  std::memcpy(saved.data_ptr<float>() + n, state, sizeof state);
   return {out, saved};
 }
 
@@ -83,16 +89,21 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
   Call c = check_call("fastaxial.axial_attention_backward", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout);
   AxialParams p = c.params();
-  if (saved.has_value())
+  const int64_t n = c.x.numel();
+  if (saved.has_value()) {
     TORCH_CHECK_VALUE(saved->is_cpu() && saved->scalar_type() == at::kFloat && saved->is_contiguous() &&
-                          saved->numel() == kDropoutStateFloats,
+                          saved->numel() == n + kDropoutStateFloats,
                       "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
-                      "inputs (4 float32 on the CPU: the dropout state)");
+                      "inputs (", n + kDropoutStateFloats, " float32 on the CPU: the row pass's output, then the "
+                      "dropout state), got ", saved->numel(), " ", saved->scalar_type(), " on ", saved->device());
+    // Read, never written: backward_cpu only reads row_out.
+    p.row_out = const_cast<float*>(saved->data_ptr<float>());
+  }
   if (dropout > 0) {  // the forward's mask: its seed and offset, which only `saved` knows
     TORCH_CHECK_VALUE(saved.has_value(), "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from "
                       "axial_attention_training) is required: it holds the forward's dropout seed and offset");
     uint64_t state[2];
-    std::memcpy(state, saved->data_ptr<float>(), sizeof state);
+    std::memcpy(state, saved->data_ptr<float>() + n, sizeof state);
     p.seed = state[0], p.offset = state[1];
   }
   BackwardCall b = prepare_backward(c, grad_out, output_mask);

@@ -79,6 +79,13 @@ struct AxialParams {
   // replays (PyTorch's generator keeps its state so under capture). Both or neither.
   const uint64_t* seed_device = nullptr;
   const uint64_t* offset_device = nullptr;
+
+  // CPU training: the row pass's output x1 = x + RowPass(x), (B, H, W, D), the column pass's
+  // input. Where given, forward_cpu writes it and backward_cpu reads it instead of running the
+  // row pass again (about half a forward saved a step): give both calls the same buffer, and the
+  // backward the forward's params. It must not be x, out, grad_out or grad_x. The CUDA calls
+  // ignore it (their training forward keeps its own `saved`).
+  float* row_out = nullptr;
 };
 
 // Checks sizes and pointers; the entry points below call it first.
@@ -90,9 +97,10 @@ Status forward_cpu(const AxialParams& p);
 
 // ---- CPU backward --------------------------------------------------------------------------
 // The gradients of a loss with respect to forward_cpu's input and its ten weights, given the
-// gradient with respect to its output. Nothing of the forward is kept: the backward recomputes
-// what it needs (the row pass's output, each pass's LayerNorm, q, k, v and softmax), so it takes
-// the same AxialParams as the forward. fp32 throughout, like the forward, but for the column sums
+// gradient with respect to its output. Nothing of the forward is kept but, where p.row_out is
+// given, the row pass's output: the backward recomputes what it needs (the row pass's output
+// without row_out, each pass's LayerNorm, q, k, v and softmax), so it takes the same AxialParams
+// as the forward. fp32 throughout, like the forward, but for the column sums
 // (the LayerNorm weight and shift and the output bias gradients), added in fp64 and rounded once.
 
 // Gradients of one axis's five weights; a null pointer: that gradient is not wanted (and costs nothing).
@@ -112,7 +120,8 @@ struct AxialGrads {
 // With p.dropout > 0 it draws the forward's dropout mask again from p.seed and p.offset: pass the forward's params.
 // Deterministic: the same inputs and thread count give bitwise identical gradients (weight gradients are summed per block of
 // sequences in a fixed order, never by atomics or in thread-arrival order).
-// (The blocking depends on the shape alone, so in fact the thread count does not change the result either.)
+// (The blocking depends on the shape alone, so in fact the thread count does not change the result either; with
+// p.row_out, the gradients are those at the forward's x1, and the forward promises its bits for one thread count.)
 // grad_x may be grad_out itself (overwritten in place) but not x; no gradient may overlap an input or another gradient.
 // An empty problem (B H W = 0) writes zeros into the wanted weight gradients.
 Status backward_cpu(const AxialParams& p, const AxialGrads& g);

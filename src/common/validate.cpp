@@ -88,6 +88,8 @@ Status validate(const AxialParams& p) {
   if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to write
   if (p.out == nullptr) return invalid("out is null");
   if (p.out == p.x) return invalid("out must not alias x");
+  if (p.row_out != nullptr && (p.row_out == p.x || p.row_out == p.out))
+    return invalid("row_out must not alias x or out");
   return Status::Ok();
 }
 

@@ -203,8 +203,10 @@ Status forward_cpu(const AxialParams& p) {
   if (Status s = validate(p); !s.ok()) return s;
   const DropoutParams drop = make_dropout(p);
   const DropoutParams* mask = p.dropout > 0.0f ? &drop : nullptr;  // null: no dropout
-  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, p.out, mask, 0);
-  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, p.out, p.out, mask, 1);  // in place
+  // x1 in row_out where the caller keeps it for backward_cpu, else in out (the column pass in place).
+  float* const x1 = p.row_out != nullptr ? p.row_out : p.out;
+  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0);
+  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1);
   return Status::Ok();
 }
 

@@ -3,7 +3,8 @@
 // The forward is x1 = x + RowPass(x), out = x1 + ColPass(x1), a pass on each sequence
 // (L, D) being  y = LayerNorm(x), qkv = y Wqkv^T, o_h = softmax(q_h k_h^T / sqrt(hd)) v_h,
 // x + concat(o_h) Wout^T + bout. The backward runs it in reverse:
-//   1. the row pass's forward again, for x1 (the column pass's input);
+//   1. the row pass's forward again, for x1 (the column pass's input), unless the caller kept the
+//      forward's (AxialParams::row_out);
 //   2. the column pass backward on x1 with dOut = grad_out, giving dx1 = dOut + dLN;
 //   3. the row pass backward on x with dOut = dx1, giving grad_x.
 // Nothing of the forward is stored: each pass backward recomputes, per block of sequences,
@@ -37,7 +38,7 @@
 // Block and chunk sizes depend on the shape alone, not on the thread count, so the result
 // does not depend on how many threads run it or which thread takes which chunk.
 //
-// Memory beyond the gradients: x1 (B H W D floats); dx1 (B H W D) only when grad_x is null
+// Memory beyond the gradients: x1 (B H W D floats, without row_out); dx1 (B H W D) only when grad_x is null
 // but row weight gradients are wanted (otherwise dx1 lives in grad_x, and the row pass
 // backward runs in place there); the chunk partials (at most kMaxChunks (4D^2 floats + 3D
 // doubles), reused by both passes); and per thread one block's scratch.
@@ -463,15 +464,23 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   }
   if (g.grad_out == nullptr) return invalid("grad_out is null");
   if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
+  if (p.row_out != nullptr && (p.row_out == p.x || p.row_out == g.grad_out || p.row_out == g.grad_x))
+    return invalid("row_out must not alias x, grad_out or grad_x");
 
   const bool want_row = g.grad_x != nullptr || any(g.row);
   if (!want_row && !any(g.col)) return Status::Ok();
 
   const AxisView rv = row_view(p), cv = col_view(p);
-  std::unique_ptr<float[]> x1(new float[T * D]);
   const DropoutParams drop = make_dropout(p);
   const DropoutParams* mask = p.dropout > 0.0f ? &drop : nullptr;  // null: no dropout
-  forward_pass(rv, D, p.heads, p.eps, p.row, p.x, x1.get(), mask, 0);
+  // x1: the forward's (row_out), else the row pass run again.
+  std::unique_ptr<float[]> x1_scratch;
+  const float* x1 = p.row_out;
+  if (x1 == nullptr) {
+    x1_scratch.reset(new float[T * D]);
+    forward_pass(rv, D, p.heads, p.eps, p.row, p.x, x1_scratch.get(), mask, 0);
+    x1 = x1_scratch.get();
+  }
 
   // dx1: in grad_x when there is one (the row pass backward then runs in place there).
   std::unique_ptr<float[]> dx1_scratch;
@@ -485,8 +494,8 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   }
   std::vector<float> partials;
   std::vector<double> col_partials;
-  backward_pass(cv, D, p.heads, p.eps, p.col, x1.get(), g.grad_out, dx1, g.col, partials, col_partials, mask, 1);
-  x1.reset();
+  backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1);
+  x1_scratch.reset();
   if (want_row)
     backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0);
   return Status::Ok();

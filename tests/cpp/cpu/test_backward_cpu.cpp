@@ -38,6 +38,15 @@ TEST_P(CpuBackward, MatchesDoubleReference) {
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
+// The same from the forward's row pass output (AxialParams::row_out), as the torch binding's
+// training calls run it.
+TEST_P(CpuBackward, MatchesDoubleReferenceFromTheForwardsRowOutput) {
+  const Shape s = GetParam();
+  const Problem p = random_problem(s, 777u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));
+  expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)),
+                                        true, true);
+}
+
 // heads 1, 2, 4; head dims 1, 3, 8, 16, 24, 32; L from 1 to 40, and 600 and 1030 (a head's queries
 // in 9 and 16 ranges: query_ranges); H != W; B > 1.
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuBackward,
@@ -121,6 +130,44 @@ TEST_F(CpuBackwardRuns, OutputIsNotRead) {
   for (size_t i = 0; i < a.all().size(); ++i) EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first));
 }
 
+// forward_cpu with row_out writes the row pass's output there (with the column pass's output
+// weights zeroed, out = x1 + 0: the same bits) and the same out as without; backward_cpu reads it
+// (NaN there reaches the gradients) instead of running the row pass again.
+TEST_F(CpuBackwardRuns, RowOutIsWrittenByTheForwardAndReadByTheBackward) {
+  const size_t n = p.x.size();
+  std::vector<float> plain(n, kNaN), out(n, kNaN), row_out(n, kNaN);
+  AxialParams a = params(p, plain.data());
+  ASSERT_TRUE(forward_cpu(a).ok());
+  a.out = out.data(), a.row_out = row_out.data();
+  ASSERT_TRUE(forward_cpu(a).ok());
+  EXPECT_TRUE(same_bits(out, plain)) << "row_out changed the forward's output";
+  Problem z = p;  // column pass's branch zero: out = x1
+  std::fill(z.col.out_w.begin(), z.col.out_w.end(), 0.0f);
+  std::fill(z.col.out_b.begin(), z.col.out_b.end(), 0.0f);
+  std::vector<float> x1(n, kNaN);
+  ASSERT_TRUE(forward_cpu(params(z, x1.data())).ok());
+  EXPECT_TRUE(same_bits(row_out, x1)) << "row_out is not the row pass's output";
+
+  Grads b(s);
+  AxialGrads g = b.view();
+  g.grad_out = gout_f.data();
+  a.out = nullptr;
+  std::vector<float> poison(n, kNaN);
+  a.row_out = poison.data();
+  ASSERT_TRUE(backward_cpu(a, g).ok());
+  EXPECT_TRUE(std::isnan(b.col.qkv_w[0])) << "the backward did not read row_out";
+
+  a.out = out.data();  // the forward refuses a row_out that is x or out, and writes nothing
+  std::fill(out.begin(), out.end(), kNaN);
+  for (float* alias : {const_cast<float*>(a.x), out.data()}) {
+    a.row_out = alias;
+    const Status st = forward_cpu(a);
+    EXPECT_EQ(st.code, StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message.find("row_out must not alias x or out"), std::string::npos) << st.message;
+  }
+  EXPECT_TRUE(all_nan(out));
+}
+
 TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
   s = Shape{2, 16, 24, 32, 2};  // 32 and 48 sequences: several blocks and chunks per pass
   p = random_problem(s, 17);
@@ -200,6 +247,12 @@ TEST_F(BackwardBadArguments, NullWeight) {
 TEST_F(BackwardBadArguments, GradXAliasesInput) {
   g.grad_x = const_cast<float*>(a.x);
   expect_invalid("alias");
+}
+TEST_F(BackwardBadArguments, RowOutAliasesAnInputOrAGradient) {
+  a.row_out = const_cast<float*>(a.x);
+  expect_invalid("row_out must not alias");
+  a.row_out = const_cast<float*>(g.grad_out);
+  expect_invalid("row_out must not alias");
 }
 TEST_F(BackwardBadArguments, HeadsNotDividingDim) {
   a.heads = 3;

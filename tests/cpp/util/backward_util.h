@@ -128,13 +128,23 @@ inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float
 }
 
 // backward_cpu(p) for the output gradient gout against the float64 reference (expect_grads_match).
+// from_forward: forward_cpu first, keeping the row pass's output (AxialParams::row_out, poisoned
+// with NaN before), which the backward then reads instead of running the row pass again.
 inline void expect_cpu_backward_matches_reference(const Problem& p, const std::vector<double>& gout,
-                                                  bool outright = true) {
+                                                  bool outright = true, bool from_forward = false) {
   const std::vector<float> gout_f(gout.begin(), gout.end());
   Grads got(p.shape);
   AxialGrads g = got.view();
   g.grad_out = gout_f.data();
-  const Status st = backward_cpu(params(p, nullptr), g);
+  AxialParams a = params(p, nullptr);
+  std::vector<float> out(p.x.size()), row_out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
+  if (from_forward) {
+    a.out = out.data(), a.row_out = row_out.data();
+    const Status fs = forward_cpu(a);
+    ASSERT_TRUE(fs.ok()) << fs.message;
+    a.out = nullptr;  // (the backward does not read it)
+  }
+  const Status st = backward_cpu(a, g);
   ASSERT_TRUE(st.ok()) << st.message;
   RefGrads<double> ref = reference_backward(p, gout);
   RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
