@@ -117,20 +117,8 @@ __global__ void __launch_bounds__(256, 1)
   float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);   // stage s: k rows, then v rows, stride LD
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
 
-  // Columns hd..HDP-1 of both q buffers and both raw stages: zero for the
-  // whole block (the copies never write them; the split carries the zeros
-  // into the planes).
-  if (hd < HDP) {
-    const int pad = HDP - hd;
-    constexpr int kQRows = 2 * BM;
-    for (int e = tid; e < (kQRows + 2 * 2 * BN) * pad; e += kThreads) {
-      const int r = e / pad, c = hd + e % pad;
-      if (r < kQRows)
-        qs[r * LD + c] = 0.0f;
-      else
-        raws[(r - kQRows) * LD + c] = 0.0f;  // the stages' rows are contiguous
-    }
-  }
+  // Columns hd..HDP-1 of both q buffers and both raw stages (k and v rows each).
+  zero_head_padding<HDP, LD, kThreads>(qs, 2 * BM, raws, 2 * 2 * BN, hd, tid);
 
   grid_dependency_wait();
   allow_dependent_launch();
@@ -145,13 +133,7 @@ __global__ void __launch_bounds__(256, 1)
   // Unit i of this block (flash_parts.cuh); S = 1: no split.
   const auto unit_at = [&](int64_t i) { return flash_unit<BM>(a, i, q_tiles, 1, tiles, hd, row_words); };
 
-  // Rows p0 .. p0 + ROWS - 1 of a head slice (src: row 0's) into shared
-  // memory at dst (row stride LD); positions >= L as zeros.
-  const auto copy_rows = [&](auto rows_c, uint32_t dst, const float* src, int p0) {
-    constexpr int ROWS = decltype(rows_c)::value;
-    const auto at = [&](int l, int c) { return src + l * ps * row_words + c; };
-    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, a.qkv, tid, kThreads);
-  };
+  const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{ps, L, hd, a.qkv, tid};
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
   // The copies run ahead of the products: the next step to copy is tile cj of this block's unit
@@ -161,10 +143,11 @@ __global__ void __launch_bounds__(256, 1)
   int64_t cs = 0;
   const auto copy_next = [&]() {
     const FlashUnit& cu = copy.cur;
-    if (copy.first()) copy_rows(RowsQ(), base + Tile::q_off + (uint32_t)((copy.ui & 1) * BM * LD * 4), cu.qg, cu.q0);
+    if (copy.first())
+      copy_rows(RowsQ(), base + Tile::q_off + (uint32_t)((copy.ui & 1) * BM * LD * 4), cu.qg, row_words, cu.q0);
     const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
-    copy_rows(RowsKV(), d, cu.qg + a.D, copy.j * BN);
-    copy_rows(RowsKV(), d + Tile::raw_k, cu.qg + 2 * a.D, copy.j * BN);
+    copy_rows(RowsKV(), d, cu.qg + a.D, row_words, copy.j * BN);
+    copy_rows(RowsKV(), d + Tile::raw_k, cu.qg + 2 * a.D, row_words, copy.j * BN);
     copy_async_commit();
     ++cs;
     copy.advance(unit_at, my_units);

@@ -7,15 +7,55 @@
 //   tile_times_planes: acc (64, N) += X (64, 64) Y, X a score-shaped tile in
 //     registers (p in the forward, dS in the dq kernel), Y (64, N) as
 //     transposed planes: p v, dS k.
+// and their loads: zero_head_padding, HeadRowCopy (raw head rows into
+// shared memory, before the split into planes).
 // Used by flash_attention_wgmma.cu and query_grads_wgmma.cu (head dim 32).
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "../detail/async_copy.cuh"
 #include "../detail/wgmma.cuh"
 
 #if FASTAXIAL_SM90A_DEVICE
 namespace fastaxial::cuda {
+
+// Columns hd..HDP-1 of the block's row buffers (row stride LD): q_rows rows
+// at qs, then raw_rows rows at raws. Zero for the whole block: the copies
+// never write them, and the split carries the zeros into the planes.
+template <int HDP, int LD, int kThreads>
+__device__ __forceinline__ void zero_head_padding(float* qs, int q_rows, float* raws, int raw_rows, int hd, int tid) {
+  if (hd < HDP) {
+    const int pad = HDP - hd;
+    for (int e = tid; e < (q_rows + raw_rows) * pad; e += kThreads) {
+      const int r = e / pad, c = hd + e % pad;
+      if (r < q_rows)
+        qs[r * LD + c] = 0.0f;
+      else
+        raws[(r - q_rows) * LD + c] = 0.0f;  // the raw rows are contiguous
+    }
+  }
+}
+
+// cp.async copies by the block's kThreads threads of rows p0 .. p0 + ROWS - 1
+// of a head slice (src: its row 0; a position ps rows of `words` floats
+// further) into shared memory at dst (row stride LD); positions >= L as
+// zeros (read from fill, any valid address).
+template <int HDP, bool kVec, int LD, int kThreads>
+struct HeadRowCopy {
+  int64_t ps;
+  int L, hd;
+  const float* fill;
+  int tid;
+
+  template <int ROWS>
+  __device__ __forceinline__ void operator()(std::integral_constant<int, ROWS>, uint32_t dst, const float* src,
+                                             int64_t words, int p0) const {
+    const auto at = [&](int l, int c) { return src + l * ps * words + c; };
+    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, fill, tid, kThreads);
+  }
+};
 
 // Issues acc (64, N) = A B^T over 32 features: steps 0, 1 (fragments a01)
 // into acc, steps 2, 3 (a23) into acc2, one commit group each. B's rows are

@@ -101,18 +101,8 @@ __global__ void __launch_bounds__(256, 1)
   float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
 
-  // Columns hd..31 of the unit buffers (q, d_o) and raw stages: zero for the whole block.
-  if (hd < HDP) {
-    const int pad = HDP - hd;
-    constexpr int kQRows = 2 * 2 * BM;
-    for (int e = tid; e < (kQRows + 2 * 2 * BN) * pad; e += kThreads) {
-      const int r = e / pad, c = hd + e % pad;
-      if (r < kQRows)
-        qs[r * LD + c] = 0.0f;
-      else
-        raws[(r - kQRows) * LD + c] = 0.0f;
-    }
-  }
+  // Columns hd..31 of the unit buffers (q and d_o, two each) and raw stages (k and v rows each).
+  zero_head_padding<HDP, LD, kThreads>(qs, 2 * 2 * BM, raws, 2 * 2 * BN, hd, tid);
 
   grid_dependency_wait();
   allow_dependent_launch();
@@ -127,13 +117,7 @@ __global__ void __launch_bounds__(256, 1)
   // Unit i of this block (flash_parts.cuh); S = 1: no split.
   const auto unit_at = [&](int64_t i) { return flash_unit<BM>(a, i, q_tiles, 1, tiles, hd, W); };
 
-  // Rows p0 .. p0 + ROWS - 1 of a head slice (src: row 0's, rows of `words`
-  // floats) into shared memory at dst (row stride LD); positions >= L as zeros.
-  const auto copy_rows = [&](auto rows_c, uint32_t dst, const float* src, int64_t words, int p0) {
-    constexpr int ROWS = decltype(rows_c)::value;
-    const auto at = [&](int l, int c) { return src + l * ps * words + c; };
-    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, a.qkv, tid, kThreads);
-  };
+  const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{ps, L, hd, a.qkv, tid};
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
   // The copy cursor, as in the forward's kernel (flash_parts.cuh), at step cs.

@@ -50,26 +50,24 @@ __device__ __forceinline__ uint32_t to_tf32_rn(float x) {
 // products (a few positions, small dims) it left gradients 4x the fp32
 // reference's error (docs/perf-notes.md, v59). Three instructions per
 // element: the form for splits on a mainloop's critical path.
+// kRoundLo: lo rounded to TF32 as well (to_tf32_rn), four instructions, for
+// operands split once and read by many products (the weight planes, the
+// projection products' A fragments, the weight gradients' operands), where
+// the conversion is off the tensor cores' critical path. NaN stays NaN in lo.
+template <bool kRoundLo = false>
 __device__ __forceinline__ void split(float x, uint32_t& hi, uint32_t& lo) {
   hi = to_tf32(x);
-  lo = __float_as_uint(x - __uint_as_float(hi));
+  const float rest = x - __uint_as_float(hi);
+  lo = kRoundLo ? to_tf32_rn(rest) : __float_as_uint(rest);
 }
 
-// split with lo rounded to TF32 as well: four instructions, for operands
-// split once and read by many products (the weight planes, the projection
-// products' A fragments, the weight gradients' operands), where the
-// conversion is off the tensor cores' critical path. NaN stays NaN in lo.
-__device__ __forceinline__ void split_rn(float x, uint32_t& hi, uint32_t& lo) {
-  hi = to_tf32(x);
-  lo = to_tf32_rn(x - __uint_as_float(hi));
-}
-
+template <bool kRoundLo = false>
 __device__ __forceinline__ FragA make_a(float a0, float a1, float a2, float a3) {
   FragA f;
-  split(a0, f.hi[0], f.lo[0]);
-  split(a1, f.hi[1], f.lo[1]);
-  split(a2, f.hi[2], f.lo[2]);
-  split(a3, f.hi[3], f.lo[3]);
+  split<kRoundLo>(a0, f.hi[0], f.lo[0]);
+  split<kRoundLo>(a1, f.hi[1], f.lo[1]);
+  split<kRoundLo>(a2, f.hi[2], f.lo[2]);
+  split<kRoundLo>(a3, f.hi[3], f.lo[3]);
   return f;
 }
 
@@ -77,16 +75,6 @@ __device__ __forceinline__ FragB make_b(float b0, float b1) {
   FragB f;
   split(b0, f.hi[0], f.lo[0]);
   split(b1, f.hi[1], f.lo[1]);
-  return f;
-}
-
-// make_a with split_rn: for fragments that feed many products.
-__device__ __forceinline__ FragA make_a_rn(float a0, float a1, float a2, float a3) {
-  FragA f;
-  split_rn(a0, f.hi[0], f.lo[0]);
-  split_rn(a1, f.hi[1], f.lo[1]);
-  split_rn(a2, f.hi[2], f.lo[2]);
-  split_rn(a3, f.hi[3], f.lo[3]);
   return f;
 }
 
@@ -172,16 +160,10 @@ __device__ __forceinline__ FragB load_bt_perm(const float* p, int ld) {
 // need no conversion, and from pairs a thread's two k values of a fragment
 // come in one 16-byte load, k permuted as above.
 
+template <bool kRoundLo = false>
 __device__ __forceinline__ float2 split_pair(float x) {
   uint32_t hi, lo;
-  split(x, hi, lo);
-  return make_float2(__uint_as_float(hi), __uint_as_float(lo));
-}
-
-// split_pair with split_rn: for planes made once a call (the weight planes).
-__device__ __forceinline__ float2 split_pair_rn(float x) {
-  uint32_t hi, lo;
-  split_rn(x, hi, lo);
+  split<kRoundLo>(x, hi, lo);
   return make_float2(__uint_as_float(hi), __uint_as_float(lo));
 }
 

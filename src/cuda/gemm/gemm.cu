@@ -129,7 +129,7 @@ __device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, int wg, in
   for (int k = 0; k < 2; ++k) {
     const float* c0 = row + ((2 * (ks + k)) ^ g) * 4;
     const float* c4 = row + ((2 * (ks + k) + 1) ^ g) * 4;
-    f[k] = make_a_rn(c0[0], c0[256], c4[0], c4[256]);
+    f[k] = make_a<true>(c0[0], c0[256], c4[0], c4[256]);
   }
 }
 

@@ -469,7 +469,7 @@ __device__ __forceinline__ void store_b(const float4 (&v)[4], const BBlock& s, u
   for (int kk = 0; kk < 4; ++kk) {
     uint32_t hi[4], lo[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) split_rn(element(v[i], kk), hi[i], lo[i]);
+    for (int i = 0; i < 4; ++i) split<true>(element(v[i], kk), hi[i], lo[i]);
     const uint32_t at = stage + s.row + kk * 128 + ((uint32_t)(s.piece ^ kk) << 4);
     st_shared_v4(at, hi[0], hi[1], hi[2], hi[3]);
     st_shared_v4(at + WgTiling<BN>::kBPlane, lo[0], lo[1], lo[2], lo[3]);
@@ -486,7 +486,7 @@ __device__ __forceinline__ void load_a_frags(FragA (&f)[2], const float* sa, int
     const float* p = sa + (8 * (ks + k) + t) * LDA + a_row;
     const float2 r0 = *reinterpret_cast<const float2*>(p);            // position 8 (ks + k) + t
     const float2 r1 = *reinterpret_cast<const float2*>(p + 4 * LDA);  // and t + 4
-    f[k] = make_a_rn(r0.x, r0.y, r1.x, r1.y);
+    f[k] = make_a<true>(r0.x, r0.y, r1.x, r1.y);
   }
 }
 

@@ -33,7 +33,7 @@ __device__ __forceinline__ void split_plane_element(const PlaneJobs& jobs, int64
       } else {
         x = b.src[e];
       }
-      const float2 v = split_pair_rn(x);
+      const float2 v = split_pair<true>(x);
       b.dst[e] = v.x;
       b.dst[size + e] = v.y;
       break;

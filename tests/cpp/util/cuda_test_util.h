@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -22,6 +24,18 @@ namespace fastaxial::test {
     const cudaError_t e_ = (call);                                           \
     ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorString(e_);   \
   } while (0)
+
+// A float's bits, and back (for TF32 roundings and bitwise checks).
+inline uint32_t bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+inline float from_bits(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 inline bool have_gpu() {
   int n = 0;

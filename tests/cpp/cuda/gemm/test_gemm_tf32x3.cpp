@@ -21,14 +21,7 @@ namespace fastaxial::test {
 namespace {
 
 // fp32 -> TF32 rounded to nearest, ties away from zero (cvt.rna.tf32.f32).
-float to_tf32(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0x1000u) & 0xFFFFE000u;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
+float to_tf32(float x) { return from_bits((bits(x) + 0x1000u) & 0xFFFFE000u); }
 
 // [hi (n) | lo (n)] planes of v.
 std::vector<float> split_planes(const std::vector<float>& v) {
@@ -43,18 +36,8 @@ std::vector<float> split_planes(const std::vector<float>& v) {
 // fp32 -> TF32 rounded to nearest, ties to even (cvt.rn.tf32.f32); NaN stays NaN.
 float to_tf32_even(float x) {
   if (std::isnan(x)) return x;
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = (u + 0xFFFu + ((u >> 13) & 1u)) & 0xFFFFE000u;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
-
-uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
+  const uint32_t u = bits(x);
+  return from_bits((u + 0xFFFu + ((u >> 13) & 1u)) & 0xFFFFE000u);
 }
 
 struct Dims {

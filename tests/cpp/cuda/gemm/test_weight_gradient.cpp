@@ -46,17 +46,6 @@ struct Case {
   bool sample_rows = false;           // check some rows of C only (the largest case: host time)
 };
 
-uint32_t bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-}
-
-float from_bits(uint32_t u) {
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
 
 // x = hi + lo as the kernel splits it (tf32x3.cuh: hi rounded to TF32, ties away from zero;
 // lo = x - hi, exact), lo as the tensor core reads it: its low 13 bits dropped.
