@@ -2,8 +2,8 @@
 // and for bfloat16 and float16 as fp32 math on float32 copies (check_call). Dropout's
 // seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
 // offset is 0, unless the call passes its own (`rng_state`). The training forward's `saved` keeps
-// what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), then
-// that pair (4 floats).
+// what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), each
+// pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats), then that pair (4 floats).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
@@ -37,13 +37,17 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
   p->offset = 0;
 }
 
-// out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; the row
-// pass's output into row_out where given.
+// Floats of the CPU training forward's `saved` for x of n elements: x1, q k v of both passes, the
+// dropout state.
+int64_t cpu_saved_floats(int64_t n) { return 7 * n + kDropoutStateFloats; }
+
+// out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; where
+// `saved` is given (cpu_saved_floats), x1 and the passes' q, k, v kept there.
 at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op,
-                   float* row_out = nullptr) {
+                   float* saved = nullptr) {
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);  // float32, as c.x
   *p = c.params(out);
-  p->row_out = row_out;
+  if (saved != nullptr) p->row_out = saved, p->saved_qkv = saved + c.x.numel();
   if (out.numel() == 0) return out.to(c.dtype);  // nothing drawn, as on CUDA
   draw_dropout_seed(p, rng_state);
   const Status s = forward_cpu(*p);
@@ -62,8 +66,8 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
   return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
 
-// The output, and `saved`: x1 (B H W D floats), then the dropout state (seed, offset as two
-// uint64) in 4 floats.
+// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D), then the dropout
+// state (seed, offset as two uint64) in 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
@@ -72,11 +76,11 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
   Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout, rng_state);
   const int64_t n = c.x.numel();
-  at::Tensor saved = at::empty({n + kDropoutStateFloats}, c.x.options());  // float32, as c.x
+  at::Tensor saved = at::empty({cpu_saved_floats(n)}, c.x.options());  // float32, as c.x
   AxialParams p;
   at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training", saved.data_ptr<float>());
   const uint64_t state[2] = {p.seed, p.offset};
-  std::memcpy(saved.data_ptr<float>() + n, state, sizeof state);
+  std::memcpy(saved.data_ptr<float>() + 7 * n, state, sizeof state);
   return {out, saved};
 }
 
@@ -92,18 +96,20 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
   const int64_t n = c.x.numel();
   if (saved.has_value()) {
     TORCH_CHECK_VALUE(saved->is_cpu() && saved->scalar_type() == at::kFloat && saved->is_contiguous() &&
-                          saved->numel() == n + kDropoutStateFloats,
+                          saved->numel() == cpu_saved_floats(n),
                       "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
-                      "inputs (", n + kDropoutStateFloats, " float32 on the CPU: the row pass's output, then the "
-                      "dropout state), got ", saved->numel(), " ", saved->scalar_type(), " on ", saved->device());
-    // Read, never written: backward_cpu only reads row_out.
-    p.row_out = const_cast<float*>(saved->data_ptr<float>());
+                      "inputs (", cpu_saved_floats(n), " float32 on the CPU: the row pass's output, both passes' q, "
+                      "k, v, then the dropout state), got ", saved->numel(), " ", saved->scalar_type(), " on ",
+                      saved->device());
+    // Read, never written: backward_cpu only reads row_out and saved_qkv.
+    float* kept = const_cast<float*>(saved->data_ptr<float>());
+    p.row_out = kept, p.saved_qkv = kept + n;
   }
   if (dropout > 0) {  // the forward's mask: its seed and offset, which only `saved` knows
     TORCH_CHECK_VALUE(saved.has_value(), "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from "
                       "axial_attention_training) is required: it holds the forward's dropout seed and offset");
     uint64_t state[2];
-    std::memcpy(state, saved->data_ptr<float>() + n, sizeof state);
+    std::memcpy(state, saved->data_ptr<float>() + 7 * n, sizeof state);
     p.seed = state[0], p.offset = state[1];
   }
   BackwardCall b = prepare_backward(c, grad_out, output_mask);

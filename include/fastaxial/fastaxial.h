@@ -86,6 +86,11 @@ struct AxialParams {
   // backward the forward's params. It must not be x, out, grad_out or grad_x. The CUDA calls
   // ignore it (their training forward keeps its own `saved`).
   float* row_out = nullptr;
+  // CPU training too: each pass's q, k and v at every position, (2, B, H, W, 3D), the row pass's
+  // first. Where given, forward_cpu writes them and backward_cpu reads them instead of running
+  // the QKV products again (3 B H W D^2 multiply-adds a pass). The same rules as row_out, and it
+  // must not be row_out either.
+  float* saved_qkv = nullptr;
 };
 
 // Checks sizes and pointers; the entry points below call it first.

@@ -90,6 +90,8 @@ Status validate(const AxialParams& p) {
   if (p.out == p.x) return invalid("out must not alias x");
   if (p.row_out != nullptr && (p.row_out == p.x || p.row_out == p.out))
     return invalid("row_out must not alias x or out");
+  if (p.saved_qkv != nullptr && (p.saved_qkv == p.x || p.saved_qkv == p.out || p.saved_qkv == p.row_out))
+    return invalid("saved_qkv must not alias x, out or row_out");
   return Status::Ok();
 }
 

@@ -50,7 +50,16 @@ struct PassArgs {
   ConstVec gamma, beta, bout;
   const DropoutParams* drop;  // null: no dropout
   int pass;  // 0 rows, 1 columns
+  float* qkv_out;  // where the pass's q, k, v are kept for backward_cpu (3D floats a position), or null
 };
+
+// Keeps rows r0 .. r0 + rows - 1 of a sequence n's qkv (rows of 3D floats, from row `from` of qkv)
+// at their positions of a.qkv_out, where the caller keeps them.
+void keep_qkv(const PassArgs& a, const Mat& qkv, int64_t from, int64_t n, int64_t r0, int64_t rows) {
+  if (a.qkv_out == nullptr) return;
+  for (int64_t r = 0; r < rows; ++r)
+    VecMap(a.qkv_out + 3 * a.v.offset(n, r0 + r), 3 * a.D) = qkv.row(from + r);
+}
 
 // x = the D floats at src, y = LayerNorm(x).
 template <class RowX, class RowY>
@@ -111,6 +120,7 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l) layer_norm_row(a, src + v.offset(n0 + s, l), t.x.row(s * L + l), t.y.row(s * L + l));
       t.qkv.noalias() = t.y * a.wqkv.transpose();  // (rows, 3D)
+      for (int64_t s = 0; s < ns; ++s) keep_qkv(a, t.qkv, s * L, n0 + s, 0, L);
       t.o.resize(rows, D);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t h = 0; h < a.heads; ++h) attend(a, t.qkv, s * L, L, n0 + s, h, 0, L, t, t.o);
@@ -148,6 +158,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
         qkv.middleRows(r0, rows).noalias() = t.y * a.wqkv.transpose();
+        keep_qkv(a, qkv, r0, n, r0, rows);
       }
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < a.heads * tiles; ++task) {
@@ -167,9 +178,9 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
 }
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout
-// mask (null: none), pass: 0 rows, 1 columns.
+// mask (null: none), pass: 0 rows, 1 columns; qkv_out: where the pass's q, k, v are kept (or null).
 void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
-               float* dst, const DropoutParams* drop, int pass) {
+               float* dst, const DropoutParams* drop, int pass, float* qkv_out) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
   const PassArgs a = {v,
@@ -184,7 +195,8 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
                       ConstVec(w.norm_bias, D),
                       ConstVec(w.out_bias, D),
                       drop,
-                      pass};
+                      pass,
+                      qkv_out};
 
   // Enough rows per block for an efficient GEMM, enough blocks for the threads.
   const int threads = max_threads();
@@ -205,8 +217,10 @@ Status forward_cpu(const AxialParams& p) {
   const DropoutParams* mask = p.dropout > 0.0f ? &drop : nullptr;  // null: no dropout
   // x1 in row_out where the caller keeps it for backward_cpu, else in out (the column pass in place).
   float* const x1 = p.row_out != nullptr ? p.row_out : p.out;
-  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0);
-  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1);
+  const int64_t qkv_floats = 3 * p.batch * p.height * p.width * p.dim;  // a pass's
+  float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + qkv_floats : nullptr;
+  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv);
+  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv);
   return Status::Ok();
 }
 

@@ -7,8 +7,9 @@
 //      forward's (AxialParams::row_out);
 //   2. the column pass backward on x1 with dOut = grad_out, giving dx1 = dOut + dLN;
 //   3. the row pass backward on x with dOut = dx1, giving grad_x.
-// Nothing of the forward is stored: each pass backward recomputes, per block of sequences,
-// LayerNorm, qkv and per sequence and head the scores and softmax, the way the forward does
+// Of the forward, the caller may keep x1 and each pass's q, k, v (AxialParams::row_out, saved_qkv);
+// the rest each pass backward recomputes, per block of sequences: LayerNorm, qkv (where not kept)
+// and per sequence and head the scores and softmax, the way the forward does
 // (one QKV product per block; max-subtracted exp), then, with P = softmax and O = P V:
 //   dbout = colsum(dOut), dWout = dOut^T O, dO = dOut Wout,
 //   per head dV = P^T dO_h, dP = dO_h V^T, dS = P o (dP - rowsum(P o dP)),
@@ -267,11 +268,12 @@ void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, i
 // One pass backward. src: the pass's input; dout: the gradient of its output; dsrc (or null):
 // where the gradient of its input goes (may equal dout: each block reads its rows of dout
 // before it writes them, and blocks hold disjoint sequences). Weight gradients into gw.
-// drop: the dropout mask (null: none), pass: 0 rows, 1 columns.
+// drop: the dropout mask (null: none), pass: 0 rows, 1 columns; qkv_in: the forward's q, k, v
+// of the pass (3D floats a position: AxialParams::saved_qkv), or null to run the QKV product.
 void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
                    const float* dout, float* dsrc, const AxisGrads& gw, std::vector<float>& partials,
                    std::vector<double>& col_partials,
-                   const DropoutParams* drop, int pass) {
+                   const DropoutParams* drop, int pass, const float* qkv_in) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   const bool want_qkv = gw.qkv_weight, want_out = gw.out_weight, want_bout = gw.out_bias;
   const bool want_g = gw.norm_weight, want_b = gw.norm_bias, want_dx = dsrc != nullptr;
@@ -314,7 +316,14 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       if (!want_o) continue;
 
       gather_norm(v, n0, ns, D, eps, w, src, t);
-      t.qkv.noalias() = t.y * wqkv.transpose();
+      if (qkv_in != nullptr) {
+        t.qkv.resize(rows, 3 * D);
+        for (int64_t s = 0; s < ns; ++s)
+          for (int64_t l = 0; l < L; ++l)
+            t.qkv.row(s * L + l) = ConstVec(qkv_in + 3 * v.offset(n0 + s, l), 3 * D);
+      } else {
+        t.qkv.noalias() = t.y * wqkv.transpose();
+      }
       t.o.resize(rows, D);
       if (want_dqkv) {
         t.dO.noalias() = t.g * wout;  // (rows, D)
@@ -464,8 +473,9 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   }
   if (g.grad_out == nullptr) return invalid("grad_out is null");
   if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
-  if (p.row_out != nullptr && (p.row_out == p.x || p.row_out == g.grad_out || p.row_out == g.grad_x))
-    return invalid("row_out must not alias x, grad_out or grad_x");
+  for (const float* kept : {static_cast<const float*>(p.row_out), static_cast<const float*>(p.saved_qkv)})
+    if (kept != nullptr && (kept == p.x || kept == g.grad_out || kept == g.grad_x))
+      return invalid("row_out and saved_qkv must not alias x, grad_out or grad_x");
 
   const bool want_row = g.grad_x != nullptr || any(g.row);
   if (!want_row && !any(g.col)) return Status::Ok();
@@ -494,10 +504,13 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   }
   std::vector<float> partials;
   std::vector<double> col_partials;
-  backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1);
+  // The forward's q, k, v of each pass, where kept (the row pass's first).
+  const float* const row_qkv = p.saved_qkv;
+  const float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + 3 * T * D : nullptr;
+  backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1, col_qkv);
   x1_scratch.reset();
   if (want_row)
-    backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0);
+    backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0, row_qkv);
   return Status::Ok();
 }
 

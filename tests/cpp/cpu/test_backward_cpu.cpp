@@ -130,17 +130,35 @@ TEST_F(CpuBackwardRuns, OutputIsNotRead) {
   for (size_t i = 0; i < a.all().size(); ++i) EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first));
 }
 
-// forward_cpu with row_out writes the row pass's output there (with the column pass's output
-// weights zeroed, out = x1 + 0: the same bits) and the same out as without; backward_cpu reads it
-// (NaN there reaches the gradients) instead of running the row pass again.
+// forward_cpu with row_out and saved_qkv writes the row pass's output (with the column pass's
+// output weights zeroed, out = x1 + 0: the same bits) and every position's q, k, v of both passes
+// there, and the same out as without; backward_cpu reads them (NaN there reaches the gradients)
+// instead of running the row pass and the QKV products again.
 TEST_F(CpuBackwardRuns, RowOutIsWrittenByTheForwardAndReadByTheBackward) {
   const size_t n = p.x.size();
-  std::vector<float> plain(n, kNaN), out(n, kNaN), row_out(n, kNaN);
+  std::vector<float> plain(n, kNaN), out(n, kNaN), row_out(n, kNaN), qkv(6 * n, kNaN);
   AxialParams a = params(p, plain.data());
   ASSERT_TRUE(forward_cpu(a).ok());
-  a.out = out.data(), a.row_out = row_out.data();
+  a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data();
   ASSERT_TRUE(forward_cpu(a).ok());
   EXPECT_TRUE(same_bits(out, plain)) << "row_out changed the forward's output";
+  // q, k, v of both passes at every position: finite, and the row pass's q of position 0 is
+  // LayerNorm(x_0) Wq^T (the D floats of the first position, against a float64 evaluation).
+  for (size_t i = 0; i < qkv.size(); ++i) ASSERT_TRUE(std::isfinite(qkv[i])) << "saved_qkv[" << i << "] not written";
+  {
+    const int64_t D = s.D;
+    double mean = 0, var = 0;
+    for (int64_t c = 0; c < D; ++c) mean += p.x[c];
+    mean /= D;
+    for (int64_t c = 0; c < D; ++c) var += (p.x[c] - mean) * (p.x[c] - mean);
+    const double rstd = 1.0 / std::sqrt(var / D + p.eps);
+    for (int64_t j = 0; j < 3 * D; ++j) {
+      double want = 0;
+      for (int64_t c = 0; c < D; ++c)
+        want += ((p.x[c] - mean) * rstd * p.row.norm_w[c] + p.row.norm_b[c]) * p.row.qkv_w[j * D + c];
+      EXPECT_NEAR(qkv[j], want, 1e-5 * (1 + std::fabs(want))) << "row pass qkv of position 0, column " << j;
+    }
+  }
   Problem z = p;  // column pass's branch zero: out = x1
   std::fill(z.col.out_w.begin(), z.col.out_w.end(), 0.0f);
   std::fill(z.col.out_b.begin(), z.col.out_b.end(), 0.0f);
@@ -156,6 +174,12 @@ TEST_F(CpuBackwardRuns, RowOutIsWrittenByTheForwardAndReadByTheBackward) {
   a.row_out = poison.data();
   ASSERT_TRUE(backward_cpu(a, g).ok());
   EXPECT_TRUE(std::isnan(b.col.qkv_w[0])) << "the backward did not read row_out";
+  a.row_out = row_out.data();  // q, k, v poisoned, the row output kept: NaN reaches the gradients
+  std::vector<float> poison_qkv(6 * n, kNaN);
+  a.saved_qkv = poison_qkv.data();
+  ASSERT_TRUE(backward_cpu(a, g).ok());
+  EXPECT_TRUE(std::isnan(b.row.out_w[0])) << "the backward did not read saved_qkv";
+  a.saved_qkv = nullptr;
 
   a.out = out.data();  // the forward refuses a row_out that is x or out, and writes nothing
   std::fill(out.begin(), out.end(), kNaN);
@@ -165,6 +189,10 @@ TEST_F(CpuBackwardRuns, RowOutIsWrittenByTheForwardAndReadByTheBackward) {
     EXPECT_EQ(st.code, StatusCode::kInvalidArgument);
     EXPECT_NE(st.message.find("row_out must not alias x or out"), std::string::npos) << st.message;
   }
+  a.row_out = row_out.data();
+  a.saved_qkv = row_out.data();
+  const Status st = forward_cpu(a);
+  EXPECT_NE(st.message.find("saved_qkv must not alias x, out or row_out"), std::string::npos) << st.message;
   EXPECT_TRUE(all_nan(out));
 }
 
@@ -248,11 +276,14 @@ TEST_F(BackwardBadArguments, GradXAliasesInput) {
   g.grad_x = const_cast<float*>(a.x);
   expect_invalid("alias");
 }
-TEST_F(BackwardBadArguments, RowOutAliasesAnInputOrAGradient) {
+TEST_F(BackwardBadArguments, KeptForwardAliasesAnInputOrAGradient) {
   a.row_out = const_cast<float*>(a.x);
-  expect_invalid("row_out must not alias");
+  expect_invalid("row_out and saved_qkv must not alias");
   a.row_out = const_cast<float*>(g.grad_out);
-  expect_invalid("row_out must not alias");
+  expect_invalid("row_out and saved_qkv must not alias");
+  a.row_out = nullptr;
+  a.saved_qkv = const_cast<float*>(a.x);
+  expect_invalid("row_out and saved_qkv must not alias");
 }
 TEST_F(BackwardBadArguments, HeadsNotDividingDim) {
   a.heads = 3;

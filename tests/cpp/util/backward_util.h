@@ -128,8 +128,9 @@ inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float
 }
 
 // backward_cpu(p) for the output gradient gout against the float64 reference (expect_grads_match).
-// from_forward: forward_cpu first, keeping the row pass's output (AxialParams::row_out, poisoned
-// with NaN before), which the backward then reads instead of running the row pass again.
+// from_forward: forward_cpu first, keeping the row pass's output and both passes' q, k, v
+// (AxialParams::row_out, saved_qkv; poisoned with NaN before), which the backward then reads
+// instead of running the row pass and the QKV products again.
 inline void expect_cpu_backward_matches_reference(const Problem& p, const std::vector<double>& gout,
                                                   bool outright = true, bool from_forward = false) {
   const std::vector<float> gout_f(gout.begin(), gout.end());
@@ -138,8 +139,9 @@ inline void expect_cpu_backward_matches_reference(const Problem& p, const std::v
   g.grad_out = gout_f.data();
   AxialParams a = params(p, nullptr);
   std::vector<float> out(p.x.size()), row_out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> qkv(6 * p.x.size(), std::numeric_limits<float>::quiet_NaN());
   if (from_forward) {
-    a.out = out.data(), a.row_out = row_out.data();
+    a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data();
     const Status fs = forward_cpu(a);
     ASSERT_TRUE(fs.ok()) << fs.message;
     a.out = nullptr;  // (the backward does not read it)
