@@ -208,8 +208,9 @@ TORCH_LIBRARY(fastaxial, m) {
   // float32 buffer ending with the dropout mask's seed and offset, 16 bytes). On CUDA,
   // forward_cuda_training's: each pass's LayerNorm output and statistics, q, k, v, attention
   // output and log-sum-exp, and the row pass's output, so the backward recomputes nothing but the
-  // probabilities; on the CPU, the 16 bytes alone (its backward recomputes). The autograd kernel
-  // calls it in grad mode and passes `saved` to axial_attention_backward.
+  // probabilities; on the CPU, the row pass's output, both passes' q, k, v and x's sizes
+  // (ops_cpu.cpp), so its backward recomputes LayerNorm and the probabilities. The autograd
+  // kernel calls it in grad mode and passes `saved` to axial_attention_backward.
   m.def(
       "axial_attention_training(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "

@@ -46,7 +46,7 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
 void check_dropout(double dropout, const char* op);
 
 // The dropout state (seed, offset) kept in the last 16 bytes of a training forward's `saved`
-// (CUDA: CudaBackwardPlan::dropout_state; CPU: `saved` is those 16 bytes alone).
+// (CUDA: CudaBackwardPlan::dropout_state; CPU: after x1, q, k, v and x's sizes, ops_cpu.cpp).
 constexpr int64_t kDropoutStateFloats = 4;
 
 // The checks every operator kernel makes, `op` naming it: the dropout rate (check_dropout), x and

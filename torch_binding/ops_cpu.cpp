@@ -3,7 +3,8 @@
 // seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
 // offset is 0, unless the call passes its own (`rng_state`). The training forward's `saved` keeps
 // what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), each
-// pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats), then that pair (4 floats).
+// pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats), x's sizes (B, H, W, D as int64: the
+// backward refuses a `saved` of another shape), then that pair (4 floats).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
@@ -37,9 +38,11 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
   p->offset = 0;
 }
 
-// Floats of the CPU training forward's `saved` for x of n elements: x1, q k v of both passes, the
-// dropout state.
-int64_t cpu_saved_floats(int64_t n) { return 7 * n + kDropoutStateFloats; }
+// The CPU training forward's `saved` for x of n elements, in floats: x1, q k v of both passes, x's
+// four sizes (int64), the dropout state.
+constexpr int64_t kShapeFloats = 8;
+int64_t cpu_shape_at(int64_t n) { return 7 * n; }
+int64_t cpu_saved_floats(int64_t n) { return 7 * n + kShapeFloats + kDropoutStateFloats; }
 
 // out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; where
 // `saved` is given (cpu_saved_floats), x1 and the passes' q, k, v kept there.
@@ -66,8 +69,8 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
   return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
 
-// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D), then the dropout
-// state (seed, offset as two uint64) in 4 floats.
+// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D), x's sizes (four
+// int64), then the dropout state (seed, offset as two uint64) in 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
@@ -79,8 +82,10 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
   at::Tensor saved = at::empty({cpu_saved_floats(n)}, c.x.options());  // float32, as c.x
   AxialParams p;
   at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training", saved.data_ptr<float>());
+  const int64_t sizes[4] = {c.x.size(0), c.x.size(1), c.x.size(2), c.x.size(3)};
+  std::memcpy(saved.data_ptr<float>() + cpu_shape_at(n), sizes, sizeof sizes);
   const uint64_t state[2] = {p.seed, p.offset};
-  std::memcpy(saved.data_ptr<float>() + 7 * n, state, sizeof state);
+  std::memcpy(saved.data_ptr<float>() + cpu_shape_at(n) + kShapeFloats, state, sizeof state);
   return {out, saved};
 }
 
@@ -99,8 +104,15 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
                           saved->numel() == cpu_saved_floats(n),
                       "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
                       "inputs (", cpu_saved_floats(n), " float32 on the CPU: the row pass's output, both passes' q, "
-                      "k, v, then the dropout state), got ", saved->numel(), " ", saved->scalar_type(), " on ",
-                      saved->device());
+                      "k, v, x's sizes, then the dropout state), got ", saved->numel(), " ", saved->scalar_type(),
+                      " on ", saved->device());
+    int64_t sizes[4];
+    std::memcpy(sizes, saved->data_ptr<float>() + cpu_shape_at(n), sizeof sizes);
+    TORCH_CHECK_VALUE(sizes[0] == c.x.size(0) && sizes[1] == c.x.size(1) && sizes[2] == c.x.size(2) &&
+                          sizes[3] == c.x.size(3),
+                      "fastaxial.axial_attention_backward (CPU): `saved` was made by axial_attention_training for x "
+                      "of shape [", sizes[0], ", ", sizes[1], ", ", sizes[2], ", ", sizes[3], "], not this call's ",
+                      c.x.sizes());
     // Read, never written: backward_cpu only reads row_out and saved_qkv.
     float* kept = const_cast<float*>(saved->data_ptr<float>());
     p.row_out = kept, p.saved_qkv = kept + n;
@@ -109,7 +121,7 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
     TORCH_CHECK_VALUE(saved.has_value(), "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from "
                       "axial_attention_training) is required: it holds the forward's dropout seed and offset");
     uint64_t state[2];
-    std::memcpy(state, saved->data_ptr<float>() + 7 * n, sizeof state);
+    std::memcpy(state, saved->data_ptr<float>() + cpu_shape_at(n) + kShapeFloats, sizeof state);
     p.seed = state[0], p.offset = state[1];
   }
   BackwardCall b = prepare_backward(c, grad_out, output_mask);

@@ -83,13 +83,15 @@ struct AxialParams {
   // CPU training: the row pass's output x1 = x + RowPass(x), (B, H, W, D), the column pass's
   // input. Where given, forward_cpu writes it and backward_cpu reads it instead of running the
   // row pass again (about half a forward saved a step): give both calls the same buffer, and the
-  // backward the forward's params. It must not be x, out, grad_out or grad_x. The CUDA calls
-  // ignore it (their training forward keeps its own `saved`).
+  // backward the forward's params. It must not be x, out, grad_out, grad_x or saved_qkv (pointers
+  // are compared, not ranges: buffers must not overlap). The CUDA calls do not use it (validate
+  // still applies these rules).
   float* row_out = nullptr;
   // CPU training too: each pass's q, k and v at every position, (2, B, H, W, 3D), the row pass's
   // first. Where given, forward_cpu writes them and backward_cpu reads them instead of running
-  // the QKV products again (3 B H W D^2 multiply-adds a pass). The same rules as row_out, and it
-  // must not be row_out either.
+  // the QKV products again (3 B H W D^2 multiply-adds a pass). The same rules as row_out; give
+  // both or neither (the backward mixes a kept q, k, v with a recomputed x1 otherwise, which may
+  // differ from the forward's in the last bits).
   float* saved_qkv = nullptr;
 };
 
@@ -102,10 +104,9 @@ Status forward_cpu(const AxialParams& p);
 
 // ---- CPU backward --------------------------------------------------------------------------
 // The gradients of a loss with respect to forward_cpu's input and its ten weights, given the
-// gradient with respect to its output. Nothing of the forward is kept but, where p.row_out is
-// given, the row pass's output: the backward recomputes what it needs (the row pass's output
-// without row_out, each pass's LayerNorm, q, k, v and softmax), so it takes the same AxialParams
-// as the forward. fp32 throughout, like the forward, but for the column sums
+// gradient with respect to its output. Of the forward it reads what the caller kept (p.row_out,
+// p.saved_qkv) and recomputes the rest (without them the row pass's output and each pass's q, k,
+// v; always each pass's LayerNorm and softmax), so it takes the same AxialParams as the forward. fp32 throughout, like the forward, but for the column sums
 // (the LayerNorm weight and shift and the output bias gradients), added in fp64 and rounded once.
 
 // Gradients of one axis's five weights; a null pointer: that gradient is not wanted (and costs nothing).
@@ -125,8 +126,9 @@ struct AxialGrads {
 // With p.dropout > 0 it draws the forward's dropout mask again from p.seed and p.offset: pass the forward's params.
 // Deterministic: the same inputs and thread count give bitwise identical gradients (weight gradients are summed per block of
 // sequences in a fixed order, never by atomics or in thread-arrival order).
-// (The blocking depends on the shape alone, so in fact the thread count does not change the result either; with
-// p.row_out, the gradients are those at the forward's x1, and the forward promises its bits for one thread count.)
+// (The backward's blocking depends on the shape alone, so without p.row_out and p.saved_qkv the thread count does not
+// change the result either. With them the gradients are those at the forward's x1 and q, k, v, whose blocks depend on
+// the thread count, as the forward's output does: the last bits may differ at another thread count.)
 // grad_x may be grad_out itself (overwritten in place) but not x; no gradient may overlap an input or another gradient.
 // An empty problem (B H W = 0) writes zeros into the wanted weight gradients.
 Status backward_cpu(const AxialParams& p, const AxialGrads& g);

@@ -77,6 +77,9 @@ Status validate_sizes(const AxialParams& p) {
 
 Status validate_inputs(const AxialParams& p) {
   if (Status s = validate_sizes(p); !s.ok()) return s;
+  // (B H W D fits in int64: validate_sizes.)
+  if (p.saved_qkv != nullptr && p.batch * p.height * p.width * p.dim > std::numeric_limits<int64_t>::max() / 6)
+    return invalid("saved_qkv: its 6 B H W D floats do not fit in int64");
   if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to read
   if (p.x == nullptr) return invalid("x is null");
   if (Status s = check_axis(p.row, "row"); !s.ok()) return s;
@@ -92,6 +95,7 @@ Status validate(const AxialParams& p) {
     return invalid("row_out must not alias x or out");
   if (p.saved_qkv != nullptr && (p.saved_qkv == p.x || p.saved_qkv == p.out || p.saved_qkv == p.row_out))
     return invalid("saved_qkv must not alias x, out or row_out");
+
   return Status::Ok();
 }
 

@@ -476,6 +476,7 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   for (const float* kept : {static_cast<const float*>(p.row_out), static_cast<const float*>(p.saved_qkv)})
     if (kept != nullptr && (kept == p.x || kept == g.grad_out || kept == g.grad_x))
       return invalid("row_out and saved_qkv must not alias x, grad_out or grad_x");
+  if (p.row_out != nullptr && p.row_out == p.saved_qkv) return invalid("saved_qkv must not alias row_out");
 
   const bool want_row = g.grad_x != nullptr || any(g.row);
   if (!want_row && !any(g.col)) return Status::Ok();

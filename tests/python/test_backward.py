@@ -245,3 +245,17 @@ def test_saved_layout_refuses_what_the_backward_does_not_serve():
         torch.ops.fastaxial.cuda_saved_floats(1, 2, 2, 257, 1)
     with pytest.raises(ValueError, match="divisible by heads"):
         torch.ops.fastaxial.cuda_saved_floats(1, 2, 2, 10, 3)
+
+
+def test_cpu_backward_refuses_a_saved_of_another_shape():
+    """The CPU training forward's `saved` (the row pass's output, q, k, v) names x's shape: a backward
+    for another x of as many elements is refused, not run on the other shape's tensors."""
+    torch.manual_seed(0)
+    w = [p.detach() for p in fastaxial.AxialAttentionReference(8, 2, 3, 4).weights()]
+    x = torch.randn(1, 3, 4, 8)
+    _, saved = torch.ops.fastaxial.axial_attention_training(x, *w, 2, 1e-5, 0.0, None)
+    other = torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"`saved` was made by axial_attention_training for x of shape "
+                                         r"\[1, 3, 4, 8\], not this call's \[1, 4, 3, 8\]"):
+        torch.ops.fastaxial.axial_attention_backward(torch.randn_like(other), other, *w, 2, 1e-5, [True] * 11, saved,
+                                                     0.0)

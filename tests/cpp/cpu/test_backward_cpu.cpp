@@ -38,9 +38,9 @@ TEST_P(CpuBackward, MatchesDoubleReference) {
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
-// The same from the forward's row pass output (AxialParams::row_out), as the torch binding's
-// training calls run it.
-TEST_P(CpuBackward, MatchesDoubleReferenceFromTheForwardsRowOutput) {
+// The same from what the forward kept (the row pass's output and both passes' q, k, v:
+// AxialParams::row_out, saved_qkv), as the torch binding's training calls run it.
+TEST_P(CpuBackward, MatchesDoubleReferenceFromTheForwardsKeptTensors) {
   const Shape s = GetParam();
   const Problem p = random_problem(s, 777u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)),
@@ -284,6 +284,9 @@ TEST_F(BackwardBadArguments, KeptForwardAliasesAnInputOrAGradient) {
   a.row_out = nullptr;
   a.saved_qkv = const_cast<float*>(a.x);
   expect_invalid("row_out and saved_qkv must not alias");
+  std::vector<float> kept(6 * a.batch * a.height * a.width * a.dim, 0.0f);
+  a.row_out = a.saved_qkv = kept.data();
+  expect_invalid("saved_qkv must not alias row_out");
 }
 TEST_F(BackwardBadArguments, HeadsNotDividingDim) {
   a.heads = 3;
