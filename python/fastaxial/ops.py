@@ -187,6 +187,7 @@ def _(x, *args):
 
 
 _DROPOUT_STATE_FLOATS = 4  # two uint64: the dropout mask's seed and offset
+_CPU_SHAPE_FLOATS = 8  # four int64: x's sizes, in the CPU training forward's `saved`
 
 
 def dropout_available():
@@ -232,7 +233,7 @@ def _(x, *args):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     # CUDA keeps the forward's intermediates; the CPU the row pass's output (a float an element of
     # x) and both passes' q, k, v (six), x's four sizes (int64: 8 floats), then the dropout state.
-    cpu = 7 * x.numel() + 8 + _DROPOUT_STATE_FLOATS
+    cpu = 7 * x.numel() + _CPU_SHAPE_FLOATS + _DROPOUT_STATE_FLOATS
     floats = cpu if x.device.type == "cpu" else saved_floats(*x.shape, num_heads)
     return out, x.new_empty(floats, dtype=torch.float32)  # float32 whatever x's dtype
 

@@ -54,11 +54,11 @@ struct PassArgs {
 };
 
 // Keeps rows r0 .. r0 + rows - 1 of a sequence n's qkv (rows of 3D floats, from row `from` of qkv)
-// at their positions of a.qkv_out, where the caller keeps them.
+// at their positions' rows of a.qkv_out (row_indices), where the caller keeps them.
 void keep_qkv(const PassArgs& a, const Mat& qkv, int64_t from, int64_t n, int64_t r0, int64_t rows) {
   if (a.qkv_out == nullptr) return;
-  for (int64_t r = 0; r < rows; ++r)
-    VecMap(a.qkv_out + 3 * a.v.offset(n, r0 + r), 3 * a.D) = qkv.row(from + r);
+  const AxisView at = row_indices(a.v, a.D);
+  for (int64_t r = 0; r < rows; ++r) VecMap(a.qkv_out + at.offset(n, r0 + r) * 3 * a.D, 3 * a.D) = qkv.row(from + r);
 }
 
 // x = the D floats at src, y = LayerNorm(x).

@@ -316,11 +316,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       if (!want_o) continue;
 
       gather_norm(v, n0, ns, D, eps, w, src, t);
-      if (qkv_in != nullptr) {
+      if (qkv_in != nullptr) {  // the forward's, a row of 3D floats a position (row_indices)
+        const AxisView at = row_indices(v, D);
         t.qkv.resize(rows, 3 * D);
         for (int64_t s = 0; s < ns; ++s)
-          for (int64_t l = 0; l < L; ++l)
-            t.qkv.row(s * L + l) = ConstVec(qkv_in + 3 * v.offset(n0 + s, l), 3 * D);
+          for (int64_t l = 0; l < L; ++l) t.qkv.row(s * L + l) = ConstVec(qkv_in + at.offset(n0 + s, l) * 3 * D, 3 * D);
       } else {
         t.qkv.noalias() = t.y * wqkv.transpose();
       }

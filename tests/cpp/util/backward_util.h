@@ -138,9 +138,11 @@ inline void expect_cpu_backward_matches_reference(const Problem& p, const std::v
   AxialGrads g = got.view();
   g.grad_out = gout_f.data();
   AxialParams a = params(p, nullptr);
-  std::vector<float> out(p.x.size()), row_out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
-  std::vector<float> qkv(6 * p.x.size(), std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> out, row_out, qkv;  // the forward's, where from_forward
   if (from_forward) {
+    out.resize(p.x.size());
+    row_out.assign(p.x.size(), std::numeric_limits<float>::quiet_NaN());
+    qkv.assign(6 * p.x.size(), std::numeric_limits<float>::quiet_NaN());
     a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data();
     const Status fs = forward_cpu(a);
     ASSERT_TRUE(fs.ok()) << fs.message;
