@@ -42,7 +42,8 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
 // four sizes (int64), the dropout state.
 constexpr int64_t kShapeFloats = 8;
 int64_t cpu_shape_at(int64_t n) { return 7 * n; }
-int64_t cpu_saved_floats(int64_t n) { return 7 * n + kShapeFloats + kDropoutStateFloats; }
+int64_t cpu_state_at(int64_t n) { return cpu_shape_at(n) + kShapeFloats; }
+int64_t cpu_saved_floats(int64_t n) { return cpu_state_at(n) + kDropoutStateFloats; }
 
 // out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; where
 // `saved` is given (cpu_saved_floats), x1 and the passes' q, k, v kept there.
@@ -85,7 +86,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
   const int64_t sizes[4] = {c.x.size(0), c.x.size(1), c.x.size(2), c.x.size(3)};
   std::memcpy(saved.data_ptr<float>() + cpu_shape_at(n), sizes, sizeof sizes);
   const uint64_t state[2] = {p.seed, p.offset};
-  std::memcpy(saved.data_ptr<float>() + cpu_shape_at(n) + kShapeFloats, state, sizeof state);
+  std::memcpy(saved.data_ptr<float>() + cpu_state_at(n), state, sizeof state);
   return {out, saved};
 }
 
@@ -121,7 +122,7 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
     TORCH_CHECK_VALUE(saved.has_value(), "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from "
                       "axial_attention_training) is required: it holds the forward's dropout seed and offset");
     uint64_t state[2];
-    std::memcpy(state, saved->data_ptr<float>() + cpu_shape_at(n) + kShapeFloats, sizeof state);
+    std::memcpy(state, saved->data_ptr<float>() + cpu_state_at(n), sizeof state);
     p.seed = state[0], p.offset = state[1];
   }
   BackwardCall b = prepare_backward(c, grad_out, output_mask);

@@ -95,7 +95,6 @@ Status validate(const AxialParams& p) {
     return invalid("row_out must not alias x or out");
   if (p.saved_qkv != nullptr && (p.saved_qkv == p.x || p.saved_qkv == p.out || p.saved_qkv == p.row_out))
     return invalid("saved_qkv must not alias x, out or row_out");
-
   return Status::Ok();
 }
 
