@@ -62,10 +62,8 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
   TORCH_CHECK_VALUE(x.dim() == 4, "fastaxial.axial_attention: x must have 4 dimensions (B, H, W, D), got ",
                     x.dim(), " with shape ", x.sizes());
   const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK_TYPE(dtype == at::kFloat || (low_precision(dtype) && x.is_cpu()), "fastaxial.axial_attention: x must be "
-                   "float32, got ", dtype_name(dtype),
-                   low_precision(dtype) ? " (on the CPU, bfloat16 and float16 run as fp32 math; on CUDA not yet)"
-                                        : " (float32 on any device; bfloat16 and float16 on the CPU)");
+  TORCH_CHECK_TYPE(dtype == at::kFloat || low_precision(dtype), "fastaxial.axial_attention: x must be float32, "
+                   "bfloat16 or float16, got ", dtype_name(dtype));
   const int64_t D = x.size(3);
   // x's last dimension against the weights' before the heads: a wrong x is the likelier mistake.
   TORCH_CHECK_VALUE(row_norm_weight.dim() != 1 || row_norm_weight.size(0) == D, "fastaxial.axial_attention: x's last ",
@@ -87,7 +85,7 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
       check_weight(*given[axis][i], axis == 0 ? "row_" : "col_", kWeightNames[i], shapes[i], x);
       (axis == 0 ? c.row : c.col)[i] = given[axis][i]->contiguous();
     }
-  if (dtype != at::kFloat) {  // fp32 math on 16-bit storage (the CPU): float32 copies
+  if (dtype != at::kFloat) {  // fp32 math on 16-bit storage: float32 copies
     c.dtype = dtype;
     c.x = c.x.to(at::kFloat);
     for (auto* w : {&c.row, &c.col})

@@ -68,13 +68,13 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
                       eps, dropout, rng_state);
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) return out.to(c.dtype);
   AxialParams p = c.params(out);
   if (dropout > 0) {  // dropout runs in the training forward's kernels; what it keeps is dropped here
     const CudaBackwardPlan plan = training_plan(p);  // first: a call it refuses draws nothing
     draw_dropout_state(&p, c.x.device(), rng_state);
     run_training_forward(p, plan, empty_saved(plan, c.x));
-    return out;
+    return out.to(c.dtype);
   }
   CudaPlan plan;
   Status s = plan_cuda(p, &plan);
@@ -85,7 +85,7 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
   const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(plan.workspace_bytes);
   s = forward_cuda(p, plan, workspace.get(), plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
-  return out;
+  return out.to(c.dtype);  // (out itself where the call is float32)
 }
 
 CudaBackwardPlan training_plan(const AxialParams& p) {
@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
   } else {
     saved.zero_();  // no launch wrote it; an empty problem keeps zeros (no mask drawn)
   }
-  return {out, saved};
+  return {out.to(c.dtype), saved};
 }
 
 // The gradients output_mask asks for, from backward_cuda with `saved` (the training forward's,
@@ -173,6 +173,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
                                  empty ? 0 : plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
                                  empty ? nullptr : at::cuda::getCurrentCUDABlasHandle());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CUDA): ", s.message);
+  for (at::Tensor& t : b.outputs) t = t.to(c.dtype);  // the gradients in the inputs' dtype
   return b.outputs;
 }
 

@@ -67,9 +67,11 @@ _SLOT_INDEX = tuple(_SLOT_MODULES.index(m) for m, _ in reference._WEIGHT_NAMES) 
 # forward() spells this layout out:
 assert _SLOT_INDEX == (0, 0, 1, 2, 2, 3, 3, 4, 5, 5) and _PARAM_NAMES == ("weight", "bias", "weight", "weight", "bias") * 2
 _Tensor, _FLOAT32 = torch.Tensor, torch.float32  # read per call: one global each, not torch and an attribute
-# fp32 math on 16-bit storage in the CPU kernels. Not bfloat16: PyTorch's own bfloat16 products
-# beat that fp32 math on some shapes of CPUs that have them (perf notes v58); the operator takes it.
+# The 16-bit dtypes the module sends to the kernels, which run them as fp32 math on their storage.
+# On the CPU not bfloat16: PyTorch's own bfloat16 products beat that fp32 math on some shapes of
+# CPUs that have them (perf notes v58); the operator takes it.
 _CPU_16BIT = (torch.float16,)
+_CUDA_16BIT = (torch.bfloat16, torch.float16)
 
 
 class AxialAttention(reference.AxialAttentionReference):
@@ -81,12 +83,14 @@ class AxialAttention(reference.AxialAttentionReference):
     flow through the operator's autograd kernel. Attention dropout in training
     mode runs in the fused kernels, its mask drawn from PyTorch's default
     generator of x's device (torch.manual_seed fixes it; it is not the
-    reference's nn.Dropout mask). float16 modules run the CPU kernels as fp32
-    math on their 16-bit storage. Inputs the fused kernels do not serve yet
-    (float64, bfloat16, float16 on CUDA, a device without a kernel, different LayerNorm
-    epsilons per axis, dropout on CUDA with head_dim above 256, dropout in a
-    build without Random123) run the reference math instead, with a warning
-    the first time. Under torch.compile, each call's mask comes from a random
+    reference's nn.Dropout mask). bfloat16 and float16 modules run the
+    kernels as fp32 math on their 16-bit storage (on the CPU float16 only).
+    Under torch.autocast the operator's autocast kernel takes x and weights of
+    any of these dtypes and returns the dtype the reference returns there.
+    Inputs the fused kernels do not serve (float64, bfloat16 on the CPU, a
+    device without a kernel, different LayerNorm epsilons per axis, dropout on
+    CUDA with head_dim above 256, dropout in a build without Random123) run
+    the reference math instead, with a warning the first time. Under torch.compile, each call's mask comes from a random
     op of the compiled graph (so it differs from the eager mask for the same
     seed, as compiled nn.Dropout's does).
     """
@@ -102,6 +106,7 @@ class AxialAttention(reference.AxialAttentionReference):
         eps = mods["row_norm"].eps
         if (isinstance(x, _Tensor)
                 and (x.dtype is _FLOAT32 and (_HAS_CUDA and x.is_cuda or _HAS_CPU and x.is_cpu)
+                     or _HAS_CUDA and x.is_cuda and x.dtype in _CUDA_16BIT
                      or _HAS_CPU and x.is_cpu and x.dtype in _CPU_16BIT)
                 and eps == mods["col_norm"].eps):
             p = mods["dropout"].p if self.training else 0.0  # attention dropout, in the kernels
@@ -109,7 +114,8 @@ class AxialAttention(reference.AxialAttentionReference):
                 return self._reference_forward(x)
             slots = self.__dict__.get("_slots") or self._weight_slots()
             rn, rq, ro, cn, cq, co = slots
-            if x.dtype is not _FLOAT32 and any(w.dtype is not x.dtype for w in self.weights()):
+            if (x.dtype is not _FLOAT32 and any(w.dtype is not x.dtype for w in self.weights())
+                    and not torch.is_autocast_enabled(x.device.type)):  # (autocast's kernel casts them)
                 return self._reference_forward(x)  # its error names both dtypes
             # One call site (torch.jit.trace compares the source lines of two traces), ten subscripts
             # straight into it: 0.25 us fewer than map() and a * unpacking.
@@ -139,6 +145,11 @@ class AxialAttention(reference.AxialAttentionReference):
             return ValueError(f"fastaxial.AxialAttention: x's last dimension is {x.shape[3]}, but this module's "
                               f"dim is {dim}: x must be (B, H, W, {dim}), got {tuple(x.shape)}")
         return None
+
+    @staticmethod
+    def _serves_16bit(x):
+        """Whether forward sends x, of a 16-bit dtype, to the kernels (as fp32 math on its storage)."""
+        return x.dtype in (_CUDA_16BIT if x.is_cuda else _CPU_16BIT if x.is_cpu else ())
 
     def _dropout_supported(self, x):
         """Whether the fused kernels apply attention dropout to x: in a build with dropout, everywhere
@@ -194,15 +205,16 @@ class AxialAttention(reference.AxialAttentionReference):
             if not x.is_floating_point():
                 raise TypeError(f"fastaxial.AxialAttention: x is {x.dtype}, but fastaxial takes float32 input: pass "
                                 "x.float(), which runs the fused kernels. (A module converted with "
-                                "module.to(dtype) takes x of that dtype: float16 runs the fused CPU kernels, "
-                                "float64 and bfloat16 the reference PyTorch math, with a warning.)")
+                                "module.to(dtype) takes x of that dtype: float16 and bfloat16 run the fused "
+                                "kernels, but bfloat16 on the CPU and float64 the reference PyTorch math, with a "
+                                "warning.)")
             mismatch = next((w.dtype for w in weights if w.dtype != x.dtype), None)
-            if mismatch is not None:
+            if mismatch is not None and not torch.is_autocast_enabled(x.device.type):
                 if mismatch is torch.float32:
-                    runs = (f"the fused CPU kernels in {x.dtype}" if x.is_cpu and x.dtype in _CPU_16BIT
+                    runs = (f"the fused kernels in {x.dtype}" if self._serves_16bit(x)
                             else f"the reference PyTorch math in {x.dtype}, with a warning")
-                    fix = (f"pass x.float(), which runs the fused kernels; or convert the module, "
-                           f"module.to({x.dtype}), to run {runs}")
+                    fix = (f"pass x.float(), which runs the fused kernels; convert the module, "
+                           f"module.to({x.dtype}), to run {runs}; or call it under torch.autocast")
                 else:
                     fix = (f"convert both to float32 (module.float(), x.float()) to run the fused kernels, or x to "
                            f"the weights' dtype (x.to({mismatch})) to run the reference PyTorch math, with a warning")
@@ -228,8 +240,9 @@ class AxialAttention(reference.AxialAttentionReference):
                 return ("dtype torch.bfloat16 runs the reference math on the CPU: the fused kernels would run it as "
                         "fp32 math, slower than PyTorch's bfloat16 products on some shapes; "
                         "fastaxial.ops.axial_attention runs them anyway")
-            if not (x.dtype in _CPU_16BIT and x.is_cpu):  # (float16 on the CPU: the kernels serve it)
-                return f"dtype {x.dtype} is not supported yet (float32 is; float16 on the CPU)"
+            if not self._serves_16bit(x):
+                return (f"dtype {x.dtype} is not served by the fused kernels (float32, bfloat16 and float16 are; "
+                        "bfloat16 on the CPU runs the reference math)")
         if not ops.has_kernel(x.device.type):
             return f"no fastaxial kernel for device type '{x.device.type}' in this build"
         return "row_norm and col_norm have different eps"

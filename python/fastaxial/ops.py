@@ -160,8 +160,9 @@ def has_kernel(device_type):
 def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
                     col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias,
                     num_heads, eps=1e-5, dropout=0.0, rng_state=None):
-    """Fused axial attention on x (B, H, W, D), float32 (on the CPU also bfloat16 or float16, run as
-    fp32 math; the weights of x's dtype); the arguments of reference.axial_attention,
+    """Fused axial attention on x (B, H, W, D), float32, bfloat16 or float16 (16-bit inputs run as
+    fp32 math on their storage; the weights of x's dtype; under torch.autocast, any of these, the
+    output in the dtype the reference gives); the arguments of reference.axial_attention,
     with dropout > 0 meaning attention dropout as in training mode (the mask drawn from PyTorch's
     default generator of x's device, or from rng_state where given: an int64 tensor (seed, offset)
     on x's device). Under torch.compile a call with dropout and no rng_state takes one drawn by a
@@ -178,8 +179,8 @@ def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_w
 @torch.library.register_fake(_OP)
 def _(x, *args):
     torch._check(x.dim() == 4, lambda: f"fastaxial.axial_attention: x must have 4 dimensions, got {x.dim()}")
-    torch._check(x.dtype == torch.float32 or x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16),
-                 lambda: f"fastaxial.axial_attention: x must be float32, got {x.dtype}")
+    torch._check(x.dtype in (torch.float32, torch.bfloat16, torch.float16),
+                 lambda: f"fastaxial.axial_attention: x must be float32, bfloat16 or float16, got {x.dtype}")
     for w in args[:10]:
         torch._check(w.dtype == x.dtype, lambda: f"fastaxial.axial_attention: the weights must be {x.dtype} like x, "
                      f"got {w.dtype}")

@@ -1,9 +1,11 @@
-"""bfloat16 and float16 on the CPU: the operators run fp32 math on the 16-bit inputs and weights and
-return the output and gradients in the inputs' dtype. The rule (issue 37's): fastaxial's error
-against a float64 evaluation is at most K = 2 times the error of the PyTorch reference run in the
-same dtype with the same weights, as the ratio of the maximum errors over 5 random inputs.
-The module runs float16 on them; bfloat16 on the reference math (PyTorch's bfloat16 products beat
-the fp32 math on some shapes: perf notes v58). On CUDA the 16-bit dtypes are not served yet."""
+"""bfloat16 and float16, and torch.autocast: the operators run fp32 math on the 16-bit inputs and
+weights and return the output and gradients in the inputs' dtype; under autocast the operator's
+autocast kernel takes any mix of these and returns the dtype the reference returns there. The rule
+(issue 37's): fastaxial's error against a float64 evaluation is at most K = 2 times the error of the
+PyTorch reference run in the same dtype (under the same autocast) with the same weights, as the
+ratio of the maximum errors over 5 random inputs. The module runs both dtypes on the kernels on
+CUDA; on the CPU float16, and bfloat16 on the reference math (PyTorch's bfloat16 products beat the
+fp32 math on some shapes: perf notes v58)."""
 
 import warnings
 
@@ -19,6 +21,20 @@ SHAPES = [(2, 8, 8, 32, 2), (1, 3, 40, 24, 3), (1, 1, 130, 16, 1)]  # several he
 SEEDS = range(5)
 
 
+def ran_the_kernels(out):
+    """Whether out's autograd graph has the operator's node (behind the autocast kernel's casts)."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if "AxialAttentionFunction" in node.name():
+            return True
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return False
+
+
 def run(module, x, g, fused=False):
     """module(x), or with fused the operator on the module's weights, and the gradients of
     (out * g).sum() for x and the ten weights."""
@@ -26,38 +42,109 @@ def run(module, x, g, fused=False):
     weights = list(module.weights())
     out = fastaxial.ops.axial_attention(x, *weights, module.num_heads, 1e-5) if fused else module(x)
     if fused:
-        assert "AxialAttentionFunction" in out.grad_fn.name(), out.grad_fn
+        assert ran_the_kernels(out), out.grad_fn
     grads = torch.autograd.grad((out * g).sum(), [x] + weights)
     return [out.detach()] + list(grads)
 
 
-@pytest.mark.skipif(not fastaxial.ops.has_kernel("cpu"), reason="this build has no CPU kernel")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_forward_and_gradients_within_twice_the_reference_in_the_same_dtype(shape, dtype):
+def worst_errors(shape, device, dtype, x_dtype, autocast=None):
+    """Over SEEDS: the largest error of fastaxial's operator and of the reference module (weights
+    of dtype, x of x_dtype; both under torch.autocast(device, autocast) where given) against a
+    float64 evaluation, for the output and each gradient; and the dtypes fastaxial returned and
+    the reference's."""
     B, H, W, D, heads = shape
     worst_new, worst_ref = {}, {}
     for seed in SEEDS:
         torch.manual_seed(seed)
-        ref = randomize_(fastaxial.AxialAttentionReference(D, heads, H, W), seed).to(dtype)
-        exact = fastaxial.AxialAttentionReference(D, heads, H, W).double()
-        exact.load_state_dict(ref.state_dict())  # the 16-bit weights, exactly
+        ref = randomize_(fastaxial.AxialAttentionReference(D, heads, H, W), seed).to(device, dtype)
+        exact = fastaxial.AxialAttentionReference(D, heads, H, W).to(device, torch.float64)
+        exact.load_state_dict(ref.state_dict())  # the weights as given, exactly
         gen = torch.Generator().manual_seed(100 + seed)
-        x = torch.randn(B, H, W, D, generator=gen).to(dtype)
-        g = torch.randn(B, H, W, D, generator=gen).to(dtype)
-        got = run(ref, x, g, fused=True)
-        assert all(t.dtype is dtype for t in got), [t.dtype for t in got]
-        want = run(ref, x, g)
+        x = torch.randn(B, H, W, D, generator=gen).to(device, x_dtype)
+        g = torch.randn(B, H, W, D, generator=gen).to(device)
+        with torch.autocast(device.type, autocast, enabled=autocast is not None):
+            got = run(ref, x, g.to(x_dtype), fused=True)
+            want = run(ref, x, g.to(x_dtype))
+        dtypes = ([t.dtype for t in got], [t.dtype for t in want])
         truth = run(exact, x.double(), g.double())
         for name, a, b, e in zip(("output",) + GRAD_NAMES, got, want, truth, strict=True):
             worst_new[name] = max(worst_new.get(name, 0.0), rel_err(a, e))
             worst_ref[name] = max(worst_ref.get(name, 0.0), rel_err(b, e))
-    failures = [f"{n}: {worst_new[n]:.3g} against the {dtype} reference's {worst_ref[n]:.3g}"
+    return worst_new, worst_ref, dtypes
+
+
+def check_rule(worst_new, worst_ref, what):
+    failures = [f"{n}: {worst_new[n]:.3g} against the {what} reference's {worst_ref[n]:.3g}"
                 for n in worst_new if not worst_new[n] <= K * worst_ref[n]]
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.skipif(not fastaxial.ops.has_kernel("cpu"), reason="this build has no CPU kernel")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_gradients_within_twice_the_reference_in_the_same_dtype(shape, dtype, device):
+    worst_new, worst_ref, (got, want) = worst_errors(shape, device, dtype, dtype)
+    assert got == want == [dtype] * 12, (got, want)
+    check_rule(worst_new, worst_ref, str(dtype))
+
+
+# Under autocast: float32 weights, x of float32 (a model's first layer) or of the autocast dtype
+# (the output of an autocast Linear before it), and 16-bit weights with a float32 x.
+AUTOCAST_CASES = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                  (torch.float32, torch.float16)]
+
+
+@pytest.mark.parametrize("autocast", DTYPES, ids=str)
+@pytest.mark.parametrize("weights,x_dtype", AUTOCAST_CASES, ids=str)
+def test_autocast_within_twice_the_reference_under_the_same_autocast(device, autocast, weights, x_dtype):
+    if device.type == "cpu" and weights is not torch.float32:
+        pytest.skip("the reference itself fails there: CPU autocast leaves LayerNorm's 16-bit weights to a float32 x")
+    shape = SHAPES[0]
+    worst_new, worst_ref, (got, want) = worst_errors(shape, device, weights, x_dtype, autocast)
+    # The output in the reference's dtype; each gradient in its input's dtype, as the reference's.
+    assert got == want and got[1] == x_dtype and got[2:] == [weights] * 10, (got, want)
+    check_rule(worst_new, worst_ref, f"autocast {autocast}")
+
+
+def test_module_under_autocast_takes_a_16bit_x_with_float32_weights(device):
+    """The drop-in case: under autocast, x comes out of an autocast Linear in bfloat16 while the
+    module's weights stay float32; the reference runs it, and so does fastaxial (on the kernels
+    where the module serves the dtype, else on the reference math with a warning)."""
+    torch.manual_seed(1)
+    ref = fastaxial.AxialAttentionReference(32, 4, 5, 6).to(device)
+    new = fastaxial.AxialAttention(32, 4, 5, 6).to(device)
+    new.load_state_dict(ref.state_dict())
+    proj = torch.nn.Linear(32, 32).to(device)
+    x = torch.randn(2, 5, 6, 32, device=device)
+    with torch.autocast(device.type, torch.bfloat16):
+        h = proj(x)
+        assert h.dtype is torch.bfloat16
+        want = ref(h)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bfloat16 on the CPU: the reference math, with a warning
+            got = new(h)
+    assert got.dtype is want.dtype is torch.bfloat16
+    assert ran_the_kernels(got) == (device.type == "cuda")
+    torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)  # two bfloat16 evaluations
+    # Outside autocast the same call is a mismatch, named.
+    with pytest.raises(TypeError, match="x is torch.bfloat16 but the weights are torch.float32"):
+        new(h.detach())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_compile_fullgraph_under_autocast(device, x_dtype):
+    if device.type == "cpu" and x_dtype is torch.bfloat16:
+        pytest.skip("the module runs bfloat16 on the reference math on the CPU")
+    torch.manual_seed(2)
+    m = fastaxial.AxialAttention(32, 4, 5, 6).to(device)
+    x = torch.randn(2, 5, 6, 32, device=device).to(x_dtype)
+    with torch.autocast(device.type, torch.bfloat16):
+        eager = m(x)
+        compiled = torch.compile(m, fullgraph=True)(x)
+    assert ran_the_kernels(eager) or not eager.requires_grad
+    assert compiled.dtype is eager.dtype is torch.promote_types(x_dtype, torch.bfloat16)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)  # the same kernels on the same fp32 copies
+
+
 def test_the_module_runs_float16_on_the_kernels_and_bfloat16_on_the_reference():
     torch.manual_seed(0)
     x = torch.randn(2, 6, 7, 32)
@@ -67,17 +154,33 @@ def test_the_module_runs_float16_on_the_kernels_and_bfloat16_on_the_reference():
         out = half(x.to(torch.float16).requires_grad_())
     assert out.dtype is torch.float16 and "AxialAttentionFunction" in out.grad_fn.name()
     bf16 = fastaxial.AxialAttention(32, 4, 6, 7).to(torch.bfloat16)
+    fastaxial.module._warned.clear()  # (warned once per process: maybe by an earlier test)
     with pytest.warns(UserWarning, match="bfloat16 runs the reference math on the CPU"):
         out = bf16(x.to(torch.bfloat16).requires_grad_())
     assert out.dtype is torch.bfloat16 and "AxialAttentionFunction" not in out.grad_fn.name()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
+                    reason="no CUDA kernel or no GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_module_runs_16bit_on_the_cuda_kernels(dtype):
+    torch.manual_seed(0)
+    m = fastaxial.AxialAttention(32, 4, 6, 7).cuda().to(dtype)
+    x = torch.randn(2, 6, 7, 32, device="cuda").to(dtype).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        out = m(x)
+    assert out.dtype is dtype and "AxialAttentionFunction" in out.grad_fn.name()
+    out.float().square().sum().backward()
+    assert x.grad.dtype is dtype and all(w.grad.dtype is dtype for w in m.weights())
+
+
 @pytest.mark.skipif(not fastaxial.ops.dropout_available(), reason="this build has no attention dropout")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_training_with_dropout_runs_the_kernels_in_the_dtype(dtype):
+def test_training_with_dropout_runs_the_kernels_in_the_dtype(dtype, device):
     torch.manual_seed(0)
-    m = fastaxial.AxialAttention(32, 4, 6, 7, dropout=0.1).to(dtype).train()
-    x = torch.randn(2, 6, 7, 32).to(dtype).requires_grad_()
+    m = fastaxial.AxialAttention(32, 4, 6, 7, dropout=0.1).to(device, dtype).train()
+    x = torch.randn(2, 6, 7, 32, device=device).to(dtype).requires_grad_()
     out = fastaxial.ops.axial_attention(x, *m.weights(), 4, 1e-5, 0.1)
     assert out.dtype is dtype and "AxialAttentionFunction" in out.grad_fn.name()
     out.float().square().sum().backward()
@@ -85,27 +188,26 @@ def test_training_with_dropout_runs_the_kernels_in_the_dtype(dtype):
         assert t.dtype is dtype and torch.isfinite(t).all()
 
 
-def test_16bit_input_with_float32_weights_names_both():
-    m = fastaxial.AxialAttention(32, 4, 3, 4)
+def test_16bit_input_with_float32_weights_names_both(device):
+    m = fastaxial.AxialAttention(32, 4, 3, 4).to(device)
     with pytest.raises(TypeError, match=r"x is torch.bfloat16 but the weights are torch.float32"):
-        m(torch.randn(1, 3, 4, 32).to(torch.bfloat16))
+        m(torch.randn(1, 3, 4, 32, device=device).to(torch.bfloat16))
 
 
-@pytest.mark.skipif(not fastaxial.ops.has_kernel("cpu"), reason="this build has no CPU kernel")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_opcheck_in_16_bits(dtype):
-    """The operators' fake kernels, autograd registration and schema agree with the 16-bit CPU
+def test_opcheck_in_16_bits(dtype, device):
+    """The operators' fake kernels, autograd registration and schema agree with the 16-bit
     kernels (output and gradients in the inputs' dtype, the training forward's `saved` float32)."""
     torch.manual_seed(3)
-    m = fastaxial.AxialAttention(16, 2, 3, 4).to(dtype)
-    x = torch.randn(2, 3, 4, 16).to(dtype).requires_grad_()
+    m = fastaxial.AxialAttention(16, 2, 3, 4).to(device, dtype)
+    x = torch.randn(2, 3, 4, 16, device=device).to(dtype).requires_grad_()
     w = [t.detach().clone().requires_grad_() for t in m.weights()]
     torch.library.opcheck(torch.ops.fastaxial.axial_attention.default, (x, *w, 2, 1e-5))
-    g = torch.randn(2, 3, 4, 16).to(dtype)
+    g = torch.randn(2, 3, 4, 16, device=device).to(dtype)
     torch.library.opcheck(torch.ops.fastaxial.axial_attention_backward.default,
                           (g, x.detach(), *[t.detach() for t in w], 2, 1e-5, [True] * 11))
     if fastaxial.ops.dropout_available():
-        rng = torch.tensor([5, 0], dtype=torch.int64)
+        rng = torch.tensor([5, 0], dtype=torch.int64, device=device)
         torch.library.opcheck(torch.ops.fastaxial.axial_attention_training.default,
                               (x.detach(), *[t.detach() for t in w], 2, 1e-5, 0.1, rng))
 
@@ -118,7 +220,7 @@ def test_messages_in_16_bits():
     with pytest.warns(UserWarning, match="row_norm and col_norm have different eps"):
         m(torch.randn(2, 6, 7, 32).half())
     with pytest.raises(TypeError, match=r"x is torch.float16 but the weights are torch.float32: .*module.to\("
-                                        r"torch.float16\), to run the fused CPU kernels in torch.float16"):
+                                        r"torch.float16\), to run the fused kernels in torch.float16"):
         fastaxial.AxialAttention(32, 4, 6, 7)(torch.randn(2, 6, 7, 32).half())
     shapes = [tuple(w.shape) for w in fastaxial.AxialAttention(32, 4, 6, 7).weights()]
     with torch._subclasses.fake_tensor.FakeTensorMode():
