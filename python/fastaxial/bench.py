@@ -2,11 +2,12 @@
 
     python -m fastaxial.bench [--shapes all|default|"B H W D heads;..."] [--out DIR] [--iters N]
         [--protocols queued,synchronized,harness,host,training,model] [--harness-iters N] [--host-calls N]
-        [--training-iters N] [--model-steps N]
+        [--training-iters N] [--model-steps N] [--dtype float32|bfloat16]
 
-Contenders, all fp32 with TF32 off: fastaxial; the PyTorch eager reference;
-the same math with scaled_dot_product_attention; torch.compile of the
-reference; on CUDA, torch.compile with mode="reduce-overhead" (CUDA graphs).
+Contenders, all fp32 with TF32 off (--dtype bfloat16: at the end):
+fastaxial; the PyTorch eager reference; the same math with
+scaled_dot_product_attention; torch.compile of the reference; on CUDA,
+torch.compile with mode="reduce-overhead" (CUDA graphs).
 
 A forward costs host time (Python, dispatch, launches) and GPU time, and
 the protocols differ in how much of the host's part they show. A user who
@@ -66,7 +67,7 @@ step's peak memory is None there.
 
 In bench.json, per shape: "results" (queued, with the correctness check),
 "synchronized" and "harness", each {contender: {mean_us, median_us, iters, stdev_us}}
-(harness: {error} for a contender that failed); "training" where asked for:
+({error} for a contender that failed); "training" where asked for:
 {iters, wall_s, grad_abs_max (the float64 gradients' largest magnitudes),
 contenders: {contender: {synchronized, queued, peak_bytes, peak_over_eager,
 grad_max_abs_err, grad_err_over_eager}}} (and {error} for a contender that
@@ -76,7 +77,25 @@ failed, beside whatever it measured before failing); at the top: "host"
 
 Also measured in the same run: the device's fp32 matrix rate and copy
 bandwidth, which give each shape's floor (the larger of FLOPs / rate and
-bytes / bandwidth)."""
+bytes / bandwidth).
+
+--dtype bfloat16: every contender in bf16 (TF32 switches as above, moot
+there): the reference and fastaxial modules converted with
+.to(torch.bfloat16), x and the training step's g in bf16. On CUDA
+fastaxial's kernels run it as fp32 math on the 16-bit storage; on the CPU
+its module runs the reference math (its warning about that is silenced).
+Contenders: fastaxial, eager (the reference module), on CUDA the
+SDPA formulation once per backend, each forced with sdpa_kernel
+(sdpa-flash, sdpa-cudnn, sdpa-efficient; a backend that cannot run a shape
+records its error), on the CPU the plain sdpa; compile, and on CUDA
+compile+cudagraph. Correctness: each contender's output against the
+reference evaluated in float64 (the same bf16 weights and x, converted
+exactly): "max_abs_err" and "err_over_eager", its ratio to eager-bf16's
+error (no "allclose_1e-4"); the training gradients likewise against
+float64. The floors use the measured bf16 matrix rate ("bf16_flops_per_s"
+beside fp32's) and 2-byte elements. The host rows, gpu_alone and the
+dropout rows run the bf16 module and input; the model protocol is float32
+only and is skipped. bench.json carries "dtype": "bfloat16" at the top."""
 
 import argparse
 import copy
@@ -84,10 +103,12 @@ import json
 import logging
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import model_bench, reference
 # The report's tables and chart; bench.markdown, bench.cell and the rest stay importable from here.
@@ -106,11 +127,19 @@ HARNESS_CONTENDERS = ("fastaxial", "eager", "compile", "compile+cudagraph")  # t
 HOST_REPEATS = 7
 GPU_REPLAYS = 100
 FLUSH_BYTES = 256 * 2**20
+CPU_MATRIX = 1024  # the side of the CPU's matrices for the matrix rates (CUDA's: 8192)
 ERROR_CHARS = 1000  # of a failed contender's error message, kept in the report
 
 ITERS_HELP = "timed forwards per contender (default 200 CUDA, 20 CPU)"
 TRAINING_DROPOUT = 0.1
 GRAD_NAMES = ("x",) + tuple(f"{m}.{p}" for m, p in reference._WEIGHT_NAMES)  # x, then the op's weight order
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# In bf16 on CUDA, one sdpa contender per backend, forced (fp32 keeps one sdpa, PyTorch's pick: flash and
+# cuDNN take no fp32).
+SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
+# fastaxial's module sends bf16 on the CPU to the reference math and says so: expected in a bf16 run.
+CPU_BF16_WARNING = r"fastaxial\.AxialAttention: dtype torch\.bfloat16 runs the reference math on the CPU"
 
 
 def default_iters(device):
@@ -136,9 +165,9 @@ def flops(B, H, W, D, heads):
     return 2 * (2 * M * (4 * D * D)) + 2 * 2 * M * D * (H + W)
 
 
-def min_bytes(B, H, W, D, heads):
+def min_bytes(B, H, W, D, heads, itemsize=4):
     """x read once, the output written once, both axes' weights read once."""
-    return 4 * (2 * B * H * W * D + 2 * (4 * D * D + 3 * D))
+    return itemsize * (2 * B * H * W * D + 2 * (4 * D * D + 3 * D))
 
 
 def sdpa_core(q, k, v, dropout_p=0.0, training=False):
@@ -230,16 +259,23 @@ class Timer:
         return self.start.elapsed_time(self.stop) * 1e3
 
 
-def device_ceilings(device, timer):
-    """Measured fp32 matrix rate (FLOP/s, TF32 off) and copy bandwidth (bytes read + written per s)."""
-    n = 8192 if device.type == "cuda" else 1024
+def device_ceilings(device, timer, dtype=torch.float32):
+    """Measured fp32 matrix rate (FLOP/s, TF32 off) and copy bandwidth (bytes read + written per s); for
+    bf16 also the bf16 matrix rate."""
+    n = 8192 if device.type == "cuda" else CPU_MATRIX
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    t = timer.queued(lambda: torch.mm(a, b), iters=10, warmup=3)["median_us"] * 1e-6
-    rate = 2 * n**3 / t
+
+    def mm_rate(a, b):
+        return 2 * n**3 / (timer.queued(lambda: torch.mm(a, b), iters=10, warmup=3)["median_us"] * 1e-6)
+
+    rate = mm_rate(a, b)
     count = (2**28 if device.type == "cuda" else 2**25)
     src, dst = torch.randn(count, device=device), torch.empty(count, device=device)
     t = timer.queued(lambda: dst.copy_(src), iters=20, warmup=3)["median_us"] * 1e-6
-    return {"fp32_flops_per_s": rate, "copy_bytes_per_s": 2 * 4 * count / t}
+    out = {"fp32_flops_per_s": rate, "copy_bytes_per_s": 2 * 4 * count / t}
+    if dtype is torch.bfloat16:
+        out["bf16_flops_per_s"] = mm_rate(a.bfloat16(), b.bfloat16())
+    return out
 
 
 def _import_cpp_extension_quietly():
@@ -259,11 +295,19 @@ def contenders(ref, new, device, compile_=True):
         _import_cpp_extension_quietly()
     weights = ref.weights()
     eps = ref.row_norm.eps
-    out = {
-        "fastaxial": new,
-        "eager": ref,
-        "sdpa": lambda x: reference.axial_attention(x, *weights, ref.num_heads, eps, attend=sdpa_core),
-    }
+
+    def sdpa(x):
+        return reference.axial_attention(x, *weights, ref.num_heads, eps, attend=sdpa_core)
+
+    out = {"fastaxial": new, "eager": ref}
+    if device.type == "cuda" and weights[0].dtype is torch.bfloat16:
+        for name, backend in SDPA_BACKENDS.items():
+            def forced(x, backend=backend):
+                with sdpa_kernel(backend):
+                    return sdpa(x)
+            out[name] = forced
+    else:
+        out["sdpa"] = sdpa
     if compile_:
         out["compile"] = torch.compile(ref)
         if device.type == "cuda":
@@ -279,31 +323,44 @@ def contenders(ref, new, device, compile_=True):
 
 
 def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=DEFAULT_PROTOCOLS,
-                harness_iters=HARNESS_ITERS, seed=0, training_iters=None):
+                harness_iters=HARNESS_ITERS, seed=0, training_iters=None, dtype=torch.float32):
     """One shape: correctness and the queued protocol ("results") of every contender, and the
-    synchronized, harness and training protocols where asked for."""
+    synchronized, harness and training protocols where asked for. A contender that fails records its error."""
     B, H, W, D, heads = shape
     torch.manual_seed(seed)
-    ref = reference.AxialAttentionReference(D, heads, H, W).to(device).eval()
+    ref = reference.AxialAttentionReference(D, heads, H, W).to(device, dtype).eval()
     torch.manual_seed(seed)
-    new = AxialAttention(D, heads, H, W).to(device).eval()
-    x = torch.randn(B, H, W, D, device=device)
+    new = AxialAttention(D, heads, H, W).to(device, dtype).eval()
+    x = torch.randn(B, H, W, D, device=device).to(dtype)
+    fp32 = dtype is torch.float32
     rows, synchronized = {}, {}
     with torch.no_grad():
-        expected = ref(x)
+        # fp32 against the fp32 reference; bf16 against the reference in float64 (bf16 converts exactly).
+        expected = ref(x) if fp32 else copy.deepcopy(ref).double()(x.double())
         for name, fn in contenders(ref, new, device, compile_).items():
-            fn(x)
-            got = fn(x).clone()  # second call: compiled graphs settle
-            err = (got - expected).abs().max().item()
-            t = timer.queued(lambda: fn(x), iters, warmup)
-            rows[name] = {**t, "max_abs_err": err,
-                          "allclose_1e-4": bool(torch.allclose(got, expected, atol=1e-4, rtol=1e-4))}
-            if "synchronized" in protocols:
-                synchronized[name] = timer.synchronized(lambda: fn(x), iters, warmup)
-            if name.startswith("compile"):
-                torch._dynamo.reset()  # drop compiled graphs before the next contender
+            try:
+                fn(x)
+                got = fn(x).clone()  # second call: compiled graphs settle
+                err = (got.to(expected.dtype) - expected).abs().max().item()
+                rows[name] = {**timer.queued(lambda: fn(x), iters, warmup), "max_abs_err": err}
+                if fp32:
+                    rows[name]["allclose_1e-4"] = bool(torch.allclose(got, expected, atol=1e-4, rtol=1e-4))
+                if "synchronized" in protocols:
+                    synchronized[name] = timer.synchronized(lambda: fn(x), iters, warmup)
+            except Exception as e:  # a contender that cannot run a shape (an SDPA backend, say) is a result
+                rows[name] = {"error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}
+                if "synchronized" in protocols:
+                    synchronized[name] = rows[name]
+            finally:
+                if name.startswith("compile"):
+                    torch._dynamo.reset()  # drop compiled graphs before the next contender
+    if not fp32:
+        eager_err = rows["eager"].get("max_abs_err")
+        for row in rows.values():
+            if "max_abs_err" in row:
+                row["err_over_eager"] = row["max_abs_err"] / eager_err if eager_err else None
     out = {"shape": shape_dict(shape), "flops": flops(*shape),
-           "min_bytes": min_bytes(*shape), "results": rows}
+           "min_bytes": min_bytes(*shape, itemsize=dtype.itemsize), "results": rows}
     if "synchronized" in protocols:
         out["synchronized"] = synchronized
     if "harness" in protocols:
@@ -311,7 +368,7 @@ def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=DE
         out["harness"] = harness_rows(ref.train(), new.train(), x, device, timer, harness_iters, warmup, compile_)
     if "training" in protocols:
         gen = torch.Generator(device).manual_seed(seed + 1)
-        g = torch.randn(x.shape, generator=gen, device=device)  # the fixed output gradient
+        g = torch.randn(x.shape, generator=gen, device=device).to(dtype)  # the fixed output gradient
         out["training"] = training_rows(ref.train(), new.train(), x, g, device, timer,
                                         training_iters or default_training_iters(device), warmup, compile_)
     return out
@@ -419,21 +476,22 @@ def training_rows(ref, new, x, g, device, timer, iters, warmup, compile_):
             "grad_abs_max": {n: e.abs().max().item() for n, e in zip(GRAD_NAMES, exact)}, "contenders": rows}
 
 
-def training_dropout_rows(shape, device, timer, iters, warmup, dropout=TRAINING_DROPOUT, seed=0):
+def training_dropout_rows(shape, device, timer, iters, warmup, dropout=TRAINING_DROPOUT, seed=0,
+                          dtype=torch.float32):
     """On one shape (the default problem): fastaxial and eager built with dropout in training mode, µs per
     training step synchronized, against the same modules built without it. fastaxial applies the dropout
     in its fused kernels (the mask drawn in the flash forward and redrawn in the attention backward)."""
     B, H, W, D, heads = shape
     gen = torch.Generator(device).manual_seed(seed + 1)
-    x = torch.randn(B, H, W, D, generator=gen, device=device)
-    g = torch.randn(B, H, W, D, generator=gen, device=device)
+    x = torch.randn(B, H, W, D, generator=gen, device=device).to(dtype)
+    g = torch.randn(B, H, W, D, generator=gen, device=device).to(dtype)
     rows = {}
     with torch.enable_grad():
         for name, cls in (("fastaxial", AxialAttention), ("eager", reference.AxialAttentionReference)):
             row = rows[name] = {}
             for key, p in (("no_dropout", 0.0), ("dropout", dropout)):
                 torch.manual_seed(seed)
-                module = cls(D, heads, H, W, dropout=p).to(device).train()
+                module = cls(D, heads, H, W, dropout=p).to(device, dtype).train()
                 step = training_step(module, module.weights(), x, g)
                 try:
                     row[key] = timer.synchronized(step, iters, warmup)
@@ -445,11 +503,11 @@ def training_dropout_rows(shape, device, timer, iters, warmup, dropout=TRAINING_
     return {"shape": shape_dict(shape), "dropout": dropout, "iters": iters, "rows": rows}
 
 
-def seeded_module(shape, device, seed=0):
-    """A fastaxial module in eval mode and an input x of a shape, from a seed."""
+def seeded_module(shape, device, seed=0, dtype=torch.float32):
+    """A fastaxial module in eval mode and an input x of a shape and dtype, from a seed."""
     B, H, W, D, heads = shape
     torch.manual_seed(seed)
-    return AxialAttention(D, heads, H, W).to(device).eval(), torch.randn(B, H, W, D, device=device)
+    return AxialAttention(D, heads, H, W).to(device, dtype).eval(), torch.randn(B, H, W, D, device=device).to(dtype)
 
 
 def back_to_back_us(fn, device, calls, repeats=HOST_REPEATS):
@@ -468,9 +526,9 @@ def back_to_back_us(fn, device, calls, repeats=HOST_REPEATS):
     return statistics.median(samples)
 
 
-def host_rows(shape, device, calls):
+def host_rows(shape, device, calls, dtype=torch.float32):
     """The host protocol: what the host spends per call, fastaxial's ways to be called against x.add(1.0)."""
-    module, x = seeded_module(shape, device)
+    module, x = seeded_module(shape, device, dtype=dtype)
     weights, heads, eps = module.weights(), module.num_heads, module.row_norm.eps
     modes_and_calls = {
         "module_no_grad": (torch.no_grad, lambda: module(x)),
@@ -487,10 +545,10 @@ def host_rows(shape, device, calls):
             "us_per_call": us, "over_add": {k: v / us["add_no_grad"] for k, v in us.items() if k != "add_no_grad"}}
 
 
-def gpu_alone(shape, device, replays=GPU_REPLAYS, repeats=HOST_REPEATS):
+def gpu_alone(shape, device, replays=GPU_REPLAYS, repeats=HOST_REPEATS, dtype=torch.float32):
     """fastaxial's GPU time per forward with no host in the loop: one forward captured in a CUDA graph
     (no_grad), replays back to back between two events; median over repeats. L2 stays warm."""
-    module, x = seeded_module(shape, device)
+    module, x = seeded_module(shape, device, dtype=dtype)
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad():
         side = torch.cuda.Stream(device)  # warm-up on a side stream before capture, as torch.cuda.graphs asks
@@ -517,43 +575,52 @@ def gpu_alone(shape, device, replays=GPU_REPLAYS, repeats=HOST_REPEATS):
 
 def add_floors(report):
     c = report["ceilings"]
+    rate = c["bf16_flops_per_s" if report.get("dtype") == "bfloat16" else "fp32_flops_per_s"]
     for s in report["shapes"]:
-        t_flop = s["flops"] / c["fp32_flops_per_s"] * 1e6
+        t_flop = s["flops"] / rate * 1e6
         t_byte = s["min_bytes"] / c["copy_bytes_per_s"] * 1e6
         s["floor_us"] = max(t_flop, t_byte)
         s["floor_bound"] = "arithmetic" if t_flop >= t_byte else "memory"
-        fa = s["results"]["fastaxial"]["mean_us"]
-        s["fastaxial_over_floor"] = fa / s["floor_us"]
-        s["speedup_vs"] = {k: v["mean_us"] / fa for k, v in s["results"].items() if k != "fastaxial"}
+        fa = s["results"]["fastaxial"].get("mean_us")  # None where fastaxial failed
+        s["fastaxial_over_floor"] = fa / s["floor_us"] if fa else None
+        s["speedup_vs"] = {k: v["mean_us"] / fa for k, v in s["results"].items()
+                           if fa and k != "fastaxial" and "mean_us" in v}
 
 
 def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=DEFAULT_PROTOCOLS,
-        harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None, model_steps=None):
-    """Benchmarks every shape under the protocols asked for (queued always), writes bench.json, bench.md
-    and bench.png to out when given, and returns the report."""
+        harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None, model_steps=None, dtype=torch.float32):
+    """Benchmarks every shape under the protocols asked for (queued always) in dtype (float32 or bfloat16),
+    writes bench.json, bench.md and bench.png to out when given, and returns the report."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     timer = Timer(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    protocols = tuple(p for p in PROTOCOLS if p == "queued" or p in protocols)
-    report = {"device": name, "torch": torch.__version__, "protocols": list(protocols),
-              "ceilings": device_ceilings(device, timer), "shapes": []}
-    for shape in shapes:
-        log(f"[bench] shape {shape} on {name}")
-        report["shapes"].append(bench_shape(shape, device, timer, iters, warmup, compile_, protocols, harness_iters,
-                                            training_iters=training_iters))
+    fp32 = dtype is torch.float32
+    if "model" in protocols and not fp32:
+        log("[bench] model protocol skipped: it runs in float32 only")
+    protocols = tuple(p for p in PROTOCOLS if p == "queued" or p in protocols and (fp32 or p != "model"))
+    # float32 reports name no dtype: the keys of reports from before --dtype.
+    report = {**({} if fp32 else {"dtype": str(dtype).removeprefix("torch.")}), "device": name,
+              "torch": torch.__version__, "protocols": list(protocols),
+              "ceilings": device_ceilings(device, timer, dtype), "shapes": []}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=CPU_BF16_WARNING)
+        for shape in shapes:
+            log(f"[bench] shape {shape} on {name}")
+            report["shapes"].append(bench_shape(shape, device, timer, iters, warmup, compile_, protocols,
+                                                harness_iters, training_iters=training_iters, dtype=dtype))
+            if "training" in protocols:
+                log(f"[bench] training table, shape {shape}: {report['shapes'][-1]['training']['wall_s']:.1f} s")
+        add_floors(report)
         if "training" in protocols:
-            log(f"[bench] training table, shape {shape}: {report['shapes'][-1]['training']['wall_s']:.1f} s")
-    add_floors(report)
-    if "training" in protocols:
-        log(f"[bench] training with dropout {TRAINING_DROPOUT}, shape {DEFAULT_SHAPE}")
-        report["training_dropout"] = training_dropout_rows(
-            DEFAULT_SHAPE, device, timer, training_iters or default_training_iters(device), warmup)
-    if "host" in protocols and shapes:
-        log(f"[bench] host time per call, shape {shapes[0]}")
-        report["host"] = host_rows(shapes[0], device, host_calls or default_iters(device))
-        if device.type == "cuda":
-            report["gpu_alone"] = gpu_alone(shapes[0], device)
+            log(f"[bench] training with dropout {TRAINING_DROPOUT}, shape {DEFAULT_SHAPE}")
+            report["training_dropout"] = training_dropout_rows(
+                DEFAULT_SHAPE, device, timer, training_iters or default_training_iters(device), warmup, dtype=dtype)
+        if "host" in protocols and shapes:
+            log(f"[bench] host time per call, shape {shapes[0]}")
+            report["host"] = host_rows(shapes[0], device, host_calls or default_iters(device), dtype)
+            if device.type == "cuda":
+                report["gpu_alone"] = gpu_alone(shapes[0], device, dtype=dtype)
     if "model" in protocols:
         log("[bench] model: training steps of a small axial transformer")
         report["model"] = model_bench.run(device, steps=model_steps or model_bench.default_steps(device), warmup=warmup,
@@ -602,18 +669,20 @@ def main(argv=None):
                    help="timed training steps per contender, synchronized and queued each (default 30 CUDA, 10 CPU)")
     p.add_argument("--model-steps", type=int, default=None,
                    help="timed training steps per model variant (default 50 CUDA, 3 CPU)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="every contender's weights, input and output gradient (default float32; see above)")
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     shapes = {"all": SHAPES, "default": [DEFAULT_SHAPE], "none": []}.get(a.shapes)
     if shapes is None:
         shapes = [parse_shape(s) for s in a.shapes.split(";")]
-    if not shapes and "model" not in a.protocols:
-        p.error("--shapes none runs nothing without --protocols model")
+    if not shapes and ("model" not in a.protocols or a.dtype != "float32"):
+        p.error("--shapes none runs nothing without --protocols model (float32 only)")
     iters = a.iters or default_iters(device)
     report = run(shapes, device, iters, a.warmup, not a.no_compile, a.out, protocols=a.protocols,
                  harness_iters=a.harness_iters, host_calls=a.host_calls, training_iters=a.training_iters,
-                 model_steps=a.model_steps)
+                 model_steps=a.model_steps, dtype=DTYPES[a.dtype])
     print(markdown(report))
     print(f"wrote {a.out}/bench.json, bench.md, bench.png")
 

@@ -17,16 +17,25 @@ TITLES = {
                        "an L2 flush, one synchronize at the end.",
     "training_memory": "**Training, memory**: peak MB allocated during one step beyond what was allocated before "
                        "it (gradients None), and its ratio to eager's.",
-    "training_grads": "**Training, gradients**: the largest max abs error of a contender's fp32 gradients (x's "
+    "training_grads": "**Training, gradients**: the largest max abs error of a contender's {dt} gradients (x's "
                       "and the ten weights') against the reference evaluated in float64 with the same weights, x "
-                      "and output gradient; in brackets the worst ratio, gradient by gradient, to eager's (fp32 "
+                      "and output gradient; in brackets the worst ratio, gradient by gradient, to eager's ({dt} "
                       "PyTorch's own) error.",
+    "accuracy": "**Accuracy**: each contender's max abs error (queued table's forward, no_grad) against the "
+                "reference evaluated in float64 with the same bf16 weights and x; in brackets its ratio to "
+                "eager's (bf16 PyTorch's own) error.",
 }
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 HOST_LABELS = {"module_no_grad": "fastaxial module, no_grad",
                "module_inference_mode": "fastaxial module, inference_mode",
                "module_grad": "fastaxial module, grad mode",
                "operator_no_grad": "torch.ops.fastaxial.axial_attention, no_grad",
                "add_no_grad": "x.add(1.0), no_grad"}
+
+
+def short_dtype(report):
+    """fp32 or bf16: reports without a "dtype" are float32."""
+    return SHORT_DTYPES[report.get("dtype", "float32")]
 
 
 def shape_label(shape, sep=", "):
@@ -44,19 +53,44 @@ def speedups(rows):
     return {k: v["mean_us"] / fa for k, v in rows.items() if fa and "mean_us" in v}
 
 
+def _err(row):
+    """A contender's max abs error; in bf16 with its ratio to eager's in brackets."""
+    if "max_abs_err" not in row:
+        return "error"
+    ratio = row.get("err_over_eager")
+    return f"{row['max_abs_err']:.1e}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
 def queued_table(report):
+    """The queued table (bf16: fastaxial's error against float64, / eager's); failed contenders' errors below."""
     names = list(report["shapes"][0]["results"])
+    err_head = ("max abs err vs float64 (fastaxial, / eager's)" if report.get("dtype") == "bfloat16"
+                else "max abs err (fastaxial)")
     lines = [TITLES["queued"] + " Speedup = contender mean / fastaxial mean.", "",
              "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | floor µs | fastaxial / floor | "
-             "speedup vs fastest other | max abs err (fastaxial) |",
+             f"speedup vs fastest other | {err_head} |",
              "|---" * (len(names) + 5) + "|"]
+    errors = []
     for s in report["shapes"]:
         r = s["results"]
-        cells = [cell(r[n]) for n in names]
-        fastest = min(s["speedup_vs"].values())
+        cells = [cell(r.get(n, {})) for n in names]
+        fastest = f"{min(s['speedup_vs'].values()):.2f}x" if s["speedup_vs"] else "-"
+        over = f"{s['fastaxial_over_floor']:.1f}x" if s["fastaxial_over_floor"] else "-"
         lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cells) + f" | {s['floor_us']:.1f} "
-                     f"({s['floor_bound']}) | {s['fastaxial_over_floor']:.1f}x | {fastest:.2f}x | "
-                     f"{r['fastaxial']['max_abs_err']:.1e} |")
+                     f"({s['floor_bound']}) | {over} | {fastest} | {_err(r['fastaxial'])} |")
+        errors += [f"- {shape_label(s['shape'])} {n}: {v['error'].splitlines()[0]}"
+                   for n, v in r.items() if "error" in v]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def accuracy_table(report):
+    """bf16: every contender's forward error against float64 and its ratio to eager's."""
+    names = list(report["shapes"][0]["results"])
+    lines = [TITLES["accuracy"], "", "| shape (B, H, W, D, heads) | " + " | ".join(names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for s in report["shapes"]:
+        lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(_err(s["results"].get(n, {})) for n in names)
+                     + " |")
     return "\n".join(lines)
 
 
@@ -113,7 +147,7 @@ def training_tables(report):
                 cells.append("-" if peak is None else f"{peak / 2**20:.1f}" + (f" ({ratio:.2f}x)" if ratio else ""))
             lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
-    lines = [TITLES["training_grads"], ""] + header
+    lines = [TITLES["training_grads"].format(dt=short_dtype(report)), ""] + header
     for s in shapes:
         cells = []
         for n in names:
@@ -155,13 +189,20 @@ def host_table(report):
 
 def markdown(report):
     c = report["ceilings"]
-    device = (f"Device: {report['device']}; fp32 matmul {c['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s, "
+    bf16 = report.get("dtype") == "bfloat16"
+    # Three digits: a CPU without bf16 instructions multiplies bf16 at GFLOP/s.
+    bf16_rate = f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.3g} TFLOP/s (the floors' rate), " if bf16 else ""
+    device = (f"Device: {report['device']}; fp32 matmul {c['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s, {bf16_rate}"
               f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (measured in this run).")
     if report["device"] == "CPU":
         device += " On the CPU every protocol times each call by the host clock: no flush, nothing to synchronize."
-    parts = [device]
+    # A float32 report keeps its header as it was.
+    parts = ([f"## fastaxial vs PyTorch, bfloat16\n\nEvery contender's weights, input and output gradient in "
+              "bfloat16; errors against the reference evaluated in float64."] if bf16 else []) + [device]
     if report["shapes"]:
         parts.append(queued_table(report))
+        if bf16:
+            parts.append(accuracy_table(report))
         parts += [protocol_table(report, k) for k in ("synchronized", "harness") if k in report["shapes"][0]]
     if "host" in report:
         parts.append(host_table(report))
@@ -182,7 +223,7 @@ def chart(report, path):
         return
     labels = [shape_label(s["shape"], ",") for s in shapes]
     panels = [(lambda s: s["results"], "µs per forward (queued, mean, log scale)",
-               f"fastaxial vs PyTorch, fp32, {report['device']}")]
+               f"fastaxial vs PyTorch, {short_dtype(report)}, {report['device']}")]
     if "training" in shapes[0]:
         panels.append((lambda s: _training_protocol(s, "synchronized"),
                        "µs per training step (synchronized, mean, log scale)", "Training step: forward + backward"))

@@ -6,10 +6,12 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
+import fastaxial.module
 from fastaxial import bench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,3 +179,79 @@ def test_training_records_a_failing_contender(monkeypatch, tmp_path):
 def test_training_is_asked_for_not_default():
     assert "training" in bench.PROTOCOLS and "training" not in bench.DEFAULT_PROTOCOLS
     assert bench.parse_protocols("training,queued") == ("queued", "training")
+
+
+def test_float32_report_keys_and_header():
+    """Without --dtype the report is float32 as before --dtype existed: no "dtype", no bf16 rate, fp32 keys."""
+    report = bench.run([SHAPE], torch.device("cpu"), iters=1, warmup=0, compile_=False, log=lambda m: None,
+                       protocols=("synchronized",))
+    assert list(report) == ["device", "torch", "protocols", "ceilings", "shapes"]
+    assert list(report["ceilings"]) == ["fp32_flops_per_s", "copy_bytes_per_s"]
+    s = report["shapes"][0]
+    assert list(s) == ["shape", "flops", "min_bytes", "results", "synchronized", "floor_us", "floor_bound",
+                       "fastaxial_over_floor", "speedup_vs"]
+    assert s["min_bytes"] == bench.min_bytes(*SHAPE) == 4 * (2 * 1 * 4 * 4 * 16 + 2 * (4 * 16 * 16 + 3 * 16))
+    for name, r in s["results"].items():
+        assert list(r) == ["mean_us", "median_us", "iters", "stdev_us", "max_abs_err", "allclose_1e-4"], name
+    md = bench.markdown(report)
+    assert md.startswith("Device: CPU; fp32 matmul ") and "bfloat16" not in md and "bf16" not in md
+    assert "| max abs err (fastaxial) |" in md and "**Accuracy**" not in md
+
+
+def test_bfloat16_run(monkeypatch, tmp_path):
+    """--dtype bfloat16 on the CPU: every contender in bf16, each output and gradient against float64 with
+    its ratio to eager's; a contender that fails, in the queued loop too, is a row with its error."""
+    monkeypatch.setattr(bench, "CPU_MATRIX", 128)  # without bf16 instructions a 1024 bf16 matmul takes seconds
+    monkeypatch.setattr(bench, "DEFAULT_SHAPE", TRAIN_SHAPE)  # the dropout rows' shape: tiny here
+    plain = bench.contenders
+
+    def with_a_broken_one(ref, new, device, compile_=True):
+        def broken(x):
+            raise RuntimeError("no kernel for this shape")
+        return {**plain(ref, new, device, compile_), "broken": broken}
+
+    monkeypatch.setattr(bench, "contenders", with_a_broken_one)
+    fastaxial.module._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = bench.run([TRAIN_SHAPE], torch.device("cpu"), iters=2, warmup=1, compile_=False, out=tmp_path,
+                           log=lambda m: None, protocols=("synchronized", "training"), training_iters=1,
+                           dtype=torch.bfloat16)
+    assert not [w for w in caught if "bfloat16 runs the reference math" in str(w.message)]  # silenced
+    assert report["dtype"] == "bfloat16" and list(report)[0] == "dtype"
+    assert positive(report["ceilings"]["bf16_flops_per_s"])
+    s = report["shapes"][0]
+    assert s["min_bytes"] == bench.min_bytes(*TRAIN_SHAPE, itemsize=2)
+    c = report["ceilings"]  # the floor at the bf16 rate and 2-byte elements
+    floor_s = max(s["flops"] / c["bf16_flops_per_s"], s["min_bytes"] / c["copy_bytes_per_s"])
+    assert math.isclose(s["floor_us"], floor_s * 1e6)
+    names = {"fastaxial", "eager", "sdpa", "broken"}  # sdpa-flash and the others are CUDA's
+    assert set(s["results"]) == set(s["synchronized"]) == names
+    for name in names - {"broken"}:
+        r = s["results"][name]
+        assert positive(r["mean_us"], r["median_us"], s["synchronized"][name]["mean_us"]), (name, r)
+        assert positive(r["max_abs_err"], r["err_over_eager"]) and "allclose_1e-4" not in r, (name, r)
+    broken = {"error": "RuntimeError: no kernel for this shape"}
+    assert s["results"]["broken"] == s["synchronized"]["broken"] == broken
+    assert s["results"]["eager"]["err_over_eager"] == 1.0
+    assert s["results"]["eager"]["max_abs_err"] > 1e-4  # bf16's error, not fp32's
+
+    t = report["shapes"][0]["training"]["contenders"]
+    assert set(t) == names and "error" in t["broken"]
+    for name in names - {"broken"}:
+        assert "error" not in t[name], (name, t[name])
+        assert positive(t[name]["synchronized"]["mean_us"], *t[name]["grad_max_abs_err"].values()), name
+    ratios = t["fastaxial"]["grad_err_over_eager"]
+    assert set(ratios) == set(bench.GRAD_NAMES) and positive(*ratios.values())
+    assert all(v == 1.0 for v in t["eager"]["grad_err_over_eager"].values())
+    for r in report["training_dropout"]["rows"].values():
+        assert positive(r["over_no_dropout"]), r
+
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
+    md = (tmp_path / "bench.md").read_text()
+    assert md == bench.markdown(report)
+    assert md.startswith("## fastaxial vs PyTorch, bfloat16") and "bf16 matmul " in md
+    assert "| max abs err vs float64 (fastaxial, / eager's) |" in md and "**Accuracy**" in md
+    assert "**Training, gradients**: the largest max abs error of a contender's bf16 gradients" in md
+    assert "- (2, 5, 6, 16, 2) broken: RuntimeError: no kernel for this shape" in md.split("**Synchronized**")[0]
+    assert (tmp_path / "bench.png").stat().st_size > 0
