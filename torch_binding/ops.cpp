@@ -6,6 +6,7 @@
 // run (ops_cuda.cpp).
 #include "ops.h"
 
+#include <ATen/ops/_foreach_copy.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -87,9 +88,12 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
     }
   if (dtype != at::kFloat) {  // fp32 math on 16-bit storage: float32 copies
     c.dtype = dtype;
-    c.x = c.x.to(at::kFloat);
-    for (auto* w : {&c.row, &c.col})
-      for (at::Tensor& t : *w) t = t.to(at::kFloat);
+    const auto inputs = c.inputs();
+    std::vector<at::Tensor> wide(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) wide[i] = *inputs[i];
+    wide = converted(std::move(wide), at::kFloat);
+    c.x = wide[0];
+    for (int i = 0; i < 5; ++i) c.row[i] = wide[1 + i], c.col[i] = wide[6 + i];
   }
   check_rng_state(rng_state, c.x, op);
   c.dropout = dropout;
@@ -117,6 +121,21 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
       *slots[i] = b.outputs.back().data_ptr<float>();
     }
   return b;
+}
+
+std::vector<at::Tensor> converted(std::vector<at::Tensor> tensors, at::ScalarType dtype) {
+  std::vector<at::Tensor> src, dst;
+  for (const at::Tensor& t : tensors)
+    if (t.scalar_type() != dtype) {
+      src.push_back(t);
+      dst.push_back(at::empty(t.sizes(), t.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous)));
+    }
+  if (src.empty()) return tensors;
+  at::_foreach_copy_(dst, src);
+  auto next = dst.begin();
+  for (at::Tensor& t : tensors)
+    if (t.scalar_type() != dtype) t = *next++;
+  return tensors;
 }
 
 AxialParams Call::params(at::Tensor& out) const {

@@ -128,7 +128,7 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   const Status s = backward_cpu(p, b.grads);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CPU): ", s.message);
-  for (at::Tensor& t : b.outputs) t = t.to(c.dtype);  // the gradients in the inputs' dtype
+  b.outputs = converted(std::move(b.outputs), c.dtype);  // the gradients in the inputs' dtype
   return b.outputs;
 }
 

@@ -173,7 +173,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
                                  empty ? 0 : plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
                                  empty ? nullptr : at::cuda::getCurrentCUDABlasHandle());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CUDA): ", s.message);
-  for (at::Tensor& t : b.outputs) t = t.to(c.dtype);  // the gradients in the inputs' dtype
+  b.outputs = converted(std::move(b.outputs), c.dtype);  // the gradients in the inputs' dtype
   return b.outputs;
 }
 

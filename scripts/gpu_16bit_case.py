@@ -1,0 +1,39 @@
+"""The 16-bit and autocast calls of the operator on CUDA, for compute-sanitizer (scripts/gpu-check):
+bfloat16 and float16 modules, forward and backward, with and without attention dropout, at the
+default problem and a long row; a float32 module under bfloat16 autocast with a bfloat16 x. Run with
+PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that each tensor is an allocation of its own and an access past
+one is seen. Checks dtypes and finiteness; the accuracy checks are pytest's (test_low_precision.py)."""
+
+import torch
+
+import fastaxial
+
+
+def step(module, x):
+    x = x.detach().requires_grad_()
+    out = module(x)
+    out.float().square().sum().backward()
+    grads = [x.grad] + [w.grad for w in module.weights()]
+    assert all(torch.isfinite(t).all() for t in [out] + grads)
+    return out, grads
+
+
+def main():
+    for dtype in (torch.bfloat16, torch.float16):
+        for B, H, W, D, heads in ((4, 32, 32, 64, 4), (1, 2, 300, 32, 2)):
+            for p in (0.0, 0.1):
+                torch.manual_seed(0)
+                m = fastaxial.AxialAttention(D, heads, H, W, dropout=p).cuda().to(dtype).train()
+                out, grads = step(m, torch.randn(B, H, W, D, device="cuda").to(dtype))
+                assert out.dtype is dtype and all(g.dtype is dtype for g in grads)
+    m = fastaxial.AxialAttention(64, 4, 32, 32).cuda()
+    with torch.autocast("cuda", torch.bfloat16):
+        out, grads = step(m, torch.randn(4, 32, 32, 64, device="cuda").bfloat16())
+    assert out.dtype is torch.bfloat16 and grads[0].dtype is torch.bfloat16
+    assert all(g.dtype is torch.float32 for g in grads[1:])
+    torch.cuda.synchronize()
+    print("16-bit and autocast calls: ok")
+
+
+if __name__ == "__main__":
+    main()
