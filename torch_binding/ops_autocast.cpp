@@ -17,21 +17,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
-#include <optional>
+#include "op_handles.h"
 
 namespace fastaxial::torch_binding {
 namespace {
-
-using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
-                             const std::optional<at::Tensor>&);
-
-const c10::TypedOperatorHandle<Signature>& op_handle() {
-  static const auto handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<Signature>();
-  return handle;
-}
 
 at::Tensor widen(const at::Tensor& t) {
   const at::ScalarType s = t.scalar_type();
@@ -45,7 +34,7 @@ at::Tensor axial_attention_autocast(const at::Tensor& x, const at::Tensor& rnw, 
                                     const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
                                     double dropout, const std::optional<at::Tensor>& rng_state) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
-  const at::Tensor out = op_handle().call(widen(x), widen(rnw), widen(rnb), widen(rqkv), widen(rout), widen(rob),
+  const at::Tensor out = op().call(widen(x), widen(rnw), widen(rnb), widen(rqkv), widen(rout), widen(rob),
                                           widen(cnw), widen(cnb), widen(cqkv), widen(cout), widen(cob), num_heads, eps,
                                           dropout, rng_state);
   const at::ScalarType s = x.scalar_type();

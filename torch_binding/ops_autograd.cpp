@@ -29,6 +29,7 @@
 #include <cmath>
 #include <vector>
 
+#include "op_handles.h"
 #include "ops.h"
 
 namespace fastaxial::torch_binding {
@@ -60,28 +61,6 @@ at::Tensor reference_forward(const variable_list& t, int64_t heads, double eps) 
   return x1 + axis_branch(xc, &t[6], heads, eps).reshape({B, W, H, D}).permute({0, 2, 1, 3});
 }
 
-using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
-                               const std::optional<at::Tensor>&);
-
-using BackwardSignature = std::vector<at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, double, std::array<bool, 11>, const std::optional<at::Tensor>&, double);
-
-using TrainingSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-    double, const std::optional<at::Tensor>&);
-
-const c10::TypedOperatorHandle<TrainingSignature>& training_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("fastaxial::axial_attention_training", "")
-                                 .typed<TrainingSignature>();
-  return handle;
-}
-
 // Whether the fused CUDA training path (axial_attention_training, then axial_attention_backward with its
 // `saved`) serves x: its head dim, and x's GPU (compute capability 8.0 or newer, plan_backward_cuda);
 // else grad mode runs the plain forward and the backward differentiates the reference math.
@@ -95,19 +74,6 @@ bool cuda_training(const at::Tensor& x, int64_t heads) {
   CudaBackwardPlan plan;
   // Other refusals (sizes) are the kernels' to report.
   return plan_backward_cuda(p, &plan).code != StatusCode::kUnsupported;
-}
-
-const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("fastaxial::axial_attention_backward", "")
-                                 .typed<BackwardSignature>();
-  return handle;
-}
-
-const c10::TypedOperatorHandle<OpSignature>& op() {
-  static const auto handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
-  return handle;
 }
 
 // The operator's kernels below autograd (CPU, CUDA, fake).

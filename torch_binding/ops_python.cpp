@@ -36,27 +36,14 @@
 
 #include <optional>
 
+#include "op_handles.h"
+
 namespace fastaxial::torch_binding {
 namespace {
-
-// The schema's C++ signature (as in ops_autograd.cpp); typed() checks it against the schema.
-using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
-                               const std::optional<at::Tensor>&);
 
 constexpr Py_ssize_t kArgs = 14;    // x, the ten weights, num_heads, eps, dropout
 constexpr Py_ssize_t kTensors = 11;
 
-// The operator's typed handle, looked up once. A function-local static: initialised by the first
-// fastaxial_python_entry() (under the GIL, after _C.so has registered the schema; a throw leaves it
-// unset and the next call tries again), and read by every call with the GIL released, which the
-// static's guard makes safe. No entry function exists before it is set.
-const c10::TypedOperatorHandle<OpSignature>& op_handle() {
-  static const auto handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow("fastaxial::axial_attention", "").typed<OpSignature>();
-  return handle;
-}
 
 // The GIL is released while the operator runs, as torch.ops does: its kernels take milliseconds on
 // the CPU, and other Python threads (data loading) keep running meanwhile.
@@ -127,7 +114,7 @@ PyObject* axial_attention(PyObject* fallback, PyObject* const* args, Py_ssize_t 
     at::Tensor out;
     {
       const ReleaseGil no_gil;
-      out = op_handle().call(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], heads, eps,
+      out = op().call(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], heads, eps,
                              dropout, std::nullopt);
     }
     return THPVariable_Wrap(std::move(out));
@@ -184,7 +171,7 @@ extern "C" __attribute__((visibility("default"))) const char* fastaxial_python_a
 extern "C" __attribute__((visibility("default"))) PyObject* fastaxial_python_entry(PyObject* fallback) {
   using namespace fastaxial::torch_binding;
   try {
-    op_handle();
+    op();
   } catch (...) {
     torch::translate_exception_to_python(std::current_exception());
     return nullptr;
