@@ -209,6 +209,22 @@ __device__ __forceinline__ void wgmma_3xtf32_run(float (&t)[N / 2], FragA (&f)[2
   wgmma_commit();
 }
 
+// One 8-deep step's 3xTF32 products into the fresh accumulator t (lo*hi,
+// hi*lo, hi*hi), one commit group: a run of one step, for products whose
+// runs' truncation errors would add up (tf32x3.cuh: mma_3xtf32_x2). A from
+// the split fragment f; b: the descriptor of the step's B hi plane, its lo
+// plane lo 16-byte units after it.
+template <int N>
+__device__ __forceinline__ void wgmma_3xtf32_step(float (&t)[N / 2], FragA& f, uint64_t b, uint64_t lo) {
+  fence_regs(t);
+  fence_regs(f.hi), fence_regs(f.lo);
+  wgmma_fence();
+  wgmma_m64k8_rs<N>(t, f.lo, b, 0);
+  wgmma_m64k8_rs<N>(t, f.hi, b + lo, 1);
+  wgmma_m64k8_rs<N>(t, f.hi, b, 1);
+  wgmma_commit();
+}
+
 // acc (N floats) += the totals of four runs, run(t, f, r) issuing run r into
 // fresh accumulator t with A fragments f (wgmma_3xtf32_run): two runs in
 // flight on two accumulators in turn, so that one run's products go on while

@@ -33,10 +33,13 @@
 // write A once, unsplit (the LayerNorm and the attention output), and the
 // ring carries one A plane.
 //
-// Accuracy: the three products (lo*hi, hi*lo, hi*hi) of two 8-deep steps go
-// into a fresh accumulator T, which is then added to C in fp32 (the tensor
-// core truncates its own adds; a long chain drifts, while runs of two steps
-// stay at an fp32 FMA chain's error: docs/perf-notes.md).
+// Accuracy: the three products (lo*hi, hi*lo, hi*hi) of each 8-deep step go
+// into a fresh accumulator T, which is then added to C in fp32. The tensor
+// core truncates its own adds toward zero: a long chain drifts, and even runs
+// of two steps left an error with the sign of the run's sum, which a sum over
+// positions of the product adds up (the backward's d_xn = d_qkv W_qkv, summed
+// over every position into a LayerNorm bias's gradient: 2.1x to 3.2x the fp32
+// reference's error with runs of two; docs/perf-notes.md, v64).
 #include "gemm.h"
 
 #include <algorithm>
@@ -133,17 +136,16 @@ __device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, int wg, in
   }
 }
 
-// The three products of steps ks and ks + 1 of the stage at s into t
-// (fresh) for the tile's columns h BN / NH .. (h + 1) BN / NH - 1, A from the
-// fragments f of those steps, one commit group.
+// The three products of step ks of the stage at s into t (fresh) for the
+// tile's columns h BN / NH .. (h + 1) BN / NH - 1, A from the step's fragment
+// f, one commit group.
 template <int CW, int BN>
-__device__ __forceinline__ void run_products(float (&t)[BN / 2 / Tiling<CW, BN>::NH], FragA (&f)[2], uint32_t s,
-                                             int ks, int h) {
+__device__ __forceinline__ void step_products(float (&t)[BN / 2 / Tiling<CW, BN>::NH], FragA& f, uint32_t s, int ks,
+                                              int h) {
   using Tl = Tiling<CW, BN>;
   // W's hi plane at step ks and the half's first row (8-row groups 1024 bytes apart); the lo plane kWTile on
   const uint32_t w_hi = s + Tl::kATile + h * (BN / Tl::NH) * 128 + ks * 32;
-  const uint64_t b[2] = {desc_sw128(w_hi), desc_sw128(w_hi + 32)};
-  wgmma_3xtf32_run<BN / Tl::NH>(t, f, b, Tl::kWTile >> 4);
+  wgmma_3xtf32_step<BN / Tl::NH>(t, f, desc_sw128(w_hi), Tl::kWTile >> 4);
 }
 
 // c's registers of half h (columns h BN / NH ..: c[4 j ..] are columns 8 j ..) += t.
@@ -228,12 +230,11 @@ __device__ __forceinline__ void store_part(const GemmArgs& p, float (&c)[BN / 2]
   }
 }
 
-// A consumer warpgroup (wg of CW): per k-step, wait for the stage, two
-// runs (steps 0-1, then 2-3; each in NH parts of the columns) into the
-// fresh accumulator t, each added to c after its wait, then release the
-// stage. One run in flight a warpgroup: the others' runs fill the tensor
-// cores meanwhile (a fresh accumulator a warpgroup ran at 98% of the
-// TF32 rate in a test kernel with two warpgroups, two alternating ones at 85%).
+// A consumer warpgroup (wg of CW): per stage, wait for it, its four 8-deep
+// steps one after another (each in NH parts of the columns) into the fresh
+// accumulator t, each added to c after its wait, then release the stage. One
+// step in flight a warpgroup: the others' steps fill the tensor cores
+// meanwhile (the product is bound by the copies into shared memory, above).
 template <int CW, int BN>
 __device__ __forceinline__ void consume(const GemmArgs& p, uint32_t base, const float* base_ptr, uint32_t bars,
                                         int ntiles, int ktiles, int64_t tiles) {
@@ -241,7 +242,7 @@ __device__ __forceinline__ void consume(const GemmArgs& p, uint32_t base, const 
   constexpr int NH = Tl::NH, kAcc = BN / 2;  // accumulators a thread
   const int wg = threadIdx.x / 128;
   float c[kAcc], t[kAcc / NH];
-  FragA f[2][2];  // the A fragments of runs 0 (steps 0-1) and 1 (steps 2-3)
+  FragA f[2][2];  // the A fragments of steps 0-1 and 2-3 (loaded two at a time)
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) c[i] = 0.0f;
   int stage = 0;
@@ -255,12 +256,13 @@ __device__ __forceinline__ void consume(const GemmArgs& p, uint32_t base, const 
       load_a(f[0], a_tile, wg, 0);
       load_a(f[1], a_tile, wg, 2);
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
+      for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
         for (int h = 0; h < NH; ++h) {
-          run_products<CW, BN>(t, f[r], s, 2 * r, h);
+          FragA& fk = f[ks / 2][ks % 2];
+          step_products<CW, BN>(t, fk, s, ks, h);
           wgmma_wait<0>();
-          fence_frags(f[r]);
+          fence_regs(fk.hi), fence_regs(fk.lo);
           add_half<NH>(c, t, h);
         }
       mbarrier_arrive(bars + 8 * (kStages + stage));  // the stage's products are done: it may be refilled
