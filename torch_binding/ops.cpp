@@ -27,8 +27,6 @@ const char* dtype_name(at::ScalarType t) {
   }
 }
 
-bool low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
-
 // The weight's name is `axis` + kWeightNames[i] ("row_", "col_"); the checks'
 // messages are built only when one fails, as every call checks ten weights.
 void check_weight(const at::Tensor& w, const char* axis, const char* name, at::IntArrayRef shape,

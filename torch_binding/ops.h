@@ -42,6 +42,9 @@ struct BackwardCall {
 };
 BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const std::array<bool, 11>& output_mask);
 
+// bfloat16 or float16: the 16-bit dtypes the operators run as fp32 math on float32 copies.
+inline bool low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
 // The tensors converted to dtype (fresh contiguous ones; a tensor already of dtype as it is): one
 // batched copy, a single launch on CUDA, in place of a conversion each. For the 16-bit calls'
 // float32 copies and the gradients they return (Call::dtype).

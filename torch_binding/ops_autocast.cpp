@@ -18,14 +18,12 @@
 #include <torch/library.h>
 
 #include "op_handles.h"
+#include "ops.h"
 
 namespace fastaxial::torch_binding {
 namespace {
 
-at::Tensor widen(const at::Tensor& t) {
-  const at::ScalarType s = t.scalar_type();
-  return s == at::kBFloat16 || s == at::kHalf ? t.to(at::kFloat) : t;
-}
+at::Tensor widen(const at::Tensor& t) { return low_precision(t.scalar_type()) ? t.to(at::kFloat) : t; }
 
 template <c10::DeviceType kDevice, c10::DispatchKey kAutocastKey>
 at::Tensor axial_attention_autocast(const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
@@ -34,11 +32,10 @@ at::Tensor axial_attention_autocast(const at::Tensor& x, const at::Tensor& rnw, 
                                     const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
                                     double dropout, const std::optional<at::Tensor>& rng_state) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(kAutocastKey);
-  const at::Tensor out = op().call(widen(x), widen(rnw), widen(rnb), widen(rqkv), widen(rout), widen(rob),
-                                          widen(cnw), widen(cnb), widen(cqkv), widen(cout), widen(cob), num_heads, eps,
-                                          dropout, rng_state);
+  const at::Tensor out = op().call(widen(x), widen(rnw), widen(rnb), widen(rqkv), widen(rout), widen(rob), widen(cnw),
+                                   widen(cnb), widen(cqkv), widen(cout), widen(cob), num_heads, eps, dropout, rng_state);
   const at::ScalarType s = x.scalar_type();
-  if (s != at::kFloat && s != at::kBFloat16 && s != at::kHalf) return out;  // (autocast leaves x as it is)
+  if (s != at::kFloat && !low_precision(s)) return out;  // (autocast leaves x as it is)
   return out.to(at::promote_types(s, at::autocast::get_autocast_dtype(kDevice)));
 }
 

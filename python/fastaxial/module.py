@@ -90,9 +90,10 @@ class AxialAttention(reference.AxialAttentionReference):
     Inputs the fused kernels do not serve (float64, bfloat16 on the CPU, a
     device without a kernel, different LayerNorm epsilons per axis, dropout on
     CUDA with head_dim above 256, dropout in a build without Random123) run
-    the reference math instead, with a warning the first time. Under torch.compile, each call's mask comes from a random
-    op of the compiled graph (so it differs from the eager mask for the same
-    seed, as compiled nn.Dropout's does).
+    the reference math instead, with a warning the first time. Under
+    torch.compile, each call's mask comes from a random op of the compiled
+    graph (so it differs from the eager mask for the same seed, as compiled
+    nn.Dropout's does).
     """
 
     # forward() is the host path of every call, so it reads only plain

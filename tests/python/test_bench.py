@@ -148,16 +148,21 @@ def test_training_table(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_training_records_a_failing_contender(monkeypatch, tmp_path):
-    """A contender that cannot train (as compile+cudagraph may not) is a row with its error, not a crash."""
+def add_broken_contender(monkeypatch, message):
+    """bench.contenders with one more, "broken", whose every call raises RuntimeError(message)."""
     plain = bench.contenders
 
     def with_a_broken_one(ref, new, device, compile_=True):
         def broken(x):
-            raise RuntimeError("cannot train\nsecond line")
+            raise RuntimeError(message)
         return {**plain(ref, new, device, compile_), "broken": broken}
 
     monkeypatch.setattr(bench, "contenders", with_a_broken_one)
+
+
+def test_training_records_a_failing_contender(monkeypatch, tmp_path):
+    """A contender that cannot train (as compile+cudagraph may not) is a row with its error, not a crash."""
+    add_broken_contender(monkeypatch, "cannot train\nsecond line")
     B, H, W, D, heads = TRAIN_SHAPE
     torch.manual_seed(0)
     ref = bench.reference.AxialAttentionReference(D, heads, H, W).train()
@@ -203,14 +208,7 @@ def test_bfloat16_run(monkeypatch, tmp_path):
     its ratio to eager's; a contender that fails, in the queued loop too, is a row with its error."""
     monkeypatch.setattr(bench, "CPU_MATRIX", 128)  # without bf16 instructions a 1024 bf16 matmul takes seconds
     monkeypatch.setattr(bench, "DEFAULT_SHAPE", TRAIN_SHAPE)  # the dropout rows' shape: tiny here
-    plain = bench.contenders
-
-    def with_a_broken_one(ref, new, device, compile_=True):
-        def broken(x):
-            raise RuntimeError("no kernel for this shape")
-        return {**plain(ref, new, device, compile_), "broken": broken}
-
-    monkeypatch.setattr(bench, "contenders", with_a_broken_one)
+    add_broken_contender(monkeypatch, "no kernel for this shape")
     fastaxial.module._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

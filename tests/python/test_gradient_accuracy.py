@@ -21,11 +21,12 @@ SHAPES = [(4, 3, 5, 32, 2), (1, 2, 300, 32, 2), (2, 7, 9, 24, 3), (1, 6, 10, 60,
           (2, 8, 8, 64, 8), (8, 16, 16, 96, 4), (2, 16, 64, 32, 2)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_every_gradient_over_several_inputs(shape, device):
+def worst_errors(shape, device, inputs=INPUTS):
+    """Over `inputs` random problems of a shape: gradient name -> [fused, fp32 reference] largest error
+    against float64 (also scripts/gradient_ratios.py's measure)."""
     B, H, W, D, heads = shape
-    worst = {n: [0.0, 0.0] for n in GRAD_NAMES}  # name -> [fused, fp32] largest error over the inputs
-    for seed in range(INPUTS):
+    worst = {n: [0.0, 0.0] for n in GRAD_NAMES}
+    for seed in range(inputs):
         ref, new = make_pair(D, heads, H, W, device, seed=seed)
         randomize_(ref, seed)
         new.load_state_dict(ref.state_dict())
@@ -38,6 +39,12 @@ def test_every_gradient_over_several_inputs(shape, device):
         for name, a, b, e in zip(GRAD_NAMES, got, fp32, exact, strict=True):
             worst[name][0] = max(worst[name][0], rel_err(a, e))
             worst[name][1] = max(worst[name][1], rel_err(b, e))
+    return worst
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_every_gradient_over_several_inputs(shape, device):
+    worst = worst_errors(shape, device)
     for n, (f, r) in worst.items():  # the measured ratios, in the test report
         print(f"{shape} {n}: {f:.3g} against {r:.3g} ({f / max(r, FLOOR):.2f})")
     failures = [f"{n}: largest error {f:.3g} over {INPUTS} inputs, the fp32 reference's {r:.3g} "
