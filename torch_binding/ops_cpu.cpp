@@ -5,6 +5,12 @@
 // what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), each
 // pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats), x's sizes (B, H, W, D as int64: the
 // backward refuses a `saved` of another shape), then that pair (4 floats).
+//
+// The products run on the BLAS PyTorch runs on: libtorch_cpu's sgemm_ (MKL in the x86 wheels),
+// looked up when the library loads, not linked, so a torch without one leaves Eigen's GEMM
+// (docs/cpu-blas.md). FASTAXIAL_CPU_BLAS=eigen keeps Eigen's.
+#include <dlfcn.h>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
@@ -12,6 +18,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -22,6 +29,19 @@
 
 namespace fastaxial::torch_binding {
 namespace {
+
+// Sets torch's sgemm_ as the CPU products' BLAS, unless FASTAXIAL_CPU_BLAS=eigen; what it set.
+CpuSgemm use_torch_blas() {
+  const char* choice = std::getenv("FASTAXIAL_CPU_BLAS");
+  if (choice != nullptr && std::strcmp(choice, "eigen") == 0) return nullptr;
+  void* torch_cpu = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);  // loaded already: this library links it
+  if (torch_cpu == nullptr) return nullptr;
+  const auto sgemm = reinterpret_cast<CpuSgemm>(dlsym(torch_cpu, "sgemm_"));
+  dlclose(torch_cpu);  // (drops the reference NOLOAD took; torch stays loaded)
+  set_cpu_sgemm(sgemm);
+  return sgemm;
+}
+[[maybe_unused]] const CpuSgemm torch_blas = use_torch_blas();  // at load
 
 // params with the call's dropout state, where dropout is active: rng_state's (seed, offset) where
 // given, else a fresh seed from the default CPU generator and offset 0.

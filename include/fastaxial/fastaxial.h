@@ -102,6 +102,20 @@ Status validate(const AxialParams& p);
 // mask of (p.seed, p.offset): the same params and thread count give bitwise the same output.
 Status forward_cpu(const AxialParams& p);
 
+// ---- CPU products ---------------------------------------------------------------------------
+// The CPU forward and backward run their matrix products on Eigen's own GEMM unless a BLAS sgemm
+// is set here (the Fortran interface: column-major, 32-bit integers; MKL's, OpenBLAS's or BLIS's
+// sgemm_). The torch module sets the one PyTorch itself runs on. The BLAS must be safe to call
+// from several threads at once and give the same bits for the same inputs, alignment and thread
+// count; fastaxial calls it from inside its own OpenMP threads, so it should run single-threaded
+// there (MKL and OpenMP-threaded BLASes do; a pthread OpenBLAS needs openblas_set_num_threads(1)).
+// Products larger than 32-bit sizes fall back to Eigen. Set it before CPU calls run, not during.
+using CpuSgemm = void (*)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                          const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                          const float* beta, float* c, const int* ldc);
+void set_cpu_sgemm(CpuSgemm sgemm);  // null: Eigen's GEMM again
+CpuSgemm cpu_sgemm();                // the one set, or null
+
 // ---- CPU backward --------------------------------------------------------------------------
 // The gradients of a loss with respect to forward_cpu's input and its ten weights, given the
 // gradient with respect to its output. Of the forward it reads what the caller kept (p.row_out,

@@ -196,6 +196,13 @@ def dropout_available():
     return torch.ops.fastaxial.dropout_available()
 
 
+def cpu_blas():
+    """What the CPU kernels' products run on: "blas" (the sgemm PyTorch itself runs on, MKL in the x86
+    wheels) or "eigen" (Eigen's own GEMM: a torch without an exported sgemm, or FASTAXIAL_CPU_BLAS=eigen
+    set before fastaxial is imported)."""
+    return torch.ops.fastaxial.cpu_blas()
+
+
 def dropout_state(saved):
     """The dropout mask's (seed, offset) that a training forward used, from its `saved` (the
     output of axial_attention_training on either device: its last 16 bytes), as two Python ints."""

@@ -28,6 +28,7 @@
 #include "../common/axis.h"
 #include "../common/dropout.h"
 #include "cpu_common.h"
+#include "gemm.h"
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial {
@@ -85,7 +86,7 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
   const auto val = qkv.block(base, 2 * a.D + h * hd, L, hd);
   t.s.resize(rows, L);
   t.sum.resize(rows);
-  t.s.noalias() = q * k.transpose();  // (rows, L) unscaled scores
+  gemm(t.s, in(q), tr(k));  // (rows, L) unscaled scores
   for (int64_t i = 0; i < rows; ++i) {
     auto row = t.s.row(i).array();
     row = ((row - row.maxCoeff()) * a.scale).exp();
@@ -96,7 +97,7 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
     t.s.array() *= t.m.array();
   }
   auto ob = o.block(base + i0, h * hd, rows, hd);
-  ob.noalias() = t.s * val;
+  gemm(ob, in(t.s), in(val));
   ob.array().colwise() /= t.sum.array();
 }
 
@@ -119,13 +120,13 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       t.y.resize(rows, D);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l) layer_norm_row(a, src + v.offset(n0 + s, l), t.x.row(s * L + l), t.y.row(s * L + l));
-      t.qkv.noalias() = t.y * a.wqkv.transpose();  // (rows, 3D)
+      gemm(t.qkv, in(t.y), tr(a.wqkv));  // (rows, 3D)
       for (int64_t s = 0; s < ns; ++s) keep_qkv(a, t.qkv, s * L, n0 + s, 0, L);
       t.o.resize(rows, D);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t h = 0; h < a.heads; ++h) attend(a, t.qkv, s * L, L, n0 + s, h, 0, L, t, t.o);
       // x += o Wout^T + bout, then scatter.
-      t.x.noalias() += t.o * a.wout.transpose();
+      gemm(t.x, in(t.o), tr(a.wout), 1.0f);
       t.x.rowwise() += a.bout;
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l)
@@ -157,7 +158,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
-        qkv.middleRows(r0, rows).noalias() = t.y * a.wqkv.transpose();
+        gemm(qkv.middleRows(r0, rows), in(t.y), tr(a.wqkv));
         keep_qkv(a, qkv, r0, n, r0, rows);
       }
 #pragma omp for schedule(dynamic)
@@ -169,7 +170,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
         auto xr = x.middleRows(r0, rows);
-        xr.noalias() += o.middleRows(r0, rows) * a.wout.transpose();
+        gemm(xr, in(o.middleRows(r0, rows)), tr(a.wout), 1.0f);
         xr.rowwise() += a.bout;
         for (int64_t r = 0; r < rows; ++r) VecMap(dst + v.offset(n, r0 + r), D) = xr.row(r);
       }

@@ -55,6 +55,7 @@
 #include "../common/dropout.h"
 #include "../common/validate.h"
 #include "cpu_common.h"
+#include "gemm.h"
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial {
@@ -210,22 +211,22 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
   for_blocks(bk.num_blocks, team, [&](int64_t blk, Scratch& t) {
     const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
     gather_norm(v, n0, ns, D, eps, w, src, t);
-    t.qkv.noalias() = t.y * wqkv.transpose();
+    gemm(t.qkv, in(t.y), tr(wqkv));
     t.o.resize(rows, D);
     const int64_t R = query_ranges(L);
     const Spread spread = spread_ranges(team, ns * heads, R, 0);  // (no parts kept)
     for_ranges(ns * heads, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
       const int64_t s = i / heads, h = i % heads;
       const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
-      hs.s.noalias() = t.qkv.block(s * L + r0, h * hd, n, hd) * t.qkv.block(s * L, D + h * hd, L, hd).transpose();
+      gemm(hs.s, in(t.qkv.block(s * L + r0, h * hd, n, hd)), tr(t.qkv.block(s * L, D + h * hd, L, hd)));
       softmax_rows(hs.s, scale);
       if (drop) {
         fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
         hs.s.array() *= hs.m.array();  // Pd
       }
-      t.o.block(s * L + r0, h * hd, n, hd).noalias() = hs.s * t.qkv.block(s * L, 2 * D + h * hd, L, hd);
+      gemm(t.o.block(s * L + r0, h * hd, n, hd), in(hs.s), in(t.qkv.block(s * L, 2 * D + h * hd, L, hd)));
     });
-    t.x.noalias() += t.o * wout.transpose();
+    gemm(t.x, in(t.o), tr(wout), 1.0f);
     t.x.rowwise() += bout;
     for (int64_t s = 0; s < ns; ++s)
       for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
@@ -261,7 +262,7 @@ void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, i
 #pragma omp parallel for num_threads(team) if (team > 1) schedule(dynamic)
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t r0 = i * kTile, nr = std::min(kTile, M - r0);
-    MatMap(dst, M, D).middleRows(r0, nr).noalias() = a.middleCols(r0, nr).transpose() * b;
+    gemm(MatMap(dst, M, D).middleRows(r0, nr), tr(a.middleCols(r0, nr)), in(b));
   }
 }
 
@@ -271,7 +272,7 @@ void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, i
 // drop: the dropout mask (null: none), pass: 0 rows, 1 columns; qkv_in: the forward's q, k, v
 // of the pass (3D floats a position: AxialParams::saved_qkv), or null to run the QKV product.
 void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
-                   const float* dout, float* dsrc, const AxisGrads& gw, std::vector<float>& partials,
+                   const float* dout, float* dsrc, const AxisGrads& gw, AlignedFloats& partials,
                    std::vector<double>& col_partials,
                    const DropoutParams* drop, int pass, const float* qkv_in) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
@@ -322,11 +323,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         for (int64_t s = 0; s < ns; ++s)
           for (int64_t l = 0; l < L; ++l) t.qkv.row(s * L + l) = ConstVec(qkv_in + at.offset(n0 + s, l) * 3 * D, 3 * D);
       } else {
-        t.qkv.noalias() = t.y * wqkv.transpose();
+        gemm(t.qkv, in(t.y), tr(wqkv));
       }
       t.o.resize(rows, D);
       if (want_dqkv) {
-        t.dO.noalias() = t.g * wout;  // (rows, D)
+        gemm(t.dO, in(t.g), in(wout));  // (rows, D)
         t.dqkv.resize(rows, 3 * D);
       }
       // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
@@ -344,13 +345,13 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
         const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
         auto o = t.o.block(s * L + r0, h * hd, n, hd);
-        hs.s.noalias() = q * k.transpose();
+        gemm(hs.s, in(q), tr(k));
         softmax_rows(hs.s, scale);  // P
         if (drop) {
           fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
           hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
         }
-        if (want_out) o.noalias() = (drop ? hs.pd : hs.s) * val;  // O, for dWout alone
+        if (want_out) gemm(o, in(drop ? hs.pd : hs.s), in(val));  // O, for dWout alone
         if (!want_dqkv) return;
         auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
         auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
@@ -360,12 +361,12 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
         const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
         if (r == 0) {
-          dv.noalias() = p.transpose() * dO;
+          gemm(dv, tr(p), in(dO));
         } else {
-          dv_part.noalias() = p.transpose() * dO;
+          gemm(dv_part, tr(p), in(dO));
           if (!keep) dv += dv_part;
         }
-        hs.dp.noalias() = dO * val.transpose();   // dP = dO V^T (dPd with dropout)
+        gemm(hs.dp, in(dO), tr(val));   // dP = dO V^T (dPd with dropout)
         if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
         // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
         // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
@@ -374,11 +375,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         hs.delta = (hs.s.array() * hs.dp.array()).rowwise().sum();
         // dS (of the scaled scores) times the scale: both dQ and dK carry it.
         hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
-        t.dqkv.block(s * L + r0, h * hd, n, hd).noalias() = hs.dp * k;  // dQ
+        gemm(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
         if (r == 0) {                                                    // dK = dS^T Q
-          dk.noalias() = hs.dp.transpose() * q;
+          gemm(dk, tr(hs.dp), in(q));
         } else {
-          dk_part.noalias() = hs.dp.transpose() * q;
+          gemm(dk_part, tr(hs.dp), in(q));
           if (!keep) dk += dk_part;
         }
       });
@@ -394,12 +395,12 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         if (want_out) all_o.middleRows(n0 * L, rows) = t.o;
         if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
       } else {
-        if (want_out) MatMap(part + lay.out, D, D).noalias() += t.g.transpose() * t.o;
-        if (want_qkv) MatMap(part + lay.qkv, 3 * D, D).noalias() += t.dqkv.transpose() * t.y;
+        if (want_out) gemm(MatMap(part + lay.out, D, D), tr(t.g), in(t.o), 1.0f);
+        if (want_qkv) gemm(MatMap(part + lay.qkv, 3 * D, D), tr(t.dqkv), in(t.y), 1.0f);
       }
       if (!want_dqkv) continue;
       if (!want_dy) continue;
-      t.dy.noalias() = t.dqkv * wqkv;  // (rows, D)
+      gemm(t.dy, in(t.dqkv), in(wqkv));  // (rows, D)
       for (int64_t r = 0; r < rows; ++r) {
         if (want_g) add_row(col + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
         if (want_b) add_row(col + lay.b, t.dy.row(r), D);
@@ -503,7 +504,7 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
       dx1 = dx1_scratch.get();
     }
   }
-  std::vector<float> partials;
+  AlignedFloats partials;  // products' partials: 64-byte aligned, as Eigen's scratch (gemm.h)
   std::vector<double> col_partials;
   // The forward's q, k, v of each pass, where kept (the row pass's first).
   const float* const row_qkv = p.saved_qkv;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -20,6 +21,8 @@ using ConstMap = Eigen::Map<const Mat>;
 using MatMap = Eigen::Map<Mat>;
 using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
 using VecMap = Eigen::Map<Eigen::RowVectorXf>;
+// Floats on Eigen's alignment (64 bytes: CMakeLists.txt), for buffers that products read or write.
+using AlignedFloats = std::vector<float, Eigen::aligned_allocator<float>>;
 
 // The threads an OpenMP parallel region gets by default; 1 in a build without OpenMP.
 inline int max_threads() {

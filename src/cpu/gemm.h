@@ -1,0 +1,52 @@
+// The CPU kernels' matrix products: c = op(a) op(b) (+ beta c) on row-major blocks.
+//
+// Every product of the CPU forward and backward goes through gemm() below. It runs on the BLAS
+// set with fastaxial::set_cpu_sgemm (the torch module sets the one PyTorch runs on: MKL's
+// AVX2 and AVX-512 kernels, picked at run time), else on Eigen's own GEMM, whose speed depends on
+// the instruction set this file was compiled for (docs/cpu-blas.md). Operands are Eigen
+// row-major matrices, maps or blocks of them: their data pointer, sizes and row stride.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_common.h"
+
+namespace fastaxial::cpu {
+
+// One operand of a product: a row-major (rows, cols) matrix with row stride ld, used as is or
+// transposed (trans).
+struct Operand {
+  const float* data;
+  int64_t rows, cols, ld;
+  bool trans;
+  int64_t op_rows() const { return trans ? cols : rows; }
+  int64_t op_cols() const { return trans ? rows : cols; }
+};
+
+// x as it is, and x transposed; x is a row-major Eigen matrix, map or block (unit column stride).
+template <class E>
+Operand in(const E& x) {
+  static_assert(std::decay_t<E>::IsRowMajor, "row-major operands only");
+  return {x.data(), x.rows(), x.cols(), x.outerStride(), false};
+}
+template <class E>
+Operand tr(const E& x) {
+  Operand o = in(x);
+  o.trans = true;
+  return o;
+}
+
+// c (m, n) = op(a) op(b) + beta c, c row-major with row stride ldc; with beta 0 c is not read.
+void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
+
+// The same into an Eigen row-major destination: a Mat is resized to (op(a) rows, op(b) cols);
+// a block or map must have that size already.
+template <class C>
+void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
+  if constexpr (std::is_same_v<std::decay_t<C>, Mat>) c.resize(a.op_rows(), b.op_cols());
+  eigen_assert(c.rows() == a.op_rows() && c.cols() == b.op_cols() && a.op_cols() == b.op_rows());
+  gemm(a, b, beta, c.data(), c.outerStride());
+}
+
+}  // namespace fastaxial::cpu

@@ -1,0 +1,149 @@
+// The CPU products (src/cpu/gemm.h): every transposition, beta 0, 1 and another, strided operands,
+// on Eigen's GEMM and through a BLAS set with set_cpu_sgemm; then the CPU forward and backward with
+// that BLAS against the float64 reference.
+//
+// The BLAS here is a plain column-major sgemm of the Fortran interface, summing in double: a
+// stand-in for MKL or OpenBLAS that checks what gemm() hands a BLAS (operands swapped, each
+// transposed where it is used as stored, leading dimensions), not a BLAS's speed.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "src/cpu/gemm.h"
+#include "util/backward_util.h"
+
+namespace fastaxial::test {
+namespace {
+
+std::atomic<int> blas_calls{0};
+
+// C = alpha op(A) op(B) + beta C, column-major; C is not read where beta is 0 (as BLAS defines it).
+void column_major_sgemm(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                        const float* beta, float* c, const int* ldc) {
+  ++blas_calls;
+  const bool ta = *transa == 'T', tb = *transb == 'T';
+  for (int j = 0; j < *n; ++j)
+    for (int i = 0; i < *m; ++i) {
+      double s = 0;
+      for (int l = 0; l < *k; ++l) {
+        const float av = ta ? a[l + i * *lda] : a[i + l * *lda];
+        const float bv = tb ? b[j + l * *ldb] : b[l + j * *ldb];
+        s += static_cast<double>(av) * bv;
+      }
+      float& cij = c[i + j * *ldc];
+      cij = static_cast<float>(*alpha * s + (*beta == 0.0f ? 0.0 : static_cast<double>(*beta) * cij));
+    }
+}
+
+// Sets the stand-in BLAS for the test's scope, and Eigen again after it.
+struct WithBlas {
+  explicit WithBlas(CpuSgemm f) { set_cpu_sgemm(f); }
+  ~WithBlas() { set_cpu_sgemm(nullptr); }
+};
+
+struct Case {
+  int64_t m, n, k;
+  bool ta, tb;
+  float beta;
+};
+
+// A row-major (rows, cols) operand inside a wider buffer (row stride cols + 3) at an odd offset,
+// with random values; pad elements are NaN, so a product that reads past its operand shows it.
+struct Stored {
+  std::vector<float> buf;
+  cpu::Operand op;
+  Stored(int64_t rows, int64_t cols, bool trans, std::mt19937& rng) {
+    const int64_t ld = cols + 3, off = 5;
+    buf.assign(off + rows * ld + 8, std::numeric_limits<float>::quiet_NaN());
+    std::normal_distribution<float> dist;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) buf[off + r * ld + c] = dist(rng);
+    op = {buf.data() + off, rows, cols, ld, trans};
+  }
+  double at(int64_t i, int64_t j) const {  // of op(stored)
+    return op.trans ? op.data[j * op.ld + i] : op.data[i * op.ld + j];
+  }
+};
+
+// gemm(a, b, beta, c) against the product in double: each element within 4 k ulps of sum |a b|.
+void expect_product(const Case& t) {
+  std::mt19937 rng(static_cast<uint32_t>(t.m * 131 + t.n * 17 + t.k * 3 + t.ta * 2 + t.tb));
+  const Stored a(t.ta ? t.k : t.m, t.ta ? t.m : t.k, t.ta, rng), b(t.tb ? t.n : t.k, t.tb ? t.k : t.n, t.tb, rng);
+  const int64_t ldc = t.n + 2;
+  std::vector<float> c(t.m * ldc);
+  std::normal_distribution<float> dist;
+  for (float& v : c) v = dist(rng);
+  // beta 0: c's old values must not be read, so NaN; its pad columns must stay as they were.
+  if (t.beta == 0.0f)
+    for (int64_t i = 0; i < t.m; ++i)
+      for (int64_t j = 0; j < t.n; ++j) c[i * ldc + j] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> c0 = c;
+  cpu::gemm(a.op, b.op, t.beta, c.data(), ldc);
+  for (int64_t i = 0; i < t.m; ++i) {
+    for (int64_t j = 0; j < ldc; ++j) {
+      if (j >= t.n) {  // the pad between rows: untouched
+        ASSERT_EQ(c[i * ldc + j], c0[i * ldc + j]) << "pad written at " << i << ", " << j;
+        continue;
+      }
+      double want = t.beta == 0.0f ? 0.0 : static_cast<double>(t.beta) * c0[i * ldc + j], mag = std::fabs(want);
+      for (int64_t l = 0; l < t.k; ++l) {
+        want += a.at(i, l) * b.at(l, j);
+        mag += std::fabs(a.at(i, l) * b.at(l, j));
+      }
+      ASSERT_NEAR(c[i * ldc + j], want, 4.0 * (t.k + 1) * std::numeric_limits<float>::epsilon() * mag + 1e-30)
+          << "m " << t.m << " n " << t.n << " k " << t.k << " ta " << t.ta << " tb " << t.tb << " beta " << t.beta
+          << " at " << i << ", " << j;
+    }
+  }
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 5, 3}, {33, 17, 64}, {64, 96, 9},
+                                {1, 40, 12}, {40, 1, 12}, {5, 6, 0}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (float beta : {0.0f, 1.0f, 0.5f}) out.push_back({m, n, k, ta, tb, beta});
+  return out;
+}
+
+TEST(CpuGemm, EigenMatchesDouble) {
+  ASSERT_EQ(cpu_sgemm(), nullptr);
+  for (const Case& t : cases()) expect_product(t);
+}
+
+TEST(CpuGemm, BlasGetsTheRowMajorProduct) {
+  const WithBlas blas(&column_major_sgemm);
+  ASSERT_EQ(cpu_sgemm(), &column_major_sgemm);
+  blas_calls = 0;
+  int nonempty = 0;
+  for (const Case& t : cases()) {
+    expect_product(t);
+    nonempty += t.k > 0;
+  }
+  EXPECT_EQ(blas_calls.load(), nonempty);  // every product with terms went to the BLAS; k = 0 scales c alone
+}
+
+// The forward and backward on the BLAS, at 1 thread and at several, within the accuracy rule:
+// all of their products go through gemm().
+TEST(CpuGemm, ForwardAndBackwardOnTheBlas) {
+  const WithBlas blas(&column_major_sgemm);
+  for (const Shape s : {Shape{2, 5, 9, 64, 8}, Shape{1, 1, 300, 32, 2}, Shape{1, 200, 1, 16, 2}}) {
+    const Problem p = random_problem(s, 77u + static_cast<uint32_t>(s.W));
+    blas_calls = 0;
+    std::vector<float> out(p.x.size(), std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(forward_cpu(params(p, out.data())).ok());
+    expect_forward_within_rule(p, out, shape_name(s));
+    EXPECT_GT(blas_calls.load(), 0);
+    expect_cpu_backward_matches_reference(p, random_grad(static_cast<int64_t>(p.x.size()), 5u));
+    expect_cpu_backward_matches_reference(p, random_grad(static_cast<int64_t>(p.x.size()), 6u), true, true);
+  }
+}
+
+}  // namespace
+}  // namespace fastaxial::test
