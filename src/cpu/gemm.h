@@ -49,4 +49,13 @@ void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
   gemm(a, b, beta, c.data(), c.outerStride());
 }
 
+// p where it lies on a 64-byte boundary, else a copy of its n floats in `copy`, which does. A
+// BLAS may round differently for an operand at another alignment (MKL's kernels can), so the
+// weights reach the products at one alignment whatever the caller's buffers: the same bits.
+inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
+  if (reinterpret_cast<uintptr_t>(p) % 64 == 0) return p;
+  copy.assign(p, p + n);
+  return copy.data();
+}
+
 }  // namespace fastaxial::cpu
