@@ -235,8 +235,8 @@ TORCH_LIBRARY(fastaxial, m) {
   // Whether this build applies attention dropout (built with Random123); the module falls back
   // to the reference math for dropout where it does not.
   m.def("dropout_available() -> bool", []() { return fastaxial::dropout_compiled(); });
-  // What the CPU kernels' products run on: "blas" (the sgemm_ that PyTorch runs on, ops_cpu.cpp)
-  // or "eigen" (Eigen's own GEMM).
+  // What the CPU kernels' products run on: "blas" (the MKL sgemm_ that PyTorch runs on, one thread a
+  // call, ops_cpu.cpp) or "eigen" (Eigen's own GEMM).
   m.def("cpu_blas() -> str", []() { return std::string(fastaxial::cpu_sgemm() != nullptr ? "blas" : "eigen"); });
   // Debugging and tests: the multipliers (0 or 1 / (1 - dropout)) of one pass's dropout mask
   // (pass 0: rows, 1: columns), (N, num_heads, L, L) float32 on the CPU, for x of shape

@@ -6,8 +6,8 @@
 // pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats), x's sizes (B, H, W, D as int64: the
 // backward refuses a `saved` of another shape), then that pair (4 floats).
 //
-// The products run on the BLAS PyTorch runs on: libtorch_cpu's sgemm_ (MKL in the x86 wheels),
-// looked up when the library loads, not linked, so a torch without one leaves Eigen's GEMM
+// The products run on the BLAS PyTorch runs on where it is MKL: libtorch_cpu's sgemm_ (PyTorch's
+// x86 wheels), looked up when the library loads, not linked, so another torch leaves Eigen's GEMM
 // (docs/cpu-blas.md). FASTAXIAL_CPU_BLAS=eigen keeps Eigen's.
 #include <dlfcn.h>
 
@@ -46,8 +46,10 @@ void sgemm_one_thread(const char* transa, const char* transb, const int* m, cons
   mkl_local_threads(before);
 }
 
-// Sets torch's sgemm_ as the CPU products' BLAS (on one thread where it is MKL's), unless
-// FASTAXIAL_CPU_BLAS=eigen; what it set.
+// Sets torch's sgemm_ as the CPU products' BLAS, on one thread a call, where it is MKL's (the
+// thread-local setting found); unless FASTAXIAL_CPU_BLAS=eigen. A torch with another BLAS
+// (OpenBLAS in its aarch64 wheels) keeps Eigen's GEMM: nothing here could hold that BLAS to one
+// thread a call. What it set.
 CpuSgemm use_torch_blas() {
   const char* choice = std::getenv("FASTAXIAL_CPU_BLAS");
   if (choice != nullptr && std::strcmp(choice, "eigen") == 0) return nullptr;
@@ -56,7 +58,7 @@ CpuSgemm use_torch_blas() {
   torch_sgemm = reinterpret_cast<CpuSgemm>(dlsym(torch_cpu, "sgemm_"));
   mkl_local_threads = reinterpret_cast<int (*)(int)>(dlsym(torch_cpu, "MKL_Set_Num_Threads_Local"));
   dlclose(torch_cpu);  // (drops the reference NOLOAD took; torch stays loaded)
-  const CpuSgemm sgemm = torch_sgemm == nullptr || mkl_local_threads == nullptr ? torch_sgemm : &sgemm_one_thread;
+  const CpuSgemm sgemm = torch_sgemm != nullptr && mkl_local_threads != nullptr ? &sgemm_one_thread : nullptr;
   set_cpu_sgemm(sgemm);
   return sgemm;
 }

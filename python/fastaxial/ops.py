@@ -197,9 +197,9 @@ def dropout_available():
 
 
 def cpu_blas():
-    """What the CPU kernels' products run on: "blas" (the sgemm PyTorch itself runs on, MKL in the x86
-    wheels) or "eigen" (Eigen's own GEMM: a torch without an exported sgemm, or FASTAXIAL_CPU_BLAS=eigen
-    set before fastaxial is imported)."""
+    """What the CPU kernels' products run on: "blas" (the MKL sgemm PyTorch itself runs on, one thread a
+    call) or "eigen" (Eigen's own GEMM: a torch whose BLAS is not MKL, or FASTAXIAL_CPU_BLAS=eigen set
+    before fastaxial is imported)."""
     return torch.ops.fastaxial.cpu_blas()
 
 

@@ -40,18 +40,21 @@ Operand tr(const E& x) {
 // c (m, n) = op(a) op(b) + beta c, c row-major with row stride ldc; with beta 0 c is not read.
 void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
 
-// The same into an Eigen row-major destination: a Mat is resized to (op(a) rows, op(b) cols);
-// a block or map must have that size already.
+// The same into an Eigen row-major destination: a Mat is resized to (op(a) rows, op(b) cols)
+// where beta is 0 (else it keeps what it adds to, at that size); a block or map must have that size already.
 template <class C>
 void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
-  if constexpr (std::is_same_v<std::decay_t<C>, Mat>) c.resize(a.op_rows(), b.op_cols());
+  if constexpr (std::is_same_v<std::decay_t<C>, Mat>)
+    if (beta == 0.0f) c.resize(a.op_rows(), b.op_cols());
   eigen_assert(c.rows() == a.op_rows() && c.cols() == b.op_cols() && a.op_cols() == b.op_rows());
   gemm(a, b, beta, c.data(), c.outerStride());
 }
 
 // p where it lies on a 64-byte boundary, else a copy of its n floats in `copy`, which does. A
 // BLAS may round differently for an operand at another alignment (MKL's kernels can), so the
-// weights reach the products at one alignment whatever the caller's buffers: the same bits.
+// weights reach the products at one alignment whatever the caller's buffers. (The backward's
+// whole-pass products write the caller's weight-gradient buffers directly: the torch module's are
+// fresh, 64-byte aligned tensors.)
 inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
   if (reinterpret_cast<uintptr_t>(p) % 64 == 0) return p;
   copy.assign(p, p + n);

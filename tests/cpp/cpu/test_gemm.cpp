@@ -11,10 +11,15 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "src/cpu/gemm.h"
 #include "util/backward_util.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace fastaxial::test {
 namespace {
@@ -129,10 +134,8 @@ TEST(CpuGemm, BlasGetsTheRowMajorProduct) {
   EXPECT_EQ(blas_calls.load(), nonempty);  // every product with terms went to the BLAS; k = 0 scales c alone
 }
 
-// The forward and backward on the BLAS, at 1 thread and at several, within the accuracy rule:
-// all of their products go through gemm().
-TEST(CpuGemm, ForwardAndBackwardOnTheBlas) {
-  const WithBlas blas(&column_major_sgemm);
+// The forward and backward on the BLAS within the accuracy rule: all of their products go through gemm().
+void expect_accurate_on_blas() {
   for (const Shape s : {Shape{2, 5, 9, 64, 8}, Shape{1, 1, 300, 32, 2}, Shape{1, 200, 1, 16, 2}}) {
     const Problem p = random_problem(s, 77u + static_cast<uint32_t>(s.W));
     blas_calls = 0;
@@ -143,6 +146,22 @@ TEST(CpuGemm, ForwardAndBackwardOnTheBlas) {
     expect_cpu_backward_matches_reference(p, random_grad(static_cast<int64_t>(p.x.size()), 5u));
     expect_cpu_backward_matches_reference(p, random_grad(static_cast<int64_t>(p.x.size()), 6u), true, true);
   }
+}
+
+// At 1 thread and at 3 (the stand-in then runs from several threads at once).
+TEST(CpuGemm, ForwardAndBackwardOnTheBlas) {
+  const WithBlas blas(&column_major_sgemm);
+#ifdef _OPENMP
+  const int before = omp_get_max_threads();
+  for (const int threads : {1, 3}) {
+    SCOPED_TRACE("threads " + std::to_string(threads));
+    omp_set_num_threads(threads);
+    expect_accurate_on_blas();
+  }
+  omp_set_num_threads(before);
+#else
+  expect_accurate_on_blas();
+#endif
 }
 
 }  // namespace
