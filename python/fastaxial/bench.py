@@ -138,7 +138,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # cuDNN take no fp32).
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
                  "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
-# fastaxial's module sends bf16 on the CPU to the reference math and says so: expected in a bf16 run.
+# fastaxial's module sends bf16 on a CPU with bf16 products to the reference math and says so: expected in a bf16 run.
 CPU_BF16_WARNING = r"fastaxial\.AxialAttention: dtype torch\.bfloat16 runs the reference math on the CPU"
 
 

@@ -67,10 +67,25 @@ _SLOT_INDEX = tuple(_SLOT_MODULES.index(m) for m, _ in reference._WEIGHT_NAMES) 
 # forward() spells this layout out:
 assert _SLOT_INDEX == (0, 0, 1, 2, 2, 3, 3, 4, 5, 5) and _PARAM_NAMES == ("weight", "bias", "weight", "weight", "bias") * 2
 _Tensor, _FLOAT32 = torch.Tensor, torch.float32  # read per call: one global each, not torch and an attribute
+
+
+def _cpu_has_bf16_products():
+    """Whether this CPU multiplies bfloat16 natively (AVX512_BF16 or AMX-BF16; Arm's BF16). There
+    PyTorch's own bfloat16 products beat the kernels' fp32 math on some shapes (perf notes v58);
+    without them PyTorch emulates bfloat16 and the kernels ran 10x to 25x faster (v66). Unknown
+    (a torch without torch.cpu.get_capabilities): assumed so."""
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is None:
+        return True
+    caps = get()
+    return any(caps.get(k, False) for k in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
+
+
 # The 16-bit dtypes the module sends to the kernels, which run them as fp32 math on their storage.
-# On the CPU not bfloat16: PyTorch's own bfloat16 products beat that fp32 math on some shapes of
-# CPUs that have them (perf notes v58); the operator takes it.
-_CPU_16BIT = (torch.float16,)
+# On the CPU bfloat16 only where the CPU has no bfloat16 products (_cpu_has_bf16_products); the
+# operator takes it everywhere.
+_CPU_BF16 = not _cpu_has_bf16_products()
+_CPU_16BIT = (torch.float16, torch.bfloat16) if _CPU_BF16 else (torch.float16,)
 _CUDA_16BIT = (torch.bfloat16, torch.float16)
 
 
@@ -84,10 +99,11 @@ class AxialAttention(reference.AxialAttentionReference):
     mode runs in the fused kernels, its mask drawn from PyTorch's default
     generator of x's device (torch.manual_seed fixes it; it is not the
     reference's nn.Dropout mask). bfloat16 and float16 modules run the
-    kernels as fp32 math on their 16-bit storage (on the CPU float16 only).
+    kernels as fp32 math on their 16-bit storage (on the CPU bfloat16 only
+    where the CPU has no bfloat16 products of its own).
     Under torch.autocast the operator's autocast kernel takes x and weights of
     any of these dtypes and returns the dtype the reference returns there.
-    Inputs the fused kernels do not serve (float64, bfloat16 on the CPU, a
+    Inputs the fused kernels do not serve (float64, bfloat16 on a CPU with bfloat16 products, a
     device without a kernel, different LayerNorm epsilons per axis, dropout on
     CUDA with head_dim above 256, dropout in a build without Random123) run
     the reference math instead, with a warning the first time. Under
@@ -207,8 +223,8 @@ class AxialAttention(reference.AxialAttentionReference):
                 raise TypeError(f"fastaxial.AxialAttention: x is {x.dtype}, but fastaxial takes float32 input: pass "
                                 "x.float(), which runs the fused kernels. (A module converted with "
                                 "module.to(dtype) takes x of that dtype: float16 and bfloat16 run the fused "
-                                "kernels, but bfloat16 on the CPU and float64 the reference PyTorch math, with a "
-                                "warning.)")
+                                "kernels, but float64, and bfloat16 on a CPU with bfloat16 products, the reference "
+                                "PyTorch math, with a warning.)")
             mismatch = next((w.dtype for w in weights if w.dtype != x.dtype), None)
             if mismatch is not None and not torch.is_autocast_enabled(x.device.type):
                 if mismatch is torch.float32:
@@ -237,13 +253,13 @@ class AxialAttention(reference.AxialAttentionReference):
             return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
                     f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:
-            if x.dtype is torch.bfloat16 and x.is_cpu:
-                return ("dtype torch.bfloat16 runs the reference math on the CPU: the fused kernels would run it as "
-                        "fp32 math, slower than PyTorch's bfloat16 products on some shapes; "
+            if x.dtype is torch.bfloat16 and x.is_cpu and not _CPU_BF16:
+                return ("dtype torch.bfloat16 runs the reference math on the CPU: this CPU has bfloat16 products, "
+                        "and the fused kernels would run it as fp32 math, slower than those on some shapes; "
                         "fastaxial.ops.axial_attention runs them anyway")
             if not self._serves_16bit(x):
                 return (f"dtype {x.dtype} is not served by the fused kernels (float32, bfloat16 and float16 are; "
-                        "bfloat16 on the CPU runs the reference math)")
+                        "bfloat16 on a CPU with bfloat16 products runs the reference math)")
         if not ops.has_kernel(x.device.type):
             return f"no fastaxial kernel for device type '{x.device.type}' in this build"
         return "row_norm and col_norm have different eps"

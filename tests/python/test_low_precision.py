@@ -4,8 +4,8 @@ autocast kernel takes any mix of these and returns the dtype the reference retur
 (issue 37's): fastaxial's error against a float64 evaluation is at most K = 2 times the error of the
 PyTorch reference run in the same dtype (under the same autocast) with the same weights, as the
 ratio of the maximum errors over 5 random inputs. The module runs both dtypes on the kernels on
-CUDA; on the CPU float16, and bfloat16 on the reference math (PyTorch's bfloat16 products beat the
-fp32 math on some shapes: perf notes v58)."""
+CUDA; on the CPU float16, and bfloat16 too where the CPU has no bfloat16 products (elsewhere the
+reference math: PyTorch's bfloat16 products beat the fp32 math on some shapes, perf notes v58)."""
 
 import warnings
 
@@ -17,6 +17,7 @@ from accuracy import GRAD_NAMES, K, rel_err
 from conftest import randomize_
 
 DTYPES = [torch.bfloat16, torch.float16]
+CPU_BF16 = fastaxial.module._CPU_BF16  # whether the module runs bfloat16 on the CPU kernels here
 SHAPES = [(2, 8, 8, 32, 2), (1, 3, 40, 24, 3), (1, 1, 130, 16, 1)]  # several heads, odd lengths, a long row
 SEEDS = range(5)
 
@@ -120,10 +121,10 @@ def test_module_under_autocast_takes_a_16bit_x_with_float32_weights(device):
         assert h.dtype is torch.bfloat16
         want = ref(h)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # bfloat16 on the CPU: the reference math, with a warning
+            warnings.simplefilter("ignore")  # bfloat16 on a CPU with bf16 products: the reference math, with a warning
             got = new(h)
     assert got.dtype is want.dtype is torch.bfloat16
-    assert ran_the_kernels(got) == (device.type == "cuda")
+    assert ran_the_kernels(got) == (device.type == "cuda" or CPU_BF16)
     torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)  # two bfloat16 evaluations
     # Outside autocast the same call is a mismatch, named.
     with pytest.raises(TypeError, match="x is torch.bfloat16 but the weights are torch.float32"):
@@ -132,8 +133,8 @@ def test_module_under_autocast_takes_a_16bit_x_with_float32_weights(device):
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_compile_fullgraph_under_autocast(device, x_dtype):
-    if device.type == "cpu" and x_dtype is torch.bfloat16:
-        pytest.skip("the module runs bfloat16 on the reference math on the CPU")
+    if device.type == "cpu" and x_dtype is torch.bfloat16 and not CPU_BF16:
+        pytest.skip("the module runs bfloat16 on the reference math on this CPU (it has bfloat16 products)")
     torch.manual_seed(2)
     m = fastaxial.AxialAttention(32, 4, 5, 6).to(device)
     x = torch.randn(2, 5, 6, 32, device=device).to(x_dtype)
@@ -145,7 +146,7 @@ def test_compile_fullgraph_under_autocast(device, x_dtype):
     torch.testing.assert_close(compiled, eager, atol=0, rtol=0)  # the same kernels on the same fp32 copies
 
 
-def test_the_module_runs_float16_on_the_kernels_and_bfloat16_on_the_reference():
+def test_the_module_runs_float16_on_the_cpu_kernels():
     torch.manual_seed(0)
     x = torch.randn(2, 6, 7, 32)
     half = fastaxial.AxialAttention(32, 4, 6, 7).to(torch.float16)
@@ -153,11 +154,39 @@ def test_the_module_runs_float16_on_the_kernels_and_bfloat16_on_the_reference():
         warnings.simplefilter("error")  # no fallback
         out = half(x.to(torch.float16).requires_grad_())
     assert out.dtype is torch.float16 and "AxialAttentionFunction" in out.grad_fn.name()
+
+
+@pytest.mark.parametrize("cpu_bf16", [True, False], ids=["no-bf16-products", "bf16-products"])
+def test_the_module_routes_bfloat16_on_the_cpu_by_its_products(monkeypatch, cpu_bf16):
+    """Both routes whatever this machine's CPU: the kernels where the CPU has no bfloat16 products,
+    the reference math with a warning that says why where it has them."""
+    monkeypatch.setattr(fastaxial.module, "_CPU_BF16", cpu_bf16)
+    monkeypatch.setattr(fastaxial.module, "_CPU_16BIT",
+                        (torch.float16, torch.bfloat16) if cpu_bf16 else (torch.float16,))
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 7, 32).to(torch.bfloat16).requires_grad_()
     bf16 = fastaxial.AxialAttention(32, 4, 6, 7).to(torch.bfloat16)
     fastaxial.module._warned.clear()  # (warned once per process: maybe by an earlier test)
-    with pytest.warns(UserWarning, match="bfloat16 runs the reference math on the CPU"):
-        out = bf16(x.to(torch.bfloat16).requires_grad_())
-    assert out.dtype is torch.bfloat16 and "AxialAttentionFunction" not in out.grad_fn.name()
+    if cpu_bf16:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            out = bf16(x)
+        assert out.dtype is torch.bfloat16 and "AxialAttentionFunction" in out.grad_fn.name()
+    else:
+        with pytest.warns(UserWarning, match="bfloat16 runs the reference math on the CPU: this CPU has bfloat16 products"):
+            out = bf16(x)
+        assert out.dtype is torch.bfloat16 and "AxialAttentionFunction" not in out.grad_fn.name()
+
+
+@pytest.mark.parametrize("caps,has", [({"avx2": True, "avx512_f": True}, False), ({"avx512_bf16": True}, True),
+                                      ({"amx_bf16": True}, True), ({"bf16": True}, True), ({"sve_bf16": True}, True),
+                                      (None, True)], ids=["avx512", "avx512_bf16", "amx", "arm", "sve", "unknown"])
+def test_cpu_bf16_products_from_the_capabilities(monkeypatch, caps, has):
+    if caps is None:
+        monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    else:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert fastaxial.module._cpu_has_bf16_products() is has
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
