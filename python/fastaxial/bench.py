@@ -2,7 +2,7 @@
 
     python -m fastaxial.bench [--shapes all|default|"B H W D heads;..."] [--out DIR] [--iters N]
         [--protocols queued,synchronized,harness,host,training,model] [--harness-iters N] [--host-calls N]
-        [--training-iters N] [--model-steps N] [--dtype float32|bfloat16]
+        [--training-iters N] [--model-steps N] [--dtype float32|bfloat16] [--threads N]
 
 Contenders, all fp32 with TF32 off (--dtype bfloat16: at the end):
 fastaxial; the PyTorch eager reference; the same math with
@@ -588,9 +588,14 @@ def add_floors(report):
 
 
 def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=DEFAULT_PROTOCOLS,
-        harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None, model_steps=None, dtype=torch.float32):
+        harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None, model_steps=None, dtype=torch.float32,
+        threads=None):
     """Benchmarks every shape under the protocols asked for (queued always) in dtype (float32 or bfloat16),
-    writes bench.json, bench.md and bench.png to out when given, and returns the report."""
+    writes bench.json, bench.md and bench.png to out when given, and returns the report. threads: the CPU
+    threads of every contender (torch.set_num_threads, which fastaxial's OpenMP threads follow too); a CPU
+    report records the count it ran with."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     timer = Timer(device)
@@ -601,6 +606,7 @@ def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, proto
     protocols = tuple(p for p in PROTOCOLS if p == "queued" or p in protocols and (fp32 or p != "model"))
     # float32 reports name no dtype: the keys of reports from before --dtype.
     report = {**({} if fp32 else {"dtype": str(dtype).removeprefix("torch.")}), "device": name,
+              **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
               "torch": torch.__version__, "protocols": list(protocols),
               "ceilings": device_ceilings(device, timer, dtype), "shapes": []}
     with warnings.catch_warnings():
@@ -671,18 +677,23 @@ def main(argv=None):
                    help="timed training steps per model variant (default 50 CUDA, 3 CPU)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="every contender's weights, input and output gradient (default float32; see above)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of every contender, fastaxial's included (default: PyTorch's, which "
+                   "OMP_NUM_THREADS sets); run once per count for a scaling table")
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     shapes = {"all": SHAPES, "default": [DEFAULT_SHAPE], "none": []}.get(a.shapes)
     if shapes is None:
         shapes = [parse_shape(s) for s in a.shapes.split(";")]
+    if a.threads is not None and (device.type != "cpu" or a.threads < 1):
+        p.error("--threads takes a positive count, on the CPU")
     if not shapes and ("model" not in a.protocols or a.dtype != "float32"):
         p.error("--shapes none runs nothing without --protocols model (float32 only)")
     iters = a.iters or default_iters(device)
     report = run(shapes, device, iters, a.warmup, not a.no_compile, a.out, protocols=a.protocols,
                  harness_iters=a.harness_iters, host_calls=a.host_calls, training_iters=a.training_iters,
-                 model_steps=a.model_steps, dtype=DTYPES[a.dtype])
+                 model_steps=a.model_steps, dtype=DTYPES[a.dtype], threads=a.threads)
     print(markdown(report))
     print(f"wrote {a.out}/bench.json, bench.md, bench.png")
 

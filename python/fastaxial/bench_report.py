@@ -195,7 +195,10 @@ def markdown(report):
     device = (f"Device: {report['device']}; fp32 matmul {c['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s, {bf16_rate}"
               f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s (measured in this run).")
     if report["device"] == "CPU":
-        device += " On the CPU every protocol times each call by the host clock: no flush, nothing to synchronize."
+        n = report.get("threads")  # (older reports: none)
+        threads = "" if n is None else f" {n} thread{'' if n == 1 else 's'}."
+        device += (f"{threads} On the CPU every protocol times each call by the host clock: no flush, nothing to "
+                   "synchronize.")
     # A float32 report keeps its header as it was.
     parts = ([f"## fastaxial vs PyTorch, bfloat16\n\nEvery contender's weights, input and output gradient in "
               "bfloat16; errors against the reference evaluated in float64."] if bf16 else []) + [device]

@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 import fastaxial.module
@@ -186,11 +187,27 @@ def test_training_is_asked_for_not_default():
     assert bench.parse_protocols("training,queued") == ("queued", "training")
 
 
+def test_threads_are_set_and_recorded():
+    """--threads sets the CPU threads of the run (fastaxial's OpenMP threads follow torch's) and the
+    header says it; the caller's count is restored here, not by the benchmark."""
+    before = torch.get_num_threads()
+    try:
+        report = bench.run([SHAPE], torch.device("cpu"), iters=1, warmup=0, compile_=False, log=lambda m: None,
+                           protocols=(), threads=1)
+        assert report["threads"] == torch.get_num_threads() == 1
+        assert " 1 thread. On the CPU every protocol" in bench.markdown(report)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--threads", "0", "--shapes", "default"])
+
+
 def test_float32_report_keys_and_header():
     """Without --dtype the report is float32 as before --dtype existed: no "dtype", no bf16 rate, fp32 keys."""
     report = bench.run([SHAPE], torch.device("cpu"), iters=1, warmup=0, compile_=False, log=lambda m: None,
                        protocols=("synchronized",))
-    assert list(report) == ["device", "torch", "protocols", "ceilings", "shapes"]
+    assert list(report) == ["device", "threads", "torch", "protocols", "ceilings", "shapes"]
+    assert report["threads"] == torch.get_num_threads()
     assert list(report["ceilings"]) == ["fp32_flops_per_s", "copy_bytes_per_s"]
     s = report["shapes"][0]
     assert list(s) == ["shape", "flops", "min_bytes", "results", "synchronized", "floor_us", "floor_bound",
