@@ -1,6 +1,9 @@
-"""Shared fixtures: the devices present, and seeded module pairs."""
+"""Shared fixtures: the devices present, seeded module pairs, and a fresh interpreter."""
 
 import math
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -67,3 +70,11 @@ def randomize_(module, seed):
             scale = 0.1 if "norm" in name else 0.5 / math.sqrt(p.shape[-1])
             p.add_(scale * torch.randn(p.shape, generator=g).to(p.device))
     return module
+
+
+def run_python(script, **env):
+    """Runs script in a fresh interpreter that imports this fastaxial (its package folder first on
+    PYTHONPATH), with env's variables set; returns the completed process (stdout and stderr as text)."""
+    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]), **env)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fastaxial
-from conftest import make_pair, randomize_
+from conftest import make_pair, randomize_, run_python
 
 ATOL = RTOL = 1e-4
 _OPS_FILE = os.path.abspath(fastaxial.ops.__file__)
@@ -182,8 +182,6 @@ def test_module_without_the_entry(device, monkeypatch):
 def test_build_without_the_entry_in_a_fresh_process(tmp_path):
     """FASTAXIAL_PYTHON_ENTRY=0, as a library without the entry: the module falls back to _OP from import
     on, eager and compiled calls give the entry's results."""
-    import subprocess
-
     _, new = make_pair(16, 2, 3, 4, "cpu", seed=17)
     x = torch.randn(1, 3, 4, 16)
     with torch.no_grad():
@@ -201,10 +199,7 @@ with torch.no_grad():
     assert torch.equal(compiled(case["x"]), case["want"])
 print("ok")
 """
-    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
-    env = dict(os.environ, FASTAXIAL_PYTHON_ENTRY="0",
-               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    r = run_python(script, FASTAXIAL_PYTHON_ENTRY="0")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 

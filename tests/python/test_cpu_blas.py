@@ -3,17 +3,12 @@ sets it, that results do not depend on where the caller's tensors lie (a BLAS ma
 alignment), at one thread and at several, and that FASTAXIAL_CPU_BLAS=eigen keeps Eigen's GEMM with
 results within the accuracy rule of the BLAS's."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-import fastaxial
 from fastaxial import ops
 from accuracy import assert_accurate, assert_all_accurate, float64_copy, outputs_and_grads
-from conftest import make_pair, randomize_
+from conftest import make_pair, randomize_, run_python
 
 OP = torch.ops.fastaxial.axial_attention.default
 BACKWARD = torch.ops.fastaxial.axial_attention_backward.default
@@ -83,10 +78,7 @@ out.backward(case["g"])
 torch.save([out.detach()] + [x.grad] + [p.grad for p in m.weights()], {str(tmp_path / 'got.pt')!r})
 print("ok")
 """
-    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
-    env = dict(os.environ, FASTAXIAL_CPU_BLAS="eigen",
-               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    r = run_python(script, FASTAXIAL_CPU_BLAS="eigen")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
     got = torch.load(tmp_path / "got.pt")
     fp32_out, fp32 = outputs_and_grads(ref, x, g)

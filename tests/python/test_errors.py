@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastaxial
-from conftest import DEVICES, make_pair
+from conftest import DEVICES, make_pair, run_python
 
 OP = torch.ops.fastaxial.axial_attention
 
@@ -113,13 +113,6 @@ def test_module_input_dtype_other_than_the_weights(device, dtype):
 
 
 def test_missing_operator_library_is_a_clear_import_error(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
-    env = dict(os.environ, FASTAXIAL_LIBRARY=str(tmp_path / "absent.so"),
-               PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", "import fastaxial"], env=env, capture_output=True, text=True)
+    r = run_python("import fastaxial", FASTAXIAL_LIBRARY=str(tmp_path / "absent.so"))
     assert r.returncode != 0
     assert "ImportError" in r.stderr and "absent.so is missing" in r.stderr

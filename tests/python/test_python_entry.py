@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastaxial
-from conftest import make_pair, randomize_
+from conftest import make_pair, randomize_, run_python
 
 
 # ---- the operator library's Python entry (torch_binding/ops_python.cpp) ------------------------
@@ -147,14 +147,6 @@ def test_an_entry_library_that_is_no_entry_gives_a_warning(monkeypatch, tmp_path
         assert fastaxial.ops.python_entry() is None
 
 
-def _run_python(script, **env):
-    import subprocess
-
-    package_root = os.path.dirname(os.path.dirname(fastaxial.__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]), **env)
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-
-
 def test_entry_factory_before_the_operator_exists_raises_then_works():
     """The factory asks the dispatcher for the operator, which _C.so registers: before _C.so is loaded it
     raises a Python error (not a crash), and the failed lookup leaves nothing behind: once _C.so is loaded
@@ -178,7 +170,7 @@ entry = make(None)
 assert type(entry).__name__ == "builtin_function_or_method"
 print("ok")
 """
-    r = _run_python(script)
+    r = run_python(script)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
@@ -205,7 +197,7 @@ with torch.no_grad():
 messages = [str(w.message) for w in caught if "fastaxial" in str(w.message)]
 print(fastaxial.module._CALL is not fastaxial.module._OP, messages)
 """
-    r = _run_python(script, FASTAXIAL_LIBRARY=str(tmp_path / "_C.so"), FASTAXIAL_PYTHON_ENTRY="1")
+    r = run_python(script, FASTAXIAL_LIBRARY=str(tmp_path / "_C.so"), FASTAXIAL_PYTHON_ENTRY="1")
     assert r.returncode == 0, r.stderr
     entry_used, messages = r.stdout.strip().split(" ", 1)
     assert entry_used == str(beside == "the entry"), r.stdout
