@@ -35,9 +35,8 @@ CpuSgemm torch_sgemm = nullptr;
 int (*mkl_local_threads)(int) = nullptr;  // MKL_Set_Num_Threads_Local: the previous count back
 
 // torch's sgemm on one thread. fastaxial runs its products from its own OpenMP threads (one
-// product per thread at a time); MKL, left to thread a call made outside those regions, started
-// a team of its own beside them, and a small training step stalled: (2, 16, 16, 24, 1) took 15.6
-// ms at 2 threads against 0.9 ms with MKL on one thread.
+// product per thread at a time); MKL, left to thread a call made outside those regions, starts a
+// team of its own beside them, and small steps stall (docs/cpu-blas.md, "One thread a call").
 void sgemm_one_thread(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                       const float* beta, float* c, const int* ldc) {

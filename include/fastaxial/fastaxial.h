@@ -108,9 +108,8 @@ Status forward_cpu(const AxialParams& p);
 // sgemm_). The torch module sets the one PyTorch itself runs on. The BLAS must be safe to call
 // from several threads at once and give the same bits for the same inputs, alignment and thread
 // count. fastaxial calls it from its own OpenMP threads, one product per thread at a time, so it
-// must run each call on one thread: MKL through a wrapper that sets mkl_set_num_threads_local(1)
-// around the call (left to itself, MKL threads the calls made outside fastaxial's parallel
-// regions, and its team beside fastaxial's stalled a small training step 20x), or sequential
+// must run each call on one thread (a BLAS team beside fastaxial's stalls both: docs/cpu-blas.md):
+// MKL through a wrapper that sets mkl_set_num_threads_local(1) around the call, or sequential
 // MKL; a pthread OpenBLAS after openblas_set_num_threads(1) (process-wide). A BLAS whose header
 // declares sgemm_ with other pointer types needs a wrapper of this signature.
 // Products larger than 32-bit sizes fall back to Eigen. Set it before CPU calls run, not during.

@@ -72,8 +72,8 @@ _Tensor, _FLOAT32 = torch.Tensor, torch.float32  # read per call: one global eac
 def _cpu_has_bf16_products():
     """Whether this CPU multiplies bfloat16 natively (AVX512_BF16 or AMX-BF16; Arm's BF16). There
     PyTorch's own bfloat16 products beat the kernels' fp32 math on some shapes (perf notes v58);
-    without them PyTorch emulates bfloat16 and the kernels ran 10x to 25x faster (v66). Unknown
-    (a torch without torch.cpu.get_capabilities): assumed so."""
+    without them PyTorch emulates bfloat16, far slower than the kernels (v66). Unknown (a torch
+    without torch.cpu.get_capabilities): assumed so."""
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is None:
         return True
@@ -84,8 +84,7 @@ def _cpu_has_bf16_products():
 # The 16-bit dtypes the module sends to the kernels, which run them as fp32 math on their storage.
 # On the CPU bfloat16 only where the CPU has no bfloat16 products (_cpu_has_bf16_products); the
 # operator takes it everywhere.
-_CPU_BF16 = not _cpu_has_bf16_products()
-_CPU_16BIT = (torch.float16, torch.bfloat16) if _CPU_BF16 else (torch.float16,)
+_CPU_16BIT = (torch.float16,) if _cpu_has_bf16_products() else (torch.float16, torch.bfloat16)
 _CUDA_16BIT = (torch.bfloat16, torch.float16)
 
 
@@ -253,7 +252,7 @@ class AxialAttention(reference.AxialAttentionReference):
             return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
                     f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:
-            if x.dtype is torch.bfloat16 and x.is_cpu and not _CPU_BF16:
+            if x.dtype is torch.bfloat16 and x.is_cpu and x.dtype not in _CPU_16BIT:
                 return ("dtype torch.bfloat16 runs the reference math on the CPU: this CPU has bfloat16 products, "
                         "and the fused kernels would run it as fp32 math, slower than those on some shapes; "
                         "fastaxial.ops.axial_attention runs them anyway")

@@ -184,15 +184,15 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
                float* dst, const DropoutParams* drop, int pass, float* qkv_out) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
-  AlignedFloats wqkv_copy, wout_copy;  // where the caller's weights are not 64-byte aligned (gemm.h)
+  const Projections proj(w.qkv_weight, w.out_weight, D);
   const PassArgs a = {v,
                       D,
                       heads,
                       hd,
                       eps,
                       1.0f / std::sqrt(static_cast<float>(hd)),
-                      ConstMap(aligned(w.qkv_weight, 3 * D * D, wqkv_copy), 3 * D, D),
-                      ConstMap(aligned(w.out_weight, D * D, wout_copy), D, D),
+                      proj.qkv,
+                      proj.out,
                       ConstVec(w.norm_weight, D),
                       ConstVec(w.norm_bias, D),
                       ConstVec(w.out_bias, D),

@@ -203,9 +203,8 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
                   float* dst, const DropoutParams* drop, int pass) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
-  AlignedFloats wqkv_copy, wout_copy;  // where the caller's weights are not 64-byte aligned (gemm.h)
-  const ConstMap wqkv(aligned(w.qkv_weight, 3 * D * D, wqkv_copy), 3 * D, D);
-  const ConstMap wout(aligned(w.out_weight, D * D, wout_copy), D, D);
+  const Projections proj(w.qkv_weight, w.out_weight, D);
+  const ConstMap &wqkv = proj.qkv, &wout = proj.out;
   const ConstVec bout(w.out_bias, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);
@@ -286,9 +285,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   const bool any_weight = want_qkv || want_out || want_bout || want_g || want_b;
   if (!want_o && !want_bout) return;
 
-  AlignedFloats wqkv_copy, wout_copy;  // where the caller's weights are not 64-byte aligned (gemm.h)
-  const ConstMap wqkv(aligned(w.qkv_weight, 3 * D * D, wqkv_copy), 3 * D, D);
-  const ConstMap wout(aligned(w.out_weight, D * D, wout_copy), D, D);
+  const Projections proj(w.qkv_weight, w.out_weight, D);
+  const ConstMap &wqkv = proj.qkv, &wout = proj.out;
   const ConstVec gamma(w.norm_weight, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);

@@ -61,4 +61,14 @@ inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
   return copy.data();
 }
 
+// One axis's projection weights as the products read them, qkv (3D, D) and out (D, D), each the
+// caller's buffer or its aligned() copy.
+struct Projections {
+  AlignedFloats qkv_copy, out_copy;  // (before the maps: built first)
+  ConstMap qkv, out;
+  Projections(const float* qkv_weight, const float* out_weight, int64_t D)
+      : qkv(aligned(qkv_weight, 3 * D * D, qkv_copy), 3 * D, D), out(aligned(out_weight, D * D, out_copy), D, D) {}
+  Projections(const Projections&) = delete;  // (the maps may point into the copies)
+};
+
 }  // namespace fastaxial::cpu

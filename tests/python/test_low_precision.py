@@ -17,7 +17,7 @@ from accuracy import GRAD_NAMES, K, rel_err
 from conftest import randomize_
 
 DTYPES = [torch.bfloat16, torch.float16]
-CPU_BF16 = fastaxial.module._CPU_BF16  # whether the module runs bfloat16 on the CPU kernels here
+CPU_BF16 = torch.bfloat16 in fastaxial.module._CPU_16BIT  # whether the module runs bfloat16 on the CPU kernels here
 SHAPES = [(2, 8, 8, 32, 2), (1, 3, 40, 24, 3), (1, 1, 130, 16, 1)]  # several heads, odd lengths, a long row
 SEEDS = range(5)
 
@@ -160,7 +160,6 @@ def test_the_module_runs_float16_on_the_cpu_kernels():
 def test_the_module_routes_bfloat16_on_the_cpu_by_its_products(monkeypatch, cpu_bf16):
     """Both routes whatever this machine's CPU: the kernels where the CPU has no bfloat16 products,
     the reference math with a warning that says why where it has them."""
-    monkeypatch.setattr(fastaxial.module, "_CPU_BF16", cpu_bf16)
     monkeypatch.setattr(fastaxial.module, "_CPU_16BIT",
                         (torch.float16, torch.bfloat16) if cpu_bf16 else (torch.float16,))
     torch.manual_seed(0)
