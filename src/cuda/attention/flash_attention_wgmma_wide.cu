@@ -201,14 +201,10 @@ __global__ void __launch_bounds__(256, 1)
   allow_dependent_launch();
 
   const int S = kSplit ? sp.splits : 1;
-  const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles * S;
-  const int tiles = (L + BN - 1) / BN;
-  const int64_t my_units = flash_block_units(units);
+  // Unit i of this block: unit_at(i) (flash_parts.cuh); its split's key tiles are j0 .. j1 - 1.
+  const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, S, BN);
+  const int64_t my_units = unit_at.count, row_words = unit_at.row_words;
   const int64_t ps = a.pos.pos_stride;
-  const int64_t row_words = 3 * (int64_t)a.D;
-
-  // Unit i of this block (flash_parts.cuh): its split's key tiles are j0 .. j1 - 1.
-  const auto unit_at = [&](int64_t i) { return flash_unit<BM>(a, i, q_tiles, S, tiles, hd, row_words); };
 
   // Rows p0 .. p0 + rows - 1 of a head slice (src: row 0's) into raw rows at
   // dst (stride LD), or with kQ into q's swizzled rows; positions >= L as zeros.

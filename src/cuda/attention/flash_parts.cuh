@@ -79,6 +79,28 @@ __device__ __forceinline__ FlashUnit flash_unit(const Args& a, int64_t i, int q_
   return x;
 }
 
+// A block's units when blocks take units in turn (flash_block_units), as the
+// wgmma kernels walk them: `count` units, unit i by unit_at(i) (flash_unit),
+// `tiles` key tiles a sequence of BN keys each, S splits of them.
+template <int BM, class Args>
+struct BlockUnits {
+  const Args& a;
+  int q_tiles, S, tiles, hd;
+  int64_t row_words, count;  // row_words: floats a row of qkv (3D)
+
+  __device__ __forceinline__ BlockUnits(const Args& args, int q_tiles_, int S_, int BN)
+      : a(args),
+        q_tiles(q_tiles_),
+        S(S_),
+        tiles(((int)args.pos.len + BN - 1) / BN),
+        hd(args.D / args.heads),
+        row_words(3 * (int64_t)args.D),
+        count(flash_block_units(args.pos.num_seq * args.heads * (int64_t)q_tiles_ * S_)) {}
+  __device__ __forceinline__ FlashUnit operator()(int64_t i) const {
+    return flash_unit<BM>(a, i, q_tiles, S, tiles, hd, row_words);
+  }
+};
+
 // A cursor over a block's stream of steps when it takes units in turn: step
 // (ui, j) is key tile j of the block's unit ui (cur), unit_at(i) giving unit
 // i. The products walk the stream with one cursor, the copies run ahead of

@@ -107,15 +107,11 @@ __global__ void __launch_bounds__(256, 1)
   grid_dependency_wait();
   allow_dependent_launch();
 
-  const int64_t units = a.pos.num_seq * a.heads * (int64_t)q_tiles;
-  const int tiles = (L + BN - 1) / BN;
-  const int64_t my_units = flash_block_units(units);
-  const int64_t steps = my_units * tiles;
+  // Unit i of this block: unit_at(i) (flash_parts.cuh); S = 1: no split.
+  const BlockUnits<BM, AttentionBackwardKernelArgs> unit_at(a, q_tiles, 1, BN);
+  const int tiles = unit_at.tiles;
+  const int64_t my_units = unit_at.count, steps = my_units * tiles, W = unit_at.row_words;
   const int64_t ps = a.pos.pos_stride;
-  const int64_t W = 3 * (int64_t)a.D;
-
-  // Unit i of this block (flash_parts.cuh); S = 1: no split.
-  const auto unit_at = [&](int64_t i) { return flash_unit<BM>(a, i, q_tiles, 1, tiles, hd, W); };
 
   const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{ps, L, hd, a.qkv, tid};
   using RowsQ = std::integral_constant<int, BM>;

@@ -33,23 +33,22 @@ cudaError_t allow_max_smem(const DeviceCaps& dev) {
   return e;
 }
 
-// f(std::integral_constant<int, HDP>()) for the padded head dims the attention kernels are
-// built for (common/smem_layout.h: flash_padded_head_dim), `otherwise` for any other hdp: the
-// one place a launcher turns its padded head dim into a template argument.
+// f(std::integral_constant<int, v>()) where v is one of Values, `otherwise` for any other v: the
+// one way a launcher turns a run-time size into a template argument.
+template <int V0, int... Values, class F>
+constexpr auto with_int(int v, F&& f, decltype(f(std::integral_constant<int, V0>())) otherwise) {
+  if (v == V0) return f(std::integral_constant<int, V0>());
+  if constexpr (sizeof...(Values) > 0)
+    return with_int<Values...>(v, f, otherwise);
+  else
+    return otherwise;
+}
+
+// with_int over the padded head dims the attention kernels are built for (common/smem_layout.h:
+// flash_padded_head_dim).
 template <class F>
 constexpr auto with_padded_head_dim(int hdp, F&& f, decltype(f(std::integral_constant<int, 8>())) otherwise) {
-  switch (hdp) {
-    case 8: return f(std::integral_constant<int, 8>());
-    case 16: return f(std::integral_constant<int, 16>());
-    case 32: return f(std::integral_constant<int, 32>());
-    case 48: return f(std::integral_constant<int, 48>());
-    case 64: return f(std::integral_constant<int, 64>());
-    case 96: return f(std::integral_constant<int, 96>());
-    case 128: return f(std::integral_constant<int, 128>());
-    case 192: return f(std::integral_constant<int, 192>());
-    case 256: return f(std::integral_constant<int, 256>());
-  }
-  return otherwise;
+  return with_int<8, 16, 32, 48, 64, 96, 128, 192, 256>(hdp, f, otherwise);
 }
 
 // f(std::bool_constant<b>()...) for run-time flags b...: the one place a launcher turns bools into

@@ -139,27 +139,13 @@ cudaError_t launch_tiles(const FusedArgs& a, int mt, bool wgmma, const DeviceCap
   // wgmma below head_dim 64 only: one head of 64 keeps more attention state
   // than the 168 registers a thread of three warpgroups has.
   if constexpr (HD < 64) {
-    if (wgmma) {
-      switch (mt) {
-        case 1: return launch<1, HD, true>(a, dev, stream);
-        case 2: return launch<2, HD, true>(a, dev, stream);
-        case 3: return launch<3, HD, true>(a, dev, stream);
-        case 4: return launch<4, HD, true>(a, dev, stream);
-      }
-      return cudaErrorInvalidValue;
-    }
+    if (wgmma)
+      return with_int<1, 2, 3, 4>(
+          mt, [&](auto t) { return launch<decltype(t)::value, HD, true>(a, dev, stream); }, cudaErrorInvalidValue);
   }
   if (wgmma) return cudaErrorInvalidValue;
-  switch (mt) {
-    case 1: return launch<1, HD, false>(a, dev, stream);
-    case 2: return launch<2, HD, false>(a, dev, stream);
-    case 3: return launch<3, HD, false>(a, dev, stream);
-    case 4: return launch<4, HD, false>(a, dev, stream);
-    case 5: return launch<5, HD, false>(a, dev, stream);
-    case 6: return launch<6, HD, false>(a, dev, stream);
-    case 8: return launch<8, HD, false>(a, dev, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_int<1, 2, 3, 4, 5, 6, 8>(
+      mt, [&](auto t) { return launch<decltype(t)::value, HD, false>(a, dev, stream); }, cudaErrorInvalidValue);
 }
 
 }  // namespace
@@ -180,13 +166,8 @@ Status launch_fused(const AxisView& view, const AxialParams& p, const AxisWeight
   a.src = src;
   a.dst = dst;
   const int mt = fused_tile_count(view.len);
-  cudaError_t e = cudaErrorInvalidValue;
-  switch (hd) {
-    case 8: e = launch_tiles<8>(a, mt, wgmma, dev, stream); break;
-    case 16: e = launch_tiles<16>(a, mt, wgmma, dev, stream); break;
-    case 32: e = launch_tiles<32>(a, mt, wgmma, dev, stream); break;
-    case 64: e = launch_tiles<64>(a, mt, wgmma, dev, stream); break;
-  }
+  const cudaError_t e = with_int<8, 16, 32, 64>(
+      hd, [&](auto h) { return launch_tiles<decltype(h)::value>(a, mt, wgmma, dev, stream); }, cudaErrorInvalidValue);
   if (e != cudaSuccess) return cuda_error(e, "fused_forward_kernel launch");
   return Status::Ok();
 }

@@ -356,16 +356,8 @@ Status launch_generic(const AxisView& view, const AxialParams& p, const AxisWeig
   a.dst = dst;
 
   const int64_t grid = std::min<int64_t>(a.num_blocks, (int64_t)dev.sms * 1024);
-  cudaError_t e = cudaErrorInvalidValue;
-  switch (T) {
-    case 64: e = launch_tile<64>(a, grid, smem, dev, stream); break;
-    case 32: e = launch_tile<32>(a, grid, smem, dev, stream); break;
-    case 16: e = launch_tile<16>(a, grid, smem, dev, stream); break;
-    case 8: e = launch_tile<8>(a, grid, smem, dev, stream); break;
-    case 4: e = launch_tile<4>(a, grid, smem, dev, stream); break;
-    case 2: e = launch_tile<2>(a, grid, smem, dev, stream); break;
-    case 1: e = launch_tile<1>(a, grid, smem, dev, stream); break;
-  }
+  const cudaError_t e = with_int<64, 32, 16, 8, 4, 2, 1>(
+      T, [&](auto t) { return launch_tile<decltype(t)::value>(a, grid, smem, dev, stream); }, cudaErrorInvalidValue);
   if (e != cudaSuccess) return cuda_error(e, "axis_attention_kernel launch");
   return Status::Ok();
 }

@@ -31,6 +31,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "../detail/host.h"
 #include "../detail/launch.cuh"
 #include "../detail/warp_ops.cuh"
 #include "../gemm/weight_planes.cuh"
@@ -243,12 +244,7 @@ int float4s_per_lane(int D) {
 // float4s_per_lane: the vectorised kernels' template argument.
 template <class Launch>
 cudaError_t with_float4s_per_lane(int width, Launch launch) {
-  switch (width) {
-    case 1: return launch(std::integral_constant<int, 1>());
-    case 2: return launch(std::integral_constant<int, 2>());
-    case 4: return launch(std::integral_constant<int, 4>());
-    default: return launch(std::integral_constant<int, 8>());
-  }
+  return with_int<1, 2, 4, 8>(width, launch, cudaErrorInvalidValue);
 }
 
 // Blocks for `work` items of `per_block` each, at most what keeps every

@@ -377,13 +377,8 @@ cudaError_t staged_attention(const AxisView& pos, const float* qkv, float* o, in
   const int hd = D / heads;
   a.scale_log2 = kLog2e / sqrtf((float)hd);
   a.qkv = qkv, a.o = o;
-  switch (hd) {
-    case 8: return launch_attention<8>(a, dev, stream);
-    case 16: return launch_attention<16>(a, dev, stream);
-    case 32: return launch_attention<32>(a, dev, stream);
-    case 64: return launch_attention<64>(a, dev, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_int<8, 16, 32, 64>(
+      hd, [&](auto h) { return launch_attention<decltype(h)::value>(a, dev, stream); }, cudaErrorInvalidValue);
 }
 
 }  // namespace fastaxial::cuda
