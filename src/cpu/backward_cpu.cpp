@@ -37,7 +37,10 @@
 // the blocks keep (whole_pass_products): per-block products of few rows into partials of 4 D^2
 // floats are a read-modify-write of partials far larger than the cache (perf notes v54).
 // Block and chunk sizes depend on the shape alone, not on the thread count, so the result
-// does not depend on how many threads run it or which thread takes which chunk.
+// does not depend on how many threads run it or which thread takes which chunk. The threads take
+// the chunks; where a pass has fewer chunks than threads and more (sequence, head, query range)
+// pairs a block than chunks (few long sequences), they take each block's pairs and row tiles
+// instead, the blocks one after another: the same products, so the same bits.
 //
 // Memory beyond the gradients: x1 (B H W D floats, without row_out); dx1 (B H W D) only when grad_x is null
 // but row weight gradients are wanted (otherwise dx1 lives in grad_x, and the row pass
@@ -97,27 +100,27 @@ struct HeadScratch {
 enum class Spread { kNone, kItems, kPairs };
 
 // Pairs spread where the block loop runs on one thread (`outer_team` == 1: few sequences, one
-// long one say) and there are several; items alone where the parts the pairs keep (pair_bytes
-// each: the backward's two (L, hd) matrices, none in the forward) would pass 64 MB. The results
-// are the same bits in every mode.
-Spread spread_ranges(int outer_team, int64_t items, int64_t R, int64_t pair_bytes) {
-  if (outer_team > 1 || max_threads() < 2 || items * R < 2) return Spread::kNone;
+// long one say), the pass's work takes `threads` >= 2 and there are several; items alone where
+// the parts the pairs keep (pair_bytes each: the backward's two (L, hd) matrices, none in the
+// forward) would pass 64 MB. The results are the same bits in every mode.
+Spread spread_ranges(int outer_team, int threads, int64_t items, int64_t R, int64_t pair_bytes) {
+  if (outer_team > 1 || threads < 2 || items * R < 2) return Spread::kNone;
   if (R > 1 && items * R * pair_bytes <= (int64_t{64} << 20)) return Spread::kPairs;
   return items > 1 ? Spread::kItems : Spread::kNone;
 }
 
 // Runs body(i, r, scratch) for the query ranges r = 0..R-1 (query_ranges) of items i = 0..n-1
-// (a block's (sequence, head) pairs) as `spread` says, each thread with a scratch of its own.
-// Ranges write disjoint rows, so the results do not depend on the thread count.
+// (a block's (sequence, head) pairs) as `spread` says, on up to `threads` threads, each with a
+// scratch of its own. Ranges write disjoint rows, so the results do not depend on the thread count.
 template <class Body>
-void for_ranges(int64_t n, int64_t R, Spread spread, HeadScratch& own, const Body& body) {
+void for_ranges(int64_t n, int64_t R, Spread spread, int threads, HeadScratch& own, const Body& body) {
   if (spread == Spread::kNone) {
     for (int64_t i = 0; i < n; ++i)
       for (int64_t r = 0; r < R; ++r) body(i, r, own);
     return;
   }
   const int64_t tasks = spread == Spread::kPairs ? n * R : n;
-  const int inner = (int)std::min<int64_t>(max_threads(), tasks);
+  const int inner = (int)std::min<int64_t>(threads, tasks);
 #pragma omp parallel num_threads(inner)
   {
     HeadScratch mine;
@@ -157,6 +160,30 @@ void for_blocks(int64_t n, int team, const Body& body) {
 #pragma omp for schedule(dynamic)
     for (int64_t i = 0; i < n; ++i) body(i, t);
   }
+}
+
+// f(i) for i = 0..count-1: in order on the calling thread where `threads` is 1, else across a
+// team of up to `threads` (outside any other region: for_blocks' team of one runs there).
+template <class F>
+void for_tasks(int64_t count, int threads, const F& f) {
+  const int team = (int)std::min<int64_t>(threads, count);
+  if (team <= 1) {
+    for (int64_t i = 0; i < count; ++i) f(i);
+    return;
+  }
+#pragma omp parallel for num_threads(team) schedule(static)
+  for (int64_t i = 0; i < count; ++i) f(i);
+}
+
+// Rows a tile of a block's row-by-row work: the activations' products and the LayerNorm backward.
+// Fixed, so that what a product sums does not depend on the thread count.
+constexpr int64_t kRowTile = 64;
+
+// f(r0, n) for the tiles of `rows` rows (for_tasks: a team of up to `threads`).
+template <class F>
+void for_row_tiles(int64_t rows, int threads, const F& f) {
+  for_tasks((rows + kRowTile - 1) / kRowTile, threads,
+            [&](int64_t i) { f(i * kRowTile, std::min(kRowTile, rows - i * kRowTile)); });
 }
 
 // Gathers the block's rows of src into t.x and LayerNorms them: t.xhat (normalised), t.y (affine), t.rstd.
@@ -208,15 +235,16 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
   const ConstVec bout(w.out_bias, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);
-  const int team = (int)std::min<int64_t>(max_threads(), bk.num_blocks);
+  const int threads = max_threads();
+  const int team = (int)std::min<int64_t>(threads, bk.num_blocks);
   for_blocks(bk.num_blocks, team, [&](int64_t blk, Scratch& t) {
     const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
     gather_norm(v, n0, ns, D, eps, w, src, t);
     gemm(t.qkv, in(t.y), tr(wqkv));
     t.o.resize(rows, D);
     const int64_t R = query_ranges(L);
-    const Spread spread = spread_ranges(team, ns * heads, R, 0);  // (no parts kept)
-    for_ranges(ns * heads, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+    const Spread spread = spread_ranges(team, threads, ns * heads, R, 0);  // (no parts kept)
+    for_ranges(ns * heads, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
       const int64_t s = i / heads, h = i % heads;
       const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
       gemm(hs.s, in(t.qkv.block(s * L + r0, h * hd, n, hd)), tr(t.qkv.block(s * L, D + h * hd, L, hd)));
@@ -254,17 +282,12 @@ void add_row(double* acc, const Row& row, int64_t n) {
 // 4 D^2 floats each. A rule of the shape alone, so the result does not depend on the thread count.
 bool whole_pass_products(int64_t T, int64_t D, int64_t chunks) { return T <= 4 * chunks * D / 6; }
 
-// dst (M, D) = a^T b for a (T, M) and b (T, D), row-major, in tiles of 64 rows of dst across the
+// dst (M, D) = a^T b for a (T, M) and b (T, D), row-major, in tiles of kRowTile rows of dst across the
 // threads: each element from one product of fixed shape, whichever thread takes its tile.
 void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, int64_t D) {
-  constexpr int64_t kTile = 64;
-  const int64_t tiles = (M + kTile - 1) / kTile;
-  const int team = (int)std::min<int64_t>(max_threads(), tiles);
-#pragma omp parallel for num_threads(team) if (team > 1) schedule(dynamic)
-  for (int64_t i = 0; i < tiles; ++i) {
-    const int64_t r0 = i * kTile, nr = std::min(kTile, M - r0);
-    gemm(MatMap(dst, M, D).middleRows(r0, nr), tr(a.middleCols(r0, nr)), in(b));
-  }
+  for_row_tiles(M, team_for(M, 2.0 * (double)M * D * a.rows()), [&](int64_t r0, int64_t n) {
+    gemm(MatMap(dst, M, D).middleRows(r0, n), tr(a.middleCols(r0, n)), in(b));
+  });
 }
 
 // One pass backward. src: the pass's input; dout: the gradient of its output; dsrc (or null):
@@ -300,7 +323,15 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
     col_partials.assign(bk.num_chunks * lay.col_size, 0.0);
   }
 
-  const int team = (int)std::min<int64_t>(max_threads(), bk.num_chunks);
+  // The backward's work: about three forwards (the products' two gradients, the scores again).
+  const int threads = team_for(N * L, 3 * pass_flops(N * L, L, D));
+  // The chunks across the threads; or, where they are fewer than the threads and a block has more
+  // (sequence, head, query range) pairs than there are chunks (few long sequences), the blocks
+  // one after another, each one's pairs and row tiles across the threads (`inner`). The same
+  // products and sums either way, so the bits do not depend on which.
+  int team = (int)std::min<int64_t>(threads, bk.num_chunks);
+  if (team < threads && bk.seq_per_block * heads * query_ranges(L) > team) team = 1;
+  const int inner = team == 1 ? threads : 1;
   for_blocks(bk.num_chunks, team, [&](int64_t c, Scratch& t) {
     float* part = any_weight && !whole ? partials.data() + c * lay.size : nullptr;
     double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
@@ -325,11 +356,17 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         for (int64_t s = 0; s < ns; ++s)
           for (int64_t l = 0; l < L; ++l) t.qkv.row(s * L + l) = ConstVec(qkv_in + at.offset(n0 + s, l) * 3 * D, 3 * D);
       } else {
-        gemm(t.qkv, in(t.y), tr(wqkv));
+        t.qkv.resize(rows, 3 * D);
+        for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+          gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
+        });
       }
       t.o.resize(rows, D);
       if (want_dqkv) {
-        gemm(t.dO, in(t.g), in(wout));  // (rows, D)
+        t.dO.resize(rows, D);
+        for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+          gemm(t.dO.middleRows(r0, n), in(t.g.middleRows(r0, n)), in(wout));
+        });
         t.dqkv.resize(rows, 3 * D);
       }
       // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
@@ -337,10 +374,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       // parts added in range order. Where the pairs run side by side (Spread::kPairs), each
       // range r > 0 keeps its parts in t.parts, added in range order after them.
       const int64_t R = query_ranges(L), items = ns * heads;
-      const Spread spread = spread_ranges(team, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
+      const Spread spread =
+          spread_ranges(team, threads, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
       const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
       if (keep) t.parts.resize(2 * items * R);
-      for_ranges(items, R, spread, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+      for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
         const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
         const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
@@ -385,24 +423,37 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           if (!keep) dk += dk_part;
         }
       });
-      if (keep)
-        for (int64_t i = 0; i < items; ++i) {
-          const int64_t s = i / heads, h = i % heads;
+      if (keep) {  // each element's parts in range order, (item, row tile) pairs across the threads
+        const int64_t tiles = (L + kRowTile - 1) / kRowTile;
+        for_tasks(items * tiles, inner, [&](int64_t task) {
+          const int64_t i = task / tiles, s = i / heads, h = i % heads;
+          const int64_t l0 = task % tiles * kRowTile, n = std::min(kRowTile, L - l0);
           for (int64_t r = 1; r < R; ++r) {
-            t.dqkv.block(s * L, 2 * D + h * hd, L, hd) += t.parts[2 * (i * R + r)];
-            t.dqkv.block(s * L, D + h * hd, L, hd) += t.parts[2 * (i * R + r) + 1];
+            t.dqkv.block(s * L + l0, 2 * D + h * hd, n, hd) += t.parts[2 * (i * R + r)].middleRows(l0, n);
+            t.dqkv.block(s * L + l0, D + h * hd, n, hd) += t.parts[2 * (i * R + r) + 1].middleRows(l0, n);
           }
-        }
+        });
+      }
       if (whole) {
         if (want_out) all_o.middleRows(n0 * L, rows) = t.o;
         if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
       } else {
-        if (want_out) gemm(MatMap(part + lay.out, D, D), tr(t.g), in(t.o), 1.0f);
-        if (want_qkv) gemm(MatMap(part + lay.qkv, 3 * D, D), tr(t.dqkv), in(t.y), 1.0f);
+        // The chunk's partials += the block's sums, a tile of their rows at a time.
+        if (want_out)
+          for_row_tiles(D, inner, [&](int64_t r0, int64_t n) {
+            gemm(MatMap(part + lay.out, D, D).middleRows(r0, n), tr(t.g.middleCols(r0, n)), in(t.o), 1.0f);
+          });
+        if (want_qkv)
+          for_row_tiles(3 * D, inner, [&](int64_t r0, int64_t n) {
+            gemm(MatMap(part + lay.qkv, 3 * D, D).middleRows(r0, n), tr(t.dqkv.middleCols(r0, n)), in(t.y), 1.0f);
+          });
       }
       if (!want_dqkv) continue;
       if (!want_dy) continue;
-      gemm(t.dy, in(t.dqkv), in(wqkv));  // (rows, D)
+      t.dy.resize(rows, D);
+      for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+        gemm(t.dy.middleRows(r0, n), in(t.dqkv.middleRows(r0, n)), in(wqkv));
+      });
       for (int64_t r = 0; r < rows; ++r) {
         if (want_g) add_row(col + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
         if (want_b) add_row(col + lay.b, t.dy.row(r), D);
@@ -410,15 +461,16 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       if (!want_dx) continue;
       // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
       const float inv_d = 1.0f / static_cast<float>(D);
-      for (int64_t r = 0; r < rows; ++r) {
-        auto dxhat = t.dy.row(r);
-        dxhat.array() *= gamma.array();
-        const float m1 = dxhat.sum() * inv_d;
-        const float m2 = dxhat.dot(t.xhat.row(r)) * inv_d;
-        t.g.row(r).array() += t.rstd(r) * (dxhat.array() - m1 - t.xhat.row(r).array() * m2);
-      }
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t l = 0; l < L; ++l) VecMap(dsrc + v.offset(n0 + s, l), D) = t.g.row(s * L + l);
+      for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+        for (int64_t r = r0; r < r0 + n; ++r) {
+          auto dxhat = t.dy.row(r);
+          dxhat.array() *= gamma.array();
+          const float m1 = dxhat.sum() * inv_d;
+          const float m2 = dxhat.dot(t.xhat.row(r)) * inv_d;
+          t.g.row(r).array() += t.rstd(r) * (dxhat.array() - m1 - t.xhat.row(r).array() * m2);
+          VecMap(dsrc + v.offset(n0 + r / L, r % L), D) = t.g.row(r);
+        }
+      });
     }
   });
   if (!any_weight) return;

@@ -3,6 +3,7 @@
 // OpenMP thread count, and a (sequence, head)'s dropout multipliers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -32,6 +33,23 @@ inline int max_threads() {
   return 1;
 #endif
 }
+
+// Fewest floating-point operations a thread of a backward team is given: a backward pass with
+// little work ran slower on 16 threads than on 4 (docs/perf-notes.md, v67), so such a pass takes
+// fewer threads than it may. (The forward's one region a pass kept gaining up to 16 threads.)
+constexpr double kFlopsPerThread = 4e6;
+
+// The threads a region of `tasks` tasks and `flops` operations in all takes: at most max_threads()
+// and tasks, and no more than one a kFlopsPerThread of work; at least one.
+inline int team_for(int64_t tasks, double flops) {
+  const double by_work = std::min(flops / kFlopsPerThread, 1e9);
+  const int64_t team = std::min<int64_t>(std::min<int64_t>(max_threads(), tasks), (int64_t)by_work);
+  return (int)std::max<int64_t>(1, team);
+}
+
+// Operations of one pass's forward over T positions of dim D in sequences of L: the QKV and output
+// products (8 D^2 a position) and the two attention products (4 L D).
+inline double pass_flops(int64_t T, int64_t L, int64_t D) { return (double)T * (8.0 * D * D + 4.0 * L * D); }
 
 // The dropout multipliers (0 or 1 / (1 - p)) of sequence n, head h of `pass` (0 rows, 1
 // columns), queries r0 .. r0 + rows - 1 (all L keys), into m, (rows, L): row-major, so the

@@ -213,10 +213,12 @@ TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
 // block (for_ranges); its column pass is 300 sequences of one position. The third's one head of
 // 600 positions is cut into nine query ranges (query_ranges), whose dk and dv parts add in order.
 // The fourth is the shape whose forward is not bitwise the same at 1 and 2 threads
-// (test_cpu_paths.cpp, ThreadCountPromise): its gradients are.
+// (test_cpu_paths.cpp, ThreadCountPromise): its gradients are. The fifth's row pass is two
+// sequences of 8 (head, query range) pairs: a chunk a thread at 1 and 2 threads, the blocks one
+// after another with their pairs and row tiles across the threads at 3 and 8.
 TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
-  for (const Shape shape :
-       {Shape{2, 16, 24, 32, 2}, Shape{1, 1, 300, 32, 4}, Shape{1, 1, 600, 16, 1}, Shape{1, 200, 1, 16, 2}}) {
+  for (const Shape shape : {Shape{2, 16, 24, 32, 2}, Shape{1, 1, 300, 32, 4}, Shape{1, 1, 600, 16, 1},
+                            Shape{1, 200, 1, 16, 2}, Shape{1, 2, 300, 32, 2}}) {
     s = shape;
     p = random_problem(s, 17);
     gout = random_grad(s.B * s.H * s.W * s.D, 12);
