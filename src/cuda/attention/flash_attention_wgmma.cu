@@ -125,11 +125,8 @@ __global__ void __launch_bounds__(256, 1)
 
   // Unit i of this block: unit_at(i) (flash_parts.cuh); S = 1: no split.
   const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, 1, BN);
-  const int tiles = unit_at.tiles;
-  const int64_t my_units = unit_at.count, steps = my_units * tiles, row_words = unit_at.row_words;
-  const int64_t ps = a.pos.pos_stride;
-
-  const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{ps, L, hd, a.qkv, tid};
+  const int64_t steps = unit_at.count * unit_at.tiles, row_words = unit_at.row_words;
+  const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
   // The copies run ahead of the products: the next step to copy is tile cj of this block's unit
@@ -146,7 +143,7 @@ __global__ void __launch_bounds__(256, 1)
     copy_rows(RowsKV(), d + Tile::raw_k, cu.qg + 2 * a.D, row_words, copy.j * BN);
     copy_async_commit();
     ++cs;
-    copy.advance(unit_at, my_units);
+    copy.advance(unit_at, unit_at.count);
   };
 
   // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k's rows
@@ -220,7 +217,7 @@ __global__ void __launch_bounds__(256, 1)
     tile_times_planes<HDP>(rows.o, s, base + Tile::vt_off + (uint32_t)((st & 1) * 2 * Tile::vt_plane), Tile::vt_atom,
                            Tile::vt_plane);
 
-    if (++j == tiles) {  // the unit's last tile: o / l and the lse out
+    if (++j == unit_at.tiles) {  // the unit's last tile: o / l and the lse out
       j = 0;
       ++ui;
       rows.store(a, kDropout ? dpass.scale : 1.0f, cur.seq, cur.col, cur.item, cur.q0 + 16 * warp + g, L, hd, t);

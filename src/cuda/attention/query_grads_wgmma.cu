@@ -109,11 +109,8 @@ __global__ void __launch_bounds__(256, 1)
 
   // Unit i of this block: unit_at(i) (flash_parts.cuh); S = 1: no split.
   const BlockUnits<BM, AttentionBackwardKernelArgs> unit_at(a, q_tiles, 1, BN);
-  const int tiles = unit_at.tiles;
-  const int64_t my_units = unit_at.count, steps = my_units * tiles, W = unit_at.row_words;
-  const int64_t ps = a.pos.pos_stride;
-
-  const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{ps, L, hd, a.qkv, tid};
+  const int64_t steps = unit_at.count * unit_at.tiles, W = unit_at.row_words;
+  const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
   using RowsQ = std::integral_constant<int, BM>;
   using RowsKV = std::integral_constant<int, BN>;
   // The copy cursor, as in the forward's kernel (flash_parts.cuh), at step cs.
@@ -132,7 +129,7 @@ __global__ void __launch_bounds__(256, 1)
     copy_rows(RowsKV(), d + Tile::raw_k, kg + a.D, W, copy.j * BN);
     copy_async_commit();
     ++cs;
-    copy.advance(unit_at, my_units);
+    copy.advance(unit_at, unit_at.count);
   };
 
   // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k and v
@@ -240,11 +237,11 @@ __global__ void __launch_bounds__(256, 1)
                            HDP * 128, Tile::plane);
 
     if (step.last()) {  // the unit's last tile: scale dq into dqkv's q columns (backward_parts.cuh)
-      const Head hp = {cur.item, cur.seq, ps, 0, hd, L, 0, 0};
+      const Head hp = {cur.item, cur.seq, a.pos.pos_stride, 0, hd, L, 0, 0};
       store_tiles<NO / 4, kVec>(a.dqkv + cur.col, *reinterpret_cast<const float(*)[NO / 4][4]>(dq), scale, W, hp,
                                 cur.q0 + 16 * warp, 0, g, t);
     }
-    step.advance(unit_at, my_units);
+    step.advance(unit_at, unit_at.count);
     if (st + 1 < steps) {
       if (st + 2 < steps) copy_async_wait<0>();
       fence_async_smem();
