@@ -6,8 +6,9 @@
 //  - with dropout (CPU and CUDA): `saved` holds the mask's seed and offset,
 //    which the backward needs to draw the forward's mask again;
 //  - on the CPU: `saved` holds the row pass's output and both passes' q, k,
-//    v too, so that the backward runs neither the row pass nor the QKV
-//    products again (AxialParams::row_out, saved_qkv);
+//    v and attention output too, so that the backward runs neither the row
+//    pass, the QKV products nor p v again (AxialParams::row_out, saved_qkv,
+//    saved_o);
 //  - on CUDA: `saved` holds the forward's intermediates, so that the
 //    backward recomputes only the probabilities. (The training forward's
 //    launches replay as one CUDA graph once a call repeats, fastaxial.h, so
@@ -98,7 +99,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
     ctx->saved_data["dropout"] = dropout;
     if (dropout > 0 || x.is_cpu() || cuda_training(x, heads)) {
       // The training forward: the output, and what its backward reads (the intermediates on CUDA,
-      // the row pass's output and q, k, v on the CPU, the dropout mask's seed and offset).
+      // the row pass's output, q, k, v and o on the CPU, the dropout mask's seed and offset).
       const at::AutoDispatchBelowADInplaceOrView below;
       auto [out, saved] =
           training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state);

@@ -3,8 +3,9 @@
 // seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
 // offset is 0, unless the call passes its own (`rng_state`). The training forward's `saved` keeps
 // what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), each
-// pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats), x's sizes (B, H, W, D as int64: the
-// backward refuses a `saved` of another shape), then that pair (4 floats).
+// pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats) and attention output
+// (AxialParams::saved_o, 2 B H W D floats), x's sizes (B, H, W, D as int64: the backward refuses a
+// `saved` of another shape), then that pair (4 floats).
 //
 // The products run on the BLAS PyTorch runs on where it is MKL: libtorch_cpu's sgemm_ (PyTorch's
 // x86 wheels), looked up when the library loads, not linked, so another torch leaves Eigen's GEMM
@@ -78,20 +79,20 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
   p->offset = 0;
 }
 
-// The CPU training forward's `saved` for x of n elements, in floats: x1, q k v of both passes, x's
-// four sizes (int64), the dropout state.
+// The CPU training forward's `saved` for x of n elements, in floats: x1, q k v of both passes, o of
+// both passes, x's four sizes (int64), the dropout state.
 constexpr int64_t kShapeFloats = 8;
-int64_t cpu_shape_at(int64_t n) { return 7 * n; }
+int64_t cpu_shape_at(int64_t n) { return 9 * n; }
 int64_t cpu_state_at(int64_t n) { return cpu_shape_at(n) + kShapeFloats; }
 int64_t cpu_saved_floats(int64_t n) { return cpu_state_at(n) + kDropoutStateFloats; }
 
 // out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; where
-// `saved` is given (cpu_saved_floats), x1 and the passes' q, k, v kept there.
+// `saved` is given (cpu_saved_floats), x1 and the passes' q, k, v and o kept there.
 at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op,
                    float* saved = nullptr) {
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);  // float32, as c.x
   *p = c.params(out);
-  if (saved != nullptr) p->row_out = saved, p->saved_qkv = saved + c.x.numel();
+  if (saved != nullptr) p->row_out = saved, p->saved_qkv = saved + c.x.numel(), p->saved_o = saved + 7 * c.x.numel();
   if (out.numel() == 0) return out.to(c.dtype);  // nothing drawn, as on CUDA
   draw_dropout_seed(p, rng_state);
   const Status s = forward_cpu(*p);
@@ -110,8 +111,8 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
   return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
 
-// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D), x's sizes (four
-// int64), then the dropout state (seed, offset as two uint64) in 4 floats.
+// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D) and o (2 B H W D),
+// x's sizes (four int64), then the dropout state (seed, offset as two uint64) in 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
@@ -145,7 +146,7 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
                           saved->numel() == cpu_saved_floats(n),
                       "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
                       "inputs (", cpu_saved_floats(n), " float32 on the CPU: the row pass's output, both passes' q, "
-                      "k, v, x's sizes, then the dropout state), got ", saved->numel(), " ", saved->scalar_type(),
+                      "k, v and attention output, x's sizes, then the dropout state), got ", saved->numel(), " ", saved->scalar_type(),
                       " on ", saved->device());
     int64_t sizes[4];
     std::memcpy(sizes, saved->data_ptr<float>() + cpu_shape_at(n), sizeof sizes);
@@ -154,9 +155,9 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
                       "fastaxial.axial_attention_backward (CPU): `saved` was made by axial_attention_training for x "
                       "of shape [", sizes[0], ", ", sizes[1], ", ", sizes[2], ", ", sizes[3], "], not this call's ",
                       c.x.sizes());
-    // Read, never written: backward_cpu only reads row_out and saved_qkv.
+    // Read, never written: backward_cpu only reads row_out, saved_qkv and saved_o.
     float* kept = const_cast<float*>(saved->data_ptr<float>());
-    p.row_out = kept, p.saved_qkv = kept + n;
+    p.row_out = kept, p.saved_qkv = kept + n, p.saved_o = kept + 7 * n;
   }
   if (dropout > 0) {  // the forward's mask: its seed and offset, which only `saved` knows
     TORCH_CHECK_VALUE(saved.has_value(), "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from "

@@ -93,6 +93,12 @@ struct AxialParams {
   // both or neither (the backward mixes a kept q, k, v with a recomputed x1 otherwise, which may
   // differ from the forward's in the last bits).
   float* saved_qkv = nullptr;
+  // CPU training too: each pass's attention output o at every position (the heads' outputs
+  // before the output product), (2, B, H, W, D), the row pass's first. Where given, forward_cpu
+  // writes it and backward_cpu reads it for the output weight's gradient (dWout = dOut^T o)
+  // instead of running p v again (one L^2 hd product a sequence and head). The same rules as
+  // row_out; it must not be saved_qkv either.
+  float* saved_o = nullptr;
 };
 
 // Checks sizes and pointers; the entry points below call it first.

@@ -240,8 +240,9 @@ def _(x, *args):
     num_heads = args[10]  # after the ten weights; then eps and dropout
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     # CUDA keeps the forward's intermediates; the CPU the row pass's output (a float an element of
-    # x) and both passes' q, k, v (six), x's four sizes (int64: 8 floats), then the dropout state.
-    cpu = 7 * x.numel() + _CPU_SHAPE_FLOATS + _DROPOUT_STATE_FLOATS
+    # x), both passes' q, k, v (six) and attention outputs (two), x's four sizes (int64: 8 floats),
+    # then the dropout state.
+    cpu = 9 * x.numel() + _CPU_SHAPE_FLOATS + _DROPOUT_STATE_FLOATS
     floats = cpu if x.device.type == "cpu" else saved_floats(*x.shape, num_heads)
     return out, x.new_empty(floats, dtype=torch.float32)  # float32 whatever x's dtype
 

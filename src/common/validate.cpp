@@ -80,6 +80,8 @@ Status validate_inputs(const AxialParams& p) {
   // (B H W D fits in int64: validate_sizes.)
   if (p.saved_qkv != nullptr && p.batch * p.height * p.width * p.dim > std::numeric_limits<int64_t>::max() / 6)
     return invalid("saved_qkv: its 6 B H W D floats do not fit in int64");
+  if (p.saved_o != nullptr && p.batch * p.height * p.width * p.dim > std::numeric_limits<int64_t>::max() / 2)
+    return invalid("saved_o: its 2 B H W D floats do not fit in int64");
   if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to read
   if (p.x == nullptr) return invalid("x is null");
   if (Status s = check_axis(p.row, "row"); !s.ok()) return s;
@@ -95,6 +97,9 @@ Status validate(const AxialParams& p) {
     return invalid("row_out must not alias x or out");
   if (p.saved_qkv != nullptr && (p.saved_qkv == p.x || p.saved_qkv == p.out || p.saved_qkv == p.row_out))
     return invalid("saved_qkv must not alias x, out or row_out");
+  if (p.saved_o != nullptr &&
+      (p.saved_o == p.x || p.saved_o == p.out || p.saved_o == p.row_out || p.saved_o == p.saved_qkv))
+    return invalid("saved_o must not alias x, out, row_out or saved_qkv");
   return Status::Ok();
 }
 

@@ -52,6 +52,7 @@ struct PassArgs {
   const DropoutParams* drop;  // null: no dropout
   int pass;  // 0 rows, 1 columns
   float* qkv_out;  // where the pass's q, k, v are kept for backward_cpu (3D floats a position), or null
+  float* o_out;    // where its attention output o is kept (D floats a position), or null
 };
 
 // Keeps rows r0 .. r0 + rows - 1 of a sequence n's qkv (rows of 3D floats, from row `from` of qkv)
@@ -60,6 +61,13 @@ void keep_qkv(const PassArgs& a, const Mat& qkv, int64_t from, int64_t n, int64_
   if (a.qkv_out == nullptr) return;
   const AxisView at = row_indices(a.v, a.D);
   for (int64_t r = 0; r < rows; ++r) VecMap(a.qkv_out + at.offset(n, r0 + r) * 3 * a.D, 3 * a.D) = qkv.row(from + r);
+}
+
+// The same for the attention output o (rows of D floats) into a.o_out.
+void keep_o(const PassArgs& a, const Mat& o, int64_t from, int64_t n, int64_t r0, int64_t rows) {
+  if (a.o_out == nullptr) return;
+  const AxisView at = row_indices(a.v, a.D);
+  for (int64_t r = 0; r < rows; ++r) VecMap(a.o_out + at.offset(n, r0 + r) * a.D, a.D) = o.row(from + r);
 }
 
 // x = the D floats at src, y = LayerNorm(x).
@@ -125,6 +133,7 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       t.o.resize(rows, D);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t h = 0; h < a.heads; ++h) attend(a, t.qkv, s * L, L, n0 + s, h, 0, L, t, t.o);
+      for (int64_t s = 0; s < ns; ++s) keep_o(a, t.o, s * L, n0 + s, 0, L);
       // x += o Wout^T + bout, then scatter.
       gemm(t.x, in(t.o), tr(a.wout), 1.0f);
       t.x.rowwise() += a.bout;
@@ -170,6 +179,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
         auto xr = x.middleRows(r0, rows);
+        keep_o(a, o, r0, n, r0, rows);
         gemm(xr, in(o.middleRows(r0, rows)), tr(a.wout), 1.0f);
         xr.rowwise() += a.bout;
         for (int64_t r = 0; r < rows; ++r) VecMap(dst + v.offset(n, r0 + r), D) = xr.row(r);
@@ -179,9 +189,10 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
 }
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout
-// mask (null: none), pass: 0 rows, 1 columns; qkv_out: where the pass's q, k, v are kept (or null).
+// mask (null: none), pass: 0 rows, 1 columns; qkv_out, o_out: where the pass's q, k, v and its
+// attention output are kept (or null).
 void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
-               float* dst, const DropoutParams* drop, int pass, float* qkv_out) {
+               float* dst, const DropoutParams* drop, int pass, float* qkv_out, float* o_out) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
   const Projections proj(w.qkv_weight, w.out_weight, D);
@@ -198,7 +209,8 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
                       ConstVec(w.out_bias, D),
                       drop,
                       pass,
-                      qkv_out};
+                      qkv_out,
+                      o_out};
 
   // Enough rows per block for an efficient GEMM, enough blocks for the threads.
   const int threads = max_threads();
@@ -221,8 +233,9 @@ Status forward_cpu(const AxialParams& p) {
   float* const x1 = p.row_out != nullptr ? p.row_out : p.out;
   const int64_t qkv_floats = 3 * p.batch * p.height * p.width * p.dim;  // a pass's
   float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + qkv_floats : nullptr;
-  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv);
-  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv);
+  float* const col_o = p.saved_o != nullptr ? p.saved_o + qkv_floats / 3 : nullptr;
+  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv, p.saved_o);
+  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv, col_o);
   return Status::Ok();
 }
 

@@ -7,7 +7,8 @@
 //      forward's (AxialParams::row_out);
 //   2. the column pass backward on x1 with dOut = grad_out, giving dx1 = dOut + dLN;
 //   3. the row pass backward on x with dOut = dx1, giving grad_x.
-// Of the forward, the caller may keep x1 and each pass's q, k, v (AxialParams::row_out, saved_qkv);
+// Of the forward, the caller may keep x1, each pass's q, k, v and its attention output o
+// (AxialParams::row_out, saved_qkv, saved_o);
 // the rest each pass backward recomputes, per block of sequences: LayerNorm, qkv (where not kept)
 // and per sequence and head the scores and softmax, the way the forward does
 // (one QKV product per block; max-subtracted exp), then, with P = softmax and O = P V:
@@ -294,11 +295,12 @@ void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, i
 // where the gradient of its input goes (may equal dout: each block reads its rows of dout
 // before it writes them, and blocks hold disjoint sequences). Weight gradients into gw.
 // drop: the dropout mask (null: none), pass: 0 rows, 1 columns; qkv_in: the forward's q, k, v
-// of the pass (3D floats a position: AxialParams::saved_qkv), or null to run the QKV product.
+// of the pass (3D floats a position: AxialParams::saved_qkv), or null to run the QKV product;
+// o_in: its attention output (D floats a position: AxialParams::saved_o), or null to run p v.
 void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
                    const float* dout, float* dsrc, const AxisGrads& gw, AlignedFloats& partials,
-                   std::vector<double>& col_partials,
-                   const DropoutParams* drop, int pass, const float* qkv_in) {
+                   std::vector<double>& col_partials, const DropoutParams* drop, int pass, const float* qkv_in,
+                   const float* o_in) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   const bool want_qkv = gw.qkv_weight, want_out = gw.out_weight, want_bout = gw.out_bias;
   const bool want_g = gw.norm_weight, want_b = gw.norm_bias, want_dx = dsrc != nullptr;
@@ -362,6 +364,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         });
       }
       t.o.resize(rows, D);
+      if (want_out && o_in != nullptr) {  // the forward's, a row of D floats a position
+        const AxisView at = row_indices(v, D);
+        for (int64_t s = 0; s < ns; ++s)
+          for (int64_t l = 0; l < L; ++l) t.o.row(s * L + l) = ConstVec(o_in + at.offset(n0 + s, l) * D, D);
+      }
       if (want_dqkv) {
         t.dO.resize(rows, D);
         for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
@@ -378,7 +385,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           spread_ranges(team, threads, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
       const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
       if (keep) t.parts.resize(2 * items * R);
-      for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+      const bool run_pv = want_out && o_in == nullptr;  // O, for dWout alone
+      if (want_dqkv || run_pv) for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
         const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
         const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);
@@ -391,7 +399,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
           hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
         }
-        if (want_out) gemm(o, in(drop ? hs.pd : hs.s), in(val));  // O, for dWout alone
+        if (run_pv) gemm(o, in(drop ? hs.pd : hs.s), in(val));
         if (!want_dqkv) return;
         auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
         auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
@@ -528,10 +536,13 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   }
   if (g.grad_out == nullptr) return invalid("grad_out is null");
   if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
-  for (const float* kept : {static_cast<const float*>(p.row_out), static_cast<const float*>(p.saved_qkv)})
+  for (const float* kept : {static_cast<const float*>(p.row_out), static_cast<const float*>(p.saved_qkv),
+                            static_cast<const float*>(p.saved_o)})
     if (kept != nullptr && (kept == p.x || kept == g.grad_out || kept == g.grad_x))
-      return invalid("row_out and saved_qkv must not alias x, grad_out or grad_x");
+      return invalid("row_out, saved_qkv and saved_o must not alias x, grad_out or grad_x");
   if (p.row_out != nullptr && p.row_out == p.saved_qkv) return invalid("saved_qkv must not alias row_out");
+  if (p.saved_o != nullptr && (p.saved_o == p.row_out || p.saved_o == p.saved_qkv))
+    return invalid("saved_o must not alias row_out or saved_qkv");
 
   const bool want_row = g.grad_x != nullptr || any(g.row);
   if (!want_row && !any(g.col)) return Status::Ok();
@@ -563,10 +574,14 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   // The forward's q, k, v of each pass, where kept (the row pass's first).
   const float* const row_qkv = p.saved_qkv;
   const float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + 3 * T * D : nullptr;
-  backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1, col_qkv);
+  const float* const row_o = p.saved_o;  // and their attention outputs
+  const float* const col_o = p.saved_o != nullptr ? p.saved_o + T * D : nullptr;
+  backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1, col_qkv,
+                col_o);
   x1_scratch.reset();
   if (want_row)
-    backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0, row_qkv);
+    backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0, row_qkv,
+                  row_o);
   return Status::Ok();
 }
 

@@ -1,9 +1,12 @@
 """Shared fixtures: the devices present, seeded module pairs, and a fresh interpreter."""
 
+import atexit
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -11,6 +14,13 @@ import torch
 import torch.multiprocessing as mp
 
 import fastaxial
+
+# torch.compile's graph cache in a directory of this session's own (unless one is given): its key
+# does not cover a custom operator's fake kernel in torch 2.11, so a graph compiled by another
+# checkout, whose `saved` had another size, would be reused and fail its size assertions.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastaxial-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 # Contenders compare in true fp32: no TF32 in PyTorch's matrix products.
 torch.backends.cuda.matmul.allow_tf32 = False

@@ -128,9 +128,9 @@ inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float
 }
 
 // backward_cpu(p) for the output gradient gout against the float64 reference (expect_grads_match).
-// from_forward: forward_cpu first, keeping the row pass's output and both passes' q, k, v
-// (AxialParams::row_out, saved_qkv; poisoned with NaN before), which the backward then reads
-// instead of running the row pass and the QKV products again.
+// from_forward: forward_cpu first, keeping the row pass's output and both passes' q, k, v and
+// attention output (AxialParams::row_out, saved_qkv, saved_o; poisoned with NaN before), which the
+// backward then reads instead of running the row pass, the QKV products and p v again.
 inline void expect_cpu_backward_matches_reference(const Problem& p, const std::vector<double>& gout,
                                                   bool outright = true, bool from_forward = false) {
   const std::vector<float> gout_f(gout.begin(), gout.end());
@@ -138,12 +138,13 @@ inline void expect_cpu_backward_matches_reference(const Problem& p, const std::v
   AxialGrads g = got.view();
   g.grad_out = gout_f.data();
   AxialParams a = params(p, nullptr);
-  std::vector<float> out, row_out, qkv;  // the forward's, where from_forward
+  std::vector<float> out, row_out, qkv, o;  // the forward's, where from_forward
   if (from_forward) {
     out.resize(p.x.size());
     row_out.assign(p.x.size(), std::numeric_limits<float>::quiet_NaN());
     qkv.assign(6 * p.x.size(), std::numeric_limits<float>::quiet_NaN());
-    a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data();
+    o.assign(2 * p.x.size(), std::numeric_limits<float>::quiet_NaN());
+    a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data(), a.saved_o = o.data();
     const Status fs = forward_cpu(a);
     ASSERT_TRUE(fs.ok()) << fs.message;
     a.out = nullptr;  // (the backward does not read it)
