@@ -83,9 +83,9 @@ struct AxialParams {
   // CPU training: the row pass's output x1 = x + RowPass(x), (B, H, W, D), the column pass's
   // input. Where given, forward_cpu writes it and backward_cpu reads it instead of running the
   // row pass again (about half a forward saved a step): give both calls the same buffer, and the
-  // backward the forward's params. It must not be x, out, grad_out, grad_x or saved_qkv (pointers
-  // are compared, not ranges: buffers must not overlap). The CUDA calls do not use it (validate
-  // still applies these rules).
+  // backward the forward's params. It must not be x, out, grad_out, grad_x, saved_qkv or saved_o
+  // (pointers are compared, not ranges: buffers must not overlap). The CUDA calls do not use it
+  // (validate still applies these rules).
   float* row_out = nullptr;
   // CPU training too: each pass's q, k and v at every position, (2, B, H, W, 3D), the row pass's
   // first. Where given, forward_cpu writes them and backward_cpu reads them instead of running

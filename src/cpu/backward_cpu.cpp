@@ -9,9 +9,9 @@
 //   3. the row pass backward on x with dOut = dx1, giving grad_x.
 // Of the forward, the caller may keep x1, each pass's q, k, v and its attention output o
 // (AxialParams::row_out, saved_qkv, saved_o);
-// the rest each pass backward recomputes, per block of sequences: LayerNorm, qkv (where not kept)
-// and per sequence and head the scores and softmax, the way the forward does
-// (one QKV product per block; max-subtracted exp), then, with P = softmax and O = P V:
+// the rest each pass backward recomputes, per block of sequences: LayerNorm, qkv (where not kept;
+// the products in 64-row tiles) and per sequence and head the scores and softmax (max-subtracted
+// exp, as the forward), and O = P V where o is not kept; then, with P = softmax:
 //   dbout = colsum(dOut), dWout = dOut^T O, dO = dOut Wout,
 //   per head dV = P^T dO_h, dP = dO_h V^T, dS = P o (dP - rowsum(P o dP)),
 //            dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd),
@@ -351,17 +351,21 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         for (int64_t r = 0; r < rows; ++r) add_row(col + lay.bout, t.g.row(r), D);
       if (!want_o) continue;
 
-      gather_norm(v, n0, ns, D, eps, w, src, t);
-      if (qkv_in != nullptr) {  // the forward's, a row of 3D floats a position (row_indices)
-        const AxisView at = row_indices(v, D);
+      const bool run_pv = want_out && o_in == nullptr;  // O, for dWout alone
+      const bool attend = want_dqkv || run_pv;          // P is needed
+      if (attend) {
+        gather_norm(v, n0, ns, D, eps, w, src, t);
         t.qkv.resize(rows, 3 * D);
-        for (int64_t s = 0; s < ns; ++s)
-          for (int64_t l = 0; l < L; ++l) t.qkv.row(s * L + l) = ConstVec(qkv_in + at.offset(n0 + s, l) * 3 * D, 3 * D);
-      } else {
-        t.qkv.resize(rows, 3 * D);
-        for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
-          gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
-        });
+        if (qkv_in != nullptr) {  // the forward's, a row of 3D floats a position (row_indices)
+          const AxisView at = row_indices(v, D);
+          for (int64_t s = 0; s < ns; ++s)
+            for (int64_t l = 0; l < L; ++l)
+              t.qkv.row(s * L + l) = ConstVec(qkv_in + at.offset(n0 + s, l) * 3 * D, 3 * D);
+        } else {
+          for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+            gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
+          });
+        }
       }
       t.o.resize(rows, D);
       if (want_out && o_in != nullptr) {  // the forward's, a row of D floats a position
@@ -385,8 +389,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           spread_ranges(team, threads, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
       const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
       if (keep) t.parts.resize(2 * items * R);
-      const bool run_pv = want_out && o_in == nullptr;  // O, for dWout alone
-      if (want_dqkv || run_pv) for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+      if (attend) for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
         const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
         const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);

@@ -38,8 +38,9 @@ TEST_P(CpuBackward, MatchesDoubleReference) {
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
-// The same from what the forward kept (the row pass's output and both passes' q, k, v:
-// AxialParams::row_out, saved_qkv), as the torch binding's training calls run it.
+// The same from what the forward kept (the row pass's output and both passes' q, k, v and
+// attention output: AxialParams::row_out, saved_qkv, saved_o), as the torch binding's training
+// calls run it.
 TEST_P(CpuBackward, MatchesDoubleReferenceFromTheForwardsKeptTensors) {
   const Shape s = GetParam();
   const Problem p = random_problem(s, 777u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));

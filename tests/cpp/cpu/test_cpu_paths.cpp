@@ -45,19 +45,26 @@ Fwd forward_branch(int64_t L, int64_t N, int threads) {
   return std::min<int64_t>(threads, blocks) > 1 ? Fwd::kBlocks : Fwd::kOneThread;
 }
 
-// src/cpu/backward_cpu.cpp, blocking and spread_ranges: blocks of about 128 rows, yet 32 blocks
-// where the sequences allow, in at most 64 chunks; a team of min(threads, chunks) takes the
-// chunks; where that is one thread, the (sequence, head, query range) triples of each block go to
-// the threads (for_ranges) where there are two or more. A head of 128 positions or more is taken
-// in query ranges (query_ranges: min(16, L / 64)).
+// src/cpu/backward_cpu.cpp, blocking, team_for and spread_ranges: blocks of about 128 rows, yet
+// 32 blocks where the sequences allow, in at most 64 chunks. The pass takes a thread per 4 MFLOP
+// of its work at most (3 T (8 D^2 + 4 L D)), and a team of that many or fewer takes the chunks;
+// where the chunks are fewer than its threads and a block has more (sequence, head, query range)
+// triples than there are chunks, or where the team is one thread, the blocks run one after
+// another and each block's triples and row tiles go to the threads (ranges), where the pass takes
+// two or more. A head of 128 positions or more is taken in query ranges (min(16, L / 64)).
 enum class Bwd { kOneThread, kChunks, kRanges };
 
-Bwd backward_branch(int64_t L, int64_t N, int64_t heads, int threads) {
+Bwd backward_branch(int64_t L, int64_t N, int64_t D, int64_t heads, int threads) {
   const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(128 / L, N / 32));
   const int64_t blocks = (N + per_block - 1) / per_block, chunks = std::min<int64_t>(blocks, 64);
-  if (std::min<int64_t>(threads, chunks) > 1) return Bwd::kChunks;
   const int64_t ranges = L < 128 ? 1 : std::min<int64_t>(16, L / 64);
-  return threads >= 2 && std::min(per_block, N) * heads * ranges >= 2 ? Bwd::kRanges : Bwd::kOneThread;
+  const double flops = 3.0 * (double)(N * L) * (8.0 * D * D + 4.0 * L * D);
+  const int64_t pass_threads =
+      std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(threads, N * L), (int64_t)(flops / 4e6)));
+  int64_t team = std::min(pass_threads, chunks);
+  if (team < pass_threads && per_block * heads * ranges > team) team = 1;
+  if (team > 1) return Bwd::kChunks;
+  return pass_threads >= 2 ? Bwd::kRanges : Bwd::kOneThread;
 }
 
 // src/cpu/backward_cpu.cpp, whole_pass_products: a pass takes its product weight gradients as one
@@ -99,27 +106,32 @@ const PathCase kCases[] = {
     {{2, 5, 9, 64, 8}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
     {{2, 5, 9, 64, 8}, 3, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
     {{3, 16, 16, 64, 4}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
-    // One long row (L = 130: two row tiles and a partial one of 2 rows), 130 columns of one.
+    // One long row (L = 130: two row tiles and a partial one of 2 rows), 130 columns of one
+    // (too little work for a second thread in the backward).
     {{1, 1, 130, 32, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
-    {{1, 1, 130, 32, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    {{1, 1, 130, 32, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
     // The shape: 200 rows of one position, one column of 200 (a partial tile of 8).
     {{1, 200, 1, 16, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
-    {{1, 200, 1, 16, 2}, 2, F::kBlocks, F::kFewSequences, B::kChunks, B::kRanges},
-    {{1, 200, 1, 16, 2}, 8, F::kBlocks, F::kFewSequences, B::kChunks, B::kRanges},
+    {{1, 200, 1, 16, 2}, 2, F::kBlocks, F::kFewSequences, B::kOneThread, B::kRanges},
+    {{1, 200, 1, 16, 2}, 8, F::kBlocks, F::kFewSequences, B::kOneThread, B::kRanges},
     // Two rows of exactly two tiles: the few-sequences path walks two sequences.
-    {{1, 2, 128, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kChunks, B::kChunks},
+    {{1, 2, 128, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kOneThread, B::kOneThread},
     // One row of 64, a single block: one thread although three are there (a tile, not two).
-    {{1, 1, 64, 32, 2}, 3, F::kOneThread, F::kBlocks, B::kRanges, B::kChunks},
-    // One head of 65: a partial tile of one row; the backward's one item a block stays on one thread.
-    {{1, 1, 65, 16, 1}, 3, F::kFewSequences, F::kBlocks, B::kOneThread, B::kChunks},
-    // Two rows of 100 at 2 threads: a block each (a team of two); at 3, the few-sequences path.
+    {{1, 1, 64, 32, 2}, 3, F::kOneThread, F::kBlocks, B::kOneThread, B::kOneThread},
+    // One head of 65: a partial tile of one row.
+    {{1, 1, 65, 16, 1}, 3, F::kFewSequences, F::kBlocks, B::kOneThread, B::kOneThread},
+    // Two rows of 100 at 2 threads: a block each (a team of two); at 3, the few-sequences path
+    // forward, and backward the two blocks one after another, their three heads across the threads.
     {{1, 2, 100, 48, 3}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
-    {{1, 2, 100, 48, 3}, 3, F::kFewSequences, F::kBlocks, B::kChunks, B::kChunks},
+    {{1, 2, 100, 48, 3}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
     // A head of 520 positions: the backward's eight query ranges; nine row tiles in the forward.
     {{1, 1, 520, 16, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
-    {{1, 1, 520, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    {{1, 1, 520, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
     // One head of 600: its nine query ranges go to the two threads.
-    {{1, 1, 600, 16, 1}, 2, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    {{1, 1, 600, 16, 1}, 2, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
+    // Two rows of 128 at dim 256: the row pass's weight gradients over the whole pass with its two
+    // blocks one after another (four (head, range) pairs each) and its row tiles across the threads.
+    {{1, 2, 128, 256, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
 };
 
 class ThreadCount {
@@ -138,9 +150,9 @@ TEST_P(CpuPaths, TakesItsBranch) {
   const Shape& s = c.shape;
   EXPECT_EQ(name(forward_branch(s.W, s.B * s.H, c.threads)), std::string(name(c.row_fwd))) << "row pass, forward";
   EXPECT_EQ(name(forward_branch(s.H, s.B * s.W, c.threads)), std::string(name(c.col_fwd))) << "column pass, forward";
-  EXPECT_EQ(name(backward_branch(s.W, s.B * s.H, s.heads, c.threads)), std::string(name(c.row_bwd)))
+  EXPECT_EQ(name(backward_branch(s.W, s.B * s.H, s.D, s.heads, c.threads)), std::string(name(c.row_bwd)))
       << "row pass, backward";
-  EXPECT_EQ(name(backward_branch(s.H, s.B * s.W, s.heads, c.threads)), std::string(name(c.col_bwd)))
+  EXPECT_EQ(name(backward_branch(s.H, s.B * s.W, s.D, s.heads, c.threads)), std::string(name(c.col_bwd)))
       << "column pass, backward";
 }
 
