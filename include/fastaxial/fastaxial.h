@@ -96,8 +96,9 @@ struct AxialParams {
   // CPU training too: each pass's attention output o at every position (the heads' outputs
   // before the output product), (2, B, H, W, D), the row pass's first. Where given, forward_cpu
   // writes it and backward_cpu reads it for the output weight's gradient (dWout = dOut^T o)
-  // instead of running p v again (one L^2 hd product a sequence and head). The same rules as
-  // row_out; it must not be saved_qkv either.
+  // instead of running p v again (one L^2 hd product a sequence and head), for the passes whose
+  // sequences have 128 positions or more; a shorter pass's part is neither written nor read. The
+  // same rules as row_out; it must not be saved_qkv either.
   float* saved_o = nullptr;
 };
 

@@ -234,8 +234,11 @@ Status forward_cpu(const AxialParams& p) {
   const int64_t qkv_floats = 3 * p.batch * p.height * p.width * p.dim;  // a pass's
   float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + qkv_floats : nullptr;
   float* const col_o = p.saved_o != nullptr ? p.saved_o + qkv_floats / 3 : nullptr;
-  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv, p.saved_o);
-  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv, col_o);
+  const AxisView rv = row_view(p), cv = col_view(p);
+  axis_pass(rv, p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv,
+            keeps_attention_output(rv.len) ? p.saved_o : nullptr);
+  axis_pass(cv, p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv,
+            keeps_attention_output(cv.len) ? col_o : nullptr);
   return Status::Ok();
 }
 

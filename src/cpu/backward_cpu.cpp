@@ -176,15 +176,17 @@ void for_tasks(int64_t count, int threads, const F& f) {
   for (int64_t i = 0; i < count; ++i) f(i);
 }
 
-// Rows a tile of a block's row-by-row work: the activations' products and the LayerNorm backward.
-// Fixed, so that what a product sums does not depend on the thread count.
+// Rows a tile of a block's row-by-row work (the activations' products, the LayerNorm backward):
+// a block of up to 2 kRowTile rows (short sequences) is one tile, so that its products are few
+// calls; a taller one (a long sequence) is cut into tiles of kRowTile that threads can share. A
+// function of the rows alone, so what a product sums does not depend on the thread count.
 constexpr int64_t kRowTile = 64;
+int64_t row_tile(int64_t rows) { return rows <= 2 * kRowTile ? std::max<int64_t>(rows, 1) : kRowTile; }
 
-// f(r0, n) for the tiles of `rows` rows (for_tasks: a team of up to `threads`).
+// f(r0, n) for the tiles of `rows` rows, `tile` rows each (for_tasks: a team of up to `threads`).
 template <class F>
-void for_row_tiles(int64_t rows, int threads, const F& f) {
-  for_tasks((rows + kRowTile - 1) / kRowTile, threads,
-            [&](int64_t i) { f(i * kRowTile, std::min(kRowTile, rows - i * kRowTile)); });
+void for_row_tiles(int64_t rows, int64_t tile, int threads, const F& f) {
+  for_tasks((rows + tile - 1) / tile, threads, [&](int64_t i) { f(i * tile, std::min(tile, rows - i * tile)); });
 }
 
 // Gathers the block's rows of src into t.x and LayerNorms them: t.xhat (normalised), t.y (affine), t.rstd.
@@ -286,7 +288,7 @@ bool whole_pass_products(int64_t T, int64_t D, int64_t chunks) { return T <= 4 *
 // dst (M, D) = a^T b for a (T, M) and b (T, D), row-major, in tiles of kRowTile rows of dst across the
 // threads: each element from one product of fixed shape, whichever thread takes its tile.
 void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, int64_t D) {
-  for_row_tiles(M, team_for(M, 2.0 * (double)M * D * a.rows()), [&](int64_t r0, int64_t n) {
+  for_row_tiles(M, kRowTile, team_for(M, 2.0 * (double)M * D * a.rows()), [&](int64_t r0, int64_t n) {
     gemm(MatMap(dst, M, D).middleRows(r0, n), tr(a.middleCols(r0, n)), in(b));
   });
 }
@@ -362,7 +364,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
             for (int64_t l = 0; l < L; ++l)
               t.qkv.row(s * L + l) = ConstVec(qkv_in + at.offset(n0 + s, l) * 3 * D, 3 * D);
         } else {
-          for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+          for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
             gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
           });
         }
@@ -375,7 +377,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       }
       if (want_dqkv) {
         t.dO.resize(rows, D);
-        for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+        for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
           gemm(t.dO.middleRows(r0, n), in(t.g.middleRows(r0, n)), in(wout));
         });
         t.dqkv.resize(rows, 3 * D);
@@ -451,18 +453,18 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       } else {
         // The chunk's partials += the block's sums, a tile of their rows at a time.
         if (want_out)
-          for_row_tiles(D, inner, [&](int64_t r0, int64_t n) {
+          for_row_tiles(D, row_tile(D), inner, [&](int64_t r0, int64_t n) {
             gemm(MatMap(part + lay.out, D, D).middleRows(r0, n), tr(t.g.middleCols(r0, n)), in(t.o), 1.0f);
           });
         if (want_qkv)
-          for_row_tiles(3 * D, inner, [&](int64_t r0, int64_t n) {
+          for_row_tiles(3 * D, row_tile(3 * D), inner, [&](int64_t r0, int64_t n) {
             gemm(MatMap(part + lay.qkv, 3 * D, D).middleRows(r0, n), tr(t.dqkv.middleCols(r0, n)), in(t.y), 1.0f);
           });
       }
       if (!want_dqkv) continue;
       if (!want_dy) continue;
       t.dy.resize(rows, D);
-      for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+      for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
         gemm(t.dy.middleRows(r0, n), in(t.dqkv.middleRows(r0, n)), in(wqkv));
       });
       for (int64_t r = 0; r < rows; ++r) {
@@ -472,7 +474,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       if (!want_dx) continue;
       // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
       const float inv_d = 1.0f / static_cast<float>(D);
-      for_row_tiles(rows, inner, [&](int64_t r0, int64_t n) {
+      for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
         for (int64_t r = r0; r < r0 + n; ++r) {
           auto dxhat = t.dy.row(r);
           dxhat.array() *= gamma.array();
@@ -577,8 +579,9 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   // The forward's q, k, v of each pass, where kept (the row pass's first).
   const float* const row_qkv = p.saved_qkv;
   const float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + 3 * T * D : nullptr;
-  const float* const row_o = p.saved_o;  // and their attention outputs
-  const float* const col_o = p.saved_o != nullptr ? p.saved_o + T * D : nullptr;
+  // and their attention outputs, where the forward kept them (keeps_attention_output)
+  const float* const row_o = keeps_attention_output(rv.len) ? p.saved_o : nullptr;
+  const float* const col_o = p.saved_o != nullptr && keeps_attention_output(cv.len) ? p.saved_o + T * D : nullptr;
   backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1, col_qkv,
                 col_o);
   x1_scratch.reset();

@@ -51,6 +51,13 @@ inline int team_for(int64_t tasks, double flops) {
 // products (8 D^2 a position) and the two attention products (4 L D).
 inline double pass_flops(int64_t T, int64_t L, int64_t D) { return (double)T * (8.0 * D * D + 4.0 * L * D); }
 
+// Whether a pass of sequences of L positions keeps its attention output for the backward
+// (AxialParams::saved_o): where running p v again (2 L hd operations an element) costs more than
+// writing the element once and reading it back. At short sequences the write into fresh memory
+// cost more than the product saved (perf notes v68), so such a pass leaves its part unwritten.
+constexpr int64_t kKeepAttentionOutputMinLen = 128;
+inline bool keeps_attention_output(int64_t L) { return L >= kKeepAttentionOutputMinLen; }
+
 // The dropout multipliers (0 or 1 / (1 - p)) of sequence n, head h of `pass` (0 rows, 1
 // columns), queries r0 .. r0 + rows - 1 (all L keys), into m, (rows, L): row-major, so the
 // mask's consecutive elements.

@@ -131,39 +131,18 @@ TEST_F(CpuBackwardRuns, OutputIsNotRead) {
   for (size_t i = 0; i < a.all().size(); ++i) EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first));
 }
 
-// forward_cpu with row_out, saved_qkv and saved_o writes the row pass's output (with the column
-// pass's output weights zeroed, out = x1 + 0: the same bits) and every position's q, k, v and
-// attention output of both passes there, and the same out as without; backward_cpu reads them (NaN
-// there reaches the gradients) instead of running the row pass, the QKV products and p v again.
+// forward_cpu with row_out and saved_qkv writes the row pass's output (with the column pass's
+// output weights zeroed, out = x1 + 0: the same bits) and every position's q, k, v of both passes
+// there, and the same out as without; backward_cpu reads them (NaN there reaches the gradients)
+// instead of running the row pass and the QKV products again. (saved_o: the next test.)
 TEST_F(CpuBackwardRuns, RowOutIsWrittenByTheForwardAndReadByTheBackward) {
   const size_t n = p.x.size();
-  std::vector<float> plain(n, kNaN), out(n, kNaN), row_out(n, kNaN), qkv(6 * n, kNaN), o(2 * n, kNaN);
+  std::vector<float> plain(n, kNaN), out(n, kNaN), row_out(n, kNaN), qkv(6 * n, kNaN);
   AxialParams a = params(p, plain.data());
   ASSERT_TRUE(forward_cpu(a).ok());
-  a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data(), a.saved_o = o.data();
+  a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data();
   ASSERT_TRUE(forward_cpu(a).ok());
   EXPECT_TRUE(same_bits(out, plain)) << "row_out changed the forward's output";
-  for (size_t i = 0; i < o.size(); ++i) ASSERT_TRUE(std::isfinite(o[i])) << "saved_o[" << i << "] not written";
-  {  // the row pass's o at position 0: softmax(q_0 k^T / sqrt(hd)) v over its row (positions 0 .. W-1),
-     // each head from the kept q, k, v, in float64
-    const int64_t D = s.D, hd = s.D / s.heads;
-    for (int64_t h = 0; h < s.heads; ++h) {
-      std::vector<double> score(s.W);
-      double top = -1e300, sum = 0;
-      for (int64_t j = 0; j < s.W; ++j) {
-        double dot = 0;
-        for (int64_t c = 0; c < hd; ++c) dot += (double)qkv[h * hd + c] * qkv[j * 3 * D + D + h * hd + c];
-        score[j] = dot / std::sqrt((double)hd);
-        top = std::max(top, score[j]);
-      }
-      for (int64_t j = 0; j < s.W; ++j) sum += score[j] = std::exp(score[j] - top);
-      for (int64_t c = 0; c < hd; ++c) {
-        double want = 0;
-        for (int64_t j = 0; j < s.W; ++j) want += score[j] / sum * qkv[j * 3 * D + 2 * D + h * hd + c];
-        EXPECT_NEAR(o[h * hd + c], want, 1e-5 * (1 + std::fabs(want))) << "row pass o of position 0, column " << h * hd + c;
-      }
-    }
-  }
   // q, k, v of both passes at every position: finite, and the row pass's q of position 0 is
   // LayerNorm(x_0) Wq^T (the D floats of the first position, against a float64 evaluation).
   for (size_t i = 0; i < qkv.size(); ++i) ASSERT_TRUE(std::isfinite(qkv[i])) << "saved_qkv[" << i << "] not written";
@@ -201,13 +180,7 @@ TEST_F(CpuBackwardRuns, RowOutIsWrittenByTheForwardAndReadByTheBackward) {
   a.saved_qkv = poison_qkv.data();
   ASSERT_TRUE(backward_cpu(a, g).ok());
   EXPECT_TRUE(std::isnan(b.row.out_w[0])) << "the backward did not read saved_qkv";
-  a.saved_qkv = qkv.data();  // o poisoned: NaN reaches the output weights' gradients alone
-  std::vector<float> poison_o(2 * n, kNaN);
-  a.saved_o = poison_o.data();
-  ASSERT_TRUE(backward_cpu(a, g).ok());
-  EXPECT_TRUE(std::isnan(b.row.out_w[0]) && std::isnan(b.col.out_w[0])) << "the backward did not read saved_o";
-  EXPECT_FALSE(std::isnan(b.row.qkv_w[0])) << "saved_o reached another gradient than dWout";
-  a.saved_qkv = nullptr, a.saved_o = nullptr;
+  a.saved_qkv = nullptr;
 
   a.out = out.data();  // the forward refuses a row_out that is x or out, and writes nothing
   std::fill(out.begin(), out.end(), kNaN);
@@ -228,6 +201,52 @@ TEST_F(CpuBackwardRuns, RowOutIsWrittenByTheForwardAndReadByTheBackward) {
     EXPECT_NE(so.message.find("saved_o must not alias x, out, row_out or saved_qkv"), std::string::npos) << so.message;
   }
   EXPECT_TRUE(all_nan(out));
+}
+
+// forward_cpu with saved_o keeps the attention output of a pass of 128 positions or more (the
+// row pass here, L = 130: equal to float64 softmax(q k^T / sqrt(hd)) v from the kept q, k, v)
+// and leaves a shorter pass's part (the column pass, L = 2) unwritten; backward_cpu reads the kept
+// part for dWout alone (a poisoned o reaches the row pass's output weights, nothing else).
+TEST_F(CpuBackwardRuns, AttentionOutputIsKeptForLongSequences) {
+  s = Shape{1, 2, 130, 16, 2};
+  p = random_problem(s, 31);
+  gout = random_grad(s.B * s.H * s.W * s.D, 13);
+  gout_f.assign(gout.begin(), gout.end());
+  const size_t n = p.x.size();
+  std::vector<float> out(n, kNaN), row_out(n, kNaN), qkv(6 * n, kNaN), o(2 * n, kNaN);
+  AxialParams a = params(p, out.data());
+  a.row_out = row_out.data(), a.saved_qkv = qkv.data(), a.saved_o = o.data();
+  ASSERT_TRUE(forward_cpu(a).ok());
+  for (size_t i = 0; i < n; ++i) ASSERT_TRUE(std::isfinite(o[i])) << "the row pass's saved_o[" << i << "] not written";
+  for (size_t i = n; i < 2 * n; ++i) ASSERT_TRUE(std::isnan(o[i])) << "the column pass's saved_o[" << i << "] written";
+  {  // the row pass's o at position 0: its row is positions 0 .. W-1; each head in float64
+    const int64_t D = s.D, hd = s.D / s.heads;
+    for (int64_t h = 0; h < s.heads; ++h) {
+      std::vector<double> score(s.W);
+      double top = -1e300, sum = 0;
+      for (int64_t j = 0; j < s.W; ++j) {
+        double dot = 0;
+        for (int64_t c = 0; c < hd; ++c) dot += (double)qkv[h * hd + c] * qkv[j * 3 * D + D + h * hd + c];
+        score[j] = dot / std::sqrt((double)hd);
+        top = std::max(top, score[j]);
+      }
+      for (int64_t j = 0; j < s.W; ++j) sum += score[j] = std::exp(score[j] - top);
+      for (int64_t c = 0; c < hd; ++c) {
+        double want = 0;
+        for (int64_t j = 0; j < s.W; ++j) want += score[j] / sum * qkv[j * 3 * D + 2 * D + h * hd + c];
+        EXPECT_NEAR(o[h * hd + c], want, 1e-5 * (1 + std::fabs(want))) << "o of position 0, column " << h * hd + c;
+      }
+    }
+  }
+  Grads b(s);
+  AxialGrads g = b.view();
+  g.grad_out = gout_f.data();
+  a.out = nullptr;
+  std::fill(o.begin(), o.begin() + n, kNaN);  // the kept part poisoned
+  ASSERT_TRUE(backward_cpu(a, g).ok());
+  EXPECT_TRUE(std::isnan(b.row.out_w[0])) << "the backward did not read the row pass's saved_o";
+  for (const auto& [grad, what] : b.all())
+    if (grad != &b.row.out_w) EXPECT_FALSE(std::isnan((*grad)[0])) << what << ": saved_o reached it";
 }
 
 TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
