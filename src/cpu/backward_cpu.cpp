@@ -10,7 +10,7 @@
 // Of the forward, the caller may keep x1, each pass's q, k, v and its attention output o
 // (AxialParams::row_out, saved_qkv, saved_o);
 // the rest each pass backward recomputes, per block of sequences: LayerNorm, qkv (where not kept;
-// the products in 64-row tiles) and per sequence and head the scores and softmax (max-subtracted
+// the products in row tiles, row_tile) and per sequence and head the scores and softmax (max-subtracted
 // exp, as the forward), and O = P V where o is not kept; then, with P = softmax:
 //   dbout = colsum(dOut), dWout = dOut^T O, dO = dOut Wout,
 //   per head dV = P^T dO_h, dP = dO_h V^T, dS = P o (dP - rowsum(P o dP)),
