@@ -3,9 +3,9 @@
 // seed comes from PyTorch's default CPU generator (so torch.manual_seed fixes the mask), its
 // offset is 0, unless the call passes its own (`rng_state`). The training forward's `saved` keeps
 // what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), each
-// pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats) and attention output
-// (AxialParams::saved_o, 2 B H W D floats), x's sizes (B, H, W, D as int64: the backward refuses a
-// `saved` of another shape), then that pair (4 floats).
+// pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats) and the attention output of each pass
+// of 128 positions or more (AxialParams::saved_o, saved_o_floats), x's sizes (B, H, W, D as int64:
+// the backward refuses a `saved` of another shape), then that pair (4 floats).
 //
 // The products run on the BLAS PyTorch runs on where it is MKL: libtorch_cpu's sgemm_ (PyTorch's
 // x86 wheels), looked up when the library loads, not linked, so another torch leaves Eigen's GEMM
@@ -79,20 +79,31 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
   p->offset = 0;
 }
 
-// The CPU training forward's `saved` for x of n elements, in floats: x1, q k v of both passes, o of
-// both passes, x's four sizes (int64), the dropout state.
+// The CPU training forward's `saved` for p's sizes, in floats: x1 (n, x's elements), q k v of both
+// passes (6 n), o of the passes that keep it (saved_o_floats), x's four sizes (int64), the dropout
+// state.
 constexpr int64_t kShapeFloats = 8;
-int64_t cpu_shape_at(int64_t n) { return 9 * n; }
-int64_t cpu_state_at(int64_t n) { return cpu_shape_at(n) + kShapeFloats; }
-int64_t cpu_saved_floats(int64_t n) { return cpu_state_at(n) + kDropoutStateFloats; }
+struct CpuSaved {
+  int64_t n, o;
+  int64_t shape_at() const { return 7 * n + o; }
+  int64_t state_at() const { return shape_at() + kShapeFloats; }
+  int64_t floats() const { return state_at() + kDropoutStateFloats; }
+  // Where p reads and writes the kept tensors in `saved`.
+  void point(AxialParams* p, float* saved) const {
+    p->row_out = saved, p->saved_qkv = saved + n, p->saved_o = o > 0 ? saved + 7 * n : nullptr;
+  }
+};
+CpuSaved cpu_saved(const AxialParams& p) {
+  return {p.batch * p.height * p.width * p.dim, saved_o_floats(p)};
+}
 
 // out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; where
-// `saved` is given (cpu_saved_floats), x1 and the passes' q, k, v and o kept there.
+// `saved` is given (CpuSaved), x1 and the passes' q, k, v and o kept there.
 at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op,
                    float* saved = nullptr) {
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);  // float32, as c.x
   *p = c.params(out);
-  if (saved != nullptr) p->row_out = saved, p->saved_qkv = saved + c.x.numel(), p->saved_o = saved + 7 * c.x.numel();
+  if (saved != nullptr) cpu_saved(*p).point(p, saved);
   if (out.numel() == 0) return out.to(c.dtype);  // nothing drawn, as on CUDA
   draw_dropout_seed(p, rng_state);
   const Status s = forward_cpu(*p);
@@ -111,8 +122,9 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
   return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
 
-// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D) and o (2 B H W D),
-// x's sizes (four int64), then the dropout state (seed, offset as two uint64) in 4 floats.
+// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D) and the kept o
+// (saved_o_floats), x's sizes (four int64), then the dropout state (seed, offset as two uint64) in
+// 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
@@ -120,14 +132,14 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const std::optional<at::Tensor>& rng_state) {
   Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout, rng_state);
-  const int64_t n = c.x.numel();
-  at::Tensor saved = at::empty({cpu_saved_floats(n)}, c.x.options());  // float32, as c.x
+  const CpuSaved layout = cpu_saved(c.params());
+  at::Tensor saved = at::empty({layout.floats()}, c.x.options());  // float32, as c.x
   AxialParams p;
   at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training", saved.data_ptr<float>());
   const int64_t sizes[4] = {c.x.size(0), c.x.size(1), c.x.size(2), c.x.size(3)};
-  std::memcpy(saved.data_ptr<float>() + cpu_shape_at(n), sizes, sizeof sizes);
+  std::memcpy(saved.data_ptr<float>() + layout.shape_at(), sizes, sizeof sizes);
   const uint64_t state[2] = {p.seed, p.offset};
-  std::memcpy(saved.data_ptr<float>() + cpu_state_at(n), state, sizeof state);
+  std::memcpy(saved.data_ptr<float>() + layout.state_at(), state, sizeof state);
   return {out, saved};
 }
 
@@ -140,30 +152,29 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
   Call c = check_call("fastaxial.axial_attention_backward", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout);
   AxialParams p = c.params();
-  const int64_t n = c.x.numel();
+  const CpuSaved layout = cpu_saved(p);
   if (saved.has_value()) {
     TORCH_CHECK_VALUE(saved->is_cpu() && saved->scalar_type() == at::kFloat && saved->is_contiguous() &&
-                          saved->numel() == cpu_saved_floats(n),
+                          saved->numel() == layout.floats(),
                       "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
-                      "inputs (", cpu_saved_floats(n), " float32 on the CPU: the row pass's output, both passes' q, "
-                      "k, v and attention output, x's sizes, then the dropout state), got ", saved->numel(), " ", saved->scalar_type(),
-                      " on ", saved->device());
+                      "inputs (", layout.floats(), " float32 on the CPU: the row pass's output, both passes' q, k, v, "
+                      "the attention output of the passes of 128 positions or more, x's sizes, then the dropout "
+                      "state), got ", saved->numel(), " ", saved->scalar_type(), " on ", saved->device());
     int64_t sizes[4];
-    std::memcpy(sizes, saved->data_ptr<float>() + cpu_shape_at(n), sizeof sizes);
+    std::memcpy(sizes, saved->data_ptr<float>() + layout.shape_at(), sizeof sizes);
     TORCH_CHECK_VALUE(sizes[0] == c.x.size(0) && sizes[1] == c.x.size(1) && sizes[2] == c.x.size(2) &&
                           sizes[3] == c.x.size(3),
                       "fastaxial.axial_attention_backward (CPU): `saved` was made by axial_attention_training for x "
                       "of shape [", sizes[0], ", ", sizes[1], ", ", sizes[2], ", ", sizes[3], "], not this call's ",
                       c.x.sizes());
     // Read, never written: backward_cpu only reads row_out, saved_qkv and saved_o.
-    float* kept = const_cast<float*>(saved->data_ptr<float>());
-    p.row_out = kept, p.saved_qkv = kept + n, p.saved_o = kept + 7 * n;
+    layout.point(&p, const_cast<float*>(saved->data_ptr<float>()));
   }
   if (dropout > 0) {  // the forward's mask: its seed and offset, which only `saved` knows
     TORCH_CHECK_VALUE(saved.has_value(), "fastaxial.axial_attention_backward: with dropout > 0, `saved` (from "
                       "axial_attention_training) is required: it holds the forward's dropout seed and offset");
     uint64_t state[2];
-    std::memcpy(state, saved->data_ptr<float>() + cpu_state_at(n), sizeof state);
+    std::memcpy(state, saved->data_ptr<float>() + layout.state_at(), sizeof state);
     p.seed = state[0], p.offset = state[1];
   }
   BackwardCall b = prepare_backward(c, grad_out, output_mask);

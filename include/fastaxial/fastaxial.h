@@ -93,14 +93,18 @@ struct AxialParams {
   // both or neither (the backward mixes a kept q, k, v with a recomputed x1 otherwise, which may
   // differ from the forward's in the last bits).
   float* saved_qkv = nullptr;
-  // CPU training too: each pass's attention output o at every position (the heads' outputs
-  // before the output product), (2, B, H, W, D), the row pass's first. Where given, forward_cpu
-  // writes it and backward_cpu reads it for the output weight's gradient (dWout = dOut^T o)
-  // instead of running p v again (one L^2 hd product a sequence and head), for the passes whose
-  // sequences have 128 positions or more; a shorter pass's part is neither written nor read. The
-  // same rules as row_out; it must not be saved_qkv either.
+  // CPU training too: the attention output o at every position (the heads' outputs before the
+  // output product) of each pass whose sequences have 128 positions or more, (B, H, W, D) a pass,
+  // the row pass's first: saved_o_floats(p) floats. Where given, forward_cpu writes it and
+  // backward_cpu reads it for the output weight's gradient (dWout = dOut^T o) instead of running
+  // p v again (one L^2 hd product a sequence and head; at shorter sequences writing o costs more
+  // than that product). The same rules as row_out; it must not be saved_qkv either.
   float* saved_o = nullptr;
 };
+
+// Floats AxialParams::saved_o holds for p's sizes: B H W D for the row pass where W >= 128, and as
+// many for the column pass where H >= 128; 0 where neither keeps it.
+int64_t saved_o_floats(const AxialParams& p);
 
 // Checks sizes and pointers; the entry points below call it first.
 Status validate(const AxialParams& p);

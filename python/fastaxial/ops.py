@@ -189,6 +189,7 @@ def _(x, *args):
 
 _DROPOUT_STATE_FLOATS = 4  # two uint64: the dropout mask's seed and offset
 _CPU_SHAPE_FLOATS = 8  # four int64: x's sizes, in the CPU training forward's `saved`
+_CPU_KEEP_O_MIN_LEN = 128  # a pass keeps its attention output from this length on (kKeepAttentionOutputMinLen)
 
 
 def dropout_available():
@@ -240,9 +241,11 @@ def _(x, *args):
     num_heads = args[10]  # after the ten weights; then eps and dropout
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     # CUDA keeps the forward's intermediates; the CPU the row pass's output (a float an element of
-    # x), both passes' q, k, v (six) and attention outputs (two), x's four sizes (int64: 8 floats),
-    # then the dropout state.
-    cpu = 9 * x.numel() + _CPU_SHAPE_FLOATS + _DROPOUT_STATE_FLOATS
+    # x), both passes' q, k, v (six), the attention output of each pass of 128 positions or more
+    # (one; src/cpu/cpu_common.h, keeps_attention_output), x's four sizes (int64: 8 floats), then
+    # the dropout state.
+    keeps_o = int(x.shape[2] >= _CPU_KEEP_O_MIN_LEN) + int(x.shape[1] >= _CPU_KEEP_O_MIN_LEN)
+    cpu = (7 + keeps_o) * x.numel() + _CPU_SHAPE_FLOATS + _DROPOUT_STATE_FLOATS
     floats = cpu if x.device.type == "cpu" else saved_floats(*x.shape, num_heads)
     return out, x.new_empty(floats, dtype=torch.float32)  # float32 whatever x's dtype
 

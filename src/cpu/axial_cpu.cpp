@@ -225,6 +225,11 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
 
 }  // namespace
 
+int64_t saved_o_floats(const AxialParams& p) {
+  const int64_t passes = (int64_t)keeps_attention_output(p.width) + (int64_t)keeps_attention_output(p.height);
+  return passes * p.batch * p.height * p.width * p.dim;
+}
+
 Status forward_cpu(const AxialParams& p) {
   if (Status s = validate(p); !s.ok()) return s;
   const DropoutParams drop = make_dropout(p);
@@ -233,12 +238,13 @@ Status forward_cpu(const AxialParams& p) {
   float* const x1 = p.row_out != nullptr ? p.row_out : p.out;
   const int64_t qkv_floats = 3 * p.batch * p.height * p.width * p.dim;  // a pass's
   float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + qkv_floats : nullptr;
-  float* const col_o = p.saved_o != nullptr ? p.saved_o + qkv_floats / 3 : nullptr;
   const AxisView rv = row_view(p), cv = col_view(p);
-  axis_pass(rv, p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv,
-            keeps_attention_output(rv.len) ? p.saved_o : nullptr);
-  axis_pass(cv, p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv,
-            keeps_attention_output(cv.len) ? col_o : nullptr);
+  // saved_o: the passes that keep o, one after another (saved_o_floats).
+  const bool keep_row_o = p.saved_o != nullptr && keeps_attention_output(rv.len);
+  const bool keep_col_o = p.saved_o != nullptr && keeps_attention_output(cv.len);
+  float* const col_o = keep_col_o ? p.saved_o + (keep_row_o ? qkv_floats / 3 : 0) : nullptr;
+  axis_pass(rv, p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv, keep_row_o ? p.saved_o : nullptr);
+  axis_pass(cv, p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv, col_o);
   return Status::Ok();
 }
 

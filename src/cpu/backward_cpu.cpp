@@ -579,9 +579,11 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   // The forward's q, k, v of each pass, where kept (the row pass's first).
   const float* const row_qkv = p.saved_qkv;
   const float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + 3 * T * D : nullptr;
-  // and their attention outputs, where the forward kept them (keeps_attention_output)
-  const float* const row_o = keeps_attention_output(rv.len) ? p.saved_o : nullptr;
-  const float* const col_o = p.saved_o != nullptr && keeps_attention_output(cv.len) ? p.saved_o + T * D : nullptr;
+  // and their attention outputs, where the forward kept them (one after another: saved_o_floats)
+  const bool row_keeps_o = keeps_attention_output(rv.len);
+  const float* const row_o = row_keeps_o ? p.saved_o : nullptr;
+  const float* const col_o =
+      p.saved_o != nullptr && keeps_attention_output(cv.len) ? p.saved_o + (row_keeps_o ? T * D : 0) : nullptr;
   backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1, col_qkv,
                 col_o);
   x1_scratch.reset();

@@ -54,7 +54,8 @@ inline double pass_flops(int64_t T, int64_t L, int64_t D) { return (double)T * (
 // Whether a pass of sequences of L positions keeps its attention output for the backward
 // (AxialParams::saved_o): where running p v again (2 L hd operations an element) costs more than
 // writing the element once and reading it back. At short sequences the write into fresh memory
-// cost more than the product saved (perf notes v68), so such a pass leaves its part unwritten.
+// cost more than the product saved (perf notes v68), so such a pass takes no room there
+// (saved_o_floats).
 constexpr int64_t kKeepAttentionOutputMinLen = 128;
 inline bool keeps_attention_output(int64_t L) { return L >= kKeepAttentionOutputMinLen; }
 

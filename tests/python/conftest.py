@@ -9,18 +9,19 @@ import sys
 import tempfile
 import time
 
-import pytest
-import torch
-import torch.multiprocessing as mp
-
-import fastaxial
-
-# torch.compile's graph cache in a directory of this session's own (unless one is given): its key
-# does not cover a custom operator's fake kernel in torch 2.11, so a graph compiled by another
-# checkout, whose `saved` had another size, would be reused and fail its size assertions.
+# torch.compile's graph cache in a directory of this session's own (unless one is given), set
+# before torch is imported (its first use of the cache writes the default here): the cache key does
+# not cover a custom operator's fake kernel in torch 2.11, so a graph compiled by another checkout,
+# whose `saved` had another size, would be reused and fail its size assertions.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastaxial-tests-inductor-")
     atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import fastaxial  # noqa: E402
 
 # Contenders compare in true fp32: no TF32 in PyTorch's matrix products.
 torch.backends.cuda.matmul.allow_tf32 = False

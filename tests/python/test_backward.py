@@ -262,14 +262,15 @@ def test_cpu_backward_refuses_a_saved_of_another_shape():
 
 
 def test_cpu_backward_refuses_a_saved_of_another_layout():
-    """A `saved` of the size the CPU training forward made before it kept the attention output
-    (7 floats an element of x, then x's sizes and the dropout state) is refused with the size it
-    must have, not read past its end."""
+    """A `saved` of the size the CPU training forward made before it kept the attention output of
+    its passes of 128 positions or more (7 floats an element of x, then x's sizes and the dropout
+    state) is refused with the size it must have, not read past its end."""
     torch.manual_seed(0)
-    w = [p.detach() for p in fastaxial.AxialAttentionReference(8, 2, 3, 4).weights()]
-    x = torch.randn(1, 3, 4, 8)
+    w = [p.detach() for p in fastaxial.AxialAttentionReference(8, 2, 2, 130).weights()]
+    x = torch.randn(1, 2, 130, 8)  # rows of 130: the row pass keeps o, the column pass (2) does not
     _, saved = torch.ops.fastaxial.axial_attention_training(x, *w, 2, 1e-5, 0.0, None)
-    old = torch.randn(saved.numel() - 2 * x.numel())
+    assert saved.numel() == 8 * x.numel() + 12
+    old = torch.randn(saved.numel() - x.numel())
     with pytest.raises(ValueError, match=rf"must be axial_attention_training's for these inputs \({saved.numel()} "
                                          rf"float32 .*got {old.numel()} Float"):
         torch.ops.fastaxial.axial_attention_backward(torch.randn_like(x), x, *w, 2, 1e-5, [True] * 11, old, 0.0)

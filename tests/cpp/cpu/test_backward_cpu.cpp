@@ -49,12 +49,14 @@ TEST_P(CpuBackward, MatchesDoubleReferenceFromTheForwardsKeptTensors) {
 }
 
 // heads 1, 2, 4; head dims 1, 3, 8, 16, 24, 32; L from 1 to 40, and 600 and 1030 (a head's queries
-// in 9 and 16 ranges: query_ranges); H != W; B > 1.
+// in 9 and 16 ranges: query_ranges); H != W; B > 1; both passes of 128 positions or more (each
+// keeps its attention output, the column pass's after the row pass's), and the column pass alone.
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuBackward,
                          ::testing::Values(Shape{1, 1, 1, 8, 1}, Shape{2, 3, 5, 4, 4}, Shape{1, 7, 4, 6, 2},
                                            Shape{2, 5, 9, 16, 2}, Shape{1, 40, 3, 32, 2}, Shape{1, 6, 11, 32, 1},
                                            Shape{3, 16, 16, 64, 4}, Shape{1, 9, 40, 128, 4}, Shape{2, 1, 13, 8, 1},
-                                           Shape{1, 2, 1030, 16, 2}, Shape{1, 1, 600, 24, 1}),
+                                           Shape{1, 2, 1030, 16, 2}, Shape{1, 1, 600, 24, 1},
+                                           Shape{1, 130, 128, 8, 1}, Shape{2, 130, 3, 8, 2}),
                          [](const auto& info) { return shape_name(info.param); });
 
 // ---- null gradients, aliasing, determinism ----------------------------------------------------
@@ -217,6 +219,14 @@ TEST_F(CpuBackwardRuns, AttentionOutputIsKeptForLongSequences) {
   AxialParams a = params(p, out.data());
   a.row_out = row_out.data(), a.saved_qkv = qkv.data(), a.saved_o = o.data();
   ASSERT_TRUE(forward_cpu(a).ok());
+  EXPECT_EQ(saved_o_floats(a), (int64_t)n) << "the row pass's o alone";
+  AxialParams both = a;  // the floats saved_o takes: a B H W D for each pass of 128 positions or more
+  both.height = 128;
+  EXPECT_EQ(saved_o_floats(both), 2 * both.batch * both.height * both.width * both.dim);
+  both.width = 127;
+  EXPECT_EQ(saved_o_floats(both), both.batch * both.height * both.width * both.dim);
+  both.height = 2;
+  EXPECT_EQ(saved_o_floats(both), 0);
   for (size_t i = 0; i < n; ++i) ASSERT_TRUE(std::isfinite(o[i])) << "the row pass's saved_o[" << i << "] not written";
   for (size_t i = n; i < 2 * n; ++i) ASSERT_TRUE(std::isnan(o[i])) << "the column pass's saved_o[" << i << "] written";
   {  // the row pass's o at position 0: its row is positions 0 .. W-1; each head in float64
