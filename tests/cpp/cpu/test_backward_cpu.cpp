@@ -287,20 +287,39 @@ TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
     gout = random_grad(s.B * s.H * s.W * s.D, 12);
     gout_f.assign(gout.begin(), gout.end());
     const int before = omp_get_max_threads();
-    Grads base = run();
-    for (int threads : {1, 2, 3, 8}) {
-      omp_set_num_threads(threads);
-      Grads r = run();
-      for (size_t i = 0; i < base.all().size(); ++i) {
-        EXPECT_LE(
-            rel_err(*r.all()[i].first, std::vector<double>(base.all()[i].first->begin(), base.all()[i].first->end())),
-            1e-6)
-            << base.all()[i].second << " with " << threads << " threads, " << shape_name(s);
-        EXPECT_TRUE(same_bits(*r.all()[i].first, *base.all()[i].first))
-            << base.all()[i].second << " with " << threads << " threads, " << shape_name(s);
+    // What one forward kept (row_out, saved_qkv, saved_o), read by the second round's backwards:
+    // the kept path (q, k, v and o read, not recomputed) is thread-count independent too.
+    const size_t n = p.x.size();
+    std::vector<float> out(n, kNaN), row_out(n, kNaN), qkv(6 * n, kNaN), o(2 * n, kNaN);
+    AxialParams kept = params(p, out.data());
+    kept.row_out = row_out.data(), kept.saved_qkv = qkv.data(), kept.saved_o = o.data();
+    ASSERT_TRUE(forward_cpu(kept).ok());
+    kept.out = nullptr;
+    for (const bool from_forward : {false, true}) {
+      const auto backward = [&]() {
+        Grads r(s);
+        AxialGrads g = r.view();
+        g.grad_out = gout_f.data();
+        const Status st = backward_cpu(from_forward ? kept : params(p, nullptr), g);
+        EXPECT_TRUE(st.ok()) << st.message;
+        return r;
+      };
+      const char* how = from_forward ? " (from the forward's kept tensors)" : "";
+      Grads base = backward();
+      for (int threads : {1, 2, 3, 8}) {
+        omp_set_num_threads(threads);
+        Grads r = backward();
+        for (size_t i = 0; i < base.all().size(); ++i) {
+          EXPECT_LE(rel_err(*r.all()[i].first,
+                            std::vector<double>(base.all()[i].first->begin(), base.all()[i].first->end())),
+                    1e-6)
+              << base.all()[i].second << " with " << threads << " threads, " << shape_name(s) << how;
+          EXPECT_TRUE(same_bits(*r.all()[i].first, *base.all()[i].first))
+              << base.all()[i].second << " with " << threads << " threads, " << shape_name(s) << how;
+        }
       }
+      omp_set_num_threads(before);
     }
-    omp_set_num_threads(before);
   }
 }
 #endif
