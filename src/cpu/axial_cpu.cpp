@@ -55,19 +55,14 @@ struct PassArgs {
   float* o_out;    // where its attention output o is kept (D floats a position), or null
 };
 
-// Keeps rows r0 .. r0 + rows - 1 of a sequence n's qkv (rows of 3D floats, from row `from` of qkv)
-// at their positions' rows of a.qkv_out (row_indices), where the caller keeps them.
-void keep_qkv(const PassArgs& a, const Mat& qkv, int64_t from, int64_t n, int64_t r0, int64_t rows) {
-  if (a.qkv_out == nullptr) return;
+// Keeps rows r0 .. r0 + rows - 1 of a sequence n's m (rows of m.cols() floats, from row `from` of
+// m) at their positions' rows of `kept` (row_indices), where the caller keeps them (kept: a.qkv_out
+// for q, k, v; a.o_out for the attention output; null: nothing kept).
+void keep_rows(const PassArgs& a, float* kept, const Mat& m, int64_t from, int64_t n, int64_t r0, int64_t rows) {
+  if (kept == nullptr) return;
   const AxisView at = row_indices(a.v, a.D);
-  for (int64_t r = 0; r < rows; ++r) VecMap(a.qkv_out + at.offset(n, r0 + r) * 3 * a.D, 3 * a.D) = qkv.row(from + r);
-}
-
-// The same for the attention output o (rows of D floats) into a.o_out.
-void keep_o(const PassArgs& a, const Mat& o, int64_t from, int64_t n, int64_t r0, int64_t rows) {
-  if (a.o_out == nullptr) return;
-  const AxisView at = row_indices(a.v, a.D);
-  for (int64_t r = 0; r < rows; ++r) VecMap(a.o_out + at.offset(n, r0 + r) * a.D, a.D) = o.row(from + r);
+  const int64_t width = m.cols();
+  for (int64_t r = 0; r < rows; ++r) VecMap(kept + at.offset(n, r0 + r) * width, width) = m.row(from + r);
 }
 
 // x = the D floats at src, y = LayerNorm(x).
@@ -129,11 +124,11 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l) layer_norm_row(a, src + v.offset(n0 + s, l), t.x.row(s * L + l), t.y.row(s * L + l));
       gemm(t.qkv, in(t.y), tr(a.wqkv));  // (rows, 3D)
-      for (int64_t s = 0; s < ns; ++s) keep_qkv(a, t.qkv, s * L, n0 + s, 0, L);
+      for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.qkv_out, t.qkv, s * L, n0 + s, 0, L);
       t.o.resize(rows, D);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t h = 0; h < a.heads; ++h) attend(a, t.qkv, s * L, L, n0 + s, h, 0, L, t, t.o);
-      for (int64_t s = 0; s < ns; ++s) keep_o(a, t.o, s * L, n0 + s, 0, L);
+      for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
       // x += o Wout^T + bout, then scatter.
       gemm(t.x, in(t.o), tr(a.wout), 1.0f);
       t.x.rowwise() += a.bout;
@@ -168,7 +163,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
         gemm(qkv.middleRows(r0, rows), in(t.y), tr(a.wqkv));
-        keep_qkv(a, qkv, r0, n, r0, rows);
+        keep_rows(a, a.qkv_out, qkv, r0, n, r0, rows);
       }
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < a.heads * tiles; ++task) {
@@ -179,7 +174,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
         auto xr = x.middleRows(r0, rows);
-        keep_o(a, o, r0, n, r0, rows);
+        keep_rows(a, a.o_out, o, r0, n, r0, rows);
         gemm(xr, in(o.middleRows(r0, rows)), tr(a.wout), 1.0f);
         xr.rowwise() += a.bout;
         for (int64_t r = 0; r < rows; ++r) VecMap(dst + v.offset(n, r0 + r), D) = xr.row(r);
@@ -225,10 +220,7 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
 
 }  // namespace
 
-int64_t saved_o_floats(const AxialParams& p) {
-  const int64_t passes = (int64_t)keeps_attention_output(p.width) + (int64_t)keeps_attention_output(p.height);
-  return passes * p.batch * p.height * p.width * p.dim;
-}
+int64_t saved_o_floats(const AxialParams& p) { return kept_outputs(p).floats; }
 
 Status forward_cpu(const AxialParams& p) {
   if (Status s = validate(p); !s.ok()) return s;
@@ -238,13 +230,9 @@ Status forward_cpu(const AxialParams& p) {
   float* const x1 = p.row_out != nullptr ? p.row_out : p.out;
   const int64_t qkv_floats = 3 * p.batch * p.height * p.width * p.dim;  // a pass's
   float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + qkv_floats : nullptr;
-  const AxisView rv = row_view(p), cv = col_view(p);
-  // saved_o: the passes that keep o, one after another (saved_o_floats).
-  const bool keep_row_o = p.saved_o != nullptr && keeps_attention_output(rv.len);
-  const bool keep_col_o = p.saved_o != nullptr && keeps_attention_output(cv.len);
-  float* const col_o = keep_col_o ? p.saved_o + (keep_row_o ? qkv_floats / 3 : 0) : nullptr;
-  axis_pass(rv, p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv, keep_row_o ? p.saved_o : nullptr);
-  axis_pass(cv, p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv, col_o);
+  const KeptOutputs o = kept_outputs(p);
+  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv, o.row);
+  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv, o.col);
   return Status::Ok();
 }
 

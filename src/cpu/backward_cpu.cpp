@@ -211,6 +211,15 @@ void gather_norm(const AxisView& v, int64_t n0, int64_t ns, int64_t D, float eps
     }
 }
 
+// The block's rows (sequences n0 .. n0 + ns - 1) of a tensor the forward kept, m.cols() floats a
+// position at the position's row index (row_indices: AxialParams::saved_qkv, saved_o), into m.
+void gather_kept(const AxisView& v, int64_t D, int64_t n0, int64_t ns, const float* kept, Mat& m) {
+  const AxisView at = row_indices(v, D);
+  const int64_t L = v.len, width = m.cols();
+  for (int64_t s = 0; s < ns; ++s)
+    for (int64_t l = 0; l < L; ++l) m.row(s * L + l) = ConstVec(kept + at.offset(n0 + s, l) * width, width);
+}
+
 // Query ranges a (sequence, head) of length L is taken in: (rows, L) score tiles that stay in
 // cache where a whole (L, L) one would not, and units that the threads can share when a pass has
 // one long sequence. A function of L alone, so that what is summed in which order (dk and dv add
@@ -358,11 +367,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       if (attend) {
         gather_norm(v, n0, ns, D, eps, w, src, t);
         t.qkv.resize(rows, 3 * D);
-        if (qkv_in != nullptr) {  // the forward's, a row of 3D floats a position (row_indices)
-          const AxisView at = row_indices(v, D);
-          for (int64_t s = 0; s < ns; ++s)
-            for (int64_t l = 0; l < L; ++l)
-              t.qkv.row(s * L + l) = ConstVec(qkv_in + at.offset(n0 + s, l) * 3 * D, 3 * D);
+        if (qkv_in != nullptr) {
+          gather_kept(v, D, n0, ns, qkv_in, t.qkv);
         } else {
           for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
             gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
@@ -370,11 +376,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         }
       }
       t.o.resize(rows, D);
-      if (want_out && o_in != nullptr) {  // the forward's, a row of D floats a position
-        const AxisView at = row_indices(v, D);
-        for (int64_t s = 0; s < ns; ++s)
-          for (int64_t l = 0; l < L; ++l) t.o.row(s * L + l) = ConstVec(o_in + at.offset(n0 + s, l) * D, D);
-      }
+      if (want_out && o_in != nullptr) gather_kept(v, D, n0, ns, o_in, t.o);
       if (want_dqkv) {
         t.dO.resize(rows, D);
         for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
@@ -579,17 +581,13 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   // The forward's q, k, v of each pass, where kept (the row pass's first).
   const float* const row_qkv = p.saved_qkv;
   const float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + 3 * T * D : nullptr;
-  // and their attention outputs, where the forward kept them (one after another: saved_o_floats)
-  const bool row_keeps_o = keeps_attention_output(rv.len);
-  const float* const row_o = row_keeps_o ? p.saved_o : nullptr;
-  const float* const col_o =
-      p.saved_o != nullptr && keeps_attention_output(cv.len) ? p.saved_o + (row_keeps_o ? T * D : 0) : nullptr;
+  const KeptOutputs o = kept_outputs(p);  // and their attention outputs, where kept
   backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1, col_qkv,
-                col_o);
+                o.col);
   x1_scratch.reset();
   if (want_row)
     backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0, row_qkv,
-                  row_o);
+                  o.row);
   return Status::Ok();
 }
 

@@ -10,6 +10,7 @@
 #include <Eigen/Core>
 
 #include "../common/dropout.h"
+#include "fastaxial/fastaxial.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -58,6 +59,26 @@ inline double pass_flops(int64_t T, int64_t L, int64_t D) { return (double)T * (
 // (saved_o_floats).
 constexpr int64_t kKeepAttentionOutputMinLen = 128;
 inline bool keeps_attention_output(int64_t L) { return L >= kKeepAttentionOutputMinLen; }
+
+// Where each pass's attention output lies in p.saved_o: the keeping passes' outputs one after
+// another, the row pass's (sequences of W) first, then the column pass's (of H). Null for a pass
+// that does not keep it, and for both without saved_o; `floats`, what the kept ones take.
+struct KeptOutputs {
+  float* row = nullptr;
+  float* col = nullptr;
+  int64_t floats = 0;
+};
+inline KeptOutputs kept_outputs(const AxialParams& p) {
+  const int64_t pass_floats = p.batch * p.height * p.width * p.dim;
+  const bool row = keeps_attention_output(p.width), col = keeps_attention_output(p.height);
+  KeptOutputs k;
+  k.floats = ((int64_t)row + (int64_t)col) * pass_floats;
+  if (p.saved_o != nullptr) {
+    if (row) k.row = p.saved_o;
+    if (col) k.col = p.saved_o + (row ? pass_floats : 0);
+  }
+  return k;
+}
 
 // The dropout multipliers (0 or 1 / (1 - p)) of sequence n, head h of `pass` (0 rows, 1
 // columns), queries r0 .. r0 + rows - 1 (all L keys), into m, (rows, L): row-major, so the
