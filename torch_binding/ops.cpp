@@ -238,6 +238,10 @@ TORCH_LIBRARY(fastaxial, m) {
   // What the CPU kernels' products run on: "blas" (the MKL sgemm_ that PyTorch runs on, one thread a
   // call, ops_cpu.cpp) or "eigen" (Eigen's own GEMM).
   m.def("cpu_blas() -> str", []() { return std::string(fastaxial::cpu_sgemm() != nullptr ? "blas" : "eigen"); });
+  // The CPU training forward keeps freed `saved` buffers for the next step (ops_cpu.cpp,
+  // SavedCache): empty_cpu_cache frees them (the bytes freed), cpu_cache_bytes says what it holds.
+  m.def("empty_cpu_cache() -> int", &fastaxial::torch_binding::empty_cpu_cache);
+  m.def("cpu_cache_bytes() -> int", &fastaxial::torch_binding::cpu_cache_bytes);
   // Debugging and tests: the multipliers (0 or 1 / (1 - dropout)) of one pass's dropout mask
   // (pass 0: rows, 1: columns), (N, num_heads, L, L) float32 on the CPU, for x of shape
   // (batch, height, width, .) and the seed and offset a training forward keeps (the last 16 bytes

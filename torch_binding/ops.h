@@ -66,4 +66,9 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
                 int64_t num_heads, double eps, double dropout,
                 const std::optional<at::Tensor>& rng_state = std::nullopt);
 
+// The CPU training forward's cache of `saved` buffers (ops_cpu.cpp, SavedCache): frees what it
+// holds and returns the bytes freed; the bytes it holds.
+int64_t empty_cpu_cache();
+int64_t cpu_cache_bytes();
+
 }  // namespace fastaxial::torch_binding

@@ -16,11 +16,13 @@
 #include <ATen/core/Generator.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <array>
 #include <cstdlib>
 #include <cstring>
+#include <list>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -97,6 +99,90 @@ CpuSaved cpu_saved(const AxialParams& p) {
   return {p.batch * p.height * p.width * p.dim, saved_o_floats(p)};
 }
 
+// The training forward's `saved` buffers, kept when freed for the next training forward of the same
+// size. A training step frees its `saved` when its backward is done, and the next step's forward
+// asks for as many floats again. Buffers that large (tens of MB and up: glibc's malloc maps them
+// itself above 32 MB) go back to the system at each free, and the next step's first touch faults
+// in and zeroes every page again: at (64, 32, 32, 32, 2) on 2 threads that doubled the training
+// forward (perf notes v69). The cache holds at most kMaxCachedBytes, the most recently freed
+// buffers first; fastaxial.ops.empty_cpu_cache() hands them back (torch.cuda.empty_cache's
+// counterpart). What a buffer held before is never read: the forward writes all of `saved`.
+class SavedCache {
+ public:
+  static constexpr size_t kMinBytes = size_t{1} << 20;          // smaller ones: malloc's own reuse
+  static constexpr size_t kMaxCachedBytes = size_t{2} << 30;     // 2 GiB
+  static constexpr size_t kAlign = 64;
+
+  // A float32 CPU tensor of `floats` elements, on a cached buffer of its size where there is one.
+  at::Tensor empty(int64_t floats, const at::TensorOptions& options) {
+    const size_t bytes = static_cast<size_t>(floats) * sizeof(float);
+    if (bytes < kMinBytes) return at::empty({floats}, options);
+    void* ptr = take(bytes);
+    if (ptr == nullptr) ptr = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+    TORCH_CHECK(ptr != nullptr, "fastaxial.axial_attention_training (CPU): out of memory allocating ", bytes,
+                " bytes for the backward's saved activations");
+    return at::from_blob(ptr, {floats}, [this, bytes](void* p) { give_back(p, bytes); }, options);
+  }
+  // Frees every cached buffer; the bytes freed.
+  size_t clear() {
+    std::list<Entry> drop;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      drop.swap(free_);
+      cached_ = 0;
+    }
+    size_t bytes = 0;
+    for (const Entry& e : drop) bytes += e.bytes, std::free(e.ptr);
+    return bytes;
+  }
+  size_t cached_bytes() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return cached_;
+  }
+
+ private:
+  struct Entry {
+    void* ptr;
+    size_t bytes;
+  };
+  void* take(size_t bytes) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it)  // the most recently freed first
+      if (it->bytes == bytes) {
+        void* ptr = it->ptr;
+        cached_ -= bytes;
+        free_.erase(std::next(it).base());
+        return ptr;
+      }
+    return nullptr;
+  }
+  void give_back(void* ptr, size_t bytes) {
+    std::list<Entry> evicted;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (bytes > kMaxCachedBytes) {
+        evicted.push_back({ptr, bytes});
+      } else {
+        free_.push_back({ptr, bytes});
+        cached_ += bytes;
+        while (cached_ > kMaxCachedBytes) {  // the least recently freed go
+          cached_ -= free_.front().bytes;
+          evicted.splice(evicted.end(), free_, free_.begin());
+        }
+      }
+    }
+    for (const Entry& e : evicted) std::free(e.ptr);
+  }
+  std::mutex mutex_;
+  std::list<Entry> free_;  // oldest first
+  size_t cached_ = 0;
+};
+// Never destroyed: a tensor freed during the process's exit may still give its buffer back.
+SavedCache& saved_cache() {
+  static SavedCache* cache = new SavedCache;
+  return *cache;
+}
+
 // out = the forward of the call, in the caller's dtype; the dropout state drawn into *p; where
 // `saved` is given (CpuSaved), x1 and the passes' q, k, v and o kept there.
 at::Tensor forward(const Call& c, const std::optional<at::Tensor>& rng_state, AxialParams* p, const char* op,
@@ -133,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
   Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout, rng_state);
   const CpuSaved layout = cpu_saved(c.params());
-  at::Tensor saved = at::empty({layout.floats()}, c.x.options());  // float32, as c.x
+  at::Tensor saved = saved_cache().empty(layout.floats(), c.x.options());  // float32, as c.x
   AxialParams p;
   at::Tensor out = forward(c, rng_state, &p, "fastaxial.axial_attention_training", saved.data_ptr<float>());
   const int64_t sizes[4] = {c.x.size(0), c.x.size(1), c.x.size(2), c.x.size(3)};
@@ -185,6 +271,10 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
 }
 
 }  // namespace
+
+int64_t empty_cpu_cache() { return static_cast<int64_t>(saved_cache().clear()); }
+int64_t cpu_cache_bytes() { return static_cast<int64_t>(saved_cache().cached_bytes()); }
+
 }  // namespace fastaxial::torch_binding
 
 TORCH_LIBRARY_IMPL(fastaxial, CPU, m) {

@@ -204,6 +204,20 @@ def cpu_blas():
     return torch.ops.fastaxial.cpu_blas()
 
 
+def empty_cpu_cache():
+    """Frees the buffers the CPU training forward keeps for the next step, and returns the bytes freed.
+    A CPU training step's saved activations (1 MB and more) go to a cache when its backward is done,
+    and the next training forward of the same shape takes them back: fresh memory of that size is
+    faulted in and zeroed page by page on every step otherwise. The cache holds at most 2 GiB (the
+    most recently freed buffers); this is its torch.cuda.empty_cache()."""
+    return torch.ops.fastaxial.empty_cpu_cache()
+
+
+def cpu_cache_bytes():
+    """The bytes that the CPU training forward's cache of freed buffers holds (empty_cpu_cache)."""
+    return torch.ops.fastaxial.cpu_cache_bytes()
+
+
 def dropout_state(saved):
     """The dropout mask's (seed, offset) that a training forward used, from its `saved` (the
     output of axial_attention_training on either device: its last 16 bytes), as two Python ints."""

@@ -274,3 +274,34 @@ def test_cpu_backward_refuses_a_saved_of_another_layout():
     with pytest.raises(ValueError, match=rf"must be axial_attention_training's for these inputs \({saved.numel()} "
                                          rf"float32 .*got {old.numel()} Float"):
         torch.ops.fastaxial.axial_attention_backward(torch.randn_like(x), x, *w, 2, 1e-5, [True] * 11, old, 0.0)
+
+
+def test_cpu_saved_cache_reuses_buffers_and_never_reads_their_old_contents():
+    """The CPU training forward's `saved` (1 MB and more) goes back to a cache when freed and the next
+    training forward of its size takes it (ops_cpu.cpp, SavedCache): a step on a buffer poisoned
+    with NaN gives the same bits as a step on a fresh one, and empty_cpu_cache hands the buffers back."""
+    torch.manual_seed(0)
+    w = [p.detach() for p in fastaxial.AxialAttentionReference(32, 2, 16, 40).weights()]
+    x, g = torch.randn(8, 16, 40, 32), torch.randn(8, 16, 40, 32)  # `saved`: 7 x 163840 floats, 4.6 MB
+
+    def step():
+        out, saved = torch.ops.fastaxial.axial_attention_training(x, *w, 2, 1e-5, 0.0, None)
+        grads = torch.ops.fastaxial.axial_attention_backward(g, x, *w, 2, 1e-5, [True] * 11, saved, 0.0)
+        return out, grads, saved
+
+    fastaxial.ops.empty_cpu_cache()
+    assert fastaxial.ops.cpu_cache_bytes() == 0
+    fresh_out, fresh_grads, saved = step()
+    nbytes, address = saved.numel() * 4, saved.data_ptr()
+    saved.fill_(float("nan"))
+    del saved  # back to the cache
+    assert fastaxial.ops.cpu_cache_bytes() == nbytes
+    out, grads, saved = step()
+    assert saved.data_ptr() == address  # the poisoned buffer, taken back
+    assert fastaxial.ops.cpu_cache_bytes() == 0
+    assert torch.equal(out, fresh_out)
+    for got, want in zip(grads, fresh_grads):
+        assert torch.equal(got, want)
+    del saved
+    assert fastaxial.ops.empty_cpu_cache() == nbytes
+    assert fastaxial.ops.cpu_cache_bytes() == 0
