@@ -91,6 +91,7 @@ Blocking blocking(const AxisView& v) {
 struct HeadScratch {
   Mat s, dp;
   Mat part;   // one query range's dk or dv, (L, hd), where a head is taken in ranges
+  Mat part_t; // the same transposed, (hd, L), as its product writes it
   Mat m, pd;  // dropout: the (L, L) multipliers M c of one (sequence, head), and Pd = P o M c
   Eigen::VectorXf delta;
 };
@@ -225,7 +226,7 @@ void gather_kept(const AxisView& v, int64_t D, int64_t n0, int64_t ns, const flo
 // one long sequence. A function of L alone, so that what is summed in which order (dk and dv add
 // the ranges' parts in range order) does not depend on the thread count: ranges of 64 queries or
 // more, at most 16; one below 128 positions.
-int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, L / 64); }
+int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, std::max<int64_t>(1, L / 64)); }
 
 // softmax(scale * t.s) row by row, in place, max-subtracted as in the forward.
 void softmax_rows(Mat& s, float scale) {
@@ -415,11 +416,15 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         Mat& dk_part = keep && r > 0 ? t.parts[2 * (i * R + r) + 1] : hs.part;
         const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
         const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
+        // The range's part of dV = P^T dO, computed as dV^T = dO^T P (hd, L) and added transposed:
+        // MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69).
+        gemm(hs.part_t, tr(dO), in(p));
         if (r == 0) {
-          gemm(dv, tr(p), in(dO));
+          dv = hs.part_t.transpose();
+        } else if (keep) {
+          dv_part = hs.part_t.transpose();
         } else {
-          gemm(dv_part, tr(p), in(dO));
-          if (!keep) dv += dv_part;
+          dv += hs.part_t.transpose();
         }
         gemm(hs.dp, in(dO), tr(val));   // dP = dO V^T (dPd with dropout)
         if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
@@ -431,11 +436,13 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         // dS (of the scaled scores) times the scale: both dQ and dK carry it.
         hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
         gemm(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
-        if (r == 0) {                                                    // dK = dS^T Q
-          gemm(dk, tr(hs.dp), in(q));
+        gemm(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
+        if (r == 0) {
+          dk = hs.part_t.transpose();
+        } else if (keep) {
+          dk_part = hs.part_t.transpose();
         } else {
-          gemm(dk_part, tr(hs.dp), in(q));
-          if (!keep) dk += dk_part;
+          dk += hs.part_t.transpose();
         }
       });
       if (keep) {  // each element's parts in range order, (item, row tile) pairs across the threads
