@@ -5,14 +5,16 @@
 // block's rows (strided for columns, so no permuted copy), LayerNorm, one QKV
 // matrix product for the whole block, softmax attention per sequence and
 // head, one output-projection product, add the residual, scatter back.
-// Memory per thread is one block's worth ((rows, 3D) and one (L, L) score
-// matrix), never a tensor of the whole input. Where it has fewer (one long
-// sequence, say), the threads share each sequence in turn: its row tiles,
-// then its (head, query tile) pairs (a (64, L) score tile each), then its
-// row tiles again.
+// Memory per thread is one block's worth ((rows, 3D) and one score tile),
+// never a tensor of the whole input. Where it has fewer (one long sequence,
+// say), the threads share each sequence in turn: its row tiles, then its
+// (head, query tile) pairs, then its row tiles again. A score tile is (L, L)
+// up to 512 positions; longer sequences are attended 512 keys at a time with
+// each query's running max and sum (online softmax, attend), in tiles of at
+// most (256, 512) that stay in cache.
 //
-// The matrix products go through Eigen: its blocked, vectorised GEMM beats
-// hand loops at these sizes and is header-only. Each sequence is read whole
+// The matrix products go through gemm.h (PyTorch's MKL where the torch
+// module set it, else Eigen's GEMM). Each sequence is read whole
 // before it is written and sequences are disjoint, so the column pass can run
 // in place on the row pass's output.
 //
@@ -39,7 +41,7 @@ using namespace cpu;
 struct Scratch {
   Mat x, y, qkv, o, s;
   Mat m;  // dropout multipliers of one (sequence, head, query range): (queries, L)
-  Eigen::VectorXf sum;  // softmax denominators, one per query
+  Eigen::VectorXf sum, max;  // softmax denominators and running maxima, one per query
 };
 
 // What a pass needs besides its rows.
@@ -75,34 +77,63 @@ void layer_norm_row(const PassArgs& a, const float* src, RowX&& x, RowY&& y) {
   y = ((x.array() - mean) * rstd * a.gamma.array() + a.beta.array()).matrix();
 }
 
+// Keys a score tile holds. A longer sequence is attended kKeyBlock keys at a time, each query
+// keeping its running max and sum (the online softmax): its (queries, kKeyBlock) tiles stay in
+// cache where a (queries, L) one would not, and each product packs a block of k and v where it
+// packed all of them. Up to kKeyBlock keys the code below is the one-block case.
+constexpr int64_t kKeyBlock = 512;
+
 // Rows i0 .. i1 - 1 of head h of o = softmax(q k^T / sqrt(hd)) v for sequence n, whose (L, 3D)
 // qkv rows ([q | k | v], head h at columns h hd of each part) start at row `base` of qkv, into
 // the same rows of o. p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides in the exponent,
-// the division by the row sums on the (rows, hd) result. With dropout the sums are of the
-// undropped probabilities: P = exp / sum, then P o M / (1 - p), M drawn from the query range's
-// first element on (row-major: the (pass, sequence, head)'s L^2 consecutive elements).
+// the division by the row sums on the (rows, hd) result. Over key blocks (kKeyBlock), a block
+// whose scores raise a query's max rescales that query's sum and output so far by
+// exp((old max - new max) / sqrt(hd)) first. With dropout the sums are of the undropped
+// probabilities: P = exp / sum, then P o M / (1 - p), M drawn from element (query, key) on
+// (row-major: the (pass, sequence, head)'s L^2 consecutive elements).
 void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t n, int64_t h, int64_t i0,
             int64_t i1, Scratch& t, Mat& o) {
   const int64_t rows = i1 - i0, hd = a.hd;
   const auto q = qkv.block(base + i0, h * hd, rows, hd);
-  const auto k = qkv.block(base, a.D + h * hd, L, hd);
-  const auto val = qkv.block(base, 2 * a.D + h * hd, L, hd);
-  t.s.resize(rows, L);
-  t.sum.resize(rows);
-  gemm(t.s, in(q), tr(k));  // (rows, L) unscaled scores
-  for (int64_t i = 0; i < rows; ++i) {
-    auto row = t.s.row(i).array();
-    row = ((row - row.maxCoeff()) * a.scale).exp();
-    t.sum(i) = row.sum();
-  }
-  if (a.drop) {
-    fill_mask(*a.drop, a.pass, n, h, L, i0, rows, t.m);
-    t.s.array() *= t.m.array();
-  }
   auto ob = o.block(base + i0, h * hd, rows, hd);
-  gemm(ob, in(t.s), in(val));
+  t.sum.setZero(rows);
+  t.max.resize(rows);
+  for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
+    const int64_t keys = std::min(kKeyBlock, L - j0);
+    const auto k = qkv.block(base + j0, a.D + h * hd, keys, hd);
+    const auto val = qkv.block(base + j0, 2 * a.D + h * hd, keys, hd);
+    gemm(t.s, in(q), tr(k));  // (rows, keys) unscaled scores
+    for (int64_t i = 0; i < rows; ++i) {
+      auto row = t.s.row(i).array();
+      const float block_max = row.maxCoeff();
+      const float m = j0 == 0 ? block_max : std::max(t.max(i), block_max);
+      if (j0 > 0 && m > t.max(i)) {  // rescale what the earlier blocks summed
+        const float c = std::exp((t.max(i) - m) * a.scale);
+        t.sum(i) *= c;
+        ob.row(i) *= c;
+      }
+      row = ((row - m) * a.scale).exp();
+      t.sum(i) += row.sum();
+      t.max(i) = m;
+    }
+    if (a.drop) {
+      if (keys == L) {
+        fill_mask(*a.drop, a.pass, n, h, L, i0, rows, t.m);
+      } else {
+        t.m.resize(rows, keys);
+        for (int64_t i = 0; i < rows; ++i)
+          dropout_row(*a.drop, dropout_element(*a.drop, a.pass, n, h, i0 + i, j0), keys, t.m.row(i).data());
+      }
+      t.s.array() *= t.m.array();
+    }
+    gemm(ob, in(t.s), in(val), j0 == 0 ? 0.0f : 1.0f);
+  }
   ob.array().colwise() /= t.sum.array();
 }
+
+// Queries a score tile of block_pass holds where the keys come in blocks: each product packs its
+// block of k and v once for that many queries.
+constexpr int64_t kQueryTile = 256;
 
 // Many sequences: the team takes blocks of a few sequences, one block a task: gather the block's
 // rows, LayerNorm, one QKV product for the block, attention per sequence and head, one output
@@ -126,8 +157,11 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       gemm(t.qkv, in(t.y), tr(a.wqkv));  // (rows, 3D)
       for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.qkv_out, t.qkv, s * L, n0 + s, 0, L);
       t.o.resize(rows, D);
+      // Queries in tiles of kQueryTile where keys come in blocks: a (kQueryTile, kKeyBlock) score tile.
+      const int64_t qt = L > kKeyBlock ? kQueryTile : L;
       for (int64_t s = 0; s < ns; ++s)
-        for (int64_t h = 0; h < a.heads; ++h) attend(a, t.qkv, s * L, L, n0 + s, h, 0, L, t, t.o);
+        for (int64_t h = 0; h < a.heads; ++h)
+          for (int64_t i0 = 0; i0 < L; i0 += qt) attend(a, t.qkv, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
       for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
       // x += o Wout^T + bout, then scatter.
       gemm(t.x, in(t.o), tr(a.wout), 1.0f);

@@ -54,7 +54,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuForward,
                                            // one long row or column: the threads share the sequence
                                            // (row tiles of 64, the last partial; the column in place)
                                            Shape{1, 1, 300, 32, 2}, Shape{1, 1, 129, 48, 3},
-                                           Shape{1, 200, 1, 16, 2}),
+                                           Shape{1, 200, 1, 16, 2},
+                                           // keys in blocks of 512 (kKeyBlock): one row of 1030
+                                           // (three blocks, the last of 6 keys), three columns of
+                                           // 600 (query tiles of 256 over two key blocks)
+                                           Shape{1, 1, 1030, 16, 2}, Shape{1, 600, 3, 24, 2}),
                          [](const auto& info) { return shape_name(info.param); });
 
 // LayerNorm eps other than the default 1e-5. Each case checks first that

@@ -129,6 +129,9 @@ const PathCase kCases[] = {
     {{1, 1, 520, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
     // One head of 600: its nine query ranges go to the two threads.
     {{1, 1, 600, 16, 1}, 2, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
+    // Three rows of 600 at 2 threads: a block each, a team of two over the blocks, each head's
+    // queries in tiles of 256 over two key blocks (kKeyBlock).
+    {{1, 3, 600, 16, 1}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
     // Two rows of 128 at dim 256: the row pass's weight gradients over the whole pass with its two
     // blocks one after another (four (head, range) pairs each) and its row tiles across the threads.
     {{1, 2, 128, 256, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},

@@ -350,7 +350,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuDropoutForward,
                                                               Shape{1, 7, 1, 32, 4}, Shape{2, 5, 9, 64, 8},
                                                               Shape{1, 8, 3, 128, 4}, Shape{3, 16, 16, 64, 4},
                                                               Shape{1, 33, 17, 96, 3}, Shape{1, 1, 300, 32, 2},
-                                                              Shape{1, 150, 1, 16, 2}),
+                                                              Shape{1, 150, 1, 16, 2},
+                                                              // the mask of key blocks (kKeyBlock 512)
+                                                              Shape{1, 1, 1030, 16, 2}, Shape{1, 600, 2, 8, 1}),
                                             ::testing::Values(0.1f, 0.5f, 1.0f)),
                          rate_case_name);
 
