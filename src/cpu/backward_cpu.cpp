@@ -90,8 +90,7 @@ Blocking blocking(const AxisView& v) {
 // Per-thread scratch of one (sequence, head).
 struct HeadScratch {
   Mat s, dp;
-  Mat part;   // one query range's dk or dv, (L, hd), where a head is taken in ranges
-  Mat part_t; // the same transposed, (hd, L), as its product writes it
+  Mat part_t;  // one query range's part of dk or dv, transposed (hd, L), as its product writes it
   Mat m, pd;  // dropout: the (L, L) multipliers M c of one (sequence, head), and Pd = P o M c
   Eigen::VectorXf delta;
 };
@@ -411,21 +410,19 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         if (!want_dqkv) return;
         auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
         auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
-        // Range r > 0's parts of dv and dk: kept (spread) or added at once (in range order either way).
-        Mat& dv_part = keep && r > 0 ? t.parts[2 * (i * R + r)] : hs.part;
-        Mat& dk_part = keep && r > 0 ? t.parts[2 * (i * R + r) + 1] : hs.part;
+        // The range's part of dv (which 0) or dk (1), in hs.part_t transposed: the head's sum itself
+        // (r = 0), kept in t.parts (spread), or added at once (in range order either way).
+        auto place = [&](auto&& sum, int64_t which) {
+          if (r == 0) sum = hs.part_t.transpose();
+          else if (keep) t.parts[2 * (i * R + r) + which] = hs.part_t.transpose();
+          else sum += hs.part_t.transpose();
+        };
         const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
         const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
         // The range's part of dV = P^T dO, computed as dV^T = dO^T P (hd, L) and added transposed:
         // MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69).
         gemm(hs.part_t, tr(dO), in(p));
-        if (r == 0) {
-          dv = hs.part_t.transpose();
-        } else if (keep) {
-          dv_part = hs.part_t.transpose();
-        } else {
-          dv += hs.part_t.transpose();
-        }
+        place(dv, 0);
         gemm(hs.dp, in(dO), tr(val));   // dP = dO V^T (dPd with dropout)
         if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
         // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
@@ -437,13 +434,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
         gemm(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
         gemm(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
-        if (r == 0) {
-          dk = hs.part_t.transpose();
-        } else if (keep) {
-          dk_part = hs.part_t.transpose();
-        } else {
-          dk += hs.part_t.transpose();
-        }
+        place(dk, 1);
       });
       if (keep) {  // each element's parts in range order, (item, row tile) pairs across the threads
         const int64_t tiles = (L + kRowTile - 1) / kRowTile;
