@@ -112,8 +112,7 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
         t.sum(i) *= c;
         ob.row(i) *= c;
       }
-      row = ((row - m) * a.scale).exp();
-      t.sum(i) += row.sum();
+      t.sum(i) += exp_and_sum(t.s.row(i).data(), keys, m, a.scale);
       t.max(i) = m;
     }
     if (a.drop) {

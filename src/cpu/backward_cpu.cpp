@@ -230,9 +230,8 @@ int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, std
 // softmax(scale * t.s) row by row, in place, max-subtracted as in the forward.
 void softmax_rows(Mat& s, float scale) {
   for (int64_t i = 0; i < s.rows(); ++i) {
-    auto row = s.row(i).array();
-    row = ((row - row.maxCoeff()) * scale).exp();
-    row /= row.sum();
+    auto row = s.row(i);
+    row.array() /= exp_and_sum(row.data(), row.size(), row.maxCoeff(), scale);
   }
 }
 

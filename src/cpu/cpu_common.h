@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -78,6 +79,56 @@ inline KeptOutputs kept_outputs(const AxialParams& p) {
     if (col) k.col = p.saved_o + (row ? pass_floats : 0);
   }
   return k;
+}
+
+// exp(x) for a packet of x <= 0 (the softmax's (score - max) * scale): the polynomial of Eigen's
+// pexp (cephes), with 2^m built from its exponent bits in place of Eigen's general ldexp, three
+// dependent multiplies a packet that bound the softmax (perf notes v70). x is clamped at -87.33, so
+// m >= -126 and 2^m is a normal float: below it exp(x) < 1.2e-38, which no fp32 row sum holding
+// its max's 1 can see. NaN stays NaN (through the polynomial).
+template <class P>
+inline P pexp_nonpositive(const P& x_in) {
+  namespace ei = Eigen::internal;
+  using PI = typename ei::unpacket_traits<P>::integer_packet;
+  const P x = ei::pmax(x_in, ei::pset1<P>(-87.33f));  // (x_in first: a NaN x_in stays)
+  const P m = ei::pfloor(ei::pmadd(x, ei::pset1<P>(1.44269504088896341f), ei::pset1<P>(0.5f)));
+  P r = ei::pmadd(m, ei::pset1<P>(-0.693359375f), x);
+  r = ei::pmadd(m, ei::pset1<P>(2.12194440e-4f), r);
+  const P r2 = ei::pmul(r, r), r3 = ei::pmul(r2, r);
+  P y = ei::pmadd(ei::pset1<P>(1.9875691500e-4f), r, ei::pset1<P>(1.3981999507e-3f));
+  P y1 = ei::pmadd(ei::pset1<P>(4.1665795894e-2f), r, ei::pset1<P>(1.6666665459e-1f));
+  const P y2 = ei::padd(r, ei::pset1<P>(1.0f));
+  y = ei::pmadd(y, r, ei::pset1<P>(8.3334519073e-3f));
+  y1 = ei::pmadd(y1, r, ei::pset1<P>(5.0000001201e-1f));
+  y = ei::pmadd(y, r3, y1);
+  y = ei::pmadd(y, r2, y2);
+  const PI e = ei::padd(ei::pcast<P, PI>(m), ei::pset1<PI>(127));
+  return ei::pmul(y, ei::preinterpret<P>(ei::plogical_shift_left<23>(e)));
+}
+
+// row[j] = exp((row[j] - max) * scale) for j < n, max at least every row[j]; returns their sum, in
+// an order that depends on n alone.
+inline float exp_and_sum(float* row, int64_t n, float max, float scale) {
+  namespace ei = Eigen::internal;
+  using P = ei::packet_traits<float>::type;
+  constexpr int64_t W = ei::packet_traits<float>::size;
+  const P pmax = ei::pset1<P>(max), pscale = ei::pset1<P>(scale);
+  P acc0 = ei::pset1<P>(0.0f), acc1 = acc0;
+  const int64_t body = n / (2 * W) * (2 * W);  // two packets at a time, then one by one
+  for (int64_t j = 0; j < body; j += 2 * W) {
+    const P a = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j), pmax), pscale));
+    const P b = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j + W), pmax), pscale));
+    ei::pstoreu(row + j, a);
+    ei::pstoreu(row + j + W, b);
+    acc0 = ei::padd(acc0, a);
+    acc1 = ei::padd(acc1, b);
+  }
+  float sum = ei::predux(ei::padd(acc0, acc1));
+  for (int64_t j = body; j < n; ++j) {
+    row[j] = std::exp((row[j] - max) * scale);
+    sum += row[j];
+  }
+  return sum;
 }
 
 // The dropout multipliers (0 or 1 / (1 - p)) of sequence n, head h of `pass` (0 rows, 1
