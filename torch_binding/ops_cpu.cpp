@@ -118,7 +118,9 @@ class SavedCache {
     const size_t bytes = static_cast<size_t>(floats) * sizeof(float);
     if (bytes < kMinBytes) return at::empty({floats}, options);
     void* ptr = take(bytes);
-    if (ptr == nullptr) ptr = std::aligned_alloc(kAlign, (bytes + kAlign - 1) / kAlign * kAlign);
+    const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    if (ptr == nullptr) ptr = std::aligned_alloc(kAlign, rounded);
+    if (ptr == nullptr && clear() > 0) ptr = std::aligned_alloc(kAlign, rounded);  // the cache's room first
     TORCH_CHECK(ptr != nullptr, "fastaxial.axial_attention_training (CPU): out of memory allocating ", bytes,
                 " bytes for the backward's saved activations");
     return at::from_blob(ptr, {floats}, [this, bytes](void* p) { give_back(p, bytes); }, options);
@@ -156,14 +158,20 @@ class SavedCache {
       }
     return nullptr;
   }
-  void give_back(void* ptr, size_t bytes) {
+  // A tensor's deleter, which must not throw: a buffer the list cannot take is freed.
+  void give_back(void* ptr, size_t bytes) noexcept {
     std::list<Entry> evicted;
+    bool kept = false;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
-      if (bytes > kMaxCachedBytes) {
-        evicted.push_back({ptr, bytes});
-      } else {
-        free_.push_back({ptr, bytes});
+      if (bytes <= kMaxCachedBytes) {
+        try {
+          free_.push_back({ptr, bytes});
+          kept = true;
+        } catch (...) {  // (no memory for the list's node)
+        }
+      }
+      if (kept) {
         cached_ += bytes;
         while (cached_ > kMaxCachedBytes) {  // the least recently freed go
           cached_ -= free_.front().bytes;
@@ -171,6 +179,7 @@ class SavedCache {
         }
       }
     }
+    if (!kept) std::free(ptr);
     for (const Entry& e : evicted) std::free(e.ptr);
   }
   std::mutex mutex_;

@@ -173,7 +173,7 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
 }
 
 // Rows a task of few_sequences_pass: LayerNorm and the products kRowTile rows at a time, the
-// attention kRowTile queries of one head at a time (the score tile (kRowTile, L) stays in cache).
+// attention kRowTile queries of one head at a time (a score tile of (kRowTile, min(L, kKeyBlock))).
 // Fixed, so the result does not depend on the number of threads.
 constexpr int64_t kRowTile = 64;
 

@@ -24,7 +24,7 @@
 // The mask is drawn again from (seed, offset, element), the forward's: nothing of it is stored.
 // With p.dropout = 0 none of this code runs.
 // Recomputing the scores costs one (L, L, hd) product per head more than keeping P would,
-// but keeps memory per thread at one block's worth and one (L, L) matrix, as in the forward.
+// but keeps memory per thread at one block's worth and one (queries, L) tile of a head.
 //
 // Weight gradients are sums over every position. For determinism without atomics the
 // sequences are cut into at most kMaxChunks chunks of consecutive blocks; one thread walks
@@ -225,9 +225,10 @@ void gather_kept(const AxisView& v, int64_t D, int64_t n0, int64_t ns, const flo
 // one long sequence. A function of L alone, so that what is summed in which order (dk and dv add
 // the ranges' parts in range order) does not depend on the thread count: ranges of 64 queries or
 // more, at most 16; one below 128 positions.
-int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, std::max<int64_t>(1, L / 64)); }
+int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, L / 64); }
 
-// softmax(scale * t.s) row by row, in place, max-subtracted as in the forward.
+// softmax(scale * t.s) row by row, in place, each row less its max (the forward subtracts its
+// running max over key blocks past 512 positions: the same probabilities, not the same bits).
 void softmax_rows(Mat& s, float scale) {
   for (int64_t i = 0; i < s.rows(); ++i) {
     auto row = s.row(i);

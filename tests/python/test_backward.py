@@ -281,8 +281,9 @@ def test_cpu_saved_cache_reuses_buffers_and_never_reads_their_old_contents():
     training forward of its size takes it (ops_cpu.cpp, SavedCache): a step on a buffer poisoned
     with NaN gives the same bits as a step on a fresh one, and empty_cpu_cache hands the buffers back."""
     torch.manual_seed(0)
-    w = [p.detach() for p in fastaxial.AxialAttentionReference(32, 2, 16, 40).weights()]
-    x, g = torch.randn(8, 16, 40, 32), torch.randn(8, 16, 40, 32)  # `saved`: 7 x 163840 floats, 4.6 MB
+    # Rows of 130: the row pass keeps its attention output too (8 floats an element of x, 4.3 MB).
+    w = [p.detach() for p in fastaxial.AxialAttentionReference(32, 2, 8, 130).weights()]
+    x, g = torch.randn(4, 8, 130, 32), torch.randn(4, 8, 130, 32)
 
     def step():
         out, saved = torch.ops.fastaxial.axial_attention_training(x, *w, 2, 1e-5, 0.0, None)
@@ -293,6 +294,7 @@ def test_cpu_saved_cache_reuses_buffers_and_never_reads_their_old_contents():
     assert fastaxial.ops.cpu_cache_bytes() == 0
     fresh_out, fresh_grads, saved = step()
     nbytes, address = saved.numel() * 4, saved.data_ptr()
+    assert saved.numel() == 8 * x.numel() + 12
     saved.fill_(float("nan"))
     del saved  # back to the cache
     assert fastaxial.ops.cpu_cache_bytes() == nbytes
