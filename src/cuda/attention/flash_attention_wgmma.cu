@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int NT = BN / 8, NO = HDP / 2;  // key n-tiles, o accumulators
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   extern __shared__ float4 smem4[];
-  const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
+  const uint32_t raw = smem_addr(smem4), base = align_1024(raw);
   char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
   float* qs = reinterpret_cast<float*>(sm + Tile::q_off);       // q buffer b at + b BM LD: (BM, HDP), stride LD
   float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);   // stage s: k rows, then v rows, stride LD
@@ -127,8 +127,6 @@ __global__ void __launch_bounds__(256, 1)
   const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, 1, BN);
   const int64_t steps = unit_at.count * unit_at.tiles, row_words = unit_at.row_words;
   const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
-  using RowsQ = std::integral_constant<int, BM>;
-  using RowsKV = std::integral_constant<int, BN>;
   // The copies run ahead of the products: the next step to copy is tile cj of this block's unit
   // ci (cu), step cs. copy_next brings its raw k and v rows into stage cs % 2, and with a unit's
   // first tile its q (buffer ci % 2), then moves on (the unit's sizes computed once a unit).
@@ -137,10 +135,10 @@ __global__ void __launch_bounds__(256, 1)
   const auto copy_next = [&]() {
     const FlashUnit& cu = copy.cur;
     if (copy.first())
-      copy_rows(RowsQ(), base + Tile::q_off + (uint32_t)((copy.ui & 1) * BM * LD * 4), cu.qg, row_words, cu.q0);
+      copy_rows(Rows<BM>(), base + Tile::q_off + (uint32_t)((copy.ui & 1) * BM * LD * 4), cu.qg, row_words, cu.q0);
     const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
-    copy_rows(RowsKV(), d, cu.qg + a.D, row_words, copy.j * BN);
-    copy_rows(RowsKV(), d + Tile::raw_k, cu.qg + 2 * a.D, row_words, copy.j * BN);
+    copy_rows(Rows<BN>(), d, cu.qg + a.D, row_words, copy.j * BN);
+    copy_rows(Rows<BN>(), d + Tile::raw_k, cu.qg + 2 * a.D, row_words, copy.j * BN);
     copy_async_commit();
     ++cs;
     copy.advance(unit_at, unit_at.count);

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(256, 1)
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   extern __shared__ float4 smem4[];
-  const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
+  const uint32_t raw = smem_addr(smem4), base = align_1024(raw);
   char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
   float* qs = reinterpret_cast<float*>(sm + Tile::q_off);
   float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);  // k rows, then v rows at + BN LD

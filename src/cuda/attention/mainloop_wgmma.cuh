@@ -38,6 +38,10 @@ __device__ __forceinline__ void zero_head_padding(float* qs, int q_rows, float* 
   }
 }
 
+// A row count as a type, HeadRowCopy's first argument: copy_rows(Rows<BM>(), ...).
+template <int N>
+using Rows = std::integral_constant<int, N>;
+
 // cp.async copies by the block's kThreads threads of rows p0 .. p0 + ROWS - 1
 // of a head slice (src: its row 0; a position ps rows of `words` floats
 // further) into shared memory at dst (row stride LD); positions >= L as
@@ -50,7 +54,7 @@ struct HeadRowCopy {
   int tid;
 
   template <int ROWS>
-  __device__ __forceinline__ void operator()(std::integral_constant<int, ROWS>, uint32_t dst, const float* src,
+  __device__ __forceinline__ void operator()(Rows<ROWS>, uint32_t dst, const float* src,
                                              int64_t words, int p0) const {
     const auto at = [&](int l, int c) { return src + l * ps * words + c; };
     copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, fill, tid, kThreads);

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int NT = BN / 8, NO = HDP / 2;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   extern __shared__ float4 smem4[];
-  const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
+  const uint32_t raw = smem_addr(smem4), base = align_1024(raw);
   char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
   float* qs = reinterpret_cast<float*>(sm + Tile::q_off);
   float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);
@@ -111,8 +111,6 @@ __global__ void __launch_bounds__(256, 1)
   const BlockUnits<BM, AttentionBackwardKernelArgs> unit_at(a, q_tiles, 1, BN);
   const int64_t steps = unit_at.count * unit_at.tiles, W = unit_at.row_words;
   const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
-  using RowsQ = std::integral_constant<int, BM>;
-  using RowsKV = std::integral_constant<int, BN>;
   // The copy cursor, as in the forward's kernel (flash_parts.cuh), at step cs.
   StepCursor copy(unit_at);
   int64_t cs = 0;
@@ -120,13 +118,13 @@ __global__ void __launch_bounds__(256, 1)
     const FlashUnit& cu = copy.cur;
     if (copy.first()) {
       const uint32_t qd = base + Tile::q_off + (uint32_t)((copy.ui & 1) * 2 * Tile::unit_q);
-      copy_rows(RowsQ(), qd, cu.qg, W, cu.q0);
-      copy_rows(RowsQ(), qd + Tile::unit_q, a.d_o + cu.seq * a.D + cu.col, a.D, cu.q0);
+      copy_rows(Rows<BM>(), qd, cu.qg, W, cu.q0);
+      copy_rows(Rows<BM>(), qd + Tile::unit_q, a.d_o + cu.seq * a.D + cu.col, a.D, cu.q0);
     }
     const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
     const float* kg = cu.qg + a.D;
-    copy_rows(RowsKV(), d, kg, W, copy.j * BN);
-    copy_rows(RowsKV(), d + Tile::raw_k, kg + a.D, W, copy.j * BN);
+    copy_rows(Rows<BN>(), d, kg, W, copy.j * BN);
+    copy_rows(Rows<BN>(), d + Tile::raw_k, kg + a.D, W, copy.j * BN);
     copy_async_commit();
     ++cs;
     copy.advance(unit_at, unit_at.count);

@@ -12,6 +12,10 @@ namespace fastaxial::cuda {
 // p (in shared memory) as a shared-space address, as cp.async and wgmma's descriptors take it.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
+// The first 1024-byte boundary at or after a shared-space address: where swizzled tiles (wgmma's
+// operands) start in a kernel's dynamic shared memory.
+__device__ __forceinline__ uint32_t align_1024(uint32_t smem) { return (smem + 1023) & ~1023u; }
+
 // 4 bytes from global memory at src to shared memory at dst (a shared-space
 // address); with src_bytes = 0 nothing is read and the word is zeroed.
 __device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {

@@ -284,9 +284,8 @@ __global__ void __launch_bounds__(Tiling<CW, BN>::kThreads, 1) gemm_tf32x3_kerne
 #if FASTAXIAL_SM90A_DEVICE
   using Tl = Tiling<CW, BN>;
   extern __shared__ float4 smem4[];
-  // Swizzled tiles must start on 1024-byte boundaries: base as a shared
-  // address (descriptors, copies) and as a pointer (A fragment loads).
-  const uint32_t raw = smem_addr(smem4), base = (raw + 1023) & ~1023u;
+  // Swizzled tiles start at base: a shared address (descriptors, copies) and a pointer (A fragment loads).
+  const uint32_t raw = smem_addr(smem4), base = align_1024(raw);
   const float* base_ptr = reinterpret_cast<const float*>(smem4) + (base - raw) / 4;
   const uint32_t bars = base + Tl::kBarriers;
   if (threadIdx.x == 0) {

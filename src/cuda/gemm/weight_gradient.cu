@@ -508,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
   extern __shared__ float4 smem4[];
   // B planes must start on 1024-byte boundaries (the swizzle): the stages from base, then the A ring.
   float* const sm = reinterpret_cast<float*>(smem4);
-  const uint32_t raw = smem_addr(sm), base = (raw + 1023) & ~1023u;
+  const uint32_t raw = smem_addr(sm), base = align_1024(raw);
   float* const ring = sm + (base - raw + 2 * Tl::kBStage) / 4;
   // The warpgroup, through a shuffle so that ptxas sees it uniform in the warp: branches on it
   // around wgmma are then not divergent (else ptxas serialises the wgmma, warning C7518).
