@@ -91,13 +91,14 @@ Blocking blocking(const AxisView& v) {
 struct HeadScratch {
   Mat s, dp;
   Mat part_t;  // one query range's part of dk or dv, transposed (hd, L), as its product writes it
+  Mat acc_v, acc_k;  // an item's dv and dk transposed, over its ranges where they run in order
   Mat m, pd;  // dropout: the (L, L) multipliers M c of one (sequence, head), and Pd = P o M c
   Eigen::VectorXf delta;
 };
 
 // How a block's (item, query range) pairs run: one after another on the calling thread; the
 // items across the threads, each item's ranges in order; or the pairs across the threads, each
-// range r > 0 keeping its parts of the item's sums (dk, dv) for the caller to add in range order.
+// range keeping its parts of the item's sums (dk, dv) for the caller to add in range order.
 enum class Spread { kNone, kItems, kPairs };
 
 // Pairs spread where the block loop runs on one thread (`outer_team` == 1: few sequences, one
@@ -140,7 +141,7 @@ void for_ranges(int64_t n, int64_t R, Spread spread, int threads, HeadScratch& o
 struct Scratch {
   Mat x, xhat, y, qkv, o, g, dO, dqkv, dy;
   HeadScratch head;
-  std::vector<Mat> parts;  // dv and dk parts of each (item, query range > 0), where the ranges run side by side
+  std::vector<Mat> parts;  // dv and dk parts of each (item, query range), transposed, where the ranges run side by side
   Eigen::VectorXf rstd;
 };
 
@@ -387,11 +388,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
       // (query_ranges): o and dq row by row; dk and dv, sums over the queries, as the ranges'
       // parts added in range order. Where the pairs run side by side (Spread::kPairs), each
-      // range r > 0 keeps its parts in t.parts, added in range order after them.
+      // range keeps its parts in t.parts, added in range order after them.
       const int64_t R = query_ranges(L), items = ns * heads;
       const Spread spread =
           spread_ranges(team, threads, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
-      const bool keep = spread == Spread::kPairs && want_dqkv;  // ranges r > 0 keep their parts
+      const bool keep = spread == Spread::kPairs && want_dqkv;  // the ranges keep their parts
       if (keep) t.parts.resize(2 * items * R);
       if (attend) for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
@@ -410,19 +411,28 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         if (!want_dqkv) return;
         auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
         auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
-        // The range's part of dv (which 0) or dk (1), in hs.part_t transposed: the head's sum itself
-        // (r = 0), kept in t.parts (spread), or added at once (in range order either way).
-        auto place = [&](auto&& sum, int64_t which) {
-          if (r == 0) sum = hs.part_t.transpose();
-          else if (keep) t.parts[2 * (i * R + r) + which] = hs.part_t.transpose();
-          else sum += hs.part_t.transpose();
+        // The range's part of dv (which 0) or dk (1), in hs.part_t, transposed (hd, L). The parts add
+        // up transposed (contiguous) and the sum is written transposed once: where the ranges run
+        // side by side (keep), each keeps its part in t.parts for the in-order sum below; where they
+        // run in order on this thread, they add up in hs's accumulator, written after the last
+        // range. The same additions in the same order either way.
+        auto place = [&](auto&& sum, int64_t which, Mat& acc) {
+          if (keep) {
+            std::swap(t.parts[2 * (i * R + r) + which], hs.part_t);
+          } else if (R == 1) {
+            sum = hs.part_t.transpose();
+          } else {
+            if (r == 0) acc = hs.part_t;
+            else acc += hs.part_t;
+            if (r == R - 1) sum = acc.transpose();
+          }
         };
         const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
         const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
         // The range's part of dV = P^T dO, computed as dV^T = dO^T P (hd, L) and added transposed:
         // MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69).
         gemm(hs.part_t, tr(dO), in(p));
-        place(dv, 0);
+        place(dv, 0, hs.acc_v);
         gemm(hs.dp, in(dO), tr(val));   // dP = dO V^T (dPd with dropout)
         if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
         // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
@@ -434,16 +444,17 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
         gemm(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
         gemm(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
-        place(dk, 1);
+        place(dk, 1, hs.acc_k);
       });
-      if (keep) {  // each element's parts in range order, (item, row tile) pairs across the threads
+      if (keep) {  // each element's parts in range order, (item, key tile) pairs across the threads
         const int64_t tiles = (L + kRowTile - 1) / kRowTile;
         for_tasks(items * tiles, inner, [&](int64_t task) {
           const int64_t i = task / tiles, s = i / heads, h = i % heads;
           const int64_t l0 = task % tiles * kRowTile, n = std::min(kRowTile, L - l0);
-          for (int64_t r = 1; r < R; ++r) {
-            t.dqkv.block(s * L + l0, 2 * D + h * hd, n, hd) += t.parts[2 * (i * R + r)].middleRows(l0, n);
-            t.dqkv.block(s * L + l0, D + h * hd, n, hd) += t.parts[2 * (i * R + r) + 1].middleRows(l0, n);
+          for (int64_t which = 0; which < 2; ++which) {  // dv (columns 2D + h hd), dk (D + h hd)
+            Mat sum = t.parts[2 * i * R + which].middleCols(l0, n);  // (hd, n)
+            for (int64_t r = 1; r < R; ++r) sum += t.parts[2 * (i * R + r) + which].middleCols(l0, n);
+            t.dqkv.block(s * L + l0, (2 - which) * D + h * hd, n, hd) = sum.transpose();
           }
         });
       }
