@@ -307,3 +307,21 @@ def test_cpu_saved_cache_reuses_buffers_and_never_reads_their_old_contents():
     del saved
     assert fastaxial.ops.empty_cpu_cache() == nbytes
     assert fastaxial.ops.cpu_cache_bytes() == 0
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 8), (1, 2, 128, 8), (1, 128, 2, 8), (1, 127, 130, 8), (1, 128, 128, 8)], ids=str)
+def test_cpu_fake_saved_has_the_kernels_size(shape):
+    """The training operator's fake kernel (python/fastaxial/ops.py) restates the CPU rule for which
+    passes keep their attention output (128 positions or more): its `saved` has the size the CPU
+    kernel's has, with no pass, the row pass, the column pass and both keeping it, at the edge (128)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    torch.manual_seed(0)
+    B, H, W, D = shape
+    w = [p.detach() for p in fastaxial.AxialAttentionReference(D, 2, H, W).weights()]
+    x = torch.randn(B, H, W, D)
+    _, saved = torch.ops.fastaxial.axial_attention_training(x, *w, 2, 1e-5, 0.0, None)
+    with FakeTensorMode() as mode:
+        fake_x, fake_w = mode.from_tensor(x), [mode.from_tensor(t) for t in w]
+        _, fake_saved = torch.ops.fastaxial.axial_attention_training(fake_x, *fake_w, 2, 1e-5, 0.0, None)
+    assert fake_saved.shape == saved.shape
+    assert fake_saved.dtype == saved.dtype == torch.float32
