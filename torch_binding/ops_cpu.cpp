@@ -103,8 +103,8 @@ CpuSaved cpu_saved(const AxialParams& p) {
 // size. A training step frees its `saved` when its backward is done, and the next step's forward
 // asks for as many floats again. Buffers that large (tens of MB and up: glibc's malloc maps them
 // itself above 32 MB) go back to the system at each free, and the next step's first touch faults
-// in and zeroes every page again: at (64, 32, 32, 32, 2) on 2 threads that doubled the training
-// forward (perf notes v69). The cache holds at most kMaxCachedBytes, the most recently freed
+// in and zeroes every page again, as costly as the forward's own work at short sequences (perf
+// notes v69). The cache holds at most kMaxCachedBytes, the most recently freed
 // buffers first; fastaxial.ops.empty_cpu_cache() hands them back (torch.cuda.empty_cache's
 // counterpart). What a buffer held before is never read: the forward writes all of `saved`.
 class SavedCache {

@@ -200,6 +200,19 @@ const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
 //   kWgmmaWide: the same for head dims 49 to 128.
 // kNone: the pass does not run flash attention.
 enum class FlashKernel { kNone, kShort, kMmaSync, kWgmma, kWgmmaWide };
+
+// The attention backward of a pass (CudaBackwardPlan::PassKernels):
+//   kSingleKey:   sequences of one position: one kernel writes dv = d_o (dq = dk = 0);
+//   kTensorCores: dk and dv, then dq, on 3xTF32 mma.sync (dq as below);
+//   kFfma:        the same in plain fp32, where the device's shared memory is too small for
+//                 the tensor-core tiles.
+enum class AttentionGradKernel { kNone, kSingleKey, kTensorCores, kFfma };
+const char* to_string(AttentionGradKernel kernel);  // "none", "single-key", "tensor-cores", "ffma"
+
+// Its dq: from the dS^T the dk, dv kernel stored (kFromScores: one product), or recomputing the
+// scores on mma.sync, on Hopper's wgmma (head dims 17 to 32, long sequences), or in FFMA.
+enum class QueryGradKernel { kNone, kFromScores, kMmaSync, kWgmma, kFfma };
+const char* to_string(QueryGradKernel kernel);  // "none", "from-scores", "mma.sync", "wgmma", "ffma"
 const char* to_string(FlashKernel kernel);  // "none", "short", "mma.sync", "wgmma", "wgmma-wide"
 
 struct PassPlan {
@@ -358,6 +371,18 @@ struct CudaBackwardPlan {
   size_t attention_partials = kNone;
   size_t attention_partials_bytes = 0;
   size_t workspace_bytes = 0;  // the whole workspace
+
+  // The kernels each pass runs, by the rules the two calls follow (src/common/plan.h): the
+  // training forward's flash attention and its key splits, the attention backward's kernels and
+  // its splits (1: none).
+  struct PassKernels {
+    FlashKernel flash = FlashKernel::kNone;
+    int flash_splits = 1;
+    AttentionGradKernel grad = AttentionGradKernel::kNone;
+    QueryGradKernel dq = QueryGradKernel::kNone;
+    int grad_splits = 1;
+  };
+  PassKernels row_kernels, col_kernels;
 
   // What the plan was made for; the two calls reject another problem or device.
   int64_t batch = 0, height = 0, width = 0, dim = 0, heads = 0;

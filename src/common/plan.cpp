@@ -8,6 +8,8 @@
 #include <sstream>
 #include <string>
 
+#include "dispatch.h"
+#include "dropout.h"  // dropout_threshold: what the launchers test
 #include "smem_layout.h"
 
 namespace fastaxial {
@@ -21,14 +23,13 @@ Status invalid(const std::string& what) { return {StatusCode::kInvalidArgument, 
 constexpr int64_t kFusedShortLen = 16;
 bool staged_can_be_faster(int64_t dim) { return dim > 64; }
 
-// Where both fit, by GPU time per forward measured on the H200 (132 SMs;
-// docs/perf-notes.md, "dispatch" and v43):
+// Where both fit, by GPU time per forward on the H200 (docs/perf-notes.md, "dispatch" and v43):
 // - many very short sequences, at any dim: the staged path. The fused
-//   kernel pads each sequence to 16 rows and runs one at a time an SM, about
-//   3.5 us a round of `sms` sequences however short; a staged pass costs
-//   about 17 us of chained launches plus its positions' work. It wins from
-//   4 rounds for L <= 4 and from 8 for L <= 16; at 2 rounds, or L = 8 at 4, the fused kernel
-//   wins or ties, and at L = 32 it wins at 4 rounds.
+//   kernel pads each sequence to 16 rows and runs one at a time an SM, a
+//   fixed cost a round of `sms` sequences however short; a staged pass pays
+//   a fixed cost of chained launches plus its positions' work, which wins
+//   from 4 rounds for L <= 4 and from 8 for L <= 16 (at L = 32 the fused
+//   kernel wins at 4 rounds).
 // - otherwise, dim 64 and less: the fused kernel everywhere; its projections
 //   are a small share of its time there.
 // - wider dims, passes of 16384 positions or more: the staged path, whose
@@ -70,26 +71,27 @@ bool pass_aligned(const AxisWeights& w, const float* src, const float* dst) {
   return true;
 }
 
-}  // namespace
-
-const char* to_string(KernelFamily family) {
-  switch (family) {
-    case KernelFamily::kFused: return "fused";
-    case KernelFamily::kStaged: return "staged";
-    case KernelFamily::kGeneric: return "generic";
-  }
-  return "?";
+// The name of enumerator e, names listing them in order.
+template <class E, size_t N>
+const char* name_of(E e, const char* const (&names)[N]) {
+  const size_t i = static_cast<size_t>(e);
+  return i < N ? names[i] : "?";
 }
 
+}  // namespace
+
+const char* to_string(KernelFamily family) { return name_of(family, {"fused", "staged", "generic"}); }
+
 const char* to_string(FlashKernel kernel) {
-  switch (kernel) {
-    case FlashKernel::kNone: return "none";
-    case FlashKernel::kShort: return "short";
-    case FlashKernel::kMmaSync: return "mma.sync";
-    case FlashKernel::kWgmma: return "wgmma";
-    case FlashKernel::kWgmmaWide: return "wgmma-wide";
-  }
-  return "?";
+  return name_of(kernel, {"none", "short", "mma.sync", "wgmma", "wgmma-wide"});
+}
+
+const char* to_string(AttentionGradKernel kernel) {
+  return name_of(kernel, {"none", "single-key", "tensor-cores", "ffma"});
+}
+
+const char* to_string(QueryGradKernel kernel) {
+  return name_of(kernel, {"none", "from-scores", "mma.sync", "wgmma", "ffma"});
 }
 
 std::string CudaPlan::describe() const {
@@ -181,7 +183,7 @@ size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim) {
 Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned, const DeviceCaps& dev,
                  const PlanOptions& options, PassPlan* pass) {
   const size_t smem = (size_t)std::max(dev.smem_optin, 0);
-  const bool staged_device = dev.sm90a && smem >= kStagedGemmSmemBytes;
+  const bool staged_device = can_run(GemmProblem{}, dev);
   if (options.forced == ForcedFamily::kStaged && !staged_device)
     return {StatusCode::kUnsupported,
             "FASTAXIAL_CUDA_PATH=staged: this device or build has no staged path (it needs an sm_90a build on a "
@@ -192,16 +194,16 @@ Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned,
             "FASTAXIAL_FUSED_WGMMA=1: this device or build has no wgmma (it needs an sm_90a build on a "
             "compute-capability 9.0 GPU)"};
 
-  const bool tc = tensor_core_head(dim, heads) && aligned;
   const int tiles = fused_tile_count(view.len);
-  const bool fused = tc && tiles > 0 && fused_smem_bytes(view.len, dim) <= smem && view.num_seq <= INT32_MAX;
+  const bool fused = can_run(FusedProblem{view.num_seq, view.len, dim, heads, aligned}, dev);
   // The staged path's attention: its own kernel, a block per (sequence,
   // head) holding all the head's keys and values, where they fit and the
   // items fill the device twice over; elsewhere the flash kernel, blocks per
   // query tile with the keys streamed, which serves any length (its largest
   // tiling fits any device with the staged path: smem_layout.h).
   const bool staged = staged_head(dim, heads) && aligned && staged_device;
-  const bool own_attention = tc && staged_attention_smem_bytes(view.len, dim / heads) <= smem &&
+  const bool own_attention = tensor_core_head(dim, heads) && aligned &&
+                             can_run(StagedAttentionProblem{view.num_seq, view.len, dim / heads}, dev) &&
                              view.num_seq * heads >= 2 * (int64_t)dev.sms;
 
   KernelFamily family = KernelFamily::kGeneric;
@@ -266,6 +268,61 @@ int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int64_t heads, int rul
   return (int)std::max<int64_t>(1, std::min<int64_t>(rule_splits, std::max(sms, 1) / tiles));
 }
 
+size_t attention_grad_smem_bytes(int hdp) {
+  return with_padded_head_dim(
+      hdp,
+      [](auto h) {
+        constexpr int H = decltype(h)::value;
+        return std::max(KvTc<H>::bytes(KvTc<H>::BN), QTc<H>::bytes(QTc<H>::BM));
+      },
+      size_t{0});
+}
+
+size_t query_grads_from_scores_smem_bytes(int hdp) {
+  return with_padded_head_dim(hdp, [](auto h) { return DsTc<decltype(h)::value>::bytes; }, size_t{0});
+}
+
+namespace {
+
+// S of a tensor-core launch: the rule's (or the hook's), at most the fewest tiles a kernel
+// streams, the partials below 2^31 floats (the combine's int indices) and within the room given.
+int attention_grad_split(const AttentionGradProblem& a, int hdp, const DeviceCaps& dev) {
+  if (!a.partials) return 1;
+  const int64_t rows = a.num_seq * a.heads * a.len;
+  int64_t S = a.splits > 0 ? a.splits : attention_grad_splits(a.num_seq, a.len, a.head_dim, a.heads, dev.sms);
+  const int64_t widest = with_padded_head_dim(  // the widest tile a kernel streams
+      hdp,
+      [](auto h) {
+        constexpr int H = decltype(h)::value;
+        return std::max({KvTc<H>::BM, QTc<H>::BN, DsTc<H>::BN});
+      },
+      1);
+  S = std::min(S, (a.len + widest - 1) / widest);
+  if (S < 2 || rows > INT32_MAX / (2 * a.head_dim) / S) return 1;
+  return a.partials_bytes >= attention_grad_partials_floats((int)S, rows, a.head_dim) * sizeof(float) ? (int)S : 1;
+}
+
+}  // namespace
+
+AttentionGradVariant attention_grad_variant(const AttentionGradProblem& a, const DeviceCaps& dev) {
+  const int hdp = flash_padded_head_dim(a.head_dim);
+  if (hdp == 0 || a.num_seq < 1 || a.len < 1 || a.heads < 1) return {};
+  if (a.len == 1) return {AttentionGradKernel::kSingleKey, QueryGradKernel::kNone, 1};
+  const size_t smem = (size_t)std::max(dev.smem_optin, 0);
+  if (a.ffma || attention_grad_smem_bytes(hdp) > smem) return {AttentionGradKernel::kFfma, QueryGradKernel::kFfma, 1};
+  AttentionGradVariant v;
+  v.kernel = AttentionGradKernel::kTensorCores;
+  v.splits = attention_grad_split(a, hdp, dev);
+  if (a.scores && query_grads_from_scores_smem_bytes(hdp) <= smem)
+    v.dq = QueryGradKernel::kFromScores;
+  else if (hdp == 32 && !a.mma_sync && dev.sm90a && a.len > kQueryGradsWgmmaMinLen &&
+           kQueryGradsWgmmaSmemBytes <= smem && v.splits == 1)
+    v.dq = QueryGradKernel::kWgmma;
+  else
+    v.dq = QueryGradKernel::kMmaSync;
+  return v;
+}
+
 Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan) {
   CudaPlan c;
   c.batch = p.batch, c.height = p.height, c.width = p.width, c.dim = p.dim, c.heads = p.heads;
@@ -319,10 +376,6 @@ size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64
   const long double activation = (long double)num_seq * len * dim * sizeof(float);
   const long double cap = std::max<long double>(kAttentionScoresMaxActivations * activation, kAttentionScoresMinBytes);
   return bytes <= cap && bytes <= (long double)(int64_t{1} << 62) ? (size_t)bytes : 0;
-}
-
-bool weight_gradient_can_run(const DeviceCaps& dev) {
-  return dev.cc_major >= 8 && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradSmemBytes;
 }
 
 bool weight_gradient_wgmma_can_run(const DeviceCaps& dev) {
@@ -381,6 +434,14 @@ WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const Dev
   s.rows = std::max<int64_t>(step, (per + step - 1) / step * step);
   s.splits = std::max<int64_t>(1, (T + s.rows - 1) / s.rows);
   return s;
+}
+
+WeightGradVariant weight_gradient_variant(const WeightGradProblem& g, const DeviceCaps& dev) {
+  WeightGradVariant v;
+  if (!g.mma_sync && g.aligned && g.K % 4 == 0 && weight_gradient_wgmma_can_run(dev))
+    v.kernel = WeightGradKernel::kWgmma, v.tile_cols = g.K <= 64 ? 64 : kWeightGradWgmmaTileK;
+  v.split = weight_gradient_split(g.T, g.N, g.K, dev, v.kernel);
+  return v;
 }
 
 size_t weight_gradient_partials_floats(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev) {
@@ -454,11 +515,17 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   // Split-KV partials for the training forward's flash attention, as the inference plan's, and
   // the attention backward's split partials (smem_layout.h), each the larger pass's: one region
   // for both, as the forward's are dead once it returns.
-  const size_t flash_partials = std::max(flash_partials_bytes(p.batch * p.height, p.width, hd, p.heads, dev.sms),
-                                         flash_partials_bytes(p.batch * p.width, p.height, hd, p.heads, dev.sms));
-  const size_t attention_partials =
-      std::max(attention_grad_partials_bytes(p.batch * p.height, p.width, hd, p.heads, dev.sms),
-               attention_grad_partials_bytes(p.batch * p.width, p.height, hd, p.heads, dev.sms));
+  // Each pass's attention, forward and backward, as the plan sizes them (the training forward's
+  // dropout and the regions are added below, where the kernels are recorded).
+  const AxisView views[2] = {row_view(p), col_view(p)};
+  FlashProblem flash[2];
+  AttentionGradProblem grad[2];
+  for (int i = 0; i < 2; ++i) {
+    flash[i] = {views[i].num_seq, views[i].len, hd, p.heads};
+    grad[i] = {views[i].num_seq, views[i].len, hd, p.heads};
+  }
+  const size_t flash_partials = std::max(workspace_bytes(flash[0], dev), workspace_bytes(flash[1], dev));
+  const size_t attention_partials = std::max(workspace_bytes(grad[0], dev), workspace_bytes(grad[1], dev));
   if (flash_partials > 0 || attention_partials > 0) {
     size_t shared = CudaBackwardPlan::kNone;
     fits = fits && append(&end, std::max(flash_partials, attention_partials), &shared);
@@ -472,7 +539,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   else
     fits = fits && append(&end, c.blas_bytes, &c.blas);
   // The staged path's product (gemm/gemm.cu) where the device runs it and its N and K fit.
-  c.tensor_core_products = dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kStagedGemmSmemBytes && D % 8 == 0;
+  c.tensor_core_products = can_run(GemmProblem{(int64_t)T, 3 * (int64_t)D, (int64_t)D}, dev);
   if (c.tensor_core_products) {
     if (D > limit / D / 8) return invalid("the workspace size overflows size_t");  // 128 D^2 bytes
     fits = fits && append(&end, 2 * 16 * D * D * sizeof(float), &c.weight_planes);
@@ -480,7 +547,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   // The weight gradients on the tensor cores (gemm/weight_gradient.cu) where the device runs
   // them; their partial tiles where the rows are split, sized for the larger product of a pass
   // (d_Wqkv, then d_Wo, then the other pass's: one after another on the stream, so one region).
-  c.tensor_core_weight_grads = weight_gradient_can_run(dev);
+  c.tensor_core_weight_grads = can_run(WeightGradProblem{}, dev);
   if (c.tensor_core_weight_grads) {
     // S N K <= 2 resident blocks' tiles of 128 x 64 floats (mma.sync), one wave's tiles of 128 x
     // 128 (wgmma), or kWeightGradWgmmaMaxWaveSplits N K = 12 D^2 (wgmma, where the tiles alone
@@ -494,6 +561,22 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   }
   if (!fits) return invalid("the workspace size overflows size_t");
   c.workspace_bytes = end;
+  // The kernels, as the two calls choose them from the regions above.
+  const auto kernels = [&](int pass, bool scores) {
+    CudaBackwardPlan::PassKernels k;
+    FlashProblem f = flash[pass];
+    f.dropout = dropout_threshold(p.dropout) != 0, f.partials_bytes = c.flash_partials_bytes;
+    const FlashVariant fv = flash_variant(f, dev);
+    k.flash = fv.kernel, k.flash_splits = fv.splits;
+    AttentionGradProblem a = grad[pass];
+    a.scores = scores, a.partials = c.attention_partials != CudaBackwardPlan::kNone;
+    a.partials_bytes = c.attention_partials_bytes;
+    const AttentionGradVariant gv = attention_grad_variant(a, dev);
+    k.grad = gv.kernel, k.dq = gv.dq, k.grad_splits = gv.splits;
+    return k;
+  };
+  c.row_kernels = kernels(0, c.row_scores);
+  c.col_kernels = kernels(1, c.col_scores);
   *plan = c;
   return Status::Ok();
 }
@@ -506,6 +589,48 @@ Status cuda_saved_bytes(const AxialParams& p, size_t* bytes) {
   if (Status s = make_backward_plan(p, any, &plan); !s.ok()) return s;
   *bytes = plan.saved_bytes;
   return Status::Ok();
+}
+
+// ---- one contract per kernel ----
+
+bool can_run(const FusedProblem& f, const DeviceCaps& dev) {
+  return tensor_core_head(f.dim, f.heads) && f.aligned && fused_tile_count(f.len) > 0 &&
+         fused_smem_bytes(f.len, f.dim) <= (size_t)std::max(dev.smem_optin, 0) && f.num_seq <= INT32_MAX;
+}
+size_t workspace_bytes(const FusedProblem&, const DeviceCaps&) { return 0; }
+
+bool can_run(const StagedAttentionProblem& s, const DeviceCaps& dev) {
+  return staged_attention_smem_bytes(s.len, s.head_dim) <= (size_t)std::max(dev.smem_optin, 0);
+}
+size_t workspace_bytes(const StagedAttentionProblem&, const DeviceCaps&) { return 0; }
+
+// sm_90a code and the largest tiling's shared memory; N and K multiples of 8 (whole 8-column groups,
+// 16-byte rows).
+bool can_run(const GemmProblem& g, const DeviceCaps& dev) {
+  return dev.sm90a && (size_t)std::max(dev.smem_optin, 0) >= kStagedGemmSmemBytes && g.N % 8 == 0 && g.K % 8 == 0;
+}
+size_t workspace_bytes(const GemmProblem&, const DeviceCaps&) { return 0; }
+
+bool can_run(const FlashProblem& f, const DeviceCaps& dev) {
+  return flash_padded_head_dim(f.head_dim) != 0 && f.len < (int64_t{1} << 30) && dev.cc_major >= 8;
+}
+size_t workspace_bytes(const FlashProblem& f, const DeviceCaps& dev) {
+  return f.dropout ? 0 : flash_partials_bytes(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);
+}
+
+bool can_run(const AttentionGradProblem& a, const DeviceCaps& dev) {
+  return flash_padded_head_dim(a.head_dim) != 0 && a.len < (int64_t{1} << 30) && dev.cc_major >= 8;
+}
+size_t workspace_bytes(const AttentionGradProblem& a, const DeviceCaps& dev) {
+  return attention_grad_partials_bytes(a.num_seq, a.len, a.head_dim, a.heads, dev.sms);
+}
+
+// mma.sync of TF32 (compute capability 8.0) and the mma.sync kernel's shared memory.
+bool can_run(const WeightGradProblem&, const DeviceCaps& dev) {
+  return dev.cc_major >= 8 && (size_t)std::max(dev.smem_optin, 0) >= kWeightGradSmemBytes;
+}
+size_t workspace_bytes(const WeightGradProblem& g, const DeviceCaps& dev) {
+  return weight_gradient_partials_floats(g.T, g.N, g.K, dev) * sizeof(float);
 }
 
 std::string CudaBackwardPlan::describe() const {
@@ -527,6 +652,16 @@ std::string CudaBackwardPlan::describe() const {
   if (attention_partials != kNone)
     s << ", attention-backward split partials at " << attention_partials << " (" << attention_partials_bytes
       << " B)";
+  const auto pass = [&](const char* name, const PassKernels& k) {
+    s << "; " << name << ": flash " << to_string(k.flash);
+    if (k.flash_splits > 1) s << " (" << k.flash_splits << " splits)";
+    s << ", backward " << to_string(k.grad);
+    if (k.dq != QueryGradKernel::kNone) s << " (dq " << to_string(k.dq);
+    if (k.grad_splits > 1) s << ", " << k.grad_splits << " splits";
+    if (k.dq != QueryGradKernel::kNone) s << ")";
+  };
+  pass("row", row_kernels);
+  pass("col", col_kernels);
   s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
     << device << ")";
   return s.str();

@@ -60,7 +60,7 @@ constexpr int64_t kMaxColumnSumChunks = 128;
 // (32 MiB), 4 MiB on older GPUs. Less changes its choice of algorithm for the weight gradients
 // (long sums over all B H W positions into a small output) to ones with longer sums in one
 // thread: 1 MiB gave errors 5 times fp32 PyTorch's at 4096 positions of dim 16. (The weight
-// gradients now run on cuBLAS only where weight_gradient_can_run says no; the size is kept for them
+// gradients now run on cuBLAS only where can_run(WeightGradProblem) says no; the size is kept for them
 // and for the other products' cuBLAS fallback.)
 size_t backward_blas_bytes(const DeviceCaps& dev);
 
@@ -102,11 +102,8 @@ constexpr int64_t kWeightGradMinSplitRows = 256, kWeightGradMaxChunkRows = int64
 // Most chunks the wgmma kernel's rule takes where its tiles alone fill a wave of the device.
 constexpr int64_t kWeightGradWgmmaMaxWaveSplits = 4;
 
-// The device runs the mma.sync kernel: mma.sync of TF32 (compute capability 8.0) and its shared
-// memory. The weight gradients run on the tensor cores where this holds.
-bool weight_gradient_can_run(const DeviceCaps& dev);
-
-// The device runs the wgmma kernel too: sm_90a code (dev.sm90a) and its shared memory.
+// The device runs the wgmma kernel: sm_90a code (dev.sm90a) and its shared memory. (Where it does
+// not, the mma.sync kernel: can_run(WeightGradProblem, dev).)
 bool weight_gradient_wgmma_can_run(const DeviceCaps& dev);
 
 // How a product over T rows is split for `kernel`: `splits` chunks (S) of `rows` rows each (a
@@ -116,6 +113,24 @@ struct WeightGradSplit {
   int64_t splits = 1, rows = 0;
 };
 WeightGradSplit weight_gradient_split(int64_t T, int64_t N, int64_t K, const DeviceCaps& dev, WeightGradKernel kernel);
+
+// Which kernel runs a product, its tiles' columns and its split: one rule, which the launcher
+// follows (weight_gradient.cu) and tests read without a GPU. The wgmma kernel where the device runs
+// it (weight_gradient_wgmma_can_run), the operands are `aligned` (A and B 16-byte aligned, their
+// row strides multiples of 4), K is a multiple of 4 and the mma_sync hook is unset; its tiles
+// take 64 columns where K <= 64 (as many tiles as 128), else 128. Else the mma.sync kernel (any
+// alignment, stride and K), 64 columns.
+struct WeightGradProblem {
+  int64_t T = 0, N = 0, K = 0;
+  bool aligned = false;
+  bool mma_sync = false;  // test hook: the mma.sync kernel wherever it can run
+};
+struct WeightGradVariant {
+  WeightGradKernel kernel = WeightGradKernel::kMmaSync;
+  int tile_cols = kWeightGradTileK;
+  WeightGradSplit split;
+};
+WeightGradVariant weight_gradient_variant(const WeightGradProblem& g, const DeviceCaps& dev);
 
 // Floats of partials the product needs, whichever kernel runs it on dev: S N K for the larger S
 // of the kernels dev runs, or 0 where each has S = 1 (the blocks write C directly).
@@ -145,6 +160,48 @@ FASTAXIAL_HOST_DEVICE constexpr int64_t attention_scores_stride(int64_t len) { r
 // Bytes of one pass's scratch (num_seq sequences of len positions, `heads` heads, dim D) where the
 // pass takes it, else 0.
 size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim);
+
+// ---- the attention backward's kernels (attention/attention_backward.cu) ---------------------
+// Which kernels a pass's attention backward runs: one rule, which the launcher follows and the
+// backward plan records (CudaBackwardPlan::PassKernels), so tests see it without a GPU.
+//   kSingleKey:   L = 1.
+//   kTensorCores: where the device's shared memory holds the tensor-core tiles
+//                 (attention_grad_smem_bytes), unless the ffma hook is set; else kFfma.
+//   splits:       attention_grad_splits' S (or the hook's) on the tensor cores, where the caller
+//                 gave 16-byte aligned room for the partials; at most the fewest tiles a kernel
+//                 streams, so that no split's range is empty.
+//   dq:           kFromScores where the caller gave the dS^T scratch and the dq-from-dS tiles
+//                 fit; else kWgmma for padded head dim 32 on sm_90a code, sequences longer than
+//                 kQueryGradsWgmmaMinLen (four key tiles or more: shorter ones are faster on
+//                 mma.sync), its tiles fitting, no split and no mma_sync hook; else kMmaSync.
+constexpr int64_t kQueryGradsWgmmaMinLen = 192;
+
+// What the choice reads of an attention_backward call (AttentionBackwardArgs).
+struct AttentionGradProblem {
+  int64_t num_seq = 0, len = 0, head_dim = 0, heads = 0;
+  bool scores = false;         // a dS^T scratch is given
+  bool partials = false;       // room for split partials is given, 16-byte aligned
+  size_t partials_bytes = 0;   // its size
+  int splits = 0;              // test hook: S instead of the rule's (0: the rule)
+  bool ffma = false;           // test hook: the FFMA kernels
+  bool mma_sync = false;       // test hook: dq on mma.sync where wgmma would run
+};
+
+struct AttentionGradVariant {
+  AttentionGradKernel kernel = AttentionGradKernel::kNone;
+  QueryGradKernel dq = QueryGradKernel::kNone;
+  int splits = 1;
+};
+
+// The variant for a on dev (kNone where the head dim has no kernel). dev.sm90a is taken to mean
+// that this build's sm_90a code runs (the launcher clears it in a build without).
+AttentionGradVariant attention_grad_variant(const AttentionGradProblem& a, const DeviceCaps& dev);
+
+// Shared memory of the tensor-core dk, dv and dq kernels' largest blocks (the larger), of the
+// dq-from-dS kernel, and of the wgmma dq kernel, for padded head dim hdp (0: no kernel).
+size_t attention_grad_smem_bytes(int hdp);
+size_t query_grads_from_scores_smem_bytes(int hdp);
+constexpr size_t kQueryGradsWgmmaSmemBytes = 209920;
 
 // ---- the staged path's products (gemm/gemm.cu) --------------------------------------------
 // One block an SM loops over BM x BN tiles of C (M, N), so a product takes about ceil(tiles / SMs)
@@ -222,5 +279,54 @@ int flash_wgmma_wide_splits(int64_t num_seq, int64_t len, int64_t heads, int rul
 // whether its tensors are 16-byte aligned. make_plan calls it for each pass.
 Status plan_pass(const AxisView& view, int64_t dim, int64_t heads, bool aligned, const DeviceCaps& dev,
                  const PlanOptions& options, PassPlan* pass);
+
+// ---- one contract per kernel -------------------------------------------------------------------
+// Every kernel the plans choose from answers two questions the same way, on the host and without
+// a GPU (as CUTLASS's can_implement and get_workspace_size):
+//   can_run(problem, dev):         whether it serves the problem on the device;
+//   workspace_bytes(problem, dev): the scratch it takes beside its operands, at most (0: none).
+// The problem struct of each kernel holds what the answers read; the plans ask these and lay the
+// scratch out, the launchers follow the same variant rules.
+
+// The fused kernel (fused/forward.cu): a pass of num_seq sequences of len positions, dim D in
+// `heads` heads, its tensors 16-byte aligned or not.
+struct FusedProblem {
+  int64_t num_seq = 0, len = 0, dim = 0, heads = 0;
+  bool aligned = false;
+};
+bool can_run(const FusedProblem& f, const DeviceCaps& dev);
+size_t workspace_bytes(const FusedProblem& f, const DeviceCaps& dev);
+
+// The staged path's whole-sequence attention kernel (attention/whole_sequence.cu): a block per (sequence,
+// head) holding the head's keys and values.
+struct StagedAttentionProblem {
+  int64_t num_seq = 0, len = 0, head_dim = 0;
+};
+bool can_run(const StagedAttentionProblem& s, const DeviceCaps& dev);
+size_t workspace_bytes(const StagedAttentionProblem& s, const DeviceCaps& dev);
+
+// The staged path's product (gemm/gemm.cu): C (M, N) = A (M, K) W^T, W as TF32 planes the pass
+// splits into its own region (8 D^2 floats, CudaPlan's weight planes), not the product's scratch.
+struct GemmProblem {
+  int64_t M = 0, N = 0, K = 0;
+};
+bool can_run(const GemmProblem& g, const DeviceCaps& dev);
+size_t workspace_bytes(const GemmProblem& g, const DeviceCaps& dev);
+
+// The flash attention kernels (their variant: flash_variant); the scratch is the split-KV
+// partials of the rule's split.
+bool can_run(const FlashProblem& f, const DeviceCaps& dev);
+size_t workspace_bytes(const FlashProblem& f, const DeviceCaps& dev);
+
+// The attention backward (its variant: attention_grad_variant); the scratch is the split
+// partials of the rule's split. The dS^T scratch that lets dq be one product is the plan's
+// choice beside it (attention_scores_bytes).
+bool can_run(const AttentionGradProblem& a, const DeviceCaps& dev);
+size_t workspace_bytes(const AttentionGradProblem& a, const DeviceCaps& dev);
+
+// The weight gradients (their variant: weight_gradient_variant); the scratch is the chunks'
+// partial tiles, sized for whichever kernel runs the product on dev.
+bool can_run(const WeightGradProblem& g, const DeviceCaps& dev);
+size_t workspace_bytes(const WeightGradProblem& g, const DeviceCaps& dev);
 
 }  // namespace fastaxial

@@ -35,7 +35,7 @@ struct FusedLayout {
   FASTAXIAL_HOST_DEVICE constexpr int64_t floats() const { return params_offset() + 3 * (int64_t)d; }
 };
 
-// The staged path's whole-sequence attention kernel (cuda/staged/forward.cu), one head of head_dim hd over
+// The staged path's whole-sequence attention kernel (cuda/attention/whole_sequence.cu), one head of head_dim hd over
 // a sequence padded to lp rows: keys (lp, ldk) and transposed values (hd, ldv),
 // both split pairs.
 struct StagedAttentionLayout {
@@ -158,6 +158,127 @@ FASTAXIAL_HOST_DEVICE constexpr size_t flash_partials_bytes(int64_t num_seq, int
   return s < 2 ? 0 : (size_t)s * (size_t)(num_seq * heads * len) * (size_t)(head_dim + 2) * sizeof(float);
 }
 
+// ---- the attention backward's tensor-core tiles (cuda/attention/backward_*.cu) ----------------
+// Defined here, not beside the kernels, so that the backward's rule (plan.h:
+// attention_grad_variant) sizes their shared memory on the host.
+
+// Row stride of the tiles' raw fp32 rows: hd_padded + 4, 4 mod 8, so that the score
+// products' fragment loads (lanes (g, t) at g ld + t) and the gradient products' (at 2t ld + g)
+// both hit 32 distinct banks; a multiple of 4 for 16-byte cp.async rows.
+FASTAXIAL_HOST_DEVICE constexpr int attention_grad_row_ld(int hdp) { return hdp + 4; }
+
+// Per padded head dim: the largest blocks, their shared memory and the blocks a Hopper
+// multiprocessor holds (min_blocks: the register budget each kernel is built to, none spilled;
+// 64K registers and 228 KB of shared memory a multiprocessor).
+//   HDP | dk, dv: warps keys  BM  KB blocks | dq: warps queries  BN  KB blocks
+//     8 |          4x1   64  32  13      4 |          4      64  64  18      4
+//    16 |          4x1   64  32  20      4 |          4      64  64  30      4
+//    32 |          4x1   64  32  36      3 |          4      64  32  36      4
+//    48 |          4x1   64  16  39      3 |          4      64  32  52      4
+//    64 |          4x1   64  16  51      3 |          4      64  32  68      3
+//    96 |          4x1   64  16  75      2 |          4      64  32 100      2
+//   128 |          4x1   64  16  99      2 |          4      64  16  99      2
+//   192 |          2x2   32  16  98      2 |          2      32  16  98      2
+//   256 |          2x2   32  16  98      2 |          2      32  16  98      2
+// (warps KW x FW; 256: one stage). Up to HDP 64 the budgets keep 12-16
+// warps a multiprocessor; beyond, shared memory allows two blocks.
+struct AttentionGradTiles {
+  int kw, fw, bm, kv_stages, kv_min_blocks;  // dk, dv: KvTiling's KW, FW, BM, ST, min_blocks
+  int qw, bn, q_stages, q_min_blocks;        // dq: QTiling's QW, BN, ST, min_blocks
+};
+FASTAXIAL_HOST_DEVICE constexpr AttentionGradTiles attention_grad_tiles(int hdp) {
+  switch (hdp) {
+    case 8:
+    case 16: return {4, 1, 32, 2, 4, 4, 64, 2, 4};
+    case 32: return {4, 1, 32, 2, 3, 4, 32, 2, 4};
+    case 48: return {4, 1, 16, 2, 3, 4, 32, 2, 4};
+    case 64: return {4, 1, 16, 2, 3, 4, 32, 2, 3};
+    case 96: return {4, 1, 16, 2, 2, 4, 32, 2, 2};
+    case 128: return {4, 1, 16, 2, 2, 4, 16, 2, 2};
+    case 192: return {2, 2, 16, 2, 2, 2, 16, 2, 2};
+    case 256: return {2, 2, 16, 1, 2, 2, 16, 1, 2};
+    default: return {0, 0, 0, 0, 0, 0, 0, 0, 0};  // no kernel for hdp
+  }
+}
+
+// The dk, dv kernel's tiles for padded head dim HDP: up to KW warps along
+// keys (16 keys each: up to BN = 16 KW keys a block; the launch takes
+// fewer, bn, for short sequences and small grids), FW warps along the
+// gradients' features (each 16 keys' dk and dv summed by FW warps, FP =
+// HDP / FW features each; all of them compute those keys' scores), BM
+// queries a step, ST stages of the query tiles (2: the next tile's copy
+// overlaps this one's work), min_blocks for __launch_bounds__ (the
+// register budget: 65536 / (32 warps min_blocks)). Registers a thread: dk
+// and dv FP, S^T and dP^T BM.
+//
+// Shared memory for a block of bn keys, in floats:
+//   k, v:                (bn, ld) each, the block's keys
+//   stage s: q, d_o      (BM, ld) each, one query tile
+//   stage s: lse (hi, lo), delta  (BM) each
+template <int HDP_, int KW_, int FW_, int BM_, int ST_, int MIN_BLOCKS_>
+struct KvTiling {
+  static constexpr int HDP = HDP_, KW = KW_, FW = FW_, BM = BM_, ST = ST_, min_blocks = MIN_BLOCKS_;
+  static constexpr int warps = KW * FW, threads = 32 * warps;
+  static constexpr int BN = 16 * KW, FP = HDP / FW, ld = attention_grad_row_ld(HDP);
+  static constexpr int stage = 2 * BM * ld;  // q, then d_o
+  FASTAXIAL_HOST_DEVICE static constexpr int v(int bn) { return bn * ld; }
+  FASTAXIAL_HOST_DEVICE static constexpr int q(int bn) { return 2 * bn * ld; }
+  FASTAXIAL_HOST_DEVICE static constexpr int vec(int bn) { return q(bn) + ST * stage; }  // stage s: lse at + 3 BM s
+  FASTAXIAL_HOST_DEVICE static constexpr int floats(int bn) { return vec(bn) + ST * 3 * BM; }
+  static constexpr size_t bytes(int bn) { return (size_t)floats(bn) * sizeof(float); }
+  static_assert(FP % 8 == 0 && BM % 16 == 0 && (ST == 1 || ST == 2), "whole n-tiles, runs of two k-groups");
+  static_assert(ld % 4 == 0 && stage % 4 == 0 && BM % 4 == 0, "16-byte rows, 8-byte lse pairs");
+};
+
+// The dq kernel's tiles: up to QW warps of 16 queries (up to BM = 16 QW a
+// block; the launch takes fewer, bm, as above), BN keys a step, ST stages
+// of the key tiles, min_blocks as above. Registers a thread: dq HDP / 2, S
+// and dP BN.
+//
+// Shared memory for a block of bm queries, in floats:
+//   q, d_o:              (bm, ld) each, the block's queries
+//   stage s: k, v        (BN, ld) each, one key tile
+template <int HDP_, int QW_, int BN_, int ST_, int MIN_BLOCKS_>
+struct QTiling {
+  static constexpr int HDP = HDP_, QW = QW_, BN = BN_, ST = ST_, min_blocks = MIN_BLOCKS_;
+  static constexpr int warps = QW, threads = 32 * warps;
+  static constexpr int BM = 16 * QW, ld = attention_grad_row_ld(HDP);
+  static constexpr int stage = 2 * BN * ld;  // k, then v
+  FASTAXIAL_HOST_DEVICE static constexpr int d_o(int bm) { return bm * ld; }
+  FASTAXIAL_HOST_DEVICE static constexpr int k(int bm) { return 2 * bm * ld; }
+  FASTAXIAL_HOST_DEVICE static constexpr int floats(int bm) { return k(bm) + ST * stage; }
+  static constexpr size_t bytes(int bm) { return (size_t)floats(bm) * sizeof(float); }
+  static_assert(BN % 16 == 0 && (ST == 1 || ST == 2), "runs of two k-groups");
+  static_assert(ld % 4 == 0 && stage % 4 == 0, "16-byte rows");
+};
+
+template <int HDP>
+struct KvTc : KvTiling<HDP, attention_grad_tiles(HDP).kw, attention_grad_tiles(HDP).fw, attention_grad_tiles(HDP).bm,
+                       attention_grad_tiles(HDP).kv_stages, attention_grad_tiles(HDP).kv_min_blocks> {};
+template <int HDP>
+struct QTc : QTiling<HDP, attention_grad_tiles(HDP).qw, attention_grad_tiles(HDP).bn, attention_grad_tiles(HDP).q_stages,
+                     attention_grad_tiles(HDP).q_min_blocks> {};
+
+// The dq-from-dS kernel's tiles: up to QW = 4 warps of 16 queries (64 a
+// block; the launch takes fewer as for the dq kernel), BN keys a step, two
+// stages. No score tiles in registers, only dq (HDP / 2 a thread), so the
+// key tiles are longer than QTc's; min_blocks: 4 blocks (16 warps) an SM up
+// to HDP 32 (128 registers a thread), enough warps to cover the loads' latency.
+// Shared memory a stage, in floats:
+//   dS^T  (BN, ls): ls = 68 = 64 + 4, 4 mod 8, so that load_a_cols's
+//         loads (2t ls + g) hit 32 distinct banks
+//   k     (BN, ld)
+// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32).
+template <int HDP_>
+struct DsTc {
+  static constexpr int HDP = HDP_, QW = 4, BN = HDP <= 64 ? 64 : 32, ST = 2;
+  static constexpr int min_blocks = HDP <= 32 ? 4 : HDP <= 64 ? 3 : 2;
+  static constexpr int threads = 32 * QW, ld = attention_grad_row_ld(HDP), ls = 16 * QW + 4;
+  static constexpr int stage = BN * (ls + ld);
+  static constexpr size_t bytes = (size_t)ST * stage * sizeof(float);
+  static_assert(BN % 16 == 0 && ls % 8 == 4 && stage % 4 == 0, "runs of two k-groups, 16-byte rows");
+};
+
 // Split of the attention backward (cuda/attention/attention_backward.cu) for
 // passes of few (sequence, head) items: its dk, dv kernel has a block per
 // (item, key tile) streaming every query tile, its dq kernels a block per
@@ -177,12 +298,12 @@ FASTAXIAL_HOST_DEVICE constexpr size_t flash_partials_bytes(int64_t num_seq, int
 constexpr int kAttentionGradMaxSplits = 16;
 constexpr int64_t kAttentionGradMinSplitLen = 128;
 
-// Blocks of 4 warps of the dk, dv kernel an SM holds (its __launch_bounds__ minimum, KvTc in
-// attention_backward.cu), and the rows (keys, or queries) such a block owns.
+// Blocks of 4 warps of the dk, dv kernel an SM holds (its __launch_bounds__ minimum, KvTc
+// above), and the rows (keys, or queries) such a block owns.
 FASTAXIAL_HOST_DEVICE constexpr int attention_grad_blocks_per_sm(int hdp) {
-  return hdp <= 16 ? 4 : hdp <= 64 ? 3 : 2;
+  return attention_grad_tiles(hdp).kv_min_blocks;
 }
-FASTAXIAL_HOST_DEVICE constexpr int attention_grad_block_rows(int hdp) { return hdp <= 128 ? 64 : 32; }
+FASTAXIAL_HOST_DEVICE constexpr int attention_grad_block_rows(int hdp) { return 16 * attention_grad_tiles(hdp).kw; }
 
 FASTAXIAL_HOST_DEVICE constexpr int attention_grad_splits(int64_t num_seq, int64_t len, int64_t head_dim,
                                                           int64_t heads, int sms) {

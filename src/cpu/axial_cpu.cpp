@@ -253,9 +253,11 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
 
 }  // namespace
 
+namespace cpu::FASTAXIAL_CPU_COPY {
+
 int64_t saved_o_floats(const AxialParams& p) { return kept_outputs(p).floats; }
 
-Status forward_cpu(const AxialParams& p) {
+Status forward(const AxialParams& p) {
   if (Status s = validate(p); !s.ok()) return s;
   const DropoutParams drop = make_dropout(p);
   const DropoutParams* mask = p.dropout > 0.0f ? &drop : nullptr;  // null: no dropout
@@ -269,4 +271,5 @@ Status forward_cpu(const AxialParams& p) {
   return Status::Ok();
 }
 
+}  // namespace cpu::FASTAXIAL_CPU_COPY
 }  // namespace fastaxial

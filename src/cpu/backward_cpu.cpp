@@ -547,7 +547,9 @@ void zero_weights(const AxisGrads& a, int64_t D) {
 
 }  // namespace
 
-Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
+namespace cpu::FASTAXIAL_CPU_COPY {
+
+Status backward(const AxialParams& p, const AxialGrads& g) {
   if (Status s = validate_inputs(p); !s.ok()) return s;
   const int64_t T = p.batch * p.height * p.width, D = p.dim;
   if (T == 0) {  // no position: every weight gradient is an empty sum
@@ -605,4 +607,5 @@ Status backward_cpu(const AxialParams& p, const AxialGrads& g) {
   return Status::Ok();
 }
 
+}  // namespace cpu::FASTAXIAL_CPU_COPY
 }  // namespace fastaxial

@@ -1,6 +1,12 @@
 // What the CPU forward (axial_cpu.cpp) and backward (backward_cpu.cpp) share:
 // Eigen's row-major matrix types over the library's row-major buffers, the
 // OpenMP thread count, and a (sequence, head)'s dropout multipliers.
+//
+// Everything here and in the kernel files is in fastaxial::cpu::FASTAXIAL_CPU_COPY, an inline
+// namespace (code says cpu::gemm, cpu::Mat): the copy of the kernels the file is compiled into.
+// A build compiles them once (`single`: -march=native in a development build), or twice where the
+// CPU is picked at run time (`baseline` and `avx2`, src/cpu/dispatch.cpp; cmake/CpuDispatch.cmake
+// keeps each copy's instantiations of Eigen and the standard library private to it).
 #pragma once
 
 #include <algorithm>
@@ -11,13 +17,22 @@
 #include <Eigen/Core>
 
 #include "../common/dropout.h"
+#include "entries.h"
 #include "fastaxial/fastaxial.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#ifndef FASTAXIAL_CPU_COPY
+#define FASTAXIAL_CPU_COPY single
+#endif
 namespace fastaxial::cpu {
+inline namespace FASTAXIAL_CPU_COPY {}
+}  // namespace fastaxial::cpu
+FASTAXIAL_CPU_ENTRIES(FASTAXIAL_CPU_COPY)
+
+namespace fastaxial::cpu::FASTAXIAL_CPU_COPY {
 
 using Mat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using ConstMap = Eigen::Map<const Mat>;
@@ -140,4 +155,4 @@ inline void fill_mask(const DropoutParams& d, int pass, int64_t n, int64_t h, in
   dropout_row(d, dropout_element(d, pass, n, h, r0, 0), rows * L, m.data());
 }
 
-}  // namespace fastaxial::cpu
+}  // namespace fastaxial::cpu::FASTAXIAL_CPU_COPY

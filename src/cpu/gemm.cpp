@@ -1,20 +1,12 @@
-// gemm.h's products: the BLAS set with set_cpu_sgemm where there is one, else Eigen.
+// gemm.h's products: the BLAS set with set_cpu_sgemm where there is one, else Eigen. (The BLAS
+// itself is kept in dispatch.cpp: one for the process, whichever copy of this file runs.)
 #include "gemm.h"
 
-#include <atomic>
 #include <climits>
 
 #include "fastaxial/fastaxial.h"
 
-namespace fastaxial {
-namespace {
-std::atomic<CpuSgemm> g_sgemm{nullptr};
-}  // namespace
-
-void set_cpu_sgemm(CpuSgemm sgemm) { g_sgemm.store(sgemm, std::memory_order_release); }
-CpuSgemm cpu_sgemm() { return g_sgemm.load(std::memory_order_acquire); }
-
-namespace cpu {
+namespace fastaxial::cpu::FASTAXIAL_CPU_COPY {
 namespace {
 
 using Stride = Eigen::OuterStride<>;
@@ -62,5 +54,4 @@ void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc)
   else eigen_product(am.transpose(), bm.transpose(), beta, cm);
 }
 
-}  // namespace cpu
-}  // namespace fastaxial
+}  // namespace fastaxial::cpu::FASTAXIAL_CPU_COPY

@@ -12,7 +12,7 @@
 
 #include "cpu_common.h"
 
-namespace fastaxial::cpu {
+namespace fastaxial::cpu::FASTAXIAL_CPU_COPY {
 
 // One operand of a product: a row-major (rows, cols) matrix with row stride ld, used as is or
 // transposed (trans).
@@ -71,4 +71,4 @@ struct Projections {
   Projections(const Projections&) = delete;  // (the maps may point into the copies)
 };
 
-}  // namespace fastaxial::cpu
+}  // namespace fastaxial::cpu::FASTAXIAL_CPU_COPY

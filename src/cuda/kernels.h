@@ -9,7 +9,7 @@
 //   product on the tensor cores with the 3xTF32 split; the projections on
 //   mma.sync, or on wgmma (sm_90a) where the plan says so.
 // - staged/pass.cu: LayerNorm (norm/norm.cu), the QKV product
-//   (gemm/gemm.cu), attention (whole-sequence: staged/forward.cu, or flash:
+//   (gemm/gemm.cu), attention (whole-sequence: attention/whole_sequence.cu, or flash:
 //   attention/flash_attention.cu) and the output product as separate
 //   tensor-core kernels over all positions, intermediates in the workspace;
 //   long sequences, wide dims and head dims off the fused kernel's list, on

@@ -93,7 +93,7 @@ class Training {
     d_x1_ = in(ws, plan.grad_row_output), d_attn_ = in(ws, plan.grad_attn), d_qkv_ = in(ws, plan.grad_qkv);
     d_norm_ = in(ws, plan.grad_norm), delta_ = in(ws, plan.delta);
     partials_ = reinterpret_cast<double*>(ws + plan.column_partials);  // 256-byte aligned (plan.cpp)
-    tensor_core_weight_grads_ = plan.tensor_core_weight_grads && weight_gradient_can_run(dev);
+    tensor_core_weight_grads_ = plan.tensor_core_weight_grads && can_run(WeightGradProblem{}, dev);
     if (plan.weight_grad_partials != CudaBackwardPlan::kNone) {
       weight_partials_ = in(ws, plan.weight_grad_partials);
       weight_partials_bytes_ = plan.weight_grad_partials_bytes;

@@ -216,11 +216,6 @@ cudaError_t launch_single_key(const AttentionBackwardArgs& a, const DeviceCaps& 
 
 // ---- sizing the launches -----------------------------------------------------------------------
 
-template <int HDP>
-constexpr size_t tc_smem_bytes() {
-  return std::max(tc::KvTc<HDP>::bytes(tc::KvTc<HDP>::BN), tc::QTc<HDP>::bytes(tc::QTc<HDP>::BM));
-}
-
 // Warps along a tensor-core kernel's block rows (16 rows each), at most
 // `most`: halved while half of them would still cover the sequence (no
 // warp without rows), then while the grid (items x tiles) would not cover
@@ -233,26 +228,6 @@ int tc_row_warps(int most, int64_t L, int64_t items, int sms) {
   return w;
 }
 
-// The splits of a tensor-core launch at padded head dim HDP (AttentionBackwardArgs::partials):
-// the rule's (or the hook's), where the caller gave room for their partials; at most the fewest
-// tiles a kernel streams, so that no split's range is empty; and the partials below 2^31 floats
-// (combine_kernel's int indices). 1: no split.
-template <int HDP>
-int tc_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
-  // The rule's copy of the dk, dv kernel's blocks an SM and rows a block (smem_layout.h).
-  static_assert(attention_grad_blocks_per_sm(HDP) == tc::KvTc<HDP>::min_blocks, "the split rule's blocks an SM");
-  static_assert(attention_grad_block_rows(HDP) == tc::KvTc<HDP>::BN, "the split rule's rows a block");
-  // The partials take float2 stores (16-byte aligned, as the plan's regions are).
-  if (a.partials == nullptr || reinterpret_cast<uintptr_t>(a.partials) % 16 != 0) return 1;
-  const int64_t L = a.pos.len, hd = a.D / a.heads, rows = a.pos.num_seq * a.heads * L;
-  int64_t S = a.splits > 0 ? a.splits : attention_grad_splits(a.pos.num_seq, L, hd, a.heads, dev.sms);
-  constexpr int64_t kTile = std::max({tc::KvTc<HDP>::BM, tc::QTc<HDP>::BN, tc::DsTc<HDP>::BN});  // the widest streamed
-  const int64_t fewest_tiles = (L + kTile - 1) / kTile;
-  S = std::min(S, fewest_tiles);
-  if (S < 2 || rows > INT32_MAX / (2 * hd) / S) return 1;
-  return a.partials_bytes >= attention_grad_partials_floats((int)S, rows, hd) * sizeof(float) ? (int)S : 1;
-}
-
 // combine_kernel after a split launch: enough blocks to cover the device a few times, grid-stride.
 cudaError_t launch_combine(const AttentionBackwardKernelArgs& k, const Split& sp, int parts, int first_part,
                            const DeviceCaps& dev, cudaStream_t stream) {
@@ -261,16 +236,16 @@ cudaError_t launch_combine(const AttentionBackwardKernelArgs& k, const Split& sp
   return launch_kernel<combine_kernel>(dim3((unsigned)blocks), dim3(256), 0, stream, dev, k, sp, parts, first_part);
 }
 
-// dk, dv then dq on the tensor cores for padded head dim HDP; split over S = tc_splits blocks
-// a tile, with a combine after each side, where S > 1.
+// dk, dv then dq on the tensor cores for padded head dim HDP, as the variant v says; split over
+// v.splits blocks a tile, with a combine after each side, where more than one.
 template <int HDP>
-cudaError_t launch_tc(const AttentionBackwardArgs& a, const BackwardLaunch& s, const DeviceCaps& dev,
-                      cudaStream_t stream) {
+cudaError_t launch_tc(const AttentionBackwardArgs& a, const AttentionGradVariant& v, const BackwardLaunch& s,
+                      const DeviceCaps& dev, cudaStream_t stream) {
   using Kv = tc::KvTc<HDP>;
   using Q = tc::QTc<HDP>;
   using Ds = tc::DsTc<HDP>;
   const int64_t L = a.pos.len;
-  const Split sp = {a.partials, tc_splits<HDP>(a, dev)};
+  const Split sp = {a.partials, v.splits};
   const bool split = sp.splits > 1;
   // A split launch keeps the largest blocks (the split gives the device its blocks), else
   // small problems take smaller ones (tc_row_warps).
@@ -281,9 +256,9 @@ cudaError_t launch_tc(const AttentionBackwardArgs& a, const BackwardLaunch& s, c
                    &query_tiles))
     return cudaErrorInvalidValue;
   if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
-  // dq from kernel 2's dS^T where the caller gave the scratch and its tiles fit the device.
+  // dq from kernel 2's dS^T, which kernel 2 stores where the variant says so.
   AttentionBackwardKernelArgs k = s.k;
-  k.ds = a.ds != nullptr && Ds::bytes <= (size_t)dev.smem_optin ? a.ds : nullptr;
+  k.ds = v.dq == QueryGradKernel::kFromScores ? a.ds : nullptr;
   if (cudaError_t e = launch_key_grads_tc(s, k, {key_warps, key_tiles, sp}, dev, stream); e != cudaSuccess) return e;
   if (split)
     if (cudaError_t e = launch_combine(k, sp, 2, 1, dev, stream); e != cudaSuccess) return e;
@@ -292,7 +267,7 @@ cudaError_t launch_tc(const AttentionBackwardArgs& a, const BackwardLaunch& s, c
     const int ds_warps = split ? Ds::QW : tc_row_warps(Ds::QW, L, s.items, dev.sms);
     const int ds_tiles = (int)((L + 16 * ds_warps - 1) / (16 * ds_warps));  // <= query_tiles: tile_counts bounds it
     e = launch_query_grads_ds(s, k, {ds_warps, ds_tiles, sp}, dev, stream);
-  } else if (HDP == 32 && query_grads_wgmma_can_run(a, dev)) {  // never with a split
+  } else if (HDP == 32 && v.dq == QueryGradKernel::kWgmma) {  // never with a split
     e = query_grads_wgmma(a, s.vec, s.scale, s.dpass, dev, stream);
   } else {
     e = launch_query_grads_tc(s, {query_warps, query_tiles, sp}, dev, stream);
@@ -301,12 +276,13 @@ cudaError_t launch_tc(const AttentionBackwardArgs& a, const BackwardLaunch& s, c
   return launch_combine(k, sp, 1, 0, dev, stream);
 }
 
-// The three launches for padded head dim HDP: the tensor-core path unless
-// asked for the FFMA one or its tiles do not fit the device.
+// The three launches for padded head dim HDP on the variant's path.
 template <int HDP>
-cudaError_t launch_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
-  const bool ffma = a.ffma || tc_smem_bytes<HDP>() > (size_t)dev.smem_optin;
-  if (ffma && ffma_smem_bytes(HDP) > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
+cudaError_t launch_backward(const AttentionBackwardArgs& a, const AttentionGradVariant& v, const DeviceCaps& dev,
+                            cudaStream_t stream) {
+  static_assert(attention_grad_tiles(HDP).kw > 0, "a tiling for HDP");
+  const bool ffma = v.kernel == AttentionGradKernel::kFfma;
+  if (ffma && ffma_smem_bytes(HDP) > (size_t)std::max(dev.smem_optin, 0)) return cudaErrorInvalidConfiguration;
   BackwardLaunch s;
   s.items = a.pos.num_seq * a.heads;
   s.hd = a.D / a.heads;
@@ -318,7 +294,7 @@ cudaError_t launch_backward(const AttentionBackwardArgs& a, const DeviceCaps& de
   s.scale = 1.0f / sqrtf((float)s.hd);
   s.k = {a.pos, a.qkv, a.o, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads, nullptr};
   if (s.dropout) s.dpass = dropout_pass(a.dropout, a.pass, a.philox);
-  return ffma ? launch_ffma(a, s, dev, stream) : launch_tc<HDP>(a, s, dev, stream);
+  return ffma ? launch_ffma(a, s, dev, stream) : launch_tc<HDP>(a, v, s, dev, stream);
 }
 
 }  // namespace
@@ -352,22 +328,34 @@ using namespace attention_backward_detail;
 
 constexpr int kMaxLen = 1 << 30;  // L below this: positions and tile arithmetic in int
 
-bool attention_backward_can_run(int64_t head_dim) { return flash_padded_head_dim(head_dim) != 0; }
+AttentionGradVariant attention_backward_variant(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
+  if (a.heads <= 0 || a.D <= 0 || a.D % a.heads != 0 || a.pos.len >= kMaxLen) return {};
+  DeviceCaps d = dev;
+#if !defined(FASTAXIAL_WGMMA)
+  d.sm90a = false;  // no sm_90a code in this build: the wgmma kernel's body is a trap
+#endif
+  AttentionGradProblem g;
+  g.num_seq = a.pos.num_seq, g.len = a.pos.len, g.head_dim = a.D / a.heads, g.heads = a.heads;
+  g.scores = a.ds != nullptr;
+  // The partials take float2 stores (16-byte aligned, as the plan's regions are).
+  g.partials = a.partials != nullptr && reinterpret_cast<uintptr_t>(a.partials) % 16 == 0;
+  g.partials_bytes = a.partials_bytes, g.splits = a.splits, g.ffma = a.ffma, g.mma_sync = a.mma_sync;
+  return attention_grad_variant(g, d);
+}
 
 int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
-  if (a.heads <= 0 || a.D <= 0 || a.D % a.heads != 0 || a.pos.num_seq <= 0 || a.pos.len <= 0 ||
-      a.pos.len >= kMaxLen)
-    return 1;
-  const int64_t hd = a.D / a.heads;
-  if (a.ffma || attention_backward_smem_bytes(hd) > (size_t)dev.smem_optin) return 1;  // the FFMA kernels
-  return with_padded_head_dim(
-      flash_padded_head_dim(hd), [&](auto h) { return tc_splits<decltype(h)::value>(a, dev); }, 1);
+  return attention_backward_variant(a, dev).splits;
+}
+
+bool query_grads_wgmma_can_run(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
+  AttentionBackwardArgs without_scores = a;
+  without_scores.ds = nullptr;
+  return attention_backward_variant(without_scores, dev).dq == QueryGradKernel::kWgmma;
 }
 
 size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma) {
   const int hdp = flash_padded_head_dim(head_dim);
-  if (ffma) return ffma_smem_bytes(hdp);
-  return with_padded_head_dim(hdp, [](auto h) { return tc_smem_bytes<decltype(h)::value>(); }, size_t{0});
+  return ffma ? ffma_smem_bytes(hdp) : attention_grad_smem_bytes(hdp);
 }
 
 cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
@@ -376,9 +364,11 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
   const int hdp = flash_padded_head_dim(a.D / a.heads);
   if (hdp == 0 || !dropout_pass_args_ok(a.dropout, a.pass, a.philox, a.pos.len, a.heads)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
-  if (a.pos.len == 1) return launch_single_key(a, dev, stream);
+  const AttentionGradVariant v = attention_backward_variant(a, dev);
+  if (v.kernel == AttentionGradKernel::kNone) return cudaErrorInvalidValue;  // not reached: checked above
+  if (v.kernel == AttentionGradKernel::kSingleKey) return launch_single_key(a, dev, stream);
   return with_padded_head_dim(
-      hdp, [&](auto h) { return launch_backward<decltype(h)::value>(a, dev, stream); }, cudaErrorInvalidValue);
+      hdp, [&](auto h) { return launch_backward<decltype(h)::value>(a, v, dev, stream); }, cudaErrorInvalidValue);
 }
 
 }  // namespace fastaxial::cuda

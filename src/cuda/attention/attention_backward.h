@@ -74,8 +74,8 @@ struct AttentionBackwardArgs {
   const uint64_t* philox = nullptr;
 };
 
-// True when the kernels serve this head_dim (1..256).
-bool attention_backward_can_run(int64_t head_dim);
+// Whether it serves a pass, and the split partials it takes: plan.h's can_run and
+// workspace_bytes of an AttentionGradProblem.
 
 // The largest shared memory one of the launch's kernels takes for this
 // head_dim on the tensor-core path (ffma: on the FFMA kernels); 0 where the
@@ -84,7 +84,11 @@ bool attention_backward_can_run(int64_t head_dim);
 // much, else fails.
 size_t attention_backward_smem_bytes(int64_t head_dim, bool ffma = false);
 
-// The splits attention_backward takes for `a` on dev (1: none; AttentionBackwardArgs::partials).
+// The kernels attention_backward runs for `a` on dev: plan.h's rule (attention_grad_variant) on a's
+// sizes, hooks and buffers.
+AttentionGradVariant attention_backward_variant(const AttentionBackwardArgs& a, const DeviceCaps& dev);
+
+// Its splits (1: none; AttentionBackwardArgs::partials).
 int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& dev);
 
 // Launches three kernels on `stream`, each a programmatic dependent of the
@@ -101,16 +105,12 @@ int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& 
 cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps& dev, cudaStream_t stream);
 
 // ---- dq on wgmma (query_grads_wgmma.cu) ----------------------------------------------------------
-// Where it applies, the tensor-core path computes dq with a kernel on Hopper's warpgroup products
-// instead of the mma.sync one: the same splits, runs of products in the same order, softmax
-// gradient and mask. Head dims 17 to 32 (padded head dim 32) on sm_90a code (dev.sm90a),
-// sequences longer than kQueryGradsWgmmaMinLen (four key tiles or more: shorter ones are faster
-// on the mma.sync kernel), neither hook set, and no split (attention_backward_splits: few
-// items of one or two units of 128 queries each leave the device idle, where the split's
-// mma.sync blocks fill it).
-constexpr int64_t kQueryGradsWgmmaMinLen = 192;
+// Where the variant says so (plan.h: attention_grad_variant), the tensor-core path computes dq with
+// a kernel on Hopper's warpgroup products instead of the mma.sync one: the same splits, runs of
+// products in the same order, softmax gradient and mask.
 
-// Whether attention_backward computes a's dq on the wgmma kernel on dev.
+// Whether attention_backward computes a's dq on the wgmma kernel on dev where a has no dS^T
+// scratch (its variant's dq); false for arguments it refuses.
 bool query_grads_wgmma_can_run(const AttentionBackwardArgs& a, const DeviceCaps& dev);
 
 // The dq launch attention_backward makes where query_grads_wgmma_can_run (after delta and the

@@ -187,7 +187,8 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
         const float* bj = k + 8 * jj * LD;
 #pragma unroll
         for (int f = 0; f < NF; ++f)
-          mma_3xtf32_x2(dq[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1, load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+          mma_3xtf32_x2<true>(dq[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1,
+                              load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
       }
     }
   }

@@ -125,142 +125,10 @@ __device__ __forceinline__ void copy_positions(float* dst, const float* src, int
 
 namespace tc {
 
-// Row stride, in floats, of every operand in shared memory: 4 mod 8, so
-// that both fragment loads below hit 32 distinct banks (g ld + t for
-// g < 8, t < 4; 2t ld + g with 2 ld 8 or 24 mod 32), and a multiple of 4
-// (16-byte rows for cp.async).
-template <int HDP>
-constexpr int row_ld() {
-  static_assert(HDP % 8 == 0, "HDP + 4 is 4 mod 8");
-  return HDP + 4;
-}
-
-// The dk, dv kernel's tiles for padded head dim HDP: up to KW warps along
-// keys (16 keys each: up to BN = 16 KW keys a block; the launch takes
-// fewer, bn, for short sequences and small grids), FW warps along the
-// gradients' features (each 16 keys' dk and dv summed by FW warps, FP =
-// HDP / FW features each; all of them compute those keys' scores), BM
-// queries a step, ST stages of the query tiles (2: the next tile's copy
-// overlaps this one's work), min_blocks for __launch_bounds__ (the
-// register budget: 65536 / (32 warps min_blocks)). Registers a thread: dk
-// and dv FP, S^T and dP^T BM.
-//
-// Shared memory for a block of bn keys, in floats:
-//   k, v:                (bn, ld) each, the block's keys
-//   stage s: q, d_o      (BM, ld) each, one query tile
-//   stage s: lse (hi, lo), delta  (BM) each
-template <int HDP_, int KW_, int FW_, int BM_, int ST_, int MIN_BLOCKS_>
-struct KvTiling {
-  static constexpr int HDP = HDP_, KW = KW_, FW = FW_, BM = BM_, ST = ST_, min_blocks = MIN_BLOCKS_;
-  static constexpr int warps = KW * FW, threads = 32 * warps;
-  static constexpr int BN = 16 * KW, FP = HDP / FW, ld = row_ld<HDP>();
-  static constexpr int stage = 2 * BM * ld;  // q, then d_o
-  __host__ __device__ static constexpr int v(int bn) { return bn * ld; }
-  __host__ __device__ static constexpr int q(int bn) { return 2 * bn * ld; }
-  __host__ __device__ static constexpr int vec(int bn) { return q(bn) + ST * stage; }  // stage s: lse at + 3 BM s
-  __host__ __device__ static constexpr int floats(int bn) { return vec(bn) + ST * 3 * BM; }
-  static constexpr size_t bytes(int bn) { return (size_t)floats(bn) * sizeof(float); }
-  static_assert(FP % 8 == 0 && BM % 16 == 0 && (ST == 1 || ST == 2), "whole n-tiles, runs of two k-groups");
-  static_assert(ld % 4 == 0 && stage % 4 == 0 && BM % 4 == 0, "16-byte rows, 8-byte lse pairs");
-};
-
-// The dq kernel's tiles: up to QW warps of 16 queries (up to BM = 16 QW a
-// block; the launch takes fewer, bm, as above), BN keys a step, ST stages
-// of the key tiles, min_blocks as above. Registers a thread: dq HDP / 2, S
-// and dP BN.
-//
-// Shared memory for a block of bm queries, in floats:
-//   q, d_o:              (bm, ld) each, the block's queries
-//   stage s: k, v        (BN, ld) each, one key tile
-template <int HDP_, int QW_, int BN_, int ST_, int MIN_BLOCKS_>
-struct QTiling {
-  static constexpr int HDP = HDP_, QW = QW_, BN = BN_, ST = ST_, min_blocks = MIN_BLOCKS_;
-  static constexpr int warps = QW, threads = 32 * warps;
-  static constexpr int BM = 16 * QW, ld = row_ld<HDP>();
-  static constexpr int stage = 2 * BN * ld;  // k, then v
-  __host__ __device__ static constexpr int d_o(int bm) { return bm * ld; }
-  __host__ __device__ static constexpr int k(int bm) { return 2 * bm * ld; }
-  __host__ __device__ static constexpr int floats(int bm) { return k(bm) + ST * stage; }
-  static constexpr size_t bytes(int bm) { return (size_t)floats(bm) * sizeof(float); }
-  static_assert(BN % 16 == 0 && (ST == 1 || ST == 2), "runs of two k-groups");
-  static_assert(ld % 4 == 0 && stage % 4 == 0, "16-byte rows");
-};
-
-// Per padded head dim: the largest blocks, their shared memory and the blocks a Hopper
-// multiprocessor holds (min_blocks: the register budget each kernel is built to, none spilled;
-// 64K registers and 228 KB of shared memory a multiprocessor).
-//   HDP | dk, dv: warps keys  BM  KB blocks | dq: warps queries  BN  KB blocks
-//     8 |          4x1   64  32  13      4 |          4      64  64  18      4
-//    16 |          4x1   64  32  20      4 |          4      64  64  30      4
-//    32 |          4x1   64  32  36      3 |          4      64  32  36      4
-//    48 |          4x1   64  16  39      3 |          4      64  32  52      4
-//    64 |          4x1   64  16  51      3 |          4      64  32  68      3
-//    96 |          4x1   64  16  75      2 |          4      64  32 100      2
-//   128 |          4x1   64  16  99      2 |          4      64  16  99      2
-//   192 |          2x2   32  16  98      2 |          2      32  16  98      2
-//   256 |          2x2   32  16  98      2 |          2      32  16  98      2
-// (warps KW x FW; 256: one stage). Up to HDP 64 the budgets keep 12-16
-// warps a multiprocessor; beyond, shared memory allows two blocks.
-template <int HDP>
-struct KvTc;
-template <int HDP>
-struct QTc;
-template <>
-struct KvTc<8> : KvTiling<8, 4, 1, 32, 2, 4> {};
-template <>
-struct KvTc<16> : KvTiling<16, 4, 1, 32, 2, 4> {};
-template <>
-struct KvTc<32> : KvTiling<32, 4, 1, 32, 2, 3> {};
-template <>
-struct KvTc<48> : KvTiling<48, 4, 1, 16, 2, 3> {};
-template <>
-struct KvTc<64> : KvTiling<64, 4, 1, 16, 2, 3> {};
-template <>
-struct KvTc<96> : KvTiling<96, 4, 1, 16, 2, 2> {};
-template <>
-struct KvTc<128> : KvTiling<128, 4, 1, 16, 2, 2> {};
-template <>
-struct KvTc<192> : KvTiling<192, 2, 2, 16, 2, 2> {};
-template <>
-struct KvTc<256> : KvTiling<256, 2, 2, 16, 1, 2> {};
-template <>
-struct QTc<8> : QTiling<8, 4, 64, 2, 4> {};
-template <>
-struct QTc<16> : QTiling<16, 4, 64, 2, 4> {};
-template <>
-struct QTc<32> : QTiling<32, 4, 32, 2, 4> {};
-template <>
-struct QTc<48> : QTiling<48, 4, 32, 2, 4> {};
-template <>
-struct QTc<64> : QTiling<64, 4, 32, 2, 3> {};
-template <>
-struct QTc<96> : QTiling<96, 4, 32, 2, 2> {};
-template <>
-struct QTc<128> : QTiling<128, 4, 16, 2, 2> {};
-template <>
-struct QTc<192> : QTiling<192, 2, 16, 2, 2> {};
-template <>
-struct QTc<256> : QTiling<256, 2, 16, 1, 2> {};
-
-// The dq-from-dS kernel's tiles: up to QW = 4 warps of 16 queries (64 a
-// block; the launch takes fewer as for the dq kernel), BN keys a step, two
-// stages. No score tiles in registers, only dq (HDP / 2 a thread), so the
-// key tiles are longer than QTc's; min_blocks: 4 blocks (16 warps) an SM up
-// to HDP 32 (128 registers a thread), enough warps to cover the loads' latency.
-// Shared memory a stage, in floats:
-//   dS^T  (BN, ls): ls = 68 = 64 + 4, 4 mod 8, so that load_a_cols's
-//         loads (2t ls + g) hit 32 distinct banks
-//   k     (BN, ld)
-// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32).
-template <int HDP_>
-struct DsTc {
-  static constexpr int HDP = HDP_, QW = 4, BN = HDP <= 64 ? 64 : 32, ST = 2;
-  static constexpr int min_blocks = HDP <= 32 ? 4 : HDP <= 64 ? 3 : 2;
-  static constexpr int threads = 32 * QW, ld = row_ld<HDP>(), ls = 16 * QW + 4;
-  static constexpr int stage = BN * (ls + ld);
-  static constexpr size_t bytes = (size_t)ST * stage * sizeof(float);
-  static_assert(BN % 16 == 0 && ls % 8 == 4 && stage % 4 == 0, "runs of two k-groups, 16-byte rows");
-};
+// The tiles (common/smem_layout.h, where the host sizes them too).
+using fastaxial::DsTc;
+using fastaxial::KvTc;
+using fastaxial::QTc;
 
 // ---- fragments from fp32 rows in shared memory (PTX m16n8k8 .tf32 layouts, g = lane / 4, t = lane % 4)
 
@@ -313,8 +181,7 @@ __device__ __forceinline__ void score_tiles(float (&acc)[NT][4], const float* a,
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const float* bj = b + 8 * j * LD;
-        three_products<true>(acc[j], fa0, load_b_rows<LD>(bj, g, t));
-        three_products<false>(acc[j], fa1, load_b_rows<LD>(bj + 8, g, t));
+        products_x2<true>(acc[j], fa0, load_b_rows<LD>(bj, g, t), fa1, load_b_rows<LD>(bj + 8, g, t));
       }
     }
     // Rolled beyond HDP 32: unrolled, the loads hoisted ahead of their
@@ -327,7 +194,7 @@ __device__ __forceinline__ void score_tiles(float (&acc)[NT][4], const float* a,
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const float* bj = b + 8 * j * LD + 8 * kk;
-        mma_3xtf32_x2(acc[j], fa0, load_b_rows<LD>(bj, g, t), fa1, load_b_rows<LD>(bj + 8, g, t));
+        mma_3xtf32_x2<true>(acc[j], fa0, load_b_rows<LD>(bj, g, t), fa1, load_b_rows<LD>(bj + 8, g, t));
       }
     }
   }
@@ -348,7 +215,8 @@ __device__ __forceinline__ void grad_tiles(float (&acc)[NF][4], const float (&c)
     const float* bj = b + 8 * j * LD;  // rows 8j .. 8j + 15
 #pragma unroll
     for (int f = 0; f < NF; ++f)
-      mma_3xtf32_x2(acc[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1, load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+      mma_3xtf32_x2<true>(acc[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1,
+                          load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
   }
 }
 

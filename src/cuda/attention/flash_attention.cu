@@ -458,16 +458,9 @@ static_assert(FlashTile<256>::bytes == kFlashMaxSmemBytes && FlashTile<192>::byt
                   FlashTile<64>::bytes <= kFlashMaxSmemBytes,
               "smem_layout.h's kFlashMaxSmemBytes is the largest tiling");
 
-bool flash_attention_can_run(int64_t head_dim) { return flash_padded_head_dim(head_dim) != 0; }
-
 int flash_split_occupancy(int64_t head_dim, const DeviceCaps& dev) {
   return with_padded_head_dim(
       flash_padded_head_dim(head_dim), [&](auto h) { return split_occupancy<decltype(h)::value>(dev); }, 0);
-}
-
-size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
-                                      const DeviceCaps& dev) {
-  return flash_partials_bytes(num_seq, len, head_dim, heads, dev.sms);
 }
 
 size_t flash_attention_smem_bytes(int64_t head_dim) {

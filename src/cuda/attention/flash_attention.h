@@ -48,7 +48,7 @@ struct FlashArgs {
   // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
   const uint64_t* philox = nullptr;
   // Split-KV workspace (device memory), or null: S = 1. Used where
-  // flash_attention_partials_bytes() of this pass is > 0 and partials_bytes is at
+  // workspace_bytes(FlashProblem) of this pass is > 0 and partials_bytes is at
   // least that, and dropout is off (the split kernels have no dropout: a training forward
   // with dropout keeps S = 1); the layout is smem_layout.h's flash_partials_bytes.
   float* partials = nullptr;
@@ -70,16 +70,8 @@ inline bool flash_wgmma_chosen(const FlashArgs& a, const DeviceCaps& dev) {
   return flash_attention_variant(a, dev).kernel == FlashKernel::kWgmma;
 }
 
-// True when the kernel serves this head_dim (1..256).
-bool flash_attention_can_run(int64_t head_dim);
-
-// Bytes of partials the launch of a pass of num_seq sequences of length len
-// (FlashArgs::pos) with `heads` heads of head_dim on dev splits its keys
-// with, where given them; 0 where it does not split (S = 1). The plan
-// reserves this (CudaPlan::flash_partials); host-only callers use
-// smem_layout.h's flash_partials_bytes, the same rule.
-size_t flash_attention_partials_bytes(int64_t num_seq, int64_t len, int64_t head_dim, int heads,
-                                      const DeviceCaps& dev);
+// Whether it serves a pass, and the partials its split takes: plan.h's can_run and
+// workspace_bytes of a FlashProblem (the plan reserves them: CudaPlan::flash_partials).
 
 // Blocks of the split kernel for head_dim an SM holds on dev (the occupancy
 // API), for the test that checks smem_layout.h's flash_split_blocks_per_sm

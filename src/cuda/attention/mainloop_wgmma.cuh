@@ -7,7 +7,8 @@
 //   tile_times_planes: acc (64, N) += X (64, 64) Y, X a score-shaped tile in
 //     registers (p in the forward, dS in the dq kernel), Y (64, N) as
 //     transposed planes: p v, dS k.
-// and their loads: zero_head_padding, HeadRowCopy (raw head rows into
+// kSmallFirst: each run's products in the backward's order (detail/wgmma.cuh).
+// And their loads: zero_head_padding, HeadRowCopy (raw head rows into
 // shared memory, before the split into planes).
 // Used by flash_attention_wgmma.cu and query_grads_wgmma.cu (head dim 32).
 #pragma once
@@ -65,13 +66,13 @@ struct HeadRowCopy {
 // into acc, steps 2, 3 (a23) into acc2, one commit group each. B's rows are
 // 128-byte swizzled rows of a plane pair at `plane` (hi; lo plane_bytes
 // after). The caller waits, fences a01, a23 and acc, and adds acc2 to acc.
-template <int N>
+template <int N, bool kSmallFirst = false>
 __device__ __forceinline__ void rows_times_plane(float (&acc)[N / 2], float (&acc2)[N / 2], FragA (&a01)[2],
                                                  FragA (&a23)[2], uint32_t plane, int plane_bytes) {
   const uint64_t d01[2] = {desc_sw128(plane), desc_sw128(plane + 32)};
   const uint64_t d23[2] = {desc_sw128(plane + 64), desc_sw128(plane + 96)};
-  wgmma_3xtf32_run<N>(acc, a01, d01, plane_bytes >> 4);
-  wgmma_3xtf32_run<N>(acc2, a23, d23, plane_bytes >> 4);
+  wgmma_3xtf32_run<N, kSmallFirst>(acc, a01, d01, plane_bytes >> 4);
+  wgmma_3xtf32_run<N, kSmallFirst>(acc2, a23, d23, plane_bytes >> 4);
 }
 
 // acc (64, N) += X Y for X (64, 64) in the accumulator layout of a score
@@ -81,7 +82,7 @@ __device__ __forceinline__ void rows_times_plane(float (&acc)[N / 2], float (&ac
 // key 2t + 1), so that X's accumulator registers are its A fragments as they
 // are. Four runs of two key groups, two in flight (wgmma_add_runs4); the lo
 // plane plane_bytes after the hi one.
-template <int N>
+template <int N, bool kSmallFirst = false>
 __device__ __forceinline__ void tile_times_planes(float (&acc)[N / 2], const float (&x)[32], uint32_t tb,
                                                   int atom_bytes, int plane_bytes) {
   const auto run = [&](float(&t)[N / 2], FragA(&f)[2], int r) {
@@ -92,7 +93,7 @@ __device__ __forceinline__ void tile_times_planes(float (&acc)[N / 2], const flo
       f[k] = make_a(x[4 * jg], x[4 * jg + 2], x[4 * jg + 1], x[4 * jg + 3]);
       d[k] = desc_sw128(tb + (jg / 4) * atom_bytes + (jg % 4) * 32);
     }
-    wgmma_3xtf32_run<N>(t, f, d, plane_bytes >> 4);
+    wgmma_3xtf32_run<N, kSmallFirst>(t, f, d, plane_bytes >> 4);
   };
   wgmma_add_runs4(acc, run);
 }

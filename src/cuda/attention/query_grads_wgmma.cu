@@ -79,6 +79,8 @@ struct QgTile {
   static_assert(plane % 1024 == 0 && raw_k % 16 == 0 && unit_q % 16 == 0, "alignment");
   static_assert(k_pieces * kThreads == BN * HDP / 4, "whole rounds");
 };
+static_assert(QgTile::bytes == kQueryGradsWgmmaSmemBytes, "plan.h sizes the kernel's shared memory");
+static_assert(3 * QgTile::BN == kQueryGradsWgmmaMinLen, "the rule's sequences: four key tiles or more");
 
 // A block's units are u = blockIdx.x, + gridDim.x, ... (unit u: query tile
 // u % q_tiles of item u / q_tiles = n heads + h); every unit has two key
@@ -184,7 +186,7 @@ __global__ void __launch_bounds__(256, 1)
     // s = q k^T, issued (k-steps 2, 3 into ts); dp = d_o v^T after it, below.
     const uint32_t kb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer);
     float s[BN / 2], ts[BN / 2];
-    rows_times_plane<BN>(s, ts, qa, qb, kb, Tile::plane);
+    rows_times_plane<BN, true>(s, ts, qa, qb, kb, Tile::plane);
     if (st + 2 < steps) copy_next();  // step s + 2
     if (st + 1 < steps) split_step(st + 1);
 
@@ -200,7 +202,7 @@ __global__ void __launch_bounds__(256, 1)
     FragA da[2], db[2];
     da[0] = rows_frag<LD>(dw, 0, g, t), da[1] = rows_frag<LD>(dw, 1, g, t);
     db[0] = rows_frag<LD>(dw, 2, g, t), db[1] = rows_frag<LD>(dw, 3, g, t);
-    rows_times_plane<BN>(dp, tdp, da, db, kb + 2 * Tile::plane, Tile::plane);
+    rows_times_plane<BN, true>(dp, tdp, da, db, kb + 2 * Tile::plane, Tile::plane);
     // s -> p in place: key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1) in s[4 jn + e].
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) s[i] = prob_from_lse2(s[i], scale_log2, hi[(i >> 1) & 1], lo[(i >> 1) & 1]);
@@ -231,8 +233,9 @@ __global__ void __launch_bounds__(256, 1)
       }
 
     // dq += dS k, k^T's planes as B (as the forward's p v).
-    tile_times_planes<HDP>(dq, dp, base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer + 4 * Tile::plane),
-                           HDP * 128, Tile::plane);
+    tile_times_planes<HDP, true>(dq, dp,
+                                 base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer + 4 * Tile::plane),
+                                 HDP * 128, Tile::plane);
 
     if (step.last()) {  // the unit's last tile: scale dq into dqkv's q columns (backward_parts.cuh)
       const Head hp = {cur.item, cur.seq, a.pos.pos_stride, 0, hd, L, 0, 0};
@@ -248,7 +251,7 @@ __global__ void __launch_bounds__(256, 1)
   }
 #else
   (void)a, (void)scale, (void)scale_log2, (void)q_tiles, (void)dpass;
-  __trap();  // built without sm_90a: query_grads_wgmma_can_run is false there
+  __trap();  // built without sm_90a: attention_grad_variant never picks it there
 #endif
 }
 
@@ -268,17 +271,6 @@ cudaError_t launch(const AttentionBackwardArgs& a, float scale, const DropoutPas
 }
 
 }  // namespace
-
-bool query_grads_wgmma_can_run(const AttentionBackwardArgs& a, const DeviceCaps& dev) {
-#if defined(FASTAXIAL_WGMMA)
-  const int64_t hd = a.heads > 0 ? a.D / a.heads : 0;
-  return !a.mma_sync && !a.ffma && dev.sm90a && flash_padded_head_dim(hd) == 32 && a.pos.len > kQueryGradsWgmmaMinLen &&
-         (size_t)QgTile::bytes <= (size_t)dev.smem_optin && attention_backward_splits(a, dev) == 1;
-#else
-  (void)a, (void)dev;
-  return false;  // no sm_90a code in this build: the kernel's body is a trap
-#endif
-}
 
 cudaError_t query_grads_wgmma(const AttentionBackwardArgs& a, bool vec, float scale, const DropoutPass& dpass,
                               const DeviceCaps& dev, cudaStream_t stream) {

@@ -47,8 +47,8 @@ __device__ __forceinline__ uint32_t to_tf32_rn(float x) {
 // tensor core reads only the top 10 mantissa bits of a TF32 operand, so it
 // truncates lo, up to 2^-22 of x off (a rounded lo: 2^-23). In a long product
 // that averages out (scripts/emulate_tf32x3.py); in short chains of short
-// products (a few positions, small dims) it left gradients 4x the fp32
-// reference's error (docs/perf-notes.md, v59). Three instructions per
+// products (a few positions, small dims) it left gradients outside the
+// accuracy rule (docs/perf-notes.md, v59). Three instructions per
 // element: the form for splits on a mainloop's critical path.
 // kRoundLo: lo rounded to TF32 as well (to_tf32_rn), four instructions, for
 // operands split once and read by many products (the weight planes, the
@@ -96,18 +96,38 @@ __device__ __forceinline__ void mma_tf32_first(float (&d)[4], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
 }
 
-// The three products of a * b into t, the small terms first (lo * hi,
-// hi * lo, then hi * hi): into a fresh accumulator (kFresh: C is zero) or on
-// top of t's running value.
+// The small terms of a * b, lo * hi then hi * lo, into t: into a fresh accumulator (kFresh: C is
+// zero) or on top of t's running value.
 template <bool kFresh>
-__device__ __forceinline__ void three_products(float (&t)[4], const FragA& a, const FragB& b) {
+__device__ __forceinline__ void small_terms(float (&t)[4], const FragA& a, const FragB& b) {
   if constexpr (kFresh) {
     mma_tf32_first(t, a.lo, b.hi);
   } else {
     mma_tf32(t, a.lo, b.hi);
   }
   mma_tf32(t, a.hi, b.lo);
+}
+
+// The three products of a * b into t, the small terms first, then hi * hi.
+template <bool kFresh>
+__device__ __forceinline__ void three_products(float (&t)[4], const FragA& a, const FragB& b) {
+  small_terms<kFresh>(t, a, b);
   mma_tf32(t, a.hi, b.hi);
+}
+
+// The six products of a run of two 8-deep steps, a0 * b0 + a1 * b1, into t, both steps' small
+// terms first, then both hi * hi. The tensor core truncates each add toward zero, relative to the
+// running value: in this order only the two hi * hi adds truncate at the run's full magnitude
+// (step after step, four do). A truncation error has the sign of the sum, so where the products'
+// results are summed over many positions (the backward's: a LayerNorm bias's gradient sums d_xn
+// over every position) what is left of it adds up; the backward takes this order.
+template <bool kFresh>
+__device__ __forceinline__ void products_x2(float (&t)[4], const FragA& a0, const FragB& b0, const FragA& a1,
+                                            const FragB& b1) {
+  small_terms<kFresh>(t, a0, b0);
+  small_terms<false>(t, a1, b1);
+  mma_tf32(t, a0.hi, b0.hi);
+  mma_tf32(t, a1.hi, b1.hi);
 }
 
 // c += a * b, fp32-accurate: the three products in a fresh accumulator, then
@@ -122,12 +142,18 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const FragA& a, const 
 // c += a0 * b0 + a1 * b1 (two 8-deep steps), fp32-accurate: both steps'
 // products in one fresh accumulator, then one fp32 add per element. Runs of
 // two steps stay at an fp32 FMA chain's error (scripts/emulate_tf32x3.py);
-// longer runs do not.
+// longer runs do not. kSmallFirst: products_x2's order (the backward), else
+// step after step (fewer registers live: the forward's kernels).
+template <bool kSmallFirst = false>
 __device__ __forceinline__ void mma_3xtf32_x2(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
                                               const FragB& b1) {
   float t[4];
-  three_products<true>(t, a0, b0);
-  three_products<false>(t, a1, b1);
+  if constexpr (kSmallFirst) {
+    products_x2<true>(t, a0, b0, a1, b1);
+  } else {
+    three_products<true>(t, a0, b0);
+    three_products<false>(t, a1, b1);
+  }
 #pragma unroll
   for (int e = 0; e < 4; ++e) c[e] += t[e];
 }

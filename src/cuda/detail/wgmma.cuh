@@ -190,21 +190,32 @@ __device__ __forceinline__ void wgmma_m64k8_rs(float (&d)[N / 2], const uint32_t
 }
 
 // One run of the 3xTF32 products (tf32x3.cuh) of two 8-deep steps into t:
-// lo*hi, hi*lo, hi*hi a step, the first into a fresh accumulator; one commit
-// group. A from the split fragments f of the two steps; b: the descriptors of
+// lo*hi, hi*lo, hi*hi a step, or with kSmallFirst both steps' lo*hi and
+// hi*lo, then both hi*hi (tf32x3.cuh: products_x2, the backward's order);
+// the first into a fresh accumulator; one commit group. A from the split fragments f of the two steps; b: the descriptors of
 // the steps' B hi planes, each step's lo plane lo 16-byte units after its hi
 // one. f and t stay untouched until the wait that completes the group.
-template <int N>
+template <int N, bool kSmallFirst = false>
 __device__ __forceinline__ void wgmma_3xtf32_run(float (&t)[N / 2], FragA (&f)[2], const uint64_t (&b)[2],
                                                  uint64_t lo) {
   fence_regs(t);
   fence_frags(f);
   wgmma_fence();
+  if constexpr (kSmallFirst) {
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    wgmma_m64k8_rs<N>(t, f[k].lo, b[k], k);
-    wgmma_m64k8_rs<N>(t, f[k].hi, b[k] + lo, 1);
-    wgmma_m64k8_rs<N>(t, f[k].hi, b[k], 1);
+    for (int k = 0; k < 2; ++k) {
+      wgmma_m64k8_rs<N>(t, f[k].lo, b[k], k);
+      wgmma_m64k8_rs<N>(t, f[k].hi, b[k] + lo, 1);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k) wgmma_m64k8_rs<N>(t, f[k].hi, b[k], 1);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      wgmma_m64k8_rs<N>(t, f[k].lo, b[k], k);
+      wgmma_m64k8_rs<N>(t, f[k].hi, b[k] + lo, 1);
+      wgmma_m64k8_rs<N>(t, f[k].hi, b[k], 1);
+    }
   }
   wgmma_commit();
 }

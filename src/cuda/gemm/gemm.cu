@@ -38,8 +38,8 @@
 // core truncates its own adds toward zero: a long chain drifts, and even runs
 // of two steps left an error with the sign of the run's sum, which a sum over
 // positions of the product adds up (the backward's d_xn = d_qkv W_qkv, summed
-// over every position into a LayerNorm bias's gradient: 2.1x to 3.2x the fp32
-// reference's error with runs of two; docs/perf-notes.md, v64).
+// over every position into a LayerNorm bias's gradient, outside the accuracy
+// rule with runs of two; docs/perf-notes.md, v64).
 #include "gemm.h"
 
 #include <algorithm>

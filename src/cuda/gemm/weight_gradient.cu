@@ -139,8 +139,10 @@
 //
 // ---- Both ----
 // Accuracy (tf32x3.cuh): each element is split in registers as it is loaded
-// (hi + lo); per run of two 8-row steps the products lo*hi, hi*lo, hi*hi go
-// into a fresh accumulator, which is then added in fp32 to the running sum:
+// (hi + lo); per run of two 8-row steps the six products go into a fresh
+// accumulator (mma.sync: lo*hi, hi*lo, hi*hi a step; wgmma: both steps'
+// lo*hi and hi*lo, then both hi*hi, detail/wgmma.cuh), which is then added in
+// fp32 to the running sum:
 // the tensor core truncates its own adds, so its chains stay short, and a
 // position's terms are summed as an fp32 dot product would (the sum of the
 // chunk's runs in order). Error: the split's (at most about 3 2^-22 of each
@@ -495,7 +497,7 @@ __device__ __forceinline__ void load_a_frags(FragA (&f)[2], const float* sa, int
 template <int BN>
 __device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], uint32_t stage, int ks) {
   const uint64_t b[2] = {desc_sw128(stage + ks * 32), desc_sw128(stage + ks * 32 + 32)};
-  wgmma_3xtf32_run<BN>(t, f, b, WgTiling<BN>::kBPlane >> 4);
+  wgmma_3xtf32_run<BN, true>(t, f, b, WgTiling<BN>::kBPlane >> 4);
 }
 #endif  // FASTAXIAL_SM90A_DEVICE
 
@@ -621,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
   }
 #else
   (void)p;
-  __trap();  // built without sm_90a: weight_gradient_wgmma() is false and nothing launches this
+  __trap();  // built without sm_90a: weight_gradient_variant never picks it there
 #endif
 }
 
@@ -669,14 +671,19 @@ cudaError_t launch_wgmma(const Product& p, unsigned tiles, unsigned splits, cons
 
 }  // namespace
 
-bool weight_gradient_wgmma(const WeightGradientArgs& g, const DeviceCaps& dev) {
-#if defined(FASTAXIAL_WGMMA)
-  return !g.mma_sync && weight_gradient_wgmma_can_run(dev) && g.K % 4 == 0 && aligned16(g.a) && aligned16(g.b) &&
-         g.lda % 4 == 0 && g.ldb % 4 == 0;
-#else
-  (void)g, (void)dev;
-  return false;
+WeightGradVariant weight_gradient_variant(const WeightGradientArgs& g, const DeviceCaps& dev) {
+  DeviceCaps d = dev;
+#if !defined(FASTAXIAL_WGMMA)
+  d.sm90a = false;  // no sm_90a code in this build: the wgmma kernel's body is a trap
 #endif
+  WeightGradProblem p;
+  p.T = g.T, p.N = g.N, p.K = g.K, p.mma_sync = g.mma_sync;
+  p.aligned = aligned16(g.a) && aligned16(g.b) && g.lda % 4 == 0 && g.ldb % 4 == 0;
+  return fastaxial::weight_gradient_variant(p, d);
+}
+
+bool weight_gradient_wgmma(const WeightGradientArgs& g, const DeviceCaps& dev) {
+  return weight_gradient_variant(g, dev).kernel == WeightGradKernel::kWgmma;
 }
 
 cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t partials_bytes, const DeviceCaps& dev,
@@ -685,14 +692,13 @@ cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t
   if (g.N == 0 || g.K == 0) return cudaSuccess;
   if (g.c == nullptr) return cudaErrorInvalidValue;
   if (g.T > 0 && (g.a == nullptr || g.b == nullptr || g.lda < g.N || g.ldb < g.K)) return cudaErrorInvalidValue;
-  const bool wgmma = weight_gradient_wgmma(g, dev);
-  const WeightGradSplit split =
-      weight_gradient_split(g.T, g.N, g.K, dev, wgmma ? WeightGradKernel::kWgmma : WeightGradKernel::kMmaSync);
+  const WeightGradVariant v = weight_gradient_variant(g, dev);
+  const bool wgmma = v.kernel == WeightGradKernel::kWgmma;
+  const WeightGradSplit split = v.split;
   if (split.splits > 1 &&
       (partials == nullptr || partials_bytes / sizeof(float) / (size_t)g.N / (size_t)g.K < (size_t)split.splits))
     return cudaErrorInvalidValue;
-  // Tiles: 128 rows by 64 columns (mma.sync), or by 128 (wgmma; 64 where K <= 64).
-  const int bn = !wgmma ? BN : g.K <= 64 ? 64 : 128;
+  const int bn = v.tile_cols;
   const int64_t tiles_k = (g.K + bn - 1) / bn, tiles = (g.N + BM - 1) / BM * tiles_k;
   if (tiles > INT_MAX) return cudaErrorInvalidValue;  // grid.x
   static_assert(BM == kWgBM, "both kernels' tiles have 128 rows");

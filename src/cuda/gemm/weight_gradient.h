@@ -29,9 +29,12 @@ struct WeightGradientArgs {
   bool mma_sync = false;
 };
 
-// True when weight_gradient runs g on the wgmma kernel: a build with sm_90a code on a device that
-// runs it (plan.h: weight_gradient_wgmma_can_run), a and b 16-byte aligned, lda, ldb and K multiples
-// of 4, and g.mma_sync unset. Else the mma.sync kernel (any alignment, stride and K).
+// The kernel, tiles and split weight_gradient runs g with on dev: plan.h's rule
+// (weight_gradient_variant) on g's sizes, pointers and hook, in a build with sm_90a code (else
+// never the wgmma kernel).
+WeightGradVariant weight_gradient_variant(const WeightGradientArgs& g, const DeviceCaps& dev);
+
+// Whether that is the wgmma kernel (else the mma.sync one).
 bool weight_gradient_wgmma(const WeightGradientArgs& g, const DeviceCaps& dev);
 
 // Launches C = A^T B on `stream` (programmatic dependents, detail/launch.cuh). `partials`: scratch

@@ -18,6 +18,7 @@
 #include "pass.h"
 
 #include "../attention/flash_attention.h"
+#include "../attention/whole_sequence.h"
 #include "../detail/host.h"
 #include "../norm/norm.h"
 

@@ -6,7 +6,7 @@
 //   2. QKV product:    qkv  = norm @ Wqkv^T                          (T, 3D)
 //   3. attention:      attn = softmax(q_h k_h^T / sqrt(hd)) v_h      (T, D)
 //      per head h, on the flash kernel (attention/flash_attention.h)
-//      or the whole-sequence one (forward.cu)
+//      or the whole-sequence one (attention/whole_sequence.h)
 //   4. output product: dst  = src + attn @ Wout^T + bout             (T, D)
 // Each launch is a programmatic dependent of the one before (detail/launch.cuh).
 // The training forward keeps what its backward reads (KeptForBackward) and
@@ -65,10 +65,5 @@ struct StagedPass {
 
 // Launches the pass's steps on `stream`, in order.
 Status run_staged_pass(const StagedPass& s, const DeviceCaps& dev, cudaStream_t stream);
-
-// Step 3 on the whole-sequence kernel (forward.cu): o (T, D) from qkv (T, 3D), pos the pass's
-// view as rows (row_indices); head dims 8, 16, 32 and 64, else cudaErrorInvalidValue.
-cudaError_t staged_attention(const AxisView& pos, const float* qkv, float* o, int D, int heads, const DeviceCaps& dev,
-                             cudaStream_t stream);
 
 }  // namespace fastaxial::cuda

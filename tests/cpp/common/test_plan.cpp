@@ -556,7 +556,7 @@ TEST(BackwardPlan, WeightGradientSplitRule) {
   small_smem.smem_optin = 99 * 1024;  // one block an SM (compute capability 8.6, 8.9)
   EXPECT_EQ(weight_gradient_split(32768, 384, 128, small_smem, WeightGradKernel::kMmaSync).splits, 36)
       << "216 / 6 chunks of 911 -> 928 rows";
-  EXPECT_TRUE(weight_gradient_can_run(small_smem));
+  EXPECT_TRUE(can_run(WeightGradProblem{}, small_smem));
   EXPECT_FALSE(weight_gradient_wgmma_can_run(small_smem));
 }
 

@@ -424,7 +424,7 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
   DeviceCaps dev;
   std::string why;
   if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
-  ASSERT_TRUE(cuda::attention_backward_can_run(c.hd));
+  ASSERT_TRUE(can_run(AttentionGradProblem{1, c.L, c.hd, 1}, dev));
   const Problem pr = make_problem(c);
   std::vector<float> got, delta, scores;
   int taken = 0;

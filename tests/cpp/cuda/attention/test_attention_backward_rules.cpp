@@ -89,7 +89,7 @@ TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
     EXPECT_FALSE(cuda::query_grads_wgmma_can_run(a, h)) << hd;
   }
   a.D = 64;
-  a.pos.len = cuda::kQueryGradsWgmmaMinLen;
+  a.pos.len = kQueryGradsWgmmaMinLen;
   EXPECT_FALSE(cuda::query_grads_wgmma_can_run(a, h));
   a.pos.len = 2048;
   EXPECT_EQ(cuda::query_grads_wgmma_can_run(a, h), sm90a_build);
@@ -102,13 +102,13 @@ TEST(AttentionBackwardRules, WgmmaDqWhereItApplies) {
 }
 
 TEST(AttentionBackwardRules, SupportedHeadDims) {
-  EXPECT_FALSE(cuda::attention_backward_can_run(0));
-  EXPECT_FALSE(cuda::attention_backward_can_run(257));
+  EXPECT_FALSE(can_run(AttentionGradProblem{1, 64, 0, 1}, h200()));
+  EXPECT_FALSE(can_run(AttentionGradProblem{1, 64, 257, 1}, h200()));
   for (bool ffma : {false, true}) {
     EXPECT_EQ(cuda::attention_backward_smem_bytes(0, ffma), 0u);
     EXPECT_EQ(cuda::attention_backward_smem_bytes(257, ffma), 0u);
     for (int64_t hd = 1; hd <= 256; ++hd) {
-      ASSERT_TRUE(cuda::attention_backward_can_run(hd)) << hd;
+      ASSERT_TRUE(can_run(AttentionGradProblem{1, 64, hd, 1}, h200())) << hd;
       const size_t bytes = cuda::attention_backward_smem_bytes(hd, ffma);
       EXPECT_GT(bytes, 0u) << hd << (ffma ? " ffma" : " tc");
       EXPECT_LE(bytes, 105u * 1024u) << hd

@@ -116,7 +116,7 @@ struct Result {
 // flash_attention on pr with qkv misaligned by `misalign` floats; with
 // drop (threshold != 0: dropout), its seed and offset from the device pair
 // {seed, offset} (null: none given).
-// With `partials`, a poisoned split-KV buffer of flash_attention_partials_bytes
+// With `partials`, a poisoned split-KV buffer of workspace_bytes(FlashProblem)
 // for the pass (none where that is 0).
 // mma_sync: the mma.sync kernel even where a wgmma one or the short-sequence one applies.
 void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
@@ -141,7 +141,7 @@ void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, 
   if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
   DevicePtr dpart;
   if (partials) {
-    const size_t bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, dev);
+    const size_t bytes = workspace_bytes(FlashProblem{pr.N, pr.L, pr.hd, pr.heads}, dev);
     if (bytes > 0) {
       dpart = device_alloc(bytes / sizeof(float));
       ASSERT_TRUE(dpart);
@@ -302,7 +302,7 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   DeviceCaps dev;
   std::string why;
   if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
-  ASSERT_TRUE(cuda::flash_attention_can_run(c.hd));
+  ASSERT_TRUE(can_run(FlashProblem{1, c.L, c.hd, 1}, dev));
   const Problem pr = make_problem(c);
   ASSERT_EQ(pr.view.len, c.L);
   ASSERT_LE(pr.view.num_seq, (c.col ? col_view(pr.p) : row_view(pr.p)).num_seq);
@@ -451,12 +451,12 @@ class FlashAttentionSplit : public ::testing::TestWithParam<Case> {};
 TEST_P(FlashAttentionSplit, MatchesDoubleReference) {
   const Case c = GetParam();
   const Problem pr = make_problem(c);
-  const size_t h200_bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, h200());
+  const size_t h200_bytes = workspace_bytes(FlashProblem{pr.N, pr.L, pr.hd, pr.heads}, h200());
   if (c.L >= 1030) EXPECT_GT(h200_bytes, 0u) << "no split on an H200";
   DeviceCaps dev;
   std::string why;
   if (!device_for(c.hd, &dev, &why)) GTEST_SKIP() << why;
-  const size_t bytes = cuda::flash_attention_partials_bytes(pr.N, pr.L, pr.hd, pr.heads, dev);
+  const size_t bytes = workspace_bytes(FlashProblem{pr.N, pr.L, pr.hd, pr.heads}, dev);
   if (c.L >= 1030 && dev.sms >= 100) EXPECT_GT(bytes, 0u) << "no split on this device (" << dev.sms << " SMs)";
   Result r, again;
   run_gpu(pr, c.misalign, dev, &r, nullptr, nullptr, true);
@@ -507,7 +507,7 @@ TEST(FlashAttentionRules, SplitRule) {
   // (1, 1, 4096, 32, 1)'s row pass: 64 query tiles, 64 key tiles, 3 blocks an SM -> 6 splits,
   // 384 blocks: one round of 396 with 10 or 11 key tiles a block.
   EXPECT_EQ(flash_kv_splits(1, 4096, 32, 1, h.sms), 6);
-  EXPECT_EQ(cuda::flash_attention_partials_bytes(1, 4096, 32, 1, h), 6u * 4096u * 34u * 4u);
+  EXPECT_EQ(workspace_bytes(FlashProblem{1, 4096, 32, 1}, h), 6u * 4096u * 34u * 4u);
   // Two blocks an SM at head dims 64 and 128: 4 splits (256 blocks, one round), where 5 took
   // two rounds (measured slower than 3 and 8: docs/perf-notes.md, v45).
   EXPECT_EQ(flash_kv_splits(1, 4096, 64, 1, h.sms), 4);
@@ -524,8 +524,8 @@ TEST(FlashAttentionRules, SplitRule) {
   EXPECT_EQ(flash_kv_splits(1, 65536, 8, 1, h.sms), 1);  // 1024 query tiles fill the device
   EXPECT_EQ(flash_kv_splits(4096, 1, 32, 1, h.sms), 1);
   EXPECT_EQ(flash_kv_splits(1, 1 << 30, 32, 1, h.sms), 1);
-  EXPECT_EQ(cuda::flash_attention_partials_bytes(264, 4096, 32, 1, h), 0u);
-  EXPECT_EQ(cuda::flash_attention_partials_bytes(1, 4096, 32, 1, DeviceCaps{}), 0u);  // sms unknown
+  EXPECT_EQ(workspace_bytes(FlashProblem{264, 4096, 32, 1}, h), 0u);
+  EXPECT_EQ(workspace_bytes(FlashProblem{1, 4096, 32, 1}, DeviceCaps{}), 0u);  // sms unknown
   // Within the bounds the launcher relies on: at most 16 splits, fewer than 4 sms blocks.
   for (int64_t n : {1, 2, 7, 100})
     for (int64_t len : {1, 64, 65, 1000, 4096, 20000})
@@ -540,7 +540,7 @@ TEST(FlashAttentionRules, SplitRule) {
             EXPECT_GE((len + bn - 1) / bn, 2 * s);
             EXPECT_GE(len, 1024);
           }
-          EXPECT_EQ(cuda::flash_attention_partials_bytes(n, len, hd, (int)heads, h) > 0, s > 1);
+          EXPECT_EQ(workspace_bytes(FlashProblem{n, len, hd, (int)heads}, h) > 0, s > 1);
         }
 }
 
@@ -705,12 +705,12 @@ TEST(FlashAttentionRules, RejectsDropoutArguments) {
 
 // The host-side rules, without a device.
 TEST(FlashAttentionRules, SupportedHeadDims) {
-  EXPECT_FALSE(cuda::flash_attention_can_run(0));
-  EXPECT_FALSE(cuda::flash_attention_can_run(257));
+  EXPECT_FALSE(can_run(FlashProblem{1, 64, 0, 1}, h200()));
+  EXPECT_FALSE(can_run(FlashProblem{1, 64, 257, 1}, h200()));
   EXPECT_EQ(cuda::flash_attention_smem_bytes(0), 0u);
   EXPECT_EQ(cuda::flash_attention_smem_bytes(257), 0u);
   for (int64_t hd = 1; hd <= 256; ++hd) {
-    ASSERT_TRUE(cuda::flash_attention_can_run(hd)) << hd;
+    ASSERT_TRUE(can_run(FlashProblem{1, 64, hd, 1}, h200())) << hd;
     const size_t bytes = cuda::flash_attention_smem_bytes(hd);
     EXPECT_GT(bytes, 0u) << hd;
     EXPECT_LE(bytes, 163u * 1024u) << hd;  // an A100 block's opt-in limit (the H100/H200's: 227 KB)

@@ -106,7 +106,7 @@ TEST_P(WeightGradient, MatchesDoubleProductAndRepeatsBitwise) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
-  if (!weight_gradient_can_run(dev)) GTEST_SKIP() << "needs compute capability 8.0";
+  if (!can_run(WeightGradProblem{}, dev)) GTEST_SKIP() << "needs compute capability 8.0";
 
   const Case c = GetParam();
   const int64_t T = c.T, N = c.N, K = c.K;
@@ -268,7 +268,7 @@ TEST(WeightGradientSplit, RefusesMissingOrShortPartials) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
-  if (!weight_gradient_can_run(dev)) GTEST_SKIP() << "the kernel does not run on this device";
+  if (!can_run(WeightGradProblem{}, dev)) GTEST_SKIP() << "the kernel does not run on this device";
   const int64_t T = 4096, N = 64, K = 64;
   const size_t floats = weight_gradient_partials_floats(T, N, K, dev);
   ASSERT_GT(floats, 0u);

@@ -26,8 +26,9 @@
 #include "../detail/async_copy.cuh"
 #include "../detail/kernel_args.h"
 #include "../detail/launch.cuh"
+#include "../detail/host.h"  // with_int
 #include "../detail/tf32x3.cuh"
-#include "pass.h"
+#include "whole_sequence.h"
 
 namespace fastaxial::cuda {
 namespace {
