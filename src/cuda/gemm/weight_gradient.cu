@@ -14,6 +14,9 @@
 // else 3xTF32 on mma.sync (compute capability 8.0), which runs at about
 // cuBLAS's rate (docs/perf-notes.md); both keep the backward off cuBLAS, so
 // that a training call can be replayed as a CUDA graph (graph_replay.h).
+// Both are short bodies driving the parts of weight_gradient_parts.cuh (the
+// scheduler, a mainloop per instruction family, the epilogues); what is here
+// is each kernel's own: tile shape, shared memory, copies and pipeline.
 //
 // ---- The mma.sync kernel ----
 // Shape. A block owns a 128 x 64 tile of C (kWeightGradTileN x
@@ -177,16 +180,17 @@
 #include "../detail/launch.cuh"
 #include "../detail/tf32x3.cuh"
 #include "../detail/wgmma.cuh"
+#include "weight_gradient_parts.cuh"
 
 namespace fastaxial::cuda {
 namespace {
+using namespace weight_gradient_detail;  // Product, BK, LDA, LDB and the parts
 
 constexpr int BM = kWeightGradTileN, BN = kWeightGradTileK;  // a block's tile of C: 128 x 64
-constexpr int BK = kWeightGradStageRows, kStages = kWeightGradStages;
-constexpr int LDA = kWeightGradLdA, LDB = kWeightGradLdB;  // shared-memory row strides, 8 mod 32
-constexpr int kWarpsN = 2, kThreads = 256;                  // warps 4 (rows) x 2 (columns)
-constexpr int WM = 32, WN = 32;                             // a warp's piece of the tile
-constexpr int kStageFloats = BK * (LDA + LDB);              // A (BK, LDA), then B (BK, LDB)
+constexpr int kStages = kWeightGradStages;                   // the ring of stages of BK rows
+constexpr int kWarpsN = 2, kThreads = 256;                   // warps 4 (rows) x 2 (columns)
+constexpr int WM = 32, WN = 32;                              // a warp's piece of the tile
+constexpr int kStageFloats = BK * (LDA + LDB);               // A (BK, LDA), then B (BK, LDB)
 static_assert(BM == 4 * WM && BN == kWarpsN * WN && kThreads == 32 * 4 * kWarpsN, "8 warps of 32 x 32");
 static_assert(LDA % 32 == 8 && LDB % 32 == 8, "fragment loads on distinct banks");
 static_assert(BK % 16 == 0, "stages of whole runs of two 8-row steps");
@@ -194,15 +198,7 @@ static_assert((size_t)kStages * kStageFloats * sizeof(float) == kWeightGradSmemB
 
 constexpr int kSumCols = 32, kSumLanes = 8;  // the partials' total: a block of 32 elements x 8 lanes
 
-struct Product {
-  const float* a;  // (T, N)
-  const float* b;  // (T, K)
-  float* out;      // C (S = 1, stride ldc) or partials (S > 1, [S][N][K])
-  int64_t lda, ldb, ld_out;
-  int64_t T, rows;  // rows summed; rows a chunk (a multiple of BK)
-  int N, K, tiles_k;
-  bool vec_out;  // out 16-byte aligned with ld_out a multiple of 4: 16-byte stores
-};
+// ---- The mma.sync kernel -----------------------------------------------------
 
 // COLS columns from col0 of rows row .. row + BK - 1 of m (stride ld) into s (BK, LD): rows
 // from `end` on and columns from `width` on zero-filled, never read. kVec: 16-byte copies (m and
@@ -232,56 +228,6 @@ __device__ __forceinline__ void copy_tile(float* s, const float* m, int64_t ld, 
   }
 }
 
-// acc += the stage's products for the warp's piece: rows (positions) 0 .. BK - 1 of sa (BK, LDA)
-// and sb (BK, LDB), the piece's columns from wm and wn, in runs of two 8-row steps, each run's
-// products in a fresh accumulator then added in fp32. The three products of tf32x3.cuh's
-// three_products (lo*hi, hi*lo, then hi*hi, the same order per element) issued across the 8 mma
-// tiles in turn, so that consecutive mma are independent.
-__device__ __forceinline__ void stage_products(float (&acc)[2][4][4], const float* sa, const float* sb, int wm,
-                                               int wn, int g, int t) {
-  // Not unrolled: unrolled, the compiler moved the second run's loads ahead and spilled.
-#pragma unroll 1
-  for (int run = 0; run < BK / 16; ++run) {
-    float part[2][4][4];
-#pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const int k = 16 * run + 8 * step;
-      // Rows k + t and k + t + 4; 4 consecutive columns at 4g of the piece (the permutation above).
-      const float4 a0 = *reinterpret_cast<const float4*>(sa + (k + t) * LDA + wm + 4 * g);
-      const float4 a1 = *reinterpret_cast<const float4*>(sa + (k + t + 4) * LDA + wm + 4 * g);
-      const float4 b0 = *reinterpret_cast<const float4*>(sb + (k + t) * LDB + wn + 4 * g);
-      const float4 b1 = *reinterpret_cast<const float4*>(sb + (k + t + 4) * LDB + wn + 4 * g);
-      // m tile i: fragment rows g, g + 8 = C rows 4g + 2i, 4g + 2i + 1 (k = t, then t + 4).
-      const FragA fa[2] = {make_a(a0.x, a0.y, a1.x, a1.y), make_a(a0.z, a0.w, a1.z, a1.w)};
-      // n tile j: fragment column g = C column 4g + j.
-      const FragB fb[4] = {make_b(b0.x, b1.x), make_b(b0.y, b1.y), make_b(b0.z, b1.z), make_b(b0.w, b1.w)};
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          if (step == 0)
-            mma_tf32_first(part[i][j], fa[i].lo, fb[j].hi);
-          else
-            mma_tf32(part[i][j], fa[i].lo, fb[j].hi);
-        }
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_tf32(part[i][j], fa[i].hi, fb[j].lo);
-#pragma unroll
-      for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) mma_tf32(part[i][j], fa[i].hi, fb[j].hi);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];
-  }
-}
-
 // The block's tile of C (blockIdx.x) over its chunk of rows (blockIdx.y), into p.out: C itself
 // (one chunk) or the chunk's partial tile. kVec: 16-byte copies.
 template <bool kVec>
@@ -292,29 +238,20 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_product_kernel(const Produc
   // Warp w: rows 32 (w / 2), columns 32 (w % 2). Where N <= 64 the working warps are 0..3, one
   // on each of the SM's sub-partitions (warp w on w % 4), not two on each of two.
   const int wm = warp / kWarpsN * WM, wn = warp % kWarpsN * WN;
-  const int m0 = (int)(blockIdx.x / (unsigned)p.tiles_k) * BM, n0 = (int)(blockIdx.x % (unsigned)p.tiles_k) * BN;
-  // The chunk: rows r0 .. r0 + rows - 1 (rows <= kWeightGradMaxChunkRows: int from here on).
-  const int64_t r0 = (int64_t)blockIdx.y * p.rows;
-  const int rows = (int)max((int64_t)0, min(p.T - r0, p.rows)), steps = (rows + BK - 1) / BK;
-  const float* const a = p.a + r0 * p.lda;
-  const float* const b = p.b + r0 * p.ldb;
-  const bool active = m0 + wm < p.N && n0 + wn < p.K;  // else the warp's piece is all padding
+  const ChunkTile tile = chunk_tile<BM, BN>(p);
+  const int rows = tile.rows, steps = tile.steps;
+  const bool active = tile.m0 + wm < p.N && tile.n0 + wn < p.K;  // else the warp's piece is all padding
 
   grid_dependency_wait();
   allow_dependent_launch();
 
   const auto copy_stage = [&](int stage, int step) {
     float* sa = sm + stage * kStageFloats;
-    copy_tile<BM, LDA, kVec>(sa, a, p.lda, step * BK, rows, m0, p.N);
-    copy_tile<BN, LDB, kVec>(sa + BK * LDA, b, p.ldb, step * BK, rows, n0, p.K);
+    copy_tile<BM, LDA, kVec>(sa, tile.a, p.lda, step * BK, rows, tile.m0, p.N);
+    copy_tile<BN, LDB, kVec>(sa + BK * LDA, tile.b, p.ldb, step * BK, rows, tile.n0, p.K);
   };
   float acc[2][4][4];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  zero_piece(acc);
 
   // The ring: stages 0 .. kStages - 2 in flight first; a group committed every step, empty or
   // not, so that wait<kStages - 2> always means "this step's copies are in".
@@ -340,29 +277,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_product_kernel(const Produc
   }
 
   if (!active) return;
-  // C rows 4g + 2i + h (fragment rows g, g + 8 of m tile i), columns 8t + j + 4e' (fragment
-  // columns 2t, 2t + 1 of n tile j): 8 consecutive columns a row.
-  float* const out = p.out + (int64_t)blockIdx.y * p.N * p.K;  // chunk 0: also C itself
-  const int col = n0 + wn + 8 * t;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + wm + 4 * g + 2 * i + h;
-      if (row >= p.N) continue;
-      float v[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = acc[i][j][2 * h], v[j + 4] = acc[i][j][2 * h + 1];
-      float* dst = out + row * p.ld_out + col;
-      if (p.vec_out && col + 8 <= p.K) {
-        *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
-      } else {
-#pragma unroll
-        for (int c = 0; c < 8; ++c)
-          if (col + c < p.K) dst[c] = v[c];
-      }
-    }
+  store_piece(acc, p, tile.m0 + wm, tile.n0 + wn, g, t);
 }
 
 // ---- The wgmma kernel --------------------------------------------------------
@@ -383,6 +298,10 @@ struct WgTiling {
   static constexpr size_t kSmemBytes = 1024 + 2 * (size_t)kBStage + (size_t)kStagesA * kATile;
 };
 static_assert(WgTiling<128>::kSmemBytes == kWeightGradWgmmaSmemBytes, "plan.h's size");
+#if FASTAXIAL_SM90A_DEVICE
+static_assert(WgRows<128>::kBPlane == WgTiling<128>::kBPlane && WgRows<64>::kBPlane == WgTiling<64>::kBPlane,
+              "the products read the planes where the stages hold them");
+#endif
 static_assert(WgTiling<128>::kBBlocks == kThreads && WgTiling<64>::kBBlocks == kThreads / 2,
               "BN 128: a block a thread; BN 64: a block a thread of warps 0-3");
 static_assert(BK == 32 && WgTiling<64>::kBStage % 1024 == 0 && WgTiling<128>::kATile % 16 == 0,
@@ -478,27 +397,70 @@ __device__ __forceinline__ void store_b(const float4 (&v)[4], const BBlock& s, u
   }
 }
 
-// This thread's A fragments (detail/wgmma.cuh) of k-steps ks and ks + 1 of the A tile at sa (BK
-// rows of LDA floats, [position][row of C]), split: fragment rows g and g + 8 are the tile's rows
-// a_row = 64 wg + 16 w + 2 g and a_row + 1, one 8-byte load a position.
-__device__ __forceinline__ void load_a_frags(FragA (&f)[2], const float* sa, int a_row, int ks) {
-  const int t = threadIdx.x % 4;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const float* p = sa + (8 * (ks + k) + t) * LDA + a_row;
-    const float2 r0 = *reinterpret_cast<const float2*>(p);            // position 8 (ks + k) + t
-    const float2 r1 = *reinterpret_cast<const float2*>(p + 4 * LDA);  // and t + 4
-    f[k] = make_a<true>(r0.x, r0.y, r1.x, r1.y);
-  }
-}
-
-// The three products of k-steps ks and ks + 1 of the B stage at shared address stage into t (fresh),
-// A from the fragments f of those steps; one commit group.
+// The block's copy and split pipeline, a step at a time (the header's step i): the A tiles
+// through cp.async into the ring, kStagesA - 1 steps ahead; the B blocks through registers (v),
+// split into the two B stages a step ahead. B planes must start on 1024-byte boundaries (the
+// swizzle): the B stages from base, then the ring.
 template <int BN>
-__device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], uint32_t stage, int ks) {
-  const uint64_t b[2] = {desc_sw128(stage + ks * 32), desc_sw128(stage + ks * 32 + 32)};
-  wgmma_3xtf32_run<BN, true>(t, f, b, WgTiling<BN>::kBPlane >> 4);
-}
+struct WgPipeline {
+  using Tl = WgTiling<BN>;
+  uint32_t base;       // the B stages (shared-space address)
+  float* ring;         // the A tiles
+  uint32_t ring_addr;  // ring as a shared-space address
+  int steps;           // the chunk's
+  const float* any;    // in A: an address the copies that read nothing may name
+  ACopies ac;          // this thread's share of the A copies
+  BBlock bb;           // and of the B blocks
+  // The B block in flight: the kernel's array, not a member (in the struct, the compiler would
+  // place the set-up above before the grid dependency wait).
+  float4 (&v)[4];
+
+  __device__ __forceinline__ WgPipeline(float* sm, const Product& p, const ChunkTile& tile, float4 (&v_)[4])
+      : base(align_1024(smem_addr(sm))),
+        ring(sm + (base - smem_addr(sm) + 2 * Tl::kBStage) / 4),
+        ring_addr(smem_addr(ring)),
+        steps(tile.steps),
+        any(p.a),
+        ac(tile.a, p.lda, tile.m0, p.N, tile.rows),
+        v(v_) {
+    bb.init<BN>(tile.b, p.ldb, tile.n0, p.K, tile.rows);
+  }
+  __device__ __forceinline__ const float* a_tile(int step) const { return ring + step % kStagesA * (Tl::kATile / 4); }
+  __device__ __forceinline__ uint32_t b_stage(int step) const { return base + (uint32_t)(step % 2) * Tl::kBStage; }
+  // Step `step`'s A copies; steps in order.
+  __device__ __forceinline__ void copy_a(int step) {
+    ac.copy(ring_addr + (uint32_t)(step % kStagesA) * Tl::kATile, any);
+  }
+
+  // Before the steps: the A copies of steps 0 .. kStagesA - 2, a group each, empty or not (as in
+  // the mma.sync kernel); step 0's B block stored, step 1's loaded; step 0 in for all.
+  __device__ __forceinline__ void fill() {
+#pragma unroll
+    for (int s = 0; s < kStagesA - 1; ++s) {
+      if (s < steps) copy_a(s);
+      copy_async_commit();
+    }
+    bb.load(v);
+    store_b<BN>(v, bb, b_stage(0));
+    bb.load(v);
+    arrive();
+  }
+  // Step i, once every product of step i - 1 has completed: its B stage takes step i + 1's block,
+  // step i + 2's is loaded, its A tile takes step i + kStagesA - 1's copies.
+  __device__ __forceinline__ void refill(int i) {
+    store_b<BN>(v, bb, b_stage(i + 1));
+    bb.load(v);
+    if (i + kStagesA - 1 < steps) copy_a(i + kStagesA - 1);
+    copy_async_commit();
+  }
+  // The next step in for all, A and B: this thread's copies waited for, the B stores fenced for
+  // the async proxy (generic-proxy stores before wgmma reads them), barrier.
+  __device__ __forceinline__ void arrive() {
+    copy_async_wait<kStagesA - 2>();
+    fence_async_smem();
+    __syncthreads();
+  }
+};
 #endif  // FASTAXIAL_SM90A_DEVICE
 
 // The block's tile of C (blockIdx.x) over its chunk of rows (blockIdx.y), into p.out, on wgmma.
@@ -506,55 +468,22 @@ __device__ __forceinline__ void run_products(float (&t)[BN / 2], FragA (&f)[2], 
 template <int BN>
 __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const Product p) {
 #if FASTAXIAL_SM90A_DEVICE
-  using Tl = WgTiling<BN>;
   extern __shared__ float4 smem4[];
-  // B planes must start on 1024-byte boundaries (the swizzle): the stages from base, then the A ring.
-  float* const sm = reinterpret_cast<float*>(smem4);
-  const uint32_t raw = smem_addr(sm), base = align_1024(raw);
-  float* const ring = sm + (base - raw + 2 * Tl::kBStage) / 4;
   // The warpgroup, through a shuffle so that ptxas sees it uniform in the warp: branches on it
   // around wgmma are then not divergent (else ptxas serialises the wgmma, warning C7518).
   const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0), g = threadIdx.x % 32 / 4;
   const int a_row = 64 * wg + 16 * (threadIdx.x % 128 / 32) + 2 * g;  // fragment rows g, g + 8 (the permutation)
-  const int m0 = (int)(blockIdx.x / (unsigned)p.tiles_k) * kWgBM, n0 = (int)(blockIdx.x % (unsigned)p.tiles_k) * BN;
-  const int64_t r0 = (int64_t)blockIdx.y * p.rows;
-  const int rows = (int)max((int64_t)0, min(p.T - r0, p.rows)), steps = (rows + BK - 1) / BK;
-  const float* const a = p.a + r0 * p.lda;
-  const float* const b = p.b + r0 * p.ldb;
-  const bool active = m0 + 64 * wg < p.N;  // else the warpgroup's rows are all padding: it only copies
-  ACopies ac(a, p.lda, m0, p.N, rows);
-  BBlock bb;
-  bb.init<BN>(b, p.ldb, n0, p.K, rows);
-  const uint32_t ring_addr = smem_addr(ring);
+  const ChunkTile tile = chunk_tile<kWgBM, BN>(p);
+  const bool active = tile.m0 + 64 * wg < p.N;  // else the warpgroup's rows are all padding: it only copies
+  float4 v[4];  // the B block in flight
+  WgPipeline<BN> pipe(reinterpret_cast<float*>(smem4), p, tile, v);
 
   grid_dependency_wait();
   allow_dependent_launch();
 
-  const auto a_tile = [&](int step) { return ring + step % kStagesA * (Tl::kATile / 4); };
-  const auto b_stage = [&](int step) { return base + (uint32_t)(step % 2) * Tl::kBStage; };
-  // Step `step`'s A copies; steps in order.
-  const auto copy_a = [&](int step) { ac.copy(ring_addr + (uint32_t)(step % kStagesA) * Tl::kATile, p.a); };
-
-  float c[BN / 2], t[BN / 2];  // accumulators (m64nBNk8): the running sum, a run's fresh one
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) c[i] = t[i] = 0.0f;
-  FragA fa[2], fb[2];  // the split A fragments of runs 0 and 1 of a step
-  float4 v[4];         // the B block in flight
-
-  // A copies of steps 0 .. kStagesA - 2, a group each, empty or not (as in the mma.sync kernel);
-  // step 0's B block stored, step 1's loaded.
-#pragma unroll
-  for (int s = 0; s < kStagesA - 1; ++s) {
-    if (s < steps) copy_a(s);
-    copy_async_commit();
-  }
-  bb.load(v);
-  store_b<BN>(v, bb, b_stage(0));
-  bb.load(v);
-  copy_async_wait<kStagesA - 2>();
-  fence_async_smem();  // the B stores (generic proxy) before wgmma reads them (async proxy)
-  __syncthreads();     // step 0 is in for all
-  if (active && steps > 0) load_a_frags(fa, a_tile(0), a_row, 0);
+  WgRows<BN> r;  // zeroed
+  pipe.fill();
+  if (active && tile.steps > 0) r.load(r.fa, pipe.a_tile(0), a_row, 0);
 
   // The steps, in one loop for working warpgroups and one for those that only copy: with one loop
   // and branches on `active` around the wgmma, ptxas sees a path (its analysis ignores that both
@@ -562,34 +491,25 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
   // there (warning C7517).
   const auto all_steps = [&](auto working) {
     constexpr bool kWork = decltype(working)::value;
-    for (int i = 0; i < steps; ++i) {
-      const float* const sa = a_tile(i);
-      const uint32_t sb = b_stage(i);
+    for (int i = 0; i < tile.steps; ++i) {
+      const float* const sa = pipe.a_tile(i);
+      const uint32_t sb = pipe.b_stage(i);
       if constexpr (kWork) {
-        run_products<BN>(t, fa, sb, 0);
-        load_a_frags(fb, sa, a_row, 2);
+        r.issue(r.fa, sb, 0);  // run 0
+        r.load(r.fb, sa, a_row, 2);
       }
       // Every product of step i - 1 has completed (each warpgroup waited for its runs before
-      // this): its B stage takes step i + 1's block, its A tile step i + kStagesA - 1's copies.
+      // this): its B stage and A tile are free.
       __syncthreads();
-      store_b<BN>(v, bb, b_stage(i + 1));
-      bb.load(v);  // step i + 2's
-      if (i + kStagesA - 1 < steps) copy_a(i + kStagesA - 1);
-      copy_async_commit();
+      pipe.refill(i);
       if constexpr (kWork) {
-        wgmma_wait<0>();
-        fence_frags(fa);
-        add_to(c, t);
-        run_products<BN>(t, fb, sb, 2);
+        r.add(r.fa);
+        r.issue(r.fb, sb, 2);  // run 1
       }
-      copy_async_wait<kStagesA - 2>();  // this thread's copies of step i + 1
-      fence_async_smem();
-      __syncthreads();  // step i + 1 is in for all, A and B
+      pipe.arrive();  // step i + 1 is in for all
       if constexpr (kWork) {
-        if (i + 1 < steps) load_a_frags(fa, a_tile(i + 1), a_row, 0);
-        wgmma_wait<0>();
-        fence_frags(fb);
-        add_to(c, t);
+        if (i + 1 < tile.steps) r.load(r.fa, pipe.a_tile(i + 1), a_row, 0);
+        r.add(r.fb);
       }
     }
   };
@@ -600,27 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
   copy_async_wait<0>();  // the empty groups of the last steps
 
   if (!active) return;
-  // Accumulator d[4 j .. 4 j + 3] (wgmma.cuh): fragment rows g, g + 8, i.e. tile rows a_row and
-  // a_row + 1, columns 8 j + 2 t and 8 j + 2 t + 1.
-  float* const out = p.out + (int64_t)blockIdx.y * p.N * p.K;  // chunk 0: also C itself
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int col = n0 + 8 * j + 2 * (threadIdx.x % 4);
-    if (col >= p.K) continue;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m0 + a_row + h;
-      if (row >= p.N) continue;
-      const float x = c[4 * j + 2 * h], y = c[4 * j + 2 * h + 1];
-      float* const dst = out + row * p.ld_out + col;
-      if (p.vec_out && col + 2 <= p.K) {
-        *reinterpret_cast<float2*>(dst) = make_float2(x, y);
-      } else {
-        dst[0] = x;
-        if (col + 1 < p.K) dst[1] = y;
-      }
-    }
-  }
+  r.store(p, tile, a_row);
 #else
   (void)p;
   __trap();  // built without sm_90a: weight_gradient_variant never picks it there
