@@ -26,11 +26,12 @@
 //   1. s (64, 64) = q k^T per warpgroup, issued: q's A fragments from
 //      registers (split once a unit), k's (hi, lo) planes as B (keys as
 //      128-byte rows, the swizzled layout of detail/wgmma.cuh).
-//   2. while it runs: step s + 2's cp.async copies (raw k and v rows, and q
-//      with a unit's first step) and step s + 1's split: k's rows rounded
-//      to TF32 into the hi plane, the rest into the lo plane; v transposed
-//      into v^T's planes, keys permuted inside each group of 8 (slot t for
-//      key 2t, t + 4 for key 2t + 1).
+//   2. while it runs (the pipeline of pipeline_wgmma.cuh): step s + 2's
+//      cp.async copies (raw k and v rows, and q with a unit's first step)
+//      and step s + 1's split: k's rows rounded to TF32 into the hi plane,
+//      the rest into the lo plane; v transposed into v^T's planes, keys
+//      permuted inside each group of 8 (slot t for key 2t, t + 4 for key
+//      2t + 1).
 //   3. the online softmax on s in registers (wgmma's accumulator layout is
 //      mma.sync's C layout per warp, so this is flash_attention.cu's code).
 //   4. o (64, 32) += p v: p's A fragments straight from s's registers (k in
@@ -65,6 +66,7 @@
 #include "flash_attention.h"
 #include "flash_parts.cuh"
 #include "mainloop_wgmma.cuh"
+#include "pipeline_wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -95,6 +97,34 @@ struct WgFlashTile {
   static_assert(BM == kFlashWgmmaQueryTile && bytes == flash_wgmma_smem_bytes(HDP), "common/smem_layout.h's sizes");
 };
 
+#if FASTAXIAL_SM90A_DEVICE
+// A unit's own rows, copied with its first tile: q's BM rows into q buffer
+// ui % 2 (at base + q_off + (ui % 2) BM LD floats).
+template <int HDP, class Copy>
+__device__ __forceinline__ void copy_unit_rows(const Copy& copy_rows, const FlashUnit& cu, int64_t ui, uint32_t base,
+                                               int64_t row_words) {
+  using Tile = WgFlashTile<HDP>;
+  copy_rows(Rows<Tile::BM>(), base + Tile::q_off + (uint32_t)((ui & 1) * Tile::BM * Tile::ld * 4), cu.qg, row_words,
+            cu.q0);
+}
+
+// Step st's split into plane buffer st % 2 (pipeline_wgmma.cuh's
+// split_stage): k's rows into straight planes (q k^T), v's into transposed
+// ones (p v; vmap: TransposeMap).
+template <int HDP, class Map>
+__device__ __forceinline__ void split_tile(char* sm, const float* raws, const Map& vmap, int64_t st, int tid) {
+  using Tile = WgFlashTile<HDP>;
+  char* kp = sm + Tile::k_off + (st & 1) * 2 * Tile::k_plane;
+  split_stage<HDP, Tile::k_pieces, Tile::kThreads>(
+      raws, Tile::raw_k, st, tid,
+      [&](const float* kr, int r, int c) { split_piece<Tile::ld>(kr, kp, Tile::k_plane, r, c); },
+      [&](const float* kr) {
+        vmap.split(kr + Tile::raw_k / 4, reinterpret_cast<float*>(sm + Tile::vt_off + (st & 1) * 2 * Tile::vt_plane),
+                   Tile::vt_plane / 4);
+      });
+}
+#endif
+
 // A block's units (a unit: 128 queries of one (sequence, head); unit u is
 // query tile u % q_tiles of item u / q_tiles = n heads + h) are u =
 // blockIdx.x, + gridDim.x, ...; their key tiles run as one stream of steps,
@@ -110,16 +140,15 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
   constexpr int NT = BN / 8, NO = HDP / 2;  // key n-tiles, o accumulators
   const int hd = a.D / a.heads, L = (int)a.pos.len;
-  extern __shared__ float4 smem4[];
-  const uint32_t raw = smem_addr(smem4), base = align_1024(raw);
-  char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
+  uint32_t base;  // the buffers' address in the shared window (pipeline_wgmma.cuh)
+  char* sm = aligned_smem(base);
   float* qs = reinterpret_cast<float*>(sm + Tile::q_off);       // q buffer b at + b BM LD: (BM, HDP), stride LD
   float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);   // stage s: k rows, then v rows, stride LD
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
 
-  // Columns hd..HDP-1 of both q buffers and both raw stages (k and v rows each).
+  // Columns hd..HDP-1 of both q buffers and both raw stages (k and v rows each): no input, so
+  // before the wait for the kernel before.
   zero_head_padding<HDP, LD, kThreads>(qs, 2 * BM, raws, 2 * 2 * BN, hd, tid);
-
   grid_dependency_wait();
   allow_dependent_launch();
 
@@ -127,52 +156,23 @@ __global__ void __launch_bounds__(256, 1)
   const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, 1, BN);
   const int64_t steps = unit_at.count * unit_at.tiles, row_words = unit_at.row_words;
   const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
-  // The copies run ahead of the products: the next step to copy is tile cj of this block's unit
-  // ci (cu), step cs. copy_next brings its raw k and v rows into stage cs % 2, and with a unit's
-  // first tile its q (buffer ci % 2), then moves on (the unit's sizes computed once a unit).
+  // The copies run ahead of the products (pipeline_wgmma.cuh): the next step to copy is the copy
+  // cursor's, step cs.
   StepCursor copy(unit_at);
   int64_t cs = 0;
   const auto copy_next = [&]() {
-    const FlashUnit& cu = copy.cur;
-    if (copy.first())
-      copy_rows(Rows<BM>(), base + Tile::q_off + (uint32_t)((copy.ui & 1) * BM * LD * 4), cu.qg, row_words, cu.q0);
-    const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
-    copy_rows(Rows<BN>(), d, cu.qg + a.D, row_words, copy.j * BN);
-    copy_rows(Rows<BN>(), d + Tile::raw_k, cu.qg + 2 * a.D, row_words, copy.j * BN);
-    copy_async_commit();
-    ++cs;
-    copy.advance(unit_at, unit_at.count);
+    copy_step<BN>(copy_rows, copy, cs, unit_at, base + Tile::raw_off, Tile::raw_k,
+                  [&](const FlashUnit& cu, int64_t ui) { copy_unit_rows<HDP>(copy_rows, cu, ui, base, row_words); },
+                  [&](const FlashUnit& cu, int m) { return cu.qg + (m + 1) * a.D; });  // k at qg + D, v at qg + 2D
   };
-
-  // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k's rows
-  // into straight planes, v's transposed (detail/split_planes.cuh).
   const TransposeMap<LD, Tile::v_elems, kThreads> vmap(tid);
-  const auto split_step = [&](int64_t st) {
-    const float* kr = raws + (st & 1) * 2 * (Tile::raw_k / 4);
-    char* kp = sm + Tile::k_off + (st & 1) * 2 * Tile::k_plane;
-#pragma unroll
-    for (int i = 0; i < Tile::k_pieces; ++i) {
-      const int e = tid + i * kThreads;
-      split_piece<LD>(kr, kp, Tile::k_plane, e / (HDP / 4), e % (HDP / 4));
-    }
-    vmap.split(kr + Tile::raw_k / 4, reinterpret_cast<float*>(sm + Tile::vt_off + (st & 1) * 2 * Tile::vt_plane),
-               Tile::vt_plane / 4);
-  };
+  const auto split_next = [&](int64_t st) { split_tile<HDP>(sm, raws, vmap, st, tid); };
+  stream_start(steps, copy_next, split_next);
 
-  // Steps 0 and 1 in, step 0 split.
-  copy_next();
-  if (steps > 1) copy_next();
-  copy_async_wait<0>();
-  __syncthreads();
-  split_step(0);
-  fence_async_smem();  // the planes were written by ordinary stores; wgmma reads them through the async proxy
-  __syncthreads();
-
-  // The current unit; q's A fragments, split once a unit: steps 0, 1 in qa, 2, 3 in qb.
-  FlashUnit cur;  // the unit in the products: step st is its tile j
+  FlashUnit cur;  // the unit in the products, ui of the block's: step st is its tile j
   int64_t ui = 0;
   int j = 0;
-  FragA qa[2], qb[2];
+  FragA qa[2], qb[2];  // q's A fragments, split once a unit: steps 0, 1 in qa, 2, 3 in qb
   UnitDropout<kDropout> dropout(dpass);
   FlashRows<NO / 4> rows;  // the warp's 16 rows of o (flash_parts.cuh)
 
@@ -180,30 +180,19 @@ __global__ void __launch_bounds__(256, 1)
   for (int64_t st = 0; st < steps; ++st) {
     if (j == 0) {
       cur = unit_at(ui);
-      const float* qw = qs + ((ui & 1) * BM + 16 * warp) * LD;  // the warp's q rows
-      qa[0] = rows_frag<LD>(qw, 0, g, t), qa[1] = rows_frag<LD>(qw, 1, g, t);
-      qb[0] = rows_frag<LD>(qw, 2, g, t), qb[1] = rows_frag<LD>(qw, 3, g, t);
+      rows_frags<LD>(qa, qb, qs + ((ui & 1) * BM + 16 * warp) * LD, g, t);  // the warp's q rows
       dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
       rows.reset();
     }
-    // s (64, BN) = q k^T, issued: s[4 jn + e] is key 8 jn + 2t + e of row g,
-    // s[4 jn + 2 + e] of row g + 8; steps 2, 3 into ts, added after the wait.
+    // s (64, BN) = q k^T, issued: s[4 jn + e] is key 8 jn + 2t + e of row g, s[4 jn + 2 + e] of
+    // row g + 8 (steps 2, 3 into ts). While the products run, the copies and split ahead.
     float s[BN / 2], ts[BN / 2];
     rows_times_plane<BN>(s, ts, qa, qb, base + Tile::k_off + (uint32_t)((st & 1) * 2 * Tile::k_plane), Tile::k_plane);
-    // While the products run: step s + 2's copies into the stage step s
-    // left, and step s + 1's split into the other plane buffer (both free:
-    // every warpgroup finished step s - 1 before the last barrier).
-    if (st + 2 < steps) copy_next();  // step s + 2
-    if (st + 1 < steps) split_step(st + 1);
+    stream_ahead(st, steps, copy_next, split_next);
 
     uint32_t keep[NT / 2];
     dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
-
-    wgmma_wait<0>();
-    fence_frags(qa);
-    fence_regs(s);
-    fence_frags(qb);
-    add_to(s, ts);
+    rows_times_plane_done<BN>(s, ts, qa, qb);
 
     // Scores in base 2, keys >= L at -inf, the online softmax; dropped p
     // zeroed after the row sums.
@@ -220,13 +209,7 @@ __global__ void __launch_bounds__(256, 1)
       ++ui;
       rows.store(a, kDropout ? dpass.scale : 1.0f, cur.seq, cur.col, cur.item, cur.q0 + 16 * warp + g, L, hd, t);
     }
-    if (st + 1 < steps) {
-      // Step s + 2's raw rows in (this thread's copies, then everyone's),
-      // step s + 1's planes visible to wgmma, every warpgroup done with step s.
-      if (st + 2 < steps) copy_async_wait<0>();
-      fence_async_smem();
-      __syncthreads();
-    }
+    stream_barrier(st, steps);
   }
 #else
   (void)a, (void)scale_log2, (void)q_tiles, (void)dpass;

@@ -8,64 +8,31 @@
 //     registers (p in the forward, dS in the dq kernel), Y (64, N) as
 //     transposed planes: p v, dS k.
 // kSmallFirst: each run's products in the backward's order (detail/wgmma.cuh).
-// And their loads: zero_head_padding, HeadRowCopy (raw head rows into
-// shared memory, before the split into planes).
-// Used by flash_attention_wgmma.cu and query_grads_wgmma.cu (head dim 32).
+// A's fragments: rows_frags. The loads and splits that feed them:
+// pipeline_wgmma.cuh. Used by flash_attention_wgmma.cu and
+// query_grads_wgmma.cu (head dim 32).
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
-#include "../detail/async_copy.cuh"
+#include "../detail/split_planes.cuh"
 #include "../detail/wgmma.cuh"
 
 #if FASTAXIAL_SM90A_DEVICE
 namespace fastaxial::cuda {
 
-// Columns hd..HDP-1 of the block's row buffers (row stride LD): q_rows rows
-// at qs, then raw_rows rows at raws. Zero for the whole block: the copies
-// never write them, and the split carries the zeros into the planes.
-template <int HDP, int LD, int kThreads>
-__device__ __forceinline__ void zero_head_padding(float* qs, int q_rows, float* raws, int raw_rows, int hd, int tid) {
-  if (hd < HDP) {
-    const int pad = HDP - hd;
-    for (int e = tid; e < (q_rows + raw_rows) * pad; e += kThreads) {
-      const int r = e / pad, c = hd + e % pad;
-      if (r < q_rows)
-        qs[r * LD + c] = 0.0f;
-      else
-        raws[(r - q_rows) * LD + c] = 0.0f;  // the raw rows are contiguous
-    }
-  }
+// A (64, 32) of rows_times_plane, the warp's 16 rows: the split fragments
+// of 8-deep steps 0, 1 (a01) and 2, 3 (a23) from raw rows at w (stride LD).
+template <int LD>
+__device__ __forceinline__ void rows_frags(FragA (&a01)[2], FragA (&a23)[2], const float* w, int g, int t) {
+  a01[0] = rows_frag<LD>(w, 0, g, t), a01[1] = rows_frag<LD>(w, 1, g, t);
+  a23[0] = rows_frag<LD>(w, 2, g, t), a23[1] = rows_frag<LD>(w, 3, g, t);
 }
-
-// A row count as a type, HeadRowCopy's first argument: copy_rows(Rows<BM>(), ...).
-template <int N>
-using Rows = std::integral_constant<int, N>;
-
-// cp.async copies by the block's kThreads threads of rows p0 .. p0 + ROWS - 1
-// of a head slice (src: its row 0; a position ps rows of `words` floats
-// further) into shared memory at dst (row stride LD); positions >= L as
-// zeros (read from fill, any valid address).
-template <int HDP, bool kVec, int LD, int kThreads>
-struct HeadRowCopy {
-  int64_t ps;
-  int L, hd;
-  const float* fill;
-  int tid;
-
-  template <int ROWS>
-  __device__ __forceinline__ void operator()(Rows<ROWS>, uint32_t dst, const float* src,
-                                             int64_t words, int p0) const {
-    const auto at = [&](int l, int c) { return src + l * ps * words + c; };
-    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, fill, tid, kThreads);
-  }
-};
 
 // Issues acc (64, N) = A B^T over 32 features: steps 0, 1 (fragments a01)
 // into acc, steps 2, 3 (a23) into acc2, one commit group each. B's rows are
 // 128-byte swizzled rows of a plane pair at `plane` (hi; lo plane_bytes
-// after). The caller waits, fences a01, a23 and acc, and adds acc2 to acc.
+// after). rows_times_plane_done then waits and adds acc2 to acc.
 template <int N, bool kSmallFirst = false>
 __device__ __forceinline__ void rows_times_plane(float (&acc)[N / 2], float (&acc2)[N / 2], FragA (&a01)[2],
                                                  FragA (&a23)[2], uint32_t plane, int plane_bytes) {
@@ -73,6 +40,17 @@ __device__ __forceinline__ void rows_times_plane(float (&acc)[N / 2], float (&ac
   const uint64_t d23[2] = {desc_sw128(plane + 64), desc_sw128(plane + 96)};
   wgmma_3xtf32_run<N, kSmallFirst>(acc, a01, d01, plane_bytes >> 4);
   wgmma_3xtf32_run<N, kSmallFirst>(acc2, a23, d23, plane_bytes >> 4);
+}
+
+// rows_times_plane's end: the wait, a01, a23 and acc fenced (the compiler
+// keeps them in place until here), acc2 added to acc.
+template <int N>
+__device__ __forceinline__ void rows_times_plane_done(float (&acc)[N / 2], float (&acc2)[N / 2], FragA (&a01)[2],
+                                                      FragA (&a23)[2]) {
+  wgmma_wait<0>();
+  fence_frags(a01), fence_frags(a23);
+  fence_regs(acc);
+  add_to(acc, acc2);
 }
 
 // acc (64, N) += X Y for X (64, 64) in the accumulator layout of a score

@@ -11,7 +11,8 @@
 // which this one follows step for step: a block of two warpgroups (128
 // queries: a unit) streams a unit's keys 64 at a time (a step), one block
 // an SM taking units in turn, the copies two steps ahead and the split one
-// step ahead, under the products. Per step and warpgroup:
+// step ahead, under the products (pipeline_wgmma.cuh). Per step and
+// warpgroup:
 //   1. s (64, 64) = q k^T, issued: q's A fragments from registers (split
 //      once a unit), k's straight planes as B (its 8-deep k-steps 0, 1 into
 //      s, 2, 3 into ts).
@@ -54,6 +55,7 @@
 #include "backward_parts.cuh"   // Head, store_tiles
 #include "flash_parts.cuh"
 #include "mainloop_wgmma.cuh"
+#include "pipeline_wgmma.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -82,6 +84,105 @@ struct QgTile {
 static_assert(QgTile::bytes == kQueryGradsWgmmaSmemBytes, "plan.h sizes the kernel's shared memory");
 static_assert(3 * QgTile::BN == kQueryGradsWgmmaMinLen, "the rule's sequences: four key tiles or more");
 
+#if FASTAXIAL_SM90A_DEVICE
+// A unit's own rows, copied with its first tile: q's and d_o's BM rows into
+// unit buffer ui % 2 (q at base + q_off + 2 (ui % 2) unit_q, d_o unit_q after).
+template <class Copy>
+__device__ __forceinline__ void copy_unit_rows(const Copy& copy_rows, const AttentionBackwardKernelArgs& a,
+                                               const FlashUnit& cu, int64_t ui, uint32_t base, int64_t row_words) {
+  const uint32_t qd = base + QgTile::q_off + (uint32_t)((ui & 1) * 2 * QgTile::unit_q);
+  copy_rows(Rows<QgTile::BM>(), qd, cu.qg, row_words, cu.q0);
+  copy_rows(Rows<QgTile::BM>(), qd + QgTile::unit_q, a.d_o + cu.seq * a.D + cu.col, a.D, cu.q0);
+}
+
+// Step st's split into plane buffer st % 2 (pipeline_wgmma.cuh's
+// split_stage): k and v into straight planes (q k^T, d_o v^T), k into
+// transposed ones (dS k; kmap: TransposeMap).
+template <class Map>
+__device__ __forceinline__ void split_tile(char* sm, const float* raws, const Map& kmap, int64_t st, int tid) {
+  using Tile = QgTile;
+  char* pb = sm + Tile::planes_off + (st & 1) * Tile::buffer;
+  split_stage<Tile::HDP, Tile::k_pieces, Tile::kThreads>(
+      raws, Tile::raw_k, st, tid,
+      [&](const float* kr, int r, int c) {
+        split_piece<Tile::ld>(kr, pb, Tile::plane, r, c);                                      // k
+        split_piece<Tile::ld>(kr + Tile::raw_k / 4, pb + 2 * Tile::plane, Tile::plane, r, c);  // v
+      },
+      [&](const float* kr) { kmap.split(kr, reinterpret_cast<float*>(pb + 4 * Tile::plane), Tile::plane / 4); });
+}
+
+// The lse2 (hi, lo: detail/lse.cuh) and delta of a unit's rows r0, r0 + 8 of
+// item `item` (the thread's rows g, g + 8); zeros past L. a.lse: the hi
+// parts of all n_rows rows, then their lo parts.
+__device__ __forceinline__ void row_stats(const AttentionBackwardKernelArgs& a, int64_t n_rows, int64_t item, int r0,
+                                          int L, float (&hi)[2], float (&lo)[2], float (&dl)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int l = r0 + 8 * r;
+    const bool in = l < L;
+    hi[r] = in ? a.lse[item * L + l] : 0.0f;
+    lo[r] = in ? a.lse[n_rows + item * L + l] : 0.0f;
+    dl[r] = in ? a.delta[item * L + l] : 0.0f;
+  }
+}
+
+// The unit's end: scale dq into dqkv's q columns (backward_parts.cuh's
+// store_tiles), the warp's rows p0 + g, p0 + g + 8 of unit cu.
+template <bool kVec>
+__device__ __forceinline__ void store_dq(const AttentionBackwardKernelArgs& a, const FlashUnit& cu,
+                                         const float (&dq)[QgTile::HDP / 2], float scale, int64_t row_words, int hd,
+                                         int L, int p0, int g, int t) {
+  constexpr int NF = QgTile::HDP / 8;
+  const Head hp = {cu.item, cu.seq, a.pos.pos_stride, 0, hd, L, 0, 0};
+  store_tiles<NF, kVec>(a.dqkv + cu.col, *reinterpret_cast<const float(*)[NF][4]>(dq), scale, row_words, hp, p0, 0, g,
+                        t);
+}
+
+// s -> p = 2^(s scale_log2 - lse2) in place (prob_from_lse2), s a score
+// tile in the accumulator layout: key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1)
+// in s[4 jn + e]; hi, lo: the rows' lse2.
+template <int N>
+__device__ __forceinline__ void probs_from_scores(float (&s)[N], float scale_log2, const float (&hi)[2],
+                                                  const float (&lo)[2]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) s[i] = prob_from_lse2(s[i], scale_log2, hi[(i >> 1) & 1], lo[(i >> 1) & 1]);
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = 0.0f;
+}
+
+// dp -> dS in place, dS = p (dP - delta) (with dropout: p (dP m keep_scale -
+// delta), m the keep bit): backward_parts.cuh's softmax_grad_rows on the
+// accumulator layout (key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1) in
+// x[4 jn + e]), p already in s. Keys k0 + .. >= L zero.
+template <int NT, bool kDropout>
+__device__ __forceinline__ void grads_from_probs(float (&dp)[4 * NT], const float (&s)[4 * NT],
+                                                 const uint32_t (&keep)[NT / 2], const float (&dl)[2],
+                                                 float keep_scale, int k0, int L, int t) {
+  const bool partial = k0 + 8 * NT > L;
+#pragma unroll
+  for (int jn = 0; jn < NT; ++jn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = e >> 1;
+      const float p = s[4 * jn + e];
+      float ds;
+      if constexpr (kDropout) {
+        const bool kept = (keep[jn / 2] >> (16 * (jn % 2) + dropout_bit_rows(t, e))) & 1u;
+        const float m = kept ? keep_scale : 0.0f;
+        ds = p * fmaf(m, dp[4 * jn + e], -dl[r]);
+      } else {
+        ds = p * (dp[4 * jn + e] - dl[r]);
+      }
+      const bool in = !partial || k0 + 8 * jn + 2 * t + (e & 1) < L;
+      dp[4 * jn + e] = in ? ds : 0.0f;
+    }
+}
+#endif
+
 // A block's units are u = blockIdx.x, + gridDim.x, ... (unit u: query tile
 // u % q_tiles of item u / q_tiles = n heads + h); every unit has two key
 // tiles or more (L > 64), so a unit buffer is copied again only after
@@ -96,16 +197,14 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int HDP = Tile::HDP, BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
   constexpr int NT = BN / 8, NO = HDP / 2;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
-  extern __shared__ float4 smem4[];
-  const uint32_t raw = smem_addr(smem4), base = align_1024(raw);
-  char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
+  uint32_t base;  // the buffers' address in the shared window (pipeline_wgmma.cuh)
+  char* sm = aligned_smem(base);
   float* qs = reinterpret_cast<float*>(sm + Tile::q_off);
   float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
 
   // Columns hd..31 of the unit buffers (q and d_o, two each) and raw stages (k and v rows each).
   zero_head_padding<HDP, LD, kThreads>(qs, 2 * 2 * BM, raws, 2 * 2 * BN, hd, tid);
-
   grid_dependency_wait();
   allow_dependent_launch();
 
@@ -113,53 +212,23 @@ __global__ void __launch_bounds__(256, 1)
   const BlockUnits<BM, AttentionBackwardKernelArgs> unit_at(a, q_tiles, 1, BN);
   const int64_t steps = unit_at.count * unit_at.tiles, W = unit_at.row_words;
   const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
-  // The copy cursor, as in the forward's kernel (flash_parts.cuh), at step cs.
+  // The copy cursor, as in the forward's kernel (pipeline_wgmma.cuh), at step cs.
   StepCursor copy(unit_at);
   int64_t cs = 0;
   const auto copy_next = [&]() {
-    const FlashUnit& cu = copy.cur;
-    if (copy.first()) {
-      const uint32_t qd = base + Tile::q_off + (uint32_t)((copy.ui & 1) * 2 * Tile::unit_q);
-      copy_rows(Rows<BM>(), qd, cu.qg, W, cu.q0);
-      copy_rows(Rows<BM>(), qd + Tile::unit_q, a.d_o + cu.seq * a.D + cu.col, a.D, cu.q0);
-    }
-    const uint32_t d = base + Tile::raw_off + (uint32_t)((cs & 1) * 2 * Tile::raw_k);
-    const float* kg = cu.qg + a.D;
-    copy_rows(Rows<BN>(), d, kg, W, copy.j * BN);
-    copy_rows(Rows<BN>(), d + Tile::raw_k, kg + a.D, W, copy.j * BN);
-    copy_async_commit();
-    ++cs;
-    copy.advance(unit_at, unit_at.count);
+    copy_step<BN>(copy_rows, copy, cs, unit_at, base + Tile::raw_off, Tile::raw_k,
+                  [&](const FlashUnit& cu, int64_t ui) { copy_unit_rows(copy_rows, a, cu, ui, base, W); },
+                  [&](const FlashUnit& cu, int m) { return cu.qg + a.D + m * a.D; });  // k, then v D further
   };
-
-  // Split step s's tile (raw stage s % 2) into plane buffer s % 2: k and v
-  // straight, k transposed.
   const TransposeMap<LD, Tile::t_elems, kThreads> kmap(tid);
-  const auto split_step = [&](int64_t st) {
-    const float* kr = raws + (st & 1) * 2 * (Tile::raw_k / 4);
-    char* pb = sm + Tile::planes_off + (st & 1) * Tile::buffer;
-#pragma unroll
-    for (int i = 0; i < Tile::k_pieces; ++i) {
-      const int e = tid + i * kThreads, r = e / (HDP / 4), c = e % (HDP / 4);
-      split_piece<LD>(kr, pb, Tile::plane, r, c);                                           // k
-      split_piece<LD>(kr + Tile::raw_k / 4, pb + 2 * Tile::plane, Tile::plane, r, c);       // v
-    }
-    kmap.split(kr, reinterpret_cast<float*>(pb + 4 * Tile::plane), Tile::plane / 4);  // k^T
-  };
-
-  copy_next();
-  if (steps > 1) copy_next();
-  copy_async_wait<0>();
-  __syncthreads();
-  split_step(0);
-  fence_async_smem();
-  __syncthreads();
+  const auto split_next = [&](int64_t st) { split_tile(sm, raws, kmap, st, tid); };
+  stream_start(steps, copy_next, split_next);
 
   StepCursor step(unit_at);  // the step in the products
   FragA qa[2], qb[2];  // q's A fragments: k-steps 0, 1 and 2, 3
   const float* dw = nullptr;  // the warp's d_o rows (their fragments are split at each step: registers)
   float hi[2], lo[2], dl[2];  // lse2 (detail/lse.cuh) and delta of rows g, g + 8
-  const int64_t rows = a.pos.num_seq * a.heads * L;
+  const int64_t n_rows = a.pos.num_seq * a.heads * L;
   UnitDropout<kDropout> dropout(dpass);
   float dq[NO];  // rows g (dq[4f], dq[4f + 1]) and g + 8, columns 8f + 2t, + 1
 
@@ -169,85 +238,34 @@ __global__ void __launch_bounds__(256, 1)
     if (step.first()) {
       const float* qw = qs + ((step.ui & 1) * 2 * BM + 16 * warp) * LD;
       dw = qw + BM * LD;
-      qa[0] = rows_frag<LD>(qw, 0, g, t), qa[1] = rows_frag<LD>(qw, 1, g, t);
-      qb[0] = rows_frag<LD>(qw, 2, g, t), qb[1] = rows_frag<LD>(qw, 3, g, t);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int l = cur.q0 + 16 * warp + g + 8 * r;
-        const bool in = l < L;
-        hi[r] = in ? a.lse[cur.item * L + l] : 0.0f;
-        lo[r] = in ? a.lse[rows + cur.item * L + l] : 0.0f;
-        dl[r] = in ? a.delta[cur.item * L + l] : 0.0f;
-      }
+      rows_frags<LD>(qa, qb, qw, g, t);
+      row_stats(a, n_rows, cur.item, cur.q0 + 16 * warp + g, L, hi, lo, dl);
       dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
-#pragma unroll
-      for (int i = 0; i < NO; ++i) dq[i] = 0.0f;
+      zero(dq);
     }
-    // s = q k^T, issued (k-steps 2, 3 into ts); dp = d_o v^T after it, below.
+    // s = q k^T, issued (k-steps 2, 3 into ts); while it runs, the copies and split ahead.
     const uint32_t kb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer);
     float s[BN / 2], ts[BN / 2];
     rows_times_plane<BN, true>(s, ts, qa, qb, kb, Tile::plane);
-    if (st + 2 < steps) copy_next();  // step s + 2
-    if (st + 1 < steps) split_step(st + 1);
+    stream_ahead(st, steps, copy_next, split_next);
 
     uint32_t keep[NT / 2];
     dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
-
-    wgmma_wait<0>();
-    fence_frags(qa), fence_frags(qb);
-    fence_regs(s);
-    add_to(s, ts);
+    rows_times_plane_done<BN>(s, ts, qa, qb);
     // dp (64, 64) = d_o v^T, issued (k-steps 2, 3 into tdp); p from s while it runs.
     float dp[BN / 2], tdp[BN / 2];
     FragA da[2], db[2];
-    da[0] = rows_frag<LD>(dw, 0, g, t), da[1] = rows_frag<LD>(dw, 1, g, t);
-    db[0] = rows_frag<LD>(dw, 2, g, t), db[1] = rows_frag<LD>(dw, 3, g, t);
+    rows_frags<LD>(da, db, dw, g, t);
     rows_times_plane<BN, true>(dp, tdp, da, db, kb + 2 * Tile::plane, Tile::plane);
-    // s -> p in place: key 8 jn + 2t + (e & 1) of row g + 8 (e >> 1) in s[4 jn + e].
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = prob_from_lse2(s[i], scale_log2, hi[(i >> 1) & 1], lo[(i >> 1) & 1]);
-    wgmma_wait<0>();
-    fence_frags(da), fence_frags(db);
-    fence_regs(dp);
-    add_to(dp, tdp);
-
-    // dp -> dS in place (backward_parts.cuh's softmax_grad_rows), keys >= L zero.
-    const int k0 = j * BN;
-    const bool partial = k0 + BN > L;
-#pragma unroll
-    for (int jn = 0; jn < NT; ++jn)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const float p = s[4 * jn + e];
-        float ds;
-        if constexpr (kDropout) {
-          const bool kept = (keep[jn / 2] >> (16 * (jn % 2) + dropout_bit_rows(t, e))) & 1u;
-          const float m = kept ? dpass.scale : 0.0f;
-          ds = p * fmaf(m, dp[4 * jn + e], -dl[r]);
-        } else {
-          ds = p * (dp[4 * jn + e] - dl[r]);
-        }
-        const bool in = !partial || k0 + 8 * jn + 2 * t + (e & 1) < L;
-        dp[4 * jn + e] = in ? ds : 0.0f;
-      }
+    probs_from_scores(s, scale_log2, hi, lo);
+    rows_times_plane_done<BN>(dp, tdp, da, db);
+    grads_from_probs<NT, kDropout>(dp, s, keep, dl, dpass.scale, j * BN, L, t);
 
     // dq += dS k, k^T's planes as B (as the forward's p v).
-    tile_times_planes<HDP, true>(dq, dp,
-                                 base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer + 4 * Tile::plane),
-                                 HDP * 128, Tile::plane);
-
-    if (step.last()) {  // the unit's last tile: scale dq into dqkv's q columns (backward_parts.cuh)
-      const Head hp = {cur.item, cur.seq, a.pos.pos_stride, 0, hd, L, 0, 0};
-      store_tiles<NO / 4, kVec>(a.dqkv + cur.col, *reinterpret_cast<const float(*)[NO / 4][4]>(dq), scale, W, hp,
-                                cur.q0 + 16 * warp, 0, g, t);
-    }
+    tile_times_planes<HDP, true>(dq, dp, kb + 4 * Tile::plane, HDP * 128, Tile::plane);
+    if (step.last()) store_dq<kVec>(a, cur, dq, scale, W, hd, L, cur.q0 + 16 * warp, g, t);  // the unit's last tile
     step.advance(unit_at, unit_at.count);
-    if (st + 1 < steps) {
-      if (st + 2 < steps) copy_async_wait<0>();
-      fence_async_smem();
-      __syncthreads();
-    }
+    stream_barrier(st, steps);
   }
 #else
   (void)a, (void)scale, (void)scale_log2, (void)q_tiles, (void)dpass;
