@@ -38,7 +38,10 @@
 //   4. o (64, HDP) += p v: for each half of o's columns (one for HDP 64),
 //      runs of two key groups into one fresh accumulator.
 //   5. wait for the copies; barrier: step s + 2's rows in, step s's planes free.
-// 3xTF32 throughout (detail/tf32x3.cuh).
+// 3xTF32 throughout (detail/tf32x3.cuh). The kernel drives its parts:
+// WideSmem (the layout), WidePipeline (copies and barriers), WideSplit (the
+// split), wide_scores and wide_pv (the mainloop), and flash_parts.cuh's
+// BlockUnits, StepCursor, FlashRows and UnitDropout.
 //
 // Positions >= L are zero-filled by the copies and their scores set to
 // -inf; columns hd..HDP-1 of q and of the raw stage are zeroed once and
@@ -48,6 +51,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/smem_layout.h"
 #include "../detail/async_copy.cuh"
@@ -164,76 +168,81 @@ __device__ __forceinline__ void wide_pv(float (&o)[HDP / 2], float (&s)[WideTile
     }
 }
 
-#endif  // FASTAXIAL_SM90A_DEVICE
-
-// kVec: 16-byte copies. kDropout: dpass applies. kSplit: units carry a split
-// of their keys and write unnormalised o, m and l to sp.partials.
-template <int HDP, bool kVec, bool kDropout, bool kSplit>
-__global__ void __launch_bounds__(256, 1)
-    flash_wgmma_wide_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
-                            const FlashPartials sp) {
-#if FASTAXIAL_SM90A_DEVICE
+// The block's shared memory (WideTile's layout) at its 1024-byte aligned
+// base: base as a shared address (cp.async, wgmma's descriptors), sm as a
+// generic one; q's buffer qs (BM, HDP) with q_word's swizzled rows and the
+// raw stage raws (k's rows, then v's, (BN, HDP) each at stride ld).
+template <int HDP>
+struct WideSmem {
   using Tile = WideTile<HDP>;
-  constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
-  constexpr int NT = BN / 8, NO = HDP / 2;  // key n-tiles; o's accumulators
-  static_assert(!(kSplit && kDropout), "splits only without dropout");
-  const int hd = a.D / a.heads, L = (int)a.pos.len;
-  extern __shared__ float4 smem4[];
-  const uint32_t raw = smem_addr(smem4), base = align_1024(raw);
-  char* sm = reinterpret_cast<char*>(smem4) + (base - raw);
-  float* qs = reinterpret_cast<float*>(sm + Tile::q_off);
-  float* raws = reinterpret_cast<float*>(sm + Tile::raw_off);  // k rows, then v rows at + BN LD
-  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+  uint32_t base;
+  char* sm;
+  float* qs;
+  float* raws;
 
-  // Columns hd..HDP-1 of q and of the raw stage: zero for the whole block.
-  if (hd < HDP) {
-    const int pad = HDP - hd;
-    for (int e = tid; e < (BM + 2 * BN) * pad; e += kThreads) {
-      const int r = e / pad, c = hd + e % pad;
-      if (r < BM)
-        qs[q_word<HDP>(r, c)] = 0.0f;
-      else
-        raws[(r - BM) * LD + c] = 0.0f;
+  __device__ __forceinline__ explicit WideSmem(float4* smem4) {
+    const uint32_t raw = smem_addr(smem4);
+    base = align_1024(raw);
+    sm = reinterpret_cast<char*>(smem4) + (base - raw);
+    qs = reinterpret_cast<float*>(sm + Tile::q_off);
+    raws = reinterpret_cast<float*>(sm + Tile::raw_off);
+  }
+
+  // Columns hd..HDP-1 of q and of the raw stage: zero for the whole block
+  // (never copied, so the splits carry zeros into the planes).
+  __device__ __forceinline__ void zero_padding(int hd, int tid) const {
+    constexpr int BM = Tile::BM, BN = Tile::BN;
+    if (hd < HDP) {
+      const int pad = HDP - hd;
+      for (int e = tid; e < (BM + 2 * BN) * pad; e += Tile::kThreads) {
+        const int r = e / pad, c = hd + e % pad;
+        if (r < BM)
+          qs[q_word<HDP>(r, c)] = 0.0f;
+        else
+          raws[(r - BM) * Tile::ld + c] = 0.0f;
+      }
     }
   }
 
-  grid_dependency_wait();
-  allow_dependent_launch();
+  // The (hi, lo) planes of k and of v^T in buffer b.
+  __device__ __forceinline__ uint32_t k_planes(int b) const {
+    return base + Tile::k_off + (uint32_t)(b * 2 * Tile::k_plane);
+  }
+  __device__ __forceinline__ uint32_t vt_planes(int b) const {
+    return base + Tile::vt_off + (uint32_t)(b * 2 * Tile::vt_plane);
+  }
 
-  const int S = kSplit ? sp.splits : 1;
-  // Unit i of this block: unit_at(i) (flash_parts.cuh); its split's key tiles are j0 .. j1 - 1.
-  const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, S, BN);
-  const int64_t my_units = unit_at.count, row_words = unit_at.row_words;
-  const int64_t ps = a.pos.pos_stride;
+  // The A fragment of q's step kk for a warp's 16 rows at qw (qs + 16 warp
+  // HDP), read and split: (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4);
+  // the swizzle's row % 8 is g.
+  static __device__ __forceinline__ FragA q_frag(const float* qw, int kk, int g, int t) {
+    const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
+    return make_a(qw[g * HDP + c0], qw[(g + 8) * HDP + c0], qw[g * HDP + c1], qw[(g + 8) * HDP + c1]);
+  }
+};
 
-  // Rows p0 .. p0 + rows - 1 of a head slice (src: row 0's) into raw rows at
-  // dst (stride LD), or with kQ into q's swizzled rows; positions >= L as zeros.
-  const auto copy_rows = [&](auto q_c, int rows, uint32_t dst, const float* src, int p0) {
-    constexpr bool kQ = decltype(q_c)::value;
-    const auto word = [](int r, int c) { return kQ ? q_word<HDP>(r, c) : r * LD + c; };
-    const auto at = [&](int l, int c) { return src + l * ps * row_words + c; };
-    copy_head_rows<HDP, kVec, 4>(dst, word, at, p0, rows, L, hd, a.qkv, tid, kThreads);
-  };
-  using IsQ = std::integral_constant<bool, true>;
-  using IsRaw = std::integral_constant<bool, false>;
-  const uint32_t raw_k = base + Tile::raw_off, raw_v = raw_k + BN * LD * 4;
+// A step's split, raw stage -> plane buffer b, in Tile::runs parts so that
+// they go between the score product's runs: k's rows into straight planes,
+// v's transposed (detail/split_planes.cuh), both 3xTF32's hi and lo. Its
+// own struct, apart from WidePipeline: in one struct with the copies' sizes
+// the compiler computes the stage's address ahead of the loops that use it.
+template <int HDP>
+struct WideSplit {
+  using Tile = WideTile<HDP>;
+  static constexpr int BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
+  char* sm;
+  const float* raws;
+  int tid;
+  int v_raw, v_plane;  // v: this thread's key kv is fixed, its features 8 i' + tid % 8
 
-  // The copy cursor: the next step to copy.
-  StepCursor copy(unit_at);
-  const auto copy_step = [&]() {  // its raw rows into the stage, then moves on
-    copy_rows(IsRaw(), BN, raw_k, copy.cur.qg + a.D, copy.j * BN);
-    copy_rows(IsRaw(), BN, raw_v, copy.cur.qg + 2 * a.D, copy.j * BN);
-    copy.advance(unit_at, my_units);
-  };
-  const auto copy_q = [&](const FlashUnit& x) { copy_rows(IsQ(), BM, base + Tile::q_off, x.qg, x.q0); };
+  __device__ __forceinline__ WideSplit(char* sm_, const float* raws_, int tid_) : sm(sm_), raws(raws_), tid(tid_) {
+    const int kv = 8 * ((tid >> 6) & 3) + 2 * ((tid >> 3) & 3) + ((tid >> 5) & 1);
+    v_raw = kv * LD + (tid & 7), v_plane = transposed_word<HDP>(kv, tid & 7);
+  }
 
-  // Part i (of Tile::runs) of a step's split from the raw stage into plane
-  // buffer b: k's piece i / 2 on even parts, two of v's elements on each.
+  // Part i: k's piece i / 2 on even parts, two of v's elements on each.
   // k: piece e = tid + 256 p is row e / (HDP / 4), features 4 (e % (HDP / 4)) + 0..3.
-  // v: this thread's key is fixed (kv below), its features 8 i' + tid % 8.
-  const int kv = 8 * ((tid >> 6) & 3) + 2 * ((tid >> 3) & 3) + ((tid >> 5) & 1);
-  const int v_raw = kv * LD + (tid & 7), v_plane = transposed_word<HDP>(kv, tid & 7);
-  const auto split_part = [&](int i, int b) {
+  __device__ __forceinline__ void part(int i, int b) const {
     if (i % 2 == 0) {
       const int e = tid + kThreads * (i / 2);
       const int r = e / (HDP / 4), c = e % (HDP / 4);
@@ -254,86 +263,181 @@ __global__ void __launch_bounds__(256, 1)
       vp[v_plane + 256 * f] = __uint_as_float(hv);
       vp[Tile::vt_plane / 4 + v_plane + 256 * f] = __uint_as_float(lv);
     }
-  };
+  }
+};
 
-  // Prologue: unit 0's q and step 0's rows in and split, step 1's rows in.
-  copy_q(copy.cur);
-  copy_step();
-  copy_async_commit();
-  copy_async_wait<0>();
-  __syncthreads();
+// The block's copy pipeline: one raw stage, one q buffer (for shared memory
+// at head dim 128), two plane buffers. A step's raw rows come two steps
+// ahead of the products and are split one step ahead; a unit's q comes
+// during its predecessor's last step. One stage and one q buffer mean two
+// barriers a step: refill()'s, after the scores (the stage and q read), and
+// landed()'s, after the products (the copies in, the planes free). The copy
+// cursor `copy` walks the block's units (unit_at) ahead of the products'.
+// The kernel's arguments come with each call, not as a member: held by
+// reference, their loads (a.D, a.qkv) are no longer shared between steps.
+template <int HDP, bool kVec>
+struct WidePipeline {
+  using Tile = WideTile<HDP>;
+  static constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
+  using IsQ = std::integral_constant<bool, true>;
+  using IsRaw = std::integral_constant<bool, false>;
+  uint32_t base;  // WideSmem::base
+  int L, hd, tid;
+  int64_t row_words, ps;  // floats a row of qkv (3D); rows a position
+  uint32_t raw_k, raw_v;  // the stage's k rows, v rows
+
+  template <class Units>
+  __device__ __forceinline__ WidePipeline(const AttentionKernelArgs& a, const Units& unit_at, uint32_t base_, int L_,
+                                          int hd_, int tid_)
+      : base(base_),
+        L(L_),
+        hd(hd_),
+        tid(tid_),
+        row_words(unit_at.row_words),
+        ps(a.pos.pos_stride),
+        raw_k(base_ + Tile::raw_off),
+        raw_v(raw_k + BN * LD * 4) {}
+
+  // Rows p0 .. p0 + rows - 1 of a head slice (src: row 0's) into raw rows at
+  // dst (stride LD), or with kQ into q's swizzled rows; positions >= L as zeros.
+  template <bool kQ>
+  __device__ __forceinline__ void copy_rows(std::integral_constant<bool, kQ>, int rows, uint32_t dst, const float* src,
+                                            int p0, const float* qkv) const {
+    const auto word = [](int r, int c) { return kQ ? q_word<HDP>(r, c) : r * LD + c; };
+    const auto at = [&](int l, int c) { return src + l * ps * row_words + c; };
+    copy_head_rows<HDP, kVec, 4>(dst, word, at, p0, rows, L, hd, qkv, tid, kThreads);
+  }
+  // Step `copy`'s raw rows into the stage; `copy` moves on.
+  template <class Units>
+  __device__ __forceinline__ void copy_step(const AttentionKernelArgs& a, StepCursor& copy,
+                                            const Units& unit_at) const {
+    copy_rows(IsRaw(), BN, raw_k, copy.cur.qg + a.D, copy.j * BN, a.qkv);
+    copy_rows(IsRaw(), BN, raw_v, copy.cur.qg + 2 * a.D, copy.j * BN, a.qkv);
+    copy.advance(unit_at, unit_at.count);
+  }
+  // Unit x's q into the q buffer.
+  __device__ __forceinline__ void copy_q(const AttentionKernelArgs& a, const FlashUnit& x) const {
+    copy_rows(IsQ(), BM, base + Tile::q_off, x.qg, x.q0, a.qkv);
+  }
+
+  // Unit 0's q and step 0's rows in and split (plane buffer 0), step 1's rows in.
+  template <class Units>
+  __device__ __forceinline__ void prologue(const AttentionKernelArgs& a, StepCursor& copy, const Units& unit_at,
+                                           const WideSplit<HDP>& split) const {
+    copy_q(a, copy.cur);
+    copy_step(a, copy, unit_at);
+    copy_async_commit();
+    copy_async_wait<0>();
+    __syncthreads();
 #pragma unroll
-  for (int i = 0; i < Tile::runs; ++i) split_part(i, 0);
-  __syncthreads();  // the stage read; its next rows may come
-  if (copy.ui < my_units) copy_step();  // step 1, where there is one
-  copy_async_commit();
-  copy_async_wait<0>();
-  fence_async_smem();
-  __syncthreads();
+    for (int i = 0; i < Tile::runs; ++i) split.part(i, 0);
+    __syncthreads();  // the stage read; its next rows may come
+    if (copy.ui < unit_at.count) copy_step(a, copy, unit_at);  // step 1, where there is one
+    copy_async_commit();
+    copy_async_wait<0>();
+    fence_async_smem();
+    __syncthreads();
+  }
 
-  StepCursor step(unit_at);  // the step in the products (flash_parts.cuh)
+  // After step st's scores (its split of step st + 1 written, q read): every
+  // thread there, so the stage and the q buffer are free; step st + 2's rows
+  // into the stage, where there is one. The caller adds the next unit's q
+  // (copy_q) with a unit's last step and commits.
+  template <class Units>
+  __device__ __forceinline__ void refill(const AttentionKernelArgs& a, StepCursor& copy, const Units& unit_at) const {
+    fence_async_smem();  // the planes were written by ordinary stores; wgmma reads them
+    __syncthreads();
+    if (copy.ui < unit_at.count) copy_step(a, copy, unit_at);
+  }
+  // Step st + 2's rows (and the next unit's q) in; every warpgroup done with step st's planes.
+  __device__ __forceinline__ void landed() const {
+    copy_async_wait<0>();
+    __syncthreads();
+  }
+};
+
+// A unit's end, the warp's rows r0 = q0 + 16 warp + g and r0 + 8: o / l
+// (times num) and the lse out, or with kSplit the split's partials.
+template <bool kSplit, class Rows>
+__device__ __forceinline__ void wide_unit_end(Rows& rows, const AttentionKernelArgs& a, float num,
+                                              const FlashPartials& sp, const FlashUnit& cur, int warp, int g, int L,
+                                              int hd, int t) {
+  const int r0 = cur.q0 + 16 * warp + g;
+  if constexpr (kSplit)
+    rows.store_partials(sp, cur.split, cur.item, r0, L, hd, t);
+  else
+    rows.store(a, num, cur.seq, cur.col, cur.item, r0, L, hd, t);
+}
+
+#endif  // FASTAXIAL_SM90A_DEVICE
+
+// kVec: 16-byte copies. kDropout: dpass applies. kSplit: units carry a split
+// of their keys and write unnormalised o, m and l to sp.partials.
+template <int HDP, bool kVec, bool kDropout, bool kSplit>
+__global__ void __launch_bounds__(256, 1)
+    flash_wgmma_wide_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
+                            const FlashPartials sp) {
+#if FASTAXIAL_SM90A_DEVICE
+  using Tile = WideTile<HDP>;
+  constexpr int BM = Tile::BM, BN = Tile::BN, NT = BN / 8;  // key n-tiles
+  static_assert(!(kSplit && kDropout), "splits only without dropout");
+  const int hd = a.D / a.heads, L = (int)a.pos.len;
+  extern __shared__ float4 smem4[];
+  const WideSmem<HDP> smem(smem4);
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+  smem.zero_padding(hd, tid);
+
+  grid_dependency_wait();
+  allow_dependent_launch();
+
+  // Unit i of this block: unit_at(i) (flash_parts.cuh); its split's key tiles are j0 .. j1 - 1.
+  const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, kSplit ? sp.splits : 1, BN);
+  const int64_t my_units = unit_at.count;
+  const WidePipeline<HDP, kVec> pipe(a, unit_at, smem.base, L, hd, tid);
+  StepCursor copy(unit_at);  // the next step to copy
+  const WideSplit<HDP> split(smem.sm, smem.raws, tid);
+  pipe.prologue(a, copy, unit_at, split);
+
+  StepCursor step(unit_at);  // the step in the products
   int64_t st = 0;
   UnitDropout<kDropout> dropout(dpass);
-  FlashRows<NO / 4> rows;  // the warp's 16 rows of o
-  const float* qw = qs + 16 * warp * HDP;  // the warp's q rows (swizzle: row % 8 = g)
-  const auto q_frag = [&](int kk) {         // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) of step kk
-    const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
-    return make_a(qw[g * HDP + c0], qw[(g + 8) * HDP + c0], qw[g * HDP + c1], qw[(g + 8) * HDP + c1]);
-  };
+  FlashRows<HDP / 8> rows;  // the warp's 16 rows of o
+  const float* qw = smem.qs + 16 * warp * HDP;
+  const auto q_frag = [&](int kk) { return smem.q_frag(qw, kk, g, t); };
 
-  // Step st = tile j of unit ui: its planes (buffer st % 2) split and visible;
-  // the raw stage holds step st + 1's rows, landed.
+  // Step st = tile step.j of unit step.ui: its planes (buffer st % 2) split
+  // and visible; the raw stage holds step st + 1's rows, landed.
   while (true) {
-    const FlashUnit& cur = step.cur;
-    const int j = step.j;
     const bool last = step.last();
     const bool has_next = !last || step.ui + 1 < my_units;  // a step st + 1
     if (step.first()) {
-      dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
+      dropout.start(dpass, step.cur.item, step.cur.q0 + 16 * warp, L);
       rows.reset();
     }
     const int b = (int)(st & 1);
 
-    // 1. s = q k^T: runs of steps 2r, 2r + 1 into acc[r % 2], q's fragments
-    // read and split a run; step st + 1's split between the runs.
+    // s (64, BN) = q k^T, step st + 1's split between its runs; step st + 2's
+    // rows and, with a unit's last step, the next unit's q into the free buffers.
     float s[BN / 2];
-    wide_scores<HDP>(s, base + Tile::k_off + (uint32_t)(b * 2 * Tile::k_plane), q_frag, [&](int r) {
-      if (has_next) split_part(r, b ^ 1);
+    wide_scores<HDP>(s, smem.k_planes(b), q_frag, [&](int r) {
+      if (has_next) split.part(r, b ^ 1);
     });
-
-    // 2. Every thread past its split and its reads of q: the stage and (with
-    // the unit's last step) the q buffer are free.
-    fence_async_smem();  // the planes were written by ordinary stores; wgmma reads them
-    __syncthreads();
-    if (copy.ui < my_units) copy_step();  // step st + 2, where there is one
-    if (last && step.ui + 1 < my_units) copy_q(unit_at(step.ui + 1));
+    pipe.refill(a, copy, unit_at);
+    if (last && step.ui + 1 < my_units) pipe.copy_q(a, unit_at(step.ui + 1));
     copy_async_commit();
 
+    // Scores in base 2, keys >= L at -inf, the online softmax; dropped p
+    // zeroed after the row sums. Then o (64, HDP) += p v.
     uint32_t keep[NT / 2];
-    dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
-
-    // 3. Scores in base 2, keys >= L at -inf, the online softmax; dropped p
-    // zeroed after the row sums.
+    dropout.template keep_bits<NT>(keep, step.j * BN, L, g, t);
     const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
-    rows.template step<NT>(sx, scale_log2, j * BN, L, t);
+    rows.template step<NT>(sx, scale_log2, step.j * BN, L, t);
     dropout.template apply<NT>(sx, keep, t);
+    wide_pv<HDP>(rows.o, s, smem.vt_planes(b));
 
-    // 4. o += p v, v^T's planes as B.
-    wide_pv<HDP>(rows.o, s, base + Tile::vt_off + (uint32_t)(b * 2 * Tile::vt_plane));
-
-    if (last) {  // the unit's end: o / l and the lse out, or the split's partials
-      const int r0 = cur.q0 + 16 * warp + g;
-      if constexpr (kSplit)
-        rows.store_partials(sp, cur.split, cur.item, r0, L, hd, t);
-      else
-        rows.store(a, kDropout ? dpass.scale : 1.0f, cur.seq, cur.col, cur.item, r0, L, hd, t);
-    }
-
-    // 5. Step st + 2's rows (and the next unit's q) in; every warpgroup done
-    // with step st's planes.
+    if (last) wide_unit_end<kSplit>(rows, a, kDropout ? dpass.scale : 1.0f, sp, step.cur, warp, g, L, hd, t);
     if (!has_next) break;
-    copy_async_wait<0>();
-    __syncthreads();
+    pipe.landed();
     ++st;
     step.advance(unit_at, my_units);
   }
