@@ -65,29 +65,21 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
 
   const int64_t W = 3 * (int64_t)a.D;  // floats a row of qkv and dqkv
   const KeySideSlices in = key_side_slices(a, hp);
-  const float *qg = in.q, *dog = in.d_o, *lse = in.lse, *lse_lo = in.lse_lo, *delta = in.delta;
-  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
-  // element of (query 0, the warp's first key).
-  DropoutParams drop;
-  uint64_t e_warp = 0;
-  if constexpr (kDropout) {
-    drop = dropout_read(dpass);
-    e_warp = dpass.base + (uint64_t)hp.item * (uint64_t)hp.L * (uint64_t)hp.L + (uint64_t)key0;
-  }
-  const auto load_queries = [&](int stage, int q0) {
+  const KeyDropout<kDropout> drop(dpass, hp.item, key0, hp.L);
+  const auto load_queries = [&](int stage, int i) {  // query tile i: q, d_o, lse hi, lo, delta
+    const int q0 = i * BM;
     float* qs = q_sm + stage * T::stage;
     float* vs = vec_sm + stage * 3 * BM;
-    copy_rows<LD, HDP, kVec>(qs, qg, W, hp, q0, BM, threads);
-    copy_rows<LD, HDP, kVec>(qs + BM * LD, dog, a.D, hp, q0, BM, threads);
-    copy_positions(vs, lse, q0, BM, hp.L, threads);
-    copy_positions(vs + BM, lse_lo, q0, BM, hp.L, threads);
-    copy_positions(vs + 2 * BM, delta, q0, BM, hp.L, threads);
+    copy_rows<LD, HDP, kVec>(qs, in.q, W, hp, q0, BM, threads);
+    copy_rows<LD, HDP, kVec>(qs + BM * LD, in.d_o, a.D, hp, q0, BM, threads);
+    copy_positions(vs, in.lse, q0, BM, hp.L, threads);
+    copy_positions(vs + BM, in.lse_lo, q0, BM, hp.L, threads);
+    copy_positions(vs + 2 * BM, in.delta, q0, BM, hp.L, threads);
   };
   // The query tiles this block streams: all of them, or its split's range.
   const int2 range = split_range((hp.L + BM - 1) / BM, hp.split, sp.splits);
-  copy_rows<LD, HDP, kVec>(k_sm, qg + a.D, W, hp, k0, BN, threads);
-  copy_rows<LD, HDP, kVec>(k_sm + T::v(BN), qg + 2 * a.D, W, hp, k0, BN, threads);
-  load_queries(0, range.x * BM);
+  copy_key_rows<LD, HDP, kVec>(k_sm, in.q, W, a.D, hp, k0, BN, threads);
+  load_queries(0, range.x);
   copy_async_commit();
 
   const float* ks = k_sm + 16 * kw * LD;  // the warp's keys (16, HDP)
@@ -96,60 +88,25 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
   float dk[NF][4], dv[NF][4];
   zero_tiles(dk);
   zero_tiles(dv);
-  for (int i = range.x; i < range.y; ++i) {
-    copy_async_wait<0>();  // this thread's copies of tile i (and of k, v)
-    // Every thread's copies of tile i are in, and every warp is done with
-    // tile i - 1 (with two stages, the stage copied next).
-    __syncthreads();
-    if constexpr (ST == 2) {
-      if (i + 1 < range.y) {
-        load_queries((i + 1 - range.x) & 1, (i + 1) * BM);
-        copy_async_commit();
-      }
-    }
-    const int st = ST == 2 ? ((i - range.x) & 1) : 0;
+  stream_tiles<ST>(range, load_queries, [&](int i, int st) {
     const float* q = q_sm + st * T::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
     const float* d_o = q + BM * LD;
     const float* lse_s = vec_sm + st * 3 * BM;  // hi, then lo, then delta
-    if (active) {
-      const int q0 = i * BM;
-      // Dropout's keep bits of the tile, drawn before s and dp are live:
-      // query n-tiles j and j + 1 in keep[j / 2], 16 bits each.
-      uint32_t keep[NQ / 2];
-      if constexpr (kDropout) {
-        static_assert(NQ % 2 == 0, "n-tiles in pairs");
-#pragma unroll
-        for (int j = 0; j < NQ; j += 2) {
-          const uint64_t e_tile = e_warp + (uint64_t)(q0 + 8 * j) * (uint64_t)hp.L;
-          const unsigned b0 = dropout_share16<4>(dropout_keep_run4(drop, dropout_run_cols(e_tile, hp.L, g, t)), g & 3);
-          const unsigned b1 = dropout_share16<4>(
-              dropout_keep_run4(drop, dropout_run_cols(e_tile + 8 * (uint64_t)hp.L, hp.L, g, t)), g & 3);
-          keep[j / 2] = b0 | b1 << 16;
-        }
-      }
-      float s[NQ][4], dp[NQ][4];
-      score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
-      score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
-      if (q0 + BM > hp.L || key0 + 16 > hp.L)
-        softmax_grad_cols<NQ, true, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L, g,
-                                              t, keep, dpass.scale);
-      else
-        softmax_grad_cols<NQ, false, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, key0, q0, hp.L,
-                                               g, t, keep, dpass.scale);
-      // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
-      if (a.ds != nullptr && f0 == 0)
-        store_scores_t<NQ>(a.ds + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
-      grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
-      grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
-    }
-    if constexpr (ST == 1) {
-      if (i + 1 < range.y) {
-        __syncthreads();  // every warp done with the stage
-        load_queries(0, (i + 1) * BM);
-        copy_async_commit();
-      }
-    }
-  }
+    if (!active) return;
+    const int q0 = i * BM;
+    uint32_t keep[NQ / 2];
+    drop.template keep_bits<NQ>(keep, q0, hp.L, g, t);
+    float s[NQ][4], dp[NQ][4];
+    score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
+    score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
+    tile_softmax_grad_cols<NQ, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM,
+                                         scale_log2, key0, q0, hp.L, g, t, keep, dpass.scale);
+    // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
+    if (a.ds != nullptr && f0 == 0)
+      store_scores_t<NQ>(a.ds + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
+    grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
+    grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
+  });
   if (active) store_key_grads<NF, kVec>(a, sp, hp, dk, dv, scale, key0, f0, g, t);
 }
 

@@ -8,6 +8,7 @@
 
 #include "backward_launch.cuh"
 #include "backward_parts.cuh"
+#include "flash_parts.cuh"  // UnitDropout
 
 namespace fastaxial::cuda::attention_backward_detail {
 namespace {
@@ -54,64 +55,29 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
   load_keys(0, range.x * BN);
   copy_async_commit();
 
-  // lse2 (hi, lo: detail/lse.cuh) and delta of this thread's rows, m0 + g and m0 + g + 8.
-  float hi[2], lo[2], dl[2];
-  const int64_t rows = a.pos.num_seq * a.heads * hp.L;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int l = m0 + g + 8 * r;
-    const bool in = l < hp.L;
-    hi[r] = in ? a.lse[hp.item * hp.L + l] : 0.0f;
-    lo[r] = in ? a.lse[rows + hp.item * hp.L + l] : 0.0f;
-    dl[r] = in ? a.delta[hp.item * hp.L + l] : 0.0f;
-  }
-  // Dropout: seed and offset as a preceding kernel wrote them; e_warp is the
-  // element of (the warp's first query, key 0).
-  DropoutParams drop;
-  uint64_t e_warp = 0;
-  if constexpr (kDropout) {
-    drop = dropout_read(dpass);
-    e_warp = dpass.base + ((uint64_t)hp.item * (uint64_t)hp.L + (uint64_t)m0) * (uint64_t)hp.L;
-  }
+  float hi[2], lo[2], dl[2];  // lse2 and delta of this thread's rows, m0 + g and m0 + g + 8
+  query_row_stats(hi, lo, dl, a, hp, m0, g);
+  UnitDropout<kDropout> drop(dpass);
+  drop.start(dpass, hp.item, m0, hp.L);
   const float* qs = q_sm + 16 * warp * LD;  // the warp's queries (16, HDP)
   const float* dos = q_sm + T::d_o(BM) + 16 * warp * LD;
   const bool active = m0 < hp.L;  // a warp whose queries are all >= L only copies
   float dq[NF][4];
   zero_tiles(dq);
-  for (int j = range.x; j < range.y; ++j) {
-    copy_async_wait<0>();
-    __syncthreads();  // as in key_grads_kernel: tile j in, tile j - 1 done
-    if constexpr (ST == 2) {
-      if (j + 1 < range.y) {
-        load_keys((j + 1 - range.x) & 1, (j + 1) * BN);
-        copy_async_commit();
-      }
-    }
-    const float* k = k_sm + (ST == 2 ? ((j - range.x) & 1) : 0) * T::stage;  // k is (BN, HDP), v (BN, HDP) after it
+  stream_tiles<ST>(range, [&](int stage, int j) { load_keys(stage, j * BN); }, [&](int j, int st) {
+    const float* k = k_sm + st * T::stage;  // k is (BN, HDP), v (BN, HDP) after it
     const float* v = k + BN * LD;
     if (active) {
       const int k0 = j * BN;
-      // Dropout's keep bits of the tile, drawn before s and dp are live: key
-      // n-tiles jj and jj + 1 in keep[jj / 2], 16 bits each.
-      uint32_t keep[NK / 2];
-      if constexpr (kDropout) dropout_keep_rows<NK>(keep, drop, e_warp, k0, hp.L, g, t);
+      uint32_t keep[NK / 2];  // dropout's keep bits, drawn before s and dp are live
+      drop.template keep_bits<NK>(keep, k0, hp.L, g, t);
       float s[NK][4], dp[NK][4];
       score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
       score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
-      if (k0 + BN > hp.L)
-        softmax_grad_rows<NK, true, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
-      else
-        softmax_grad_rows<NK, false, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
+      tile_softmax_grad_rows<NK, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
       grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
     }
-    if constexpr (ST == 1) {
-      if (j + 1 < range.y) {
-        __syncthreads();
-        load_keys(0, (j + 1) * BN);
-        copy_async_commit();
-      }
-    }
-  }
+  });
   if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
 }
 

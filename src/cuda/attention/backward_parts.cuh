@@ -1,7 +1,8 @@
 // The device parts of the attention backward's kernels (attention_backward.cu describes the
-// whole): the block's (sequence, head) and tile, the copies into shared memory shared by the
-// tensor-core and FFMA kernels, and the tensor-core kernels' tiles, fragments, products,
-// softmax gradient and stores (backward_dkdv.cu: kernel 2, backward_dq.cu: kernel 3).
+// whole): the block's (sequence, head) and tile, the copies into shared memory and the walk over
+// the streamed tiles (stream_tiles) shared by the tensor-core and FFMA kernels, and the
+// tensor-core kernels' tiles, fragments, products, softmax gradient, kernel 2's dropout and
+// stores (backward_dkdv.cu: kernel 2, backward_dq.cu: kernel 3).
 //
 // Kernels 2 and 3 on the tensor cores (namespace tc): every product on
 // mma.sync m16n8k8 with the 3xTF32 split of detail/tf32x3.cuh,
@@ -118,6 +119,43 @@ __device__ __forceinline__ void copy_positions(float* dst, const float* src, int
     const int l = p0 + e;
     const bool valid = l < L;
     copy_async4(smem_addr(dst + e), valid ? src + l : src, valid ? 4 : 0);
+  }
+}
+
+// k and v of positions p0 .. p0 + rows - 1 of one head into dst (rows, LD), v's rows after k's:
+// q is the head's q columns in row 0 of qkv (rows of W floats; k at + D, v at + 2D).
+template <int LD, int HDP, bool kVec>
+__device__ __forceinline__ void copy_key_rows(float* dst, const float* q, int64_t W, int D, const Head& hp, int p0,
+                                              int rows, int threads) {
+  copy_rows<LD, HDP, kVec>(dst, q + D, W, hp, p0, rows, threads);
+  copy_rows<LD, HDP, kVec>(dst + rows * LD, q + 2 * D, W, hp, p0, rows, threads);
+}
+
+// The streamed tiles range.x .. range.y - 1 through ST stages of shared memory: load(stage, i)
+// issues tile i's copies (the first tile's are the caller's, committed before), body(i, stage)
+// uses tile i. Two stages: tile i + 1's copy overlaps tile i's work, issued once every warp is
+// done with tile i - 1, whose stage it takes; one stage: it waits for every warp to finish.
+template <int ST, class Load, class Body>
+__device__ __forceinline__ void stream_tiles(int2 range, Load&& load, Body&& body) {
+  for (int i = range.x; i < range.y; ++i) {
+    copy_async_wait<0>();  // this thread's copies of tile i (and of the block's fixed rows)
+    // Every thread's copies of tile i are in, and every warp is done with
+    // tile i - 1 (with two stages, the stage copied next).
+    __syncthreads();
+    if constexpr (ST == 2) {
+      if (i + 1 < range.y) {
+        load((i + 1 - range.x) & 1, i + 1);
+        copy_async_commit();
+      }
+    }
+    body(i, ST == 2 ? ((i - range.x) & 1) : 0);
+    if constexpr (ST == 1) {
+      if (i + 1 < range.y) {
+        __syncthreads();  // every warp done with the stage
+        load(0, i + 1);
+        copy_async_commit();
+      }
+    }
   }
 }
 
@@ -259,6 +297,19 @@ __device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)
   }
 }
 
+// softmax_grad_cols on a tile, masked only where it reaches past L (queries from q0 or keys
+// from key0): the tiles inside skip the compares.
+template <int NQ, bool kDropout>
+__device__ __forceinline__ void tile_softmax_grad_cols(float (&s)[NQ][4], float (&dp)[NQ][4], const float* lse,
+                                                       const float* lse_lo, const float* delta, float scale_log2,
+                                                       int key0, int q0, int L, int g, int t,
+                                                       const uint32_t (&keep)[NQ / 2], float keep_scale) {
+  if (q0 + 8 * NQ > L || key0 + 16 > L)
+    softmax_grad_cols<NQ, true, kDropout>(s, dp, lse, lse_lo, delta, scale_log2, key0, q0, L, g, t, keep, keep_scale);
+  else
+    softmax_grad_cols<NQ, false, kDropout>(s, dp, lse, lse_lo, delta, scale_log2, key0, q0, L, g, t, keep, keep_scale);
+}
+
 // In place on a warp's S and dP tiles (its 16 queries x 8 NK keys): s -> P,
 // dp -> dS, with the thread's rows' lse2 (hi, lo: detail/lse.cuh) and delta
 // (rows g, g + 8) in registers. kMasked (tiles that reach past L): zero for keys
@@ -287,6 +338,65 @@ __device__ __forceinline__ void softmax_grad_rows(float (&s)[NK][4], float (&dp)
       dp[j][e] = in ? ds : 0.0f;
     }
 }
+
+// softmax_grad_rows on a tile, masked only where its keys reach past L, as tile_softmax_grad_cols.
+template <int NK, bool kDropout>
+__device__ __forceinline__ void tile_softmax_grad_rows(float (&s)[NK][4], float (&dp)[NK][4], const float (&hi)[2],
+                                                       const float (&lo)[2], const float (&dl)[2], float scale_log2,
+                                                       int k0, int L, int t, const uint32_t (&keep)[NK / 2],
+                                                       float keep_scale) {
+  if (k0 + 8 * NK > L)
+    softmax_grad_rows<NK, true, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, L, t, keep, keep_scale);
+  else
+    softmax_grad_rows<NK, false, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, L, t, keep, keep_scale);
+}
+
+// lse2 (hi, lo: detail/lse.cuh) and delta of a thread's query rows m0 + g and m0 + g + 8
+// (zeros from L), held in registers for softmax_grad_rows: kernel 3's rows stay for the block.
+__device__ __forceinline__ void query_row_stats(float (&hi)[2], float (&lo)[2], float (&dl)[2],
+                                                const AttentionBackwardKernelArgs& a, const Head& hp, int m0, int g) {
+  const int64_t rows = a.pos.num_seq * a.heads * hp.L;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int l = m0 + g + 8 * r;
+    const bool in = l < hp.L;
+    hi[r] = in ? a.lse[hp.item * hp.L + l] : 0.0f;
+    lo[r] = in ? a.lse[rows + hp.item * hp.L + l] : 0.0f;
+    dl[r] = in ? a.delta[hp.item * hp.L + l] : 0.0f;
+  }
+}
+
+// Kernel 2's dropout: the keep mask (common/dropout.h) of a warp's 16 keys, UnitDropout's
+// (flash_parts.cuh) with rows and columns swapped, as S^T has them. The Philox state read once
+// a kernel; a query tile's keep bits drawn before its scores are live (fewer registers at
+// once). Without dropout, nothing.
+template <bool kDropout>
+struct KeyDropout {
+  DropoutParams drop;
+  uint64_t e_warp = 0;  // element of (query 0, the warp's first key)
+
+  __device__ __forceinline__ KeyDropout(const DropoutPass& dpass, int64_t item, int key0, int L) {
+    if constexpr (kDropout) {
+      drop = dropout_read(dpass);
+      e_warp = dpass.base + (uint64_t)item * (uint64_t)L * (uint64_t)L + (uint64_t)key0;
+    }
+  }
+  // The keep bits of the NQ query n-tiles from q0: n-tiles j and j + 1 in keep[j / 2], 16 bits each.
+  template <int NQ>
+  __device__ __forceinline__ void keep_bits(uint32_t (&keep)[NQ / 2], int q0, int L, int g, int t) const {
+    if constexpr (kDropout) {
+      static_assert(NQ % 2 == 0, "n-tiles in pairs");
+#pragma unroll
+      for (int j = 0; j < NQ; j += 2) {
+        const uint64_t e_tile = e_warp + (uint64_t)(q0 + 8 * j) * (uint64_t)L;
+        const unsigned b0 = dropout_share16<4>(dropout_keep_run4(drop, dropout_run_cols(e_tile, L, g, t)), g & 3);
+        const unsigned b1 =
+            dropout_share16<4>(dropout_keep_run4(drop, dropout_run_cols(e_tile + 8 * (uint64_t)L, L, g, t)), g & 3);
+        keep[j / 2] = b0 | b1 << 16;
+      }
+    }
+  }
+};
 
 // factor * acc into the gradient rows of positions p0 + g, p0 + g + 8 (< L),
 // features f0 + 8f + 2t, + 1 (< hd): dst is one head's column 0 of one part
@@ -358,8 +468,6 @@ __device__ __forceinline__ FragA load_a_cols(const float* p, int g, int t) {
   const float* r = p + 2 * t * LS + g;
   return make_a(r[0], r[8], r[LS], r[LS + 8]);
 }
-
-
 
 // acc = 0.
 template <int NF>
