@@ -129,7 +129,7 @@ inline float exp_and_sum(float* row, int64_t n, float max, float scale) {
   constexpr int64_t W = ei::packet_traits<float>::size;
   const P pmax = ei::pset1<P>(max), pscale = ei::pset1<P>(scale);
   P acc0 = ei::pset1<P>(0.0f), acc1 = acc0;
-  const int64_t body = n / (2 * W) * (2 * W);  // two packets at a time, then one by one
+  const int64_t body = n / (2 * W) * (2 * W);  // two packets at a time
   for (int64_t j = 0; j < body; j += 2 * W) {
     const P a = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j), pmax), pscale));
     const P b = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j + W), pmax), pscale));
@@ -138,8 +138,27 @@ inline float exp_and_sum(float* row, int64_t n, float max, float scale) {
     acc0 = ei::padd(acc0, a);
     acc1 = ei::padd(acc1, b);
   }
+  int64_t j = body;
+  if (n - j >= W) {  // one packet more
+    const P a = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j), pmax), pscale));
+    ei::pstoreu(row + j, a);
+    acc0 = ei::padd(acc0, a);
+    j += W;
+  }
   float sum = ei::predux(ei::padd(acc0, acc1));
-  for (int64_t j = body; j < n; ++j) {
+  // Then a half packet where the packet has one (AVX-512's 16 floats: the 8 of a row of 24 or 8),
+  // so that short rows do not fall to the scalar exp; then one by one.
+  using H = typename ei::unpacket_traits<P>::half;
+  constexpr int64_t HW = ei::unpacket_traits<H>::size;
+  if constexpr (HW < W) {
+    if (n - j >= HW) {
+      const H a = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<H>(row + j), ei::pset1<H>(max)), ei::pset1<H>(scale)));
+      ei::pstoreu(row + j, a);
+      sum += ei::predux(a);
+      j += HW;
+    }
+  }
+  for (; j < n; ++j) {
     row[j] = std::exp((row[j] - max) * scale);
     sum += row[j];
   }
