@@ -27,7 +27,12 @@
 //   o (16, HDP) = o * exp2(m_old - m) + p (16, BN) v (BN, HDP)   MmaMainloop::pv
 //   at the end, o / l and the lse, or a split's partials    FlashRows::store*
 // v is stored as it comes, key-major, at a row stride that puts the pv
-// product's B fragment loads in 32 distinct banks.
+// product's B fragment loads in 32 distinct banks. The kernel's own parts,
+// in this file, are what follows its tile shape and stages: the head
+// padding's zeros (zero_block_padding), the head-row copies (HeadRows), a
+// split's key tiles (split_key_tiles), the two-stage tile stream
+// (stream_tile), a tile's products (tile_products), the epilogue
+// (store_unit).
 //
 // common/plan.h's flash_variant picks the kernel of a pass: on sm_90a code,
 // sequences longer than 64 go to wgmma versions of this kernel instead (head
@@ -82,7 +87,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "../../common/smem_layout.h"
 #include "../../common/validate.h"  // aligned16
@@ -150,6 +154,116 @@ struct FlashTile {
   static_assert(BN % 16 == 0, "P @ V takes the key groups in pairs");
 };
 
+// ---- The kernel's parts ------------------------------------------------------
+// Columns hd..HDP-1 of the block's buffers, zero for the whole block: the
+// copies never write them, and zeros change no score. q's rows and k's
+// `stages` stages are contiguous at qs (row stride ldk), v's stages at vs
+// (ldv). Shared memory only, so the kernel runs it before its wait.
+template <int HDP, int W>
+__device__ __forceinline__ void zero_block_padding(float* qs, float* vs, int stages, int hd, int tid) {
+  using Tile = FlashTile<HDP, W>;
+  if (hd < HDP) {
+    const int pad = HDP - hd;
+    const int qk_rows = Tile::BM + stages * Tile::BN, rows = qk_rows + stages * Tile::BN;  // q, k's stages, v's
+    for (int e = tid; e < rows * pad; e += 32 * W) {
+      const int r = e / pad, c = hd + e % pad;
+      float* p = r < qk_rows ? qs + r * Tile::ldk : vs + (r - qk_rows) * Tile::ldv;  // q and k share ldk
+      p[c] = 0.0f;
+    }
+  }
+}
+
+// The block's cp.async copies of head rows (copy_head_rows): rows p0 .. of a
+// head slice at src (row 0's columns; position l at seq + l ps rows of
+// row_words floats) into shared memory, positions >= L as zeros (read from
+// fill, any valid address). q's BM rows at row stride ldk; a key tile's BN
+// rows of k (ldk) and of v (ldv) into a stage.
+template <int HDP, int W, bool kVec>
+struct HeadRows {
+  using Tile = FlashTile<HDP, W>;
+  int64_t seq, ps, row_words;
+  int L, hd;
+  const float* fill;
+  int tid;
+
+  template <int ROWS, int LD>
+  __device__ __forceinline__ void copy(float* dst, const float* src, int p0) const {
+    const auto at = [&](int l, int c) { return src + (seq + l * ps) * row_words + c; };
+    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, fill, tid, 32 * W);
+  }
+  // q (BM, HDP) of queries q0 ..
+  __device__ __forceinline__ void q(float* qs, const float* qg, int q0) const {
+    copy<Tile::BM, Tile::ldk>(qs, qg, q0);
+  }
+  // The key tile of keys key0 ..: k and v (BN, HDP) into stage st of ks and vs.
+  __device__ __forceinline__ void tile(float* ks, float* vs, const float* kg, const float* vg, int st, int key0) const {
+    copy<Tile::BN, Tile::ldk>(ks + st * Tile::k_floats, kg, key0);
+    copy<Tile::BN, Tile::ldv>(vs + st * Tile::v_floats, vg, key0);
+  }
+};
+
+// The key tiles j0 .. j1 - 1 a block runs: all `tiles`, or under kSplit its
+// split's contiguous range of S (at least one: S <= tiles / 2).
+struct KeyTiles {
+  int j0, j1;
+};
+template <bool kSplit>
+__device__ __forceinline__ KeyTiles split_key_tiles(int tiles, int split, int S) {
+  KeyTiles r{0, tiles};
+  if constexpr (kSplit) {
+    r.j0 = (int)((int64_t)tiles * split / S);
+    r.j1 = (int)((int64_t)tiles * (split + 1) / S);
+  }
+  return r;
+}
+
+// The two-stage stream at key tile j of j0 .. j1 - 1, before its products:
+// this thread's copies of tile j (and of q) in, then every thread's (the
+// barrier, which also says every warp is done with tile j - 1); then tile
+// j + 1's copy, copy_tile(stage, first key), into the stage tile j - 1 left.
+template <int BN, class CopyTile>
+__device__ __forceinline__ void stream_tile(int j, int j0, int j1, CopyTile&& copy_tile) {
+  copy_async_wait<0>();
+  __syncthreads();
+  if (j + 1 < j1) {
+    copy_tile((j + 1 - j0) & 1, (j + 1) * BN);
+    copy_async_commit();
+  }
+}
+
+// A warp's products of key tile j (k and v (BN, HDP) at kt, vt): the keep
+// bits first (fewer registers live than with the scores), s (16, BN) =
+// q k^T, the online softmax on s in base 2 with keys >= L at -inf (only the
+// last tile has any), dropped p zeroed after the row sums took them,
+// o += p v.
+template <class Mainloop, int NF, class Dropout>
+__device__ __forceinline__ void tile_products(FlashRows<NF>& rows, const Dropout& dropout, const float* qw,
+                                              const float* kt, const float* vt, int j, float scale_log2, int L,
+                                              int g, int t) {
+  constexpr int NT = Mainloop::NT, BN = 8 * NT;
+  uint32_t keep[NT / 2];
+  dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
+  float s[NT][4];
+  Mainloop::scores(s, qw, kt);
+  const auto sx = [&](int jn, int e) -> float& { return s[jn][e]; };
+  rows.template step<NT>(sx, scale_log2, j * BN, L, t);
+  dropout.template apply<NT>(sx, keep, t);
+  Mainloop::pv([&](int f) -> float(&)[4] { return rows.group(f); }, s, vt, g, t);
+}
+
+// The epilogue of the warp's rows r0 = q0 + 16 warp + g and r0 + 8: o / l
+// (with dropout, times the kept probabilities' scale: 0 where p = 1) and the
+// lse into the output; under kSplit, the split's unnormalised o, m and l.
+template <bool kSplit, bool kDropout, int NF>
+__device__ __forceinline__ void store_unit(FlashRows<NF>& rows, const AttentionKernelArgs& a, const DropoutPass& dpass,
+                                           const FlashPartials& sp, const BlockUnit& u, int64_t seq, int r0, int L,
+                                           int hd, int t) {
+  if constexpr (kSplit)
+    rows.store_partials(sp, u.split, u.item, r0, L, hd, t);
+  else
+    rows.store(a, kDropout ? dpass.scale : 1.0f, seq, u.h * hd, u.item, r0, L, hd, t);
+}
+
 // The kernels take AttentionKernelArgs (flash_kernel_args), the dropout
 // fields as a DropoutPass of their own: FlashArgs with them is past 128
 // bytes, where the compiler treats a struct parameter differently, and the
@@ -168,8 +282,7 @@ __global__ void __launch_bounds__(32 * W)
   static_assert(!kSplit || W == kWarps, "smem_layout.h's split rule counts blocks of kBM queries");
   using Tile = FlashTile<HDP, W>;
   using Mainloop = MmaMainloop<Tf32x3, HDP, Tile::BN, Tile::ldk, Tile::ldv>;
-  constexpr int BM = Tile::BM, kThreads = 32 * W;
-  constexpr int BN = Tile::BN, NT = Mainloop::NT, ldk = Tile::ldk, ldv = Tile::ldv;
+  constexpr int BM = Tile::BM, BN = Tile::BN;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   // As the launcher sized shared memory (bytes_for(L)); a split has L >= 1024, hence two stages,
   // written as a constant so that the split kernels need no test of L.
@@ -180,18 +293,7 @@ __global__ void __launch_bounds__(32 * W)
   float* vs = ks + stages * Tile::k_floats;     // v stage s at vs + s * v_floats: (BN, HDP), row stride ldv
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
   const BlockUnit u = flash_block_unit<kSplit>(q_tiles, sp.splits, a.heads, BM);
-
-  // Columns hd..HDP-1 of every buffer are zero for the whole block: the
-  // copies below never write them. Shared memory only, so before the wait.
-  if (hd < HDP) {
-    const int pad = HDP - hd;
-    const int qk_rows = BM + stages * BN, rows = qk_rows + stages * BN;  // q, k's stages, v's (contiguous)
-    for (int e = tid; e < rows * pad; e += kThreads) {
-      const int r = e / pad, c = hd + e % pad;
-      float* p = r < qk_rows ? qs + r * ldk : vs + (r - qk_rows) * ldv;  // q and k share ldk
-      p[c] = 0.0f;
-    }
-  }
+  zero_block_padding<HDP, W>(qs, vs, stages, hd, tid);
 
   grid_dependency_wait();
   allow_dependent_launch();
@@ -200,74 +302,30 @@ __global__ void __launch_bounds__(32 * W)
   dropout.start(dpass, u.item, u.q0 + 16 * warp, L);
 
   const int64_t seq = a.pos.offset(u.n, 0);  // row of position 0 (one 64-bit division a block)
-  const int64_t ps = a.pos.pos_stride;
-  const int64_t row_words = 3 * (int64_t)a.D;
+  const HeadRows<HDP, W, kVec> copy{seq, a.pos.pos_stride, 3 * (int64_t)a.D, L, hd, a.qkv, tid};
   const float* qg = a.qkv + (int64_t)u.h * hd;  // this head's q columns of row 0; k at + D, v at + 2D
   const float* kg = qg + a.D;
   const float* vg = qg + 2 * a.D;
+  const auto copy_tile = [&](int st, int key0) { copy.tile(ks, vs, kg, vg, st, key0); };
 
-  // Rows p0 .. p0 + ROWS - 1 (positions) of a head slice at src (row 0's)
-  // into dst (row stride LD); positions >= L as zeros.
-  const auto copy_rows = [&](auto rows_c, auto ld_c, float* dst, const float* src, int p0) {
-    constexpr int ROWS = decltype(rows_c)::value, LD = decltype(ld_c)::value;
-    const auto at = [&](int l, int c) { return src + (seq + l * ps) * row_words + c; };
-    copy_head_rows<HDP, kVec, 4>(dst, RowMajor<LD>(), at, p0, ROWS, L, hd, a.qkv, tid, kThreads);
-  };
-  using RowsQ = std::integral_constant<int, BM>;
-  using RowsKV = std::integral_constant<int, BN>;
-  using LdK = std::integral_constant<int, ldk>;
-  using LdV = std::integral_constant<int, ldv>;
-
-  // Key tiles j0 .. j1 - 1: all of them, or this split's range (at least one).
-  const int tiles = (L + BN - 1) / BN;
-  int j0 = 0, j1 = tiles;
-  if constexpr (kSplit) {
-    j0 = (int)((int64_t)tiles * u.split / sp.splits);
-    j1 = (int)((int64_t)tiles * (u.split + 1) / sp.splits);
-  }
-  copy_rows(RowsQ(), LdK(), qs, qg, u.q0);
-  copy_rows(RowsKV(), LdK(), ks, kg, j0 * BN);
-  copy_rows(RowsKV(), LdV(), vs, vg, j0 * BN);
+  const KeyTiles range = split_key_tiles<kSplit>((L + BN - 1) / BN, u.split, sp.splits);
+  copy.q(qs, qg, u.q0);
+  copy_tile(0, range.j0 * BN);
   copy_async_commit();
 
   const bool active = u.q0 + 16 * warp < L;  // a warp whose rows are all >= L only copies
   FlashRows<HDP / 8> rows;
   rows.reset();
-  const float* qw = qs + 16 * warp * ldk;  // the warp's q rows (16, HDP)
-
-  for (int j = j0; j < j1; ++j) {
-    copy_async_wait<0>();  // this thread's copies of tile j (and of q)
-    // Every thread's copies of tile j are in; and every warp is done with
-    // tile j - 1, whose stage the copy below overwrites.
-    __syncthreads();
-    if (j + 1 < j1) {
-      const int st = (j + 1 - j0) & 1;
-      copy_rows(RowsKV(), LdK(), ks + st * Tile::k_floats, kg, (j + 1) * BN);
-      copy_rows(RowsKV(), LdV(), vs + st * Tile::v_floats, vg, (j + 1) * BN);
-      copy_async_commit();
-    }
+  const float* qw = qs + 16 * warp * Tile::ldk;  // the warp's q rows (16, HDP)
+  for (int j = range.j0; j < range.j1; ++j) {
+    stream_tile<BN>(j, range.j0, range.j1, copy_tile);
     if (!active) continue;
-    const float* kt = ks + ((j - j0) & 1) * Tile::k_floats;  // k tile (BN, HDP)
-    const float* vt = vs + ((j - j0) & 1) * Tile::v_floats;  // v tile (BN, HDP)
-
-    uint32_t keep[NT / 2];
-    dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
-    float s[NT][4];
-    Mainloop::scores(s, qw, kt);
-    // Scores in base 2, keys >= L at -inf (only the last tile has any), the
-    // online softmax; dropped p zeroed after the row sums.
-    const auto sx = [&](int jn, int e) -> float& { return s[jn][e]; };
-    rows.template step<NT>(sx, scale_log2, j * BN, L, t);
-    dropout.template apply<NT>(sx, keep, t);
-    Mainloop::pv([&](int f) -> float(&)[4] { return rows.group(f); }, s, vt, g, t);
+    const int st = (j - range.j0) & 1;
+    tile_products<Mainloop>(rows, dropout, qw, ks + st * Tile::k_floats, vs + st * Tile::v_floats, j,
+                            scale_log2, L, g, t);
   }
   if (!active) return;
-
-  const int r0 = u.q0 + 16 * warp + g;  // position of row g
-  if constexpr (kSplit)
-    rows.store_partials(sp, u.split, u.item, r0, L, hd, t);
-  else  // with dropout, the kept probabilities' scale too (0 where p = 1)
-    rows.store(a, kDropout ? dpass.scale : 1.0f, seq, u.h * hd, u.item, r0, L, hd, t);
+  store_unit<kSplit, kDropout>(rows, a, dpass, sp, u, seq, u.q0 + 16 * warp + g, L, hd, t);
 }
 
 constexpr int kCombineThreads = 256;
