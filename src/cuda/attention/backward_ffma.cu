@@ -14,7 +14,9 @@
 // P and dS rows (BN + 8 floats, 8 mod 16) take the score step's scalar
 // stores, 4 rows of 8 keys per warp, without conflicts. Tiles shrink as HDP
 // grows, so that the dk, dv accumulators (2 RR x 4 RC floats a thread) fit
-// in registers and shared memory stays near 100 KB (Tiles below).
+// in registers and shared memory stays near 100 KB (Tiles below). Each
+// kernel is a short body over the parts below (dropout, the score step,
+// the gradient steps and stores) and stream_tiles (backward_parts.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -63,51 +65,43 @@ struct GradMap {
 };
 
 // Per padded head dim: the dk, dv kernel's score tile (BM queries a step x
-// BN keys a block) and gradient tile (BN keys), the dq kernel's (BM queries
-// a block x BN keys a step) and gradient tile (BM queries), and each
-// kernel's stages (2: the next tile's copy overlaps this one's work).
-// Shared memory, dk/dv and dq kernels: HDP 8: 51 and 35 KB, 16: 63 and 47,
-// 32: 53 and 71, 48: 81 and 95, 64: 85 and 77, 96: 92 and 84, 128: 91 and
-// 87, 192: 78 and 76, 256: 102 and 100.
-template <class KvScore_, class KvGrad_, int kv_stages_, class QScore_, class QGrad_, int q_stages_>
-struct TileSet {
-  using KvScore = KvScore_;
-  using KvGrad = KvGrad_;
-  using QScore = QScore_;
-  using QGrad = QGrad_;
-  static constexpr int kv_stages = kv_stages_, q_stages = q_stages_;
-  static_assert(KvGrad::ROWS == KvScore::BN && QGrad::ROWS == QScore::BM, "gradient rows are the block's rows");
+// BN keys a block, RM x RK a thread) and the dq kernel's (BM queries a
+// block x BN keys a step), the gradient tiles' lanes across features LX and
+// a thread's RR rows x RC runs (dk, dv; dq: their rows are the block's BN
+// keys, BM queries), and both kernels' stages (2: the next tile's copy
+// overlaps this one's work). Shared memory, dk/dv and dq kernels: HDP 8: 51
+// and 35 KB, 16: 63 and 47, 32: 53 and 71, 48: 81 and 95, 64: 85 and 77,
+// 96: 92 and 84, 128: 91 and 87, 192: 78 and 76, 256: 102 and 100.
+struct FfmaTiles {
+  int kv_bm, kv_bn, kv_rm, kv_rk;    // dk, dv: ScoreMap's BM, BN, RM, RK
+  int q_bm, q_bn, q_rm, q_rk;        // dq: ScoreMap's BM, BN, RM, RK
+  int lx, kv_rr, kv_rc, q_rr, q_rc;  // GradMap's LX; RR, RC of dk, dv and of dq
+  int stages;                        // both kernels'
 };
+constexpr FfmaTiles ffma_tiles(int hdp) {
+  switch (hdp) {
+    case 8: return {32, 128, 4, 4, 128, 32, 4, 4, 2, 1, 1, 1, 1, 2};
+    case 16: return {32, 128, 4, 4, 128, 32, 4, 4, 4, 2, 1, 2, 1, 2};
+    case 32: return {32, 64, 2, 4, 64, 64, 4, 4, 8, 2, 1, 2, 1, 2};
+    case 48: return {16, 128, 2, 4, 128, 32, 4, 4, 4, 2, 3, 2, 3, 2};
+    case 64: return {32, 64, 2, 4, 64, 32, 4, 2, 8, 4, 1, 4, 1, 2};
+    case 96: return {32, 64, 2, 4, 64, 32, 4, 2, 8, 2, 3, 2, 3, 1};
+    case 128: return {16, 64, 2, 2, 64, 16, 2, 2, 8, 4, 2, 4, 2, 1};
+    case 192: return {16, 32, 1, 2, 32, 16, 1, 2, 8, 2, 3, 2, 3, 1};
+    case 256: return {16, 32, 1, 2, 32, 16, 1, 2, 8, 8, 1, 4, 2, 1};
+    default: return {};  // no kernel for hdp
+  }
+}
 
 template <int HDP>
-struct Tiles;
-template <>
-struct Tiles<8> : TileSet<ScoreMap<32, 128, 4, 4>, GradMap<128, 8, 2, 1, 1>, 2,  //
-                          ScoreMap<128, 32, 4, 4>, GradMap<128, 8, 2, 1, 1>, 2> {};
-template <>
-struct Tiles<16> : TileSet<ScoreMap<32, 128, 4, 4>, GradMap<128, 16, 4, 2, 1>, 2,  //
-                           ScoreMap<128, 32, 4, 4>, GradMap<128, 16, 4, 2, 1>, 2> {};
-template <>
-struct Tiles<32> : TileSet<ScoreMap<32, 64, 2, 4>, GradMap<64, 32, 8, 2, 1>, 2,  //
-                           ScoreMap<64, 64, 4, 4>, GradMap<64, 32, 8, 2, 1>, 2> {};
-template <>
-struct Tiles<48> : TileSet<ScoreMap<16, 128, 2, 4>, GradMap<128, 48, 4, 2, 3>, 2,  //
-                           ScoreMap<128, 32, 4, 4>, GradMap<128, 48, 4, 2, 3>, 2> {};
-template <>
-struct Tiles<64> : TileSet<ScoreMap<32, 64, 2, 4>, GradMap<64, 64, 8, 4, 1>, 2,  //
-                           ScoreMap<64, 32, 4, 2>, GradMap<64, 64, 8, 4, 1>, 2> {};
-template <>
-struct Tiles<96> : TileSet<ScoreMap<32, 64, 2, 4>, GradMap<64, 96, 8, 2, 3>, 1,  //
-                           ScoreMap<64, 32, 4, 2>, GradMap<64, 96, 8, 2, 3>, 1> {};
-template <>
-struct Tiles<128> : TileSet<ScoreMap<16, 64, 2, 2>, GradMap<64, 128, 8, 4, 2>, 1,  //
-                            ScoreMap<64, 16, 2, 2>, GradMap<64, 128, 8, 4, 2>, 1> {};
-template <>
-struct Tiles<192> : TileSet<ScoreMap<16, 32, 1, 2>, GradMap<32, 192, 8, 2, 3>, 1,  //
-                            ScoreMap<32, 16, 1, 2>, GradMap<32, 192, 8, 2, 3>, 1> {};
-template <>
-struct Tiles<256> : TileSet<ScoreMap<16, 32, 1, 2>, GradMap<32, 256, 8, 8, 1>, 1,  //
-                            ScoreMap<32, 16, 1, 2>, GradMap<32, 256, 8, 4, 2>, 1> {};
+struct Tiles {
+  static constexpr FfmaTiles t = ffma_tiles(HDP);
+  using KvScore = ScoreMap<t.kv_bm, t.kv_bn, t.kv_rm, t.kv_rk>;
+  using KvGrad = GradMap<t.kv_bn, HDP, t.lx, t.kv_rr, t.kv_rc>;
+  using QScore = ScoreMap<t.q_bm, t.q_bn, t.q_rm, t.q_rk>;
+  using QGrad = GradMap<t.q_bm, HDP, t.lx, t.q_rr, t.q_rc>;
+  static constexpr int stages = t.stages;
+};
 
 // Row strides, in floats: key-side rows (k, v) are read 8 rows at a time
 // (4 * odd apart: distinct bank quads), query-side rows (q, d_o) one row at
@@ -128,7 +122,7 @@ constexpr int key_ld() {
 template <int HDP>
 struct KvSmem {
   using T = Tiles<HDP>;
-  static constexpr int BM = T::KvScore::BM, BN = T::KvScore::BN, ST = T::kv_stages, ldp = T::KvScore::ldp;
+  static constexpr int BM = T::KvScore::BM, BN = T::KvScore::BN, ST = T::stages, ldp = T::KvScore::ldp;
   static constexpr int ldk = key_ld<HDP>(), ldq = HDP;
   static constexpr int k = 0, v = BN * ldk, q = 2 * BN * ldk;
   static constexpr int stage = 2 * BM * ldq;  // q, then d_o
@@ -147,7 +141,7 @@ struct KvSmem {
 template <int HDP>
 struct QSmem {
   using T = Tiles<HDP>;
-  static constexpr int BM = T::QScore::BM, BN = T::QScore::BN, ST = T::q_stages, ldp = T::QScore::ldp;
+  static constexpr int BM = T::QScore::BM, BN = T::QScore::BN, ST = T::stages, ldp = T::QScore::ldp;
   static constexpr int ldk = key_ld<HDP>(), ldq = HDP;
   static constexpr int q = 0, d_o = BM * ldq, k = 2 * BM * ldq;
   static constexpr int stage = 2 * BN * ldk;  // k, then v
@@ -190,6 +184,29 @@ __device__ __forceinline__ void load_run(float (&v)[N], const float* p) {
     v[0] = p[0];
   }
 }
+
+// ---- dropout ------------------------------------------------------------------------------------
+
+// Dropout drawn an element at a time (common/dropout.h): the Philox state
+// as a preceding kernel wrote it, read once a kernel, and e0, the element
+// of (query q0, key 0) of the block's (sequence, head). Without dropout,
+// nothing.
+template <bool kDropout>
+struct ElementDropout {
+  DropoutParams drop;
+  uint64_t e0 = 0;
+
+  __device__ __forceinline__ ElementDropout(const DropoutPass& dpass, int64_t item, int q0, int L) {
+    if constexpr (kDropout) {
+      drop = dropout_read(dpass);
+      e0 = dpass.base + ((uint64_t)item * (uint64_t)L + (uint64_t)q0) * (uint64_t)L;
+    }
+  }
+  // The element of (query q0 + dq, key k0).
+  __device__ __forceinline__ uint64_t at(int dq, int k0, int L) const {
+    return e0 + (uint64_t)dq * (uint64_t)L + (uint64_t)k0;
+  }
+};
 
 // ---- the score step: S, dP, then P, dS ---------------------------------------------------------
 
@@ -364,121 +381,95 @@ __device__ __forceinline__ void store_grads(float* dst, const GradAcc<Grad>& g, 
 
 // ---- the kernels -------------------------------------------------------------------------------
 
-// dk and dv of BN keys (tile hp.tile) of one (sequence, head). kDropout:
-// dpass applies (threshold != 0).
+// Both kernels' start: the padding columns of the block's fixed rows (k, v
+// or q, d_o at stride LDF) and of every stage's streamed rows (LDS) zeroed,
+// as no copy writes them, before the wait for the kernel before (whose
+// outputs are read from here on); then the next kernel may launch.
+template <int LDF, int LDS, int HDP>
+__device__ __forceinline__ void start_block(float* fixed, int fixed_rows, float* streamed, int streamed_rows, int hd) {
+  zero_padding<LDF, HDP>(fixed, fixed_rows, hd, kThreads);
+  zero_padding<LDS, HDP>(streamed, streamed_rows, hd, kThreads);
+  grid_dependency_wait();
+  allow_dependent_launch();
+}
+
+// dk and dv of BN keys (tile hp.tile) of one (sequence, head), streaming
+// the query tiles. kDropout: dpass applies (threshold != 0).
 template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(kThreads)
     key_grads_kernel(const AttentionBackwardKernelArgs a, float scale, int key_tiles, const DropoutPass dpass) {
   using Score = typename Tiles<HDP>::KvScore;
   using Grad = typename Tiles<HDP>::KvGrad;
   using S = KvSmem<HDP>;
-  constexpr int BM = S::BM, BN = S::BN, ST = S::ST;
+  constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Head hp = block_head(a, key_tiles);
   const int k0 = hp.tile * BN;
-  zero_padding<S::ldk, HDP>(sm + S::k, 2 * BN, hp.hd, kThreads);       // k, v
-  zero_padding<S::ldq, HDP>(sm + S::q, 2 * ST * BM, hp.hd, kThreads);  // every stage's q, d_o
-
-  grid_dependency_wait();
-  allow_dependent_launch();
+  start_block<S::ldk, S::ldq, HDP>(sm + S::k, 2 * BN, sm + S::q, 2 * S::ST * BM, hp.hd);  // k, v; q, d_o
 
   const int64_t W = 3 * (int64_t)a.D;  // floats a row of qkv and dqkv
   const KeySideSlices in = key_side_slices(a, hp);
-  const float *qg = in.q, *dog = in.d_o, *lse = in.lse, *lse_lo = in.lse_lo, *delta = in.delta;
   const float scale_log2 = scale * kLog2e;  // as the tensor-core launch's
-  // Dropout: seed and offset as a preceding kernel wrote them; e_head is the
-  // element of (query 0, key 0).
-  DropoutParams drop;
-  uint64_t e_head = 0;
-  if constexpr (kDropout) {
-    drop = dropout_read(dpass);
-    e_head = dpass.base + (uint64_t)hp.item * (uint64_t)hp.L * (uint64_t)hp.L;
-  }
-  const auto load_queries = [&](int stage, int q0) {
+  const ElementDropout<kDropout> drop(dpass, hp.item, 0, hp.L);
+  const auto load_queries = [&](int stage, int i) {  // query tile i: q, d_o, lse hi, lo, delta
+    const int q0 = i * BM;
     float* qs = sm + S::q + stage * S::stage;
     float* vs = sm + S::vec + stage * 3 * BM;
-    copy_rows<S::ldq, HDP, kVec>(qs, qg, W, hp, q0, BM, kThreads);
-    copy_rows<S::ldq, HDP, kVec>(qs + BM * S::ldq, dog, a.D, hp, q0, BM, kThreads);
-    copy_positions(vs, lse, q0, BM, hp.L, kThreads);
-    copy_positions(vs + BM, lse_lo, q0, BM, hp.L, kThreads);
-    copy_positions(vs + 2 * BM, delta, q0, BM, hp.L, kThreads);
+    copy_rows<S::ldq, HDP, kVec>(qs, in.q, W, hp, q0, BM, kThreads);
+    copy_rows<S::ldq, HDP, kVec>(qs + BM * S::ldq, in.d_o, a.D, hp, q0, BM, kThreads);
+    copy_positions(vs, in.lse, q0, BM, hp.L, kThreads);
+    copy_positions(vs + BM, in.lse_lo, q0, BM, hp.L, kThreads);
+    copy_positions(vs + 2 * BM, in.delta, q0, BM, hp.L, kThreads);
   };
-  copy_rows<S::ldk, HDP, kVec>(sm + S::k, qg + a.D, W, hp, k0, BN, kThreads);
-  copy_rows<S::ldk, HDP, kVec>(sm + S::v, qg + 2 * a.D, W, hp, k0, BN, kThreads);
+  copy_key_rows<S::ldk, HDP, kVec>(sm + S::k, in.q, W, a.D, hp, k0, BN, kThreads);
   load_queries(0, 0);
   copy_async_commit();
 
   GradAcc<Grad> dk, dv;
   zero<Grad>(dk);
   zero<Grad>(dv);
-  const int q_tiles = (hp.L + BM - 1) / BM;
-  for (int i = 0; i < q_tiles; ++i) {
-    copy_async_wait<0>();  // this thread's copies of tile i (and of k, v)
-    // Every thread's copies of tile i are in, and every thread is done with
-    // tile i - 1 (its P, dS and, with two stages, the stage copied next).
-    __syncthreads();
-    if constexpr (ST == 2) {
-      if (i + 1 < q_tiles) {
-        load_queries((i + 1) & 1, (i + 1) * BM);
-        copy_async_commit();
-      }
-    }
-    const int st = ST == 2 ? (i & 1) : 0;
+  stream_tiles<S::ST>(make_int2(0, (hp.L + BM - 1) / BM), load_queries, [&](int i, int st) {
     const float* q = sm + S::q + st * S::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
     const float* d_o = q + BM * S::ldq;
-    const float* lse_s = sm + S::vec + st * 3 * BM;  // hi, then lo, then delta
-
+    const float* stats = sm + S::vec + st * 3 * BM;  // lse2 hi, then lo, then delta
     float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
     row_dots<Score, HDP, S::ldq, S::ldk>(s, q, sm + S::k, warp, lane);     // q k^T
     row_dots<Score, HDP, S::ldq, S::ldk>(dp, d_o, sm + S::v, warp, lane);  // d_o v^T
-    softmax_grad<Score, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM, scale_log2, i * BM, k0, hp.L, warp, lane,
-                                  drop,
-                                  e_head + (uint64_t)(i * BM) * (uint64_t)hp.L + (uint64_t)k0);
+    softmax_grad<Score, kDropout>(s, dp, stats, stats + BM, stats + 2 * BM, scale_log2, i * BM, k0, hp.L, warp, lane,
+                                  drop.drop, drop.at(i * BM, k0, hp.L));
     store_scores<Score>(sm + S::p, s, warp, lane);
     store_scores<Score>(sm + S::ds, dp, warp, lane);
     __syncthreads();  // P and dS (BM, BN) complete
     key_grads<Grad, BM, S::ldp, S::ldq>(dv, dk, sm + S::p, sm + S::ds, d_o, q, warp, lane);
-    if constexpr (ST == 1) {
-      if (i + 1 < q_tiles) {
-        __syncthreads();  // every thread done with the stage
-        load_queries(0, (i + 1) * BM);
-        copy_async_commit();
-      }
-    }
-  }
+  });
   float* out = a.dqkv + (int64_t)hp.h * hp.hd;  // head h's dq columns; dk at + D, dv at + 2D
   store_grads<Grad, kVec>(out + a.D, dk, scale, W, hp, k0, warp, lane);
   store_grads<Grad, kVec>(out + 2 * a.D, dv, 1.0f, W, hp, k0, warp, lane);
 }
 
-// dq of BM queries (tile hp.tile) of one (sequence, head). kDropout: dpass
-// applies (threshold != 0).
+// dq of BM queries (tile hp.tile) of one (sequence, head), streaming the
+// key tiles. kDropout: dpass applies (threshold != 0).
 template <int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(kThreads)
     query_grads_kernel(const AttentionBackwardKernelArgs a, float scale, int query_tiles, const DropoutPass dpass) {
   using Score = typename Tiles<HDP>::QScore;
   using Grad = typename Tiles<HDP>::QGrad;
   using S = QSmem<HDP>;
-  constexpr int BM = S::BM, BN = S::BN, ST = S::ST;
+  constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Head hp = block_head(a, query_tiles);
   const int q0 = hp.tile * BM;
-  zero_padding<S::ldq, HDP>(sm + S::q, 2 * BM, hp.hd, kThreads);       // q, d_o
-  zero_padding<S::ldk, HDP>(sm + S::k, 2 * ST * BN, hp.hd, kThreads);  // every stage's k, v
-
-  grid_dependency_wait();
-  allow_dependent_launch();
+  start_block<S::ldq, S::ldk, HDP>(sm + S::q, 2 * BM, sm + S::k, 2 * S::ST * BN, hp.hd);  // q, d_o; k, v
 
   const int64_t W = 3 * (int64_t)a.D;
   const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
-  const auto load_keys = [&](int stage, int k0) {
-    float* ks = sm + S::k + stage * S::stage;
-    copy_rows<S::ldk, HDP, kVec>(ks, qg + a.D, W, hp, k0, BN, kThreads);
-    copy_rows<S::ldk, HDP, kVec>(ks + BN * S::ldk, qg + 2 * a.D, W, hp, k0, BN, kThreads);
+  const auto load_keys = [&](int stage, int j) {  // key tile j: k, then v
+    const int k0 = j * BN;
+    copy_key_rows<S::ldk, HDP, kVec>(sm + S::k + stage * S::stage, qg, W, a.D, hp, k0, BN, kThreads);
   };
   copy_rows<S::ldq, HDP, kVec>(sm + S::q, qg, W, hp, q0, BM, kThreads);
   copy_rows<S::ldq, HDP, kVec>(sm + S::d_o, a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, kThreads);
@@ -489,46 +480,21 @@ __global__ void __launch_bounds__(kThreads)
   const float scale_log2 = scale * kLog2e;  // as the tensor-core launch's
   load_keys(0, 0);
   copy_async_commit();
-  // Dropout: as in key_grads_kernel; e_tile is the element of (query q0, key 0).
-  DropoutParams drop;
-  uint64_t e_tile = 0;
-  if constexpr (kDropout) {
-    drop = dropout_read(dpass);
-    e_tile = dpass.base + ((uint64_t)hp.item * (uint64_t)hp.L + (uint64_t)q0) * (uint64_t)hp.L;
-  }
+  const ElementDropout<kDropout> drop(dpass, hp.item, q0, hp.L);
 
   GradAcc<Grad> dq;
   zero<Grad>(dq);
-  const int k_tiles = (hp.L + BN - 1) / BN;
-  for (int j = 0; j < k_tiles; ++j) {
-    copy_async_wait<0>();
-    __syncthreads();  // as in key_grads_kernel: tile j in, tile j - 1 done
-    if constexpr (ST == 2) {
-      if (j + 1 < k_tiles) {
-        load_keys((j + 1) & 1, (j + 1) * BN);
-        copy_async_commit();
-      }
-    }
-    const float* k = sm + S::k + (ST == 2 ? (j & 1) : 0) * S::stage;  // k is (BN, HDP), v (BN, HDP) after it
-    const float* v = k + BN * S::ldk;
-
+  stream_tiles<S::ST>(make_int2(0, (hp.L + BN - 1) / BN), load_keys, [&](int j, int st) {
+    const float* k = sm + S::k + st * S::stage;  // k is (BN, HDP), v (BN, HDP) after it
     float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
-    row_dots<Score, HDP, S::ldq, S::ldk>(s, sm + S::q, k, warp, lane);
-    row_dots<Score, HDP, S::ldq, S::ldk>(dp, sm + S::d_o, v, warp, lane);
+    row_dots<Score, HDP, S::ldq, S::ldk>(s, sm + S::q, k, warp, lane);                 // q k^T
+    row_dots<Score, HDP, S::ldq, S::ldk>(dp, sm + S::d_o, k + BN * S::ldk, warp, lane);  // d_o v^T
     softmax_grad<Score, kDropout>(s, dp, sm + S::vec, sm + S::vec + BM, sm + S::vec + 2 * BM, scale_log2, q0, j * BN,
-                                  hp.L, warp, lane, drop,
-                                  e_tile + (uint64_t)(j * BN));
+                                  hp.L, warp, lane, drop.drop, drop.at(0, j * BN, hp.L));
     store_scores<Score>(sm + S::ds, dp, warp, lane);
     __syncthreads();  // dS (BM, BN) complete
     query_grads<Grad, BN, S::ldp, S::ldk>(dq, sm + S::ds, k, warp, lane);
-    if constexpr (ST == 1) {
-      if (j + 1 < k_tiles) {
-        __syncthreads();
-        load_keys(0, (j + 1) * BN);
-        copy_async_commit();
-      }
-    }
-  }
+  });
   store_grads<Grad, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, q0, warp, lane);
 }
 
