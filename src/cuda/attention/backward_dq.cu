@@ -81,6 +81,42 @@ __global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
   if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
 }
 
+// acc[f] (16 x 8) += dS . rows 0 .. 8 NK - 1, columns 8f .. 8f + 7 of k (rows of LD floats):
+// grad_tiles's product and order with dS's A fragments read from dS^T in shared memory (rows
+// of LS floats a key, load_a_cols) instead of a score tile in registers. Rolled beyond HDP 32,
+// as in score_tiles: unrolled, the hoisted fragment loads spill next to acc.
+template <int HDP, int NK, int NF, int LS, int LD>
+__device__ __forceinline__ void stored_grad_tiles(float (&acc)[NF][4], const float* dst, const float* k, int g,
+                                                  int t) {
+  constexpr int kUnroll = HDP > 32 ? 1 : NK / 2;
+#pragma unroll kUnroll
+  for (int j = 0; j < NK; j += 2) {
+    const FragA a0 = load_a_cols<LS>(dst + 8 * j * LS, g, t), a1 = load_a_cols<LS>(dst + 8 * (j + 1) * LS, g, t);
+    const float* bj = k + 8 * j * LD;  // rows 8j .. 8j + 15
+#pragma unroll
+    for (int f = 0; f < NF; ++f)
+      mma_3xtf32_x2<true>(acc[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1,
+                          load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+  }
+}
+
+// Keys k0 .. k0 + rows - 1 of dS^T (ds: the (sequence, head)'s first row, rows of Lp floats, a
+// column a query), its queries q0 .. q0 + BM - 1, into stage `stage` of sm (STAGE floats apart)
+// as (rows, LS): 16-byte copies (q0 a multiple of 16), keys and queries >= L as zeros. A row's
+// BM / 4 copies are a power of two (BM = 16 warps, warps 1, 2 or 4), c_shift its log2: shifts,
+// not divisions by a runtime value.
+template <int LS, int STAGE>
+__device__ __forceinline__ void copy_scores_t(float* sm, int stage, const float* ds, int Lp, int L, int k0, int q0,
+                                              int rows, int BM, int c_shift, int threads) {
+  float* dst = sm + stage * STAGE;
+#pragma unroll 1
+  for (int e = threadIdx.x; e < rows * (BM / 4); e += threads) {
+    const int r = e >> c_shift, c = 4 * (e & (BM / 4 - 1)), key = k0 + r, q = q0 + c;
+    const bool valid = key < L && q < L;
+    copy_async16(smem_addr(dst + r * LS + c), valid ? ds + (int64_t)key * Lp + q : ds, valid ? 4 * min(4, L - q) : 0);
+  }
+}
+
 // dq of one query tile (hp.tile) of one (sequence, head) from kernel 2's
 // dS^T (AttentionBackwardKernelArgs::ds): dq = scale dS k, the products and their order as
 // query_grads_kernel's last one. 16 queries for each of the block's
@@ -109,20 +145,10 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
   const int Lp = (int)attention_scores_stride(hp.L);
   const float* dsg = a.ds + hp.item * (int64_t)hp.L * Lp;  // (L, Lp): row key, column query
   const float* kg = a.qkv + a.D + (int64_t)hp.h * hp.hd;   // head h's k columns
-  // Keys k0 .. k0 + BN - 1 into stage `stage`: dS^T's queries q0 .. q0 + BM - 1 (16-byte
-  // copies: rows of Lp floats, q0 a multiple of 16; keys and queries >= L as zeros) and k's rows.
-  // A row's BM / 4 copies are a power of two (BM = 16 warps, warps 1, 2 or 4): shifts, not
-  // divisions by a runtime value.
-  const int c_shift = 31 - __clz(BM / 4);
-  const auto load_keys = [&](int stage, int k0) {
+  const int c_shift = 31 - __clz(BM / 4);           // log2 of a dS^T row's BM / 4 copies
+  const auto load_keys = [&](int stage, int k0) {  // keys k0 .. k0 + BN - 1: dS^T's and k's rows
     float* ss = sm + stage * T::stage;
-#pragma unroll 1
-    for (int e = threadIdx.x; e < BN * (BM / 4); e += threads) {
-      const int r = e >> c_shift, c = 4 * (e & (BM / 4 - 1)), key = k0 + r, q = q0 + c;
-      const bool valid = key < hp.L && q < hp.L;
-      copy_async16(smem_addr(ss + r * LS + c), valid ? dsg + (int64_t)key * Lp + q : dsg,
-                   valid ? 4 * min(4, hp.L - q) : 0);
-    }
+    copy_scores_t<LS, T::stage>(sm, stage, dsg, Lp, hp.L, k0, q0, BN, BM, c_shift, threads);
     copy_rows<LD, HDP, kVec>(ss + BN * LS, kg, W, hp, k0, BN, threads);
   };
   // The key tiles this block streams: all of them, or its split's range.
@@ -143,20 +169,7 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
     }
     const float* dst = sm + st * T::stage + 16 * warp;  // the warp's queries of dS^T
     const float* k = sm + st * T::stage + BN * LS;
-    if (active) {
-      // dq += dS k: runs of two key groups, as grad_tiles. Rolled beyond HDP 32, as in
-      // score_tiles: unrolled, the hoisted fragment loads spill next to dq.
-      constexpr int kUnroll = HDP > 32 ? 1 : NK / 2;
-#pragma unroll kUnroll
-      for (int jj = 0; jj < NK; jj += 2) {
-        const FragA a0 = load_a_cols<LS>(dst + 8 * jj * LS, g, t), a1 = load_a_cols<LS>(dst + 8 * (jj + 1) * LS, g, t);
-        const float* bj = k + 8 * jj * LD;
-#pragma unroll
-        for (int f = 0; f < NF; ++f)
-          mma_3xtf32_x2<true>(dq[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1,
-                              load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
-      }
-    }
+    if (active) stored_grad_tiles<HDP, NK, NF, LS, LD>(dq, dst, k, g, t);  // dq += dS k
   }
   if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
 }
