@@ -1,7 +1,8 @@
 // Kernel 3 of the attention backward on the tensor cores (attention_backward.cu; the tiles,
 // fragments and products: backward_parts.cuh): dq of a block's queries, streaming the key tiles
 // in order, either with S = q k^T and dP = d_o v^T recomputed a tile at a time
-// (query_grads_kernel) or as one product from kernel 2's dS^T (query_grads_ds_kernel).
+// (query_grads_kernel) or as one product from kernel 2's dS^T (query_grads_ds_kernel, with the
+// two parts only it uses here: dS^T's copy, copy_scores_t, and the product, stored_grad_tiles).
 #include <cuda_runtime.h>
 
 #include <cstdint>
