@@ -126,35 +126,31 @@ inline P pexp_nonpositive(const P& x_in) {
 inline float exp_and_sum(float* row, int64_t n, float max, float scale) {
   namespace ei = Eigen::internal;
   using P = ei::packet_traits<float>::type;
-  constexpr int64_t W = ei::packet_traits<float>::size;
-  const P pmax = ei::pset1<P>(max), pscale = ei::pset1<P>(scale);
+  using H = typename ei::unpacket_traits<P>::half;
+  constexpr int64_t W = ei::packet_traits<float>::size, HW = ei::unpacket_traits<H>::size;
+  // The packet (of type Q) of row[j ..] written as its exponentials, and returned.
+  const auto exp_at = [&](auto packet, int64_t j) {
+    using Q = decltype(packet);
+    const Q e = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<Q>(row + j), ei::pset1<Q>(max)), ei::pset1<Q>(scale)));
+    ei::pstoreu(row + j, e);
+    return e;
+  };
   P acc0 = ei::pset1<P>(0.0f), acc1 = acc0;
-  const int64_t body = n / (2 * W) * (2 * W);  // two packets at a time
-  for (int64_t j = 0; j < body; j += 2 * W) {
-    const P a = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j), pmax), pscale));
-    const P b = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j + W), pmax), pscale));
-    ei::pstoreu(row + j, a);
-    ei::pstoreu(row + j + W, b);
-    acc0 = ei::padd(acc0, a);
-    acc1 = ei::padd(acc1, b);
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {  // two packets at a time, then one more
+    acc0 = ei::padd(acc0, exp_at(P(), j));
+    acc1 = ei::padd(acc1, exp_at(P(), j + W));
   }
-  int64_t j = body;
-  if (n - j >= W) {  // one packet more
-    const P a = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<P>(row + j), pmax), pscale));
-    ei::pstoreu(row + j, a);
-    acc0 = ei::padd(acc0, a);
+  if (n - j >= W) {
+    acc0 = ei::padd(acc0, exp_at(P(), j));
     j += W;
   }
   float sum = ei::predux(ei::padd(acc0, acc1));
   // Then a half packet where the packet has one (AVX-512's 16 floats: the 8 of a row of 24 or 8),
   // so that short rows do not fall to the scalar exp; then one by one.
-  using H = typename ei::unpacket_traits<P>::half;
-  constexpr int64_t HW = ei::unpacket_traits<H>::size;
   if constexpr (HW < W) {
     if (n - j >= HW) {
-      const H a = pexp_nonpositive(ei::pmul(ei::psub(ei::ploadu<H>(row + j), ei::pset1<H>(max)), ei::pset1<H>(scale)));
-      ei::pstoreu(row + j, a);
-      sum += ei::predux(a);
+      sum += ei::predux(exp_at(H(), j));
       j += HW;
     }
   }
