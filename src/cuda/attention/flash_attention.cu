@@ -211,8 +211,9 @@ template <bool kSplit>
 __device__ __forceinline__ KeyTiles split_key_tiles(int tiles, int split, int S) {
   KeyTiles r{0, tiles};
   if constexpr (kSplit) {
-    r.j0 = (int)((int64_t)tiles * split / S);
-    r.j1 = (int)((int64_t)tiles * (split + 1) / S);
+    const int2 keys = split_key_range(tiles, split, S);
+    r.j0 = keys.x;
+    r.j1 = keys.y;
   }
   return r;
 }

@@ -59,6 +59,11 @@ __device__ __forceinline__ int64_t flash_block_units(int64_t units) {
   return (units - blockIdx.x + gridDim.x - 1) / gridDim.x;
 }
 
+// The key tiles [x, y) of split `split` of S over `tiles`: contiguous, in split order.
+__device__ __forceinline__ int2 split_key_range(int tiles, int split, int S) {
+  return make_int2((int)((int64_t)tiles * split / S), (int)((int64_t)tiles * (split + 1) / S));
+}
+
 // Unit i of this block (u = blockIdx.x + i gridDim.x): BM queries a tile, S splits of `tiles` key tiles.
 // row_words: floats a row of qkv (3D). Args: the kernel's argument struct (pos, qkv, heads).
 template <int BM, class Args>
@@ -70,8 +75,9 @@ __device__ __forceinline__ FlashUnit flash_unit(const Args& a, int64_t i, int q_
   const int64_t rest = u / q_tiles;
   x.split = (int)(rest % S);
   x.item = rest / S;
-  x.j0 = (int)((int64_t)tiles * x.split / S);
-  x.j1 = (int)((int64_t)tiles * (x.split + 1) / S);
+  const int2 keys = split_key_range(tiles, x.split, S);
+  x.j0 = keys.x;
+  x.j1 = keys.y;
   const int h = (int)(x.item % a.heads);
   x.seq = a.pos.offset(x.item / a.heads, 0);
   x.col = h * hd;
