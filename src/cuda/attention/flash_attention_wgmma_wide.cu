@@ -180,10 +180,8 @@ struct WideSmem {
   float* qs;
   float* raws;
 
-  __device__ __forceinline__ explicit WideSmem(float4* smem4) {
-    const uint32_t raw = smem_addr(smem4);
-    base = align_1024(raw);
-    sm = reinterpret_cast<char*>(smem4) + (base - raw);
+  __device__ __forceinline__ WideSmem() {
+    sm = aligned_smem(base);
     qs = reinterpret_cast<float*>(sm + Tile::q_off);
     raws = reinterpret_cast<float*>(sm + Tile::raw_off);
   }
@@ -382,8 +380,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int BM = Tile::BM, BN = Tile::BN, NT = BN / 8;  // key n-tiles
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   const int hd = a.D / a.heads, L = (int)a.pos.len;
-  extern __shared__ float4 smem4[];
-  const WideSmem<HDP> smem(smem4);
+  const WideSmem<HDP> smem;
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
   smem.zero_padding(hd, tid);
 

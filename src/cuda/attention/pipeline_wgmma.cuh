@@ -8,7 +8,6 @@
 // own layout and passes it in: where its stages and buffers are, the rows a
 // unit's first step brings besides k and v (q; q and d_o), which planes its
 // split writes.
-//   aligned_smem: the base of the block's buffers;
 //   zero_head_padding, HeadRowCopy: the raw rows' padding and copies;
 //   copy_step, split_stage: a step's copies and a step's split;
 //   stream_start, stream_ahead, stream_barrier: where in a step they run.
@@ -23,16 +22,6 @@
 
 #if FASTAXIAL_SM90A_DEVICE
 namespace fastaxial::cuda {
-
-// The block's dynamic shared memory from its first 1024-byte boundary (the
-// swizzled planes' alignment; the kernels ask for 1024 bytes more): returns
-// it as a pointer, and base, its address in the shared window.
-__device__ __forceinline__ char* aligned_smem(uint32_t& base) {
-  extern __shared__ float4 smem4[];
-  const uint32_t raw = smem_addr(smem4);
-  base = align_1024(raw);
-  return reinterpret_cast<char*>(smem4) + (base - raw);
-}
 
 // Columns hd..HDP-1 of the block's row buffers (row stride LD): q_rows rows
 // at qs, then raw_rows rows at raws. Zero for the whole block: the copies

@@ -16,6 +16,16 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)
 // operands) start in a kernel's dynamic shared memory.
 __device__ __forceinline__ uint32_t align_1024(uint32_t smem) { return (smem + 1023) & ~1023u; }
 
+// The block's dynamic shared memory from its first 1024-byte boundary (the
+// swizzled planes' alignment; the kernels ask for 1024 bytes more): returns
+// it as a pointer, and base, its address in the shared window.
+__device__ __forceinline__ char* aligned_smem(uint32_t& base) {
+  extern __shared__ float4 smem4[];
+  const uint32_t raw = smem_addr(smem4);
+  base = align_1024(raw);
+  return reinterpret_cast<char*>(smem4) + (base - raw);
+}
+
 // 4 bytes from global memory at src to shared memory at dst (a shared-space
 // address); with src_bytes = 0 nothing is read and the word is zeroed.
 __device__ __forceinline__ void copy_async4(uint32_t dst, const void* src, int src_bytes) {
