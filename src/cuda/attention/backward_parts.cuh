@@ -351,19 +351,26 @@ __device__ __forceinline__ void tile_softmax_grad_rows(float (&s)[NK][4], float 
     softmax_grad_rows<NK, false, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, L, t, keep, keep_scale);
 }
 
-// lse2 (hi, lo: detail/lse.cuh) and delta of a thread's query rows m0 + g and m0 + g + 8
-// (zeros from L), held in registers for softmax_grad_rows: kernel 3's rows stay for the block.
-__device__ __forceinline__ void query_row_stats(float (&hi)[2], float (&lo)[2], float (&dl)[2],
-                                                const AttentionBackwardKernelArgs& a, const Head& hp, int m0, int g) {
-  const int64_t rows = a.pos.num_seq * a.heads * hp.L;
+// lse2 (hi, lo: detail/lse.cuh) and delta of a thread's query rows r0 and r0 + 8 of item (zeros
+// from L; n_rows = num_seq heads L, where the lo halves start), held in registers for
+// softmax_grad_rows.
+__device__ __forceinline__ void row_stats(const AttentionBackwardKernelArgs& a, int64_t n_rows, int64_t item, int r0,
+                                          int L, float (&hi)[2], float (&lo)[2], float (&dl)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int l = m0 + g + 8 * r;
-    const bool in = l < hp.L;
-    hi[r] = in ? a.lse[hp.item * hp.L + l] : 0.0f;
-    lo[r] = in ? a.lse[rows + hp.item * hp.L + l] : 0.0f;
-    dl[r] = in ? a.delta[hp.item * hp.L + l] : 0.0f;
+    const int l = r0 + 8 * r;
+    const bool in = l < L;
+    hi[r] = in ? a.lse[item * L + l] : 0.0f;
+    lo[r] = in ? a.lse[n_rows + item * L + l] : 0.0f;
+    dl[r] = in ? a.delta[item * L + l] : 0.0f;
   }
+}
+
+// row_stats of a thread's rows m0 + g and m0 + g + 8 of the block's head: kernel 3's rows stay
+// for the block.
+__device__ __forceinline__ void query_row_stats(float (&hi)[2], float (&lo)[2], float (&dl)[2],
+                                                const AttentionBackwardKernelArgs& a, const Head& hp, int m0, int g) {
+  row_stats(a, a.pos.num_seq * a.heads * hp.L, hp.item, m0 + g, hp.L, hi, lo, dl);
 }
 
 // Kernel 2's dropout: the keep mask (common/dropout.h) of a warp's 16 keys, UnitDropout's

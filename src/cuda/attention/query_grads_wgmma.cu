@@ -62,6 +62,7 @@ namespace {
 
 using attention_backward_detail::Head;
 using attention_backward_detail::tc::store_tiles;
+using attention_backward_detail::tc::row_stats;
 
 struct QgTile {
   static constexpr int HDP = 32, BM = 128, BN = 64, kThreads = 256;
@@ -109,21 +110,6 @@ __device__ __forceinline__ void split_tile(char* sm, const float* raws, const Ma
         split_piece<Tile::ld>(kr + Tile::raw_k / 4, pb + 2 * Tile::plane, Tile::plane, r, c);  // v
       },
       [&](const float* kr) { kmap.split(kr, reinterpret_cast<float*>(pb + 4 * Tile::plane), Tile::plane / 4); });
-}
-
-// The lse2 (hi, lo: detail/lse.cuh) and delta of a unit's rows r0, r0 + 8 of
-// item `item` (the thread's rows g, g + 8); zeros past L. a.lse: the hi
-// parts of all n_rows rows, then their lo parts.
-__device__ __forceinline__ void row_stats(const AttentionBackwardKernelArgs& a, int64_t n_rows, int64_t item, int r0,
-                                          int L, float (&hi)[2], float (&lo)[2], float (&dl)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int l = r0 + 8 * r;
-    const bool in = l < L;
-    hi[r] = in ? a.lse[item * L + l] : 0.0f;
-    lo[r] = in ? a.lse[n_rows + item * L + l] : 0.0f;
-    dl[r] = in ? a.delta[item * L + l] : 0.0f;
-  }
 }
 
 // The unit's end: scale dq into dqkv's q columns (backward_parts.cuh's
