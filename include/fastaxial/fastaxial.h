@@ -335,7 +335,7 @@ struct CudaBackwardPlan {
   size_t grad_qkv = 0;         // (T, 3D)
   size_t grad_norm = 0;        // (T, D) gradient of a pass's LayerNorm output
   size_t delta = 0;            // (T, heads) rowsum(dO o O) per head, of the attention backward
-  size_t column_partials = 0;  // (3, 128, D) doubles: per-chunk column sums of the bias and LayerNorm weight gradients
+  size_t column_partials = 0;  // (5 * 128 + 3) D doubles: column sums of the bias and LayerNorm weight gradients
   size_t blas = 0;             // cuBLAS's workspace (its products' scratch); none where caller_blas
   size_t blas_bytes = 0;
   // The training calls run their cuBLAS products on the caller's handle (plan_backward_cuda's

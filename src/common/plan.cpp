@@ -504,7 +504,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   end = 0;
   fits = fits && append(&end, td, &c.grad_row_output) && append(&end, td, &c.grad_attn) &&
          append(&end, 3 * td, &c.grad_qkv) && append(&end, td, &c.grad_norm) && append(&end, th, &c.delta) &&
-         append(&end, 3 * kMaxColumnSumChunks * D * sizeof(double), &c.column_partials);
+         append(&end, kColumnPartialsPerDim * D * sizeof(double), &c.column_partials);
   // dS^T of a pass where it takes the scratch (attention_scores_bytes): one region, sized for the
   // larger pass, used by each in turn.
   const size_t row_scores = attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim);

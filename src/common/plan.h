@@ -52,9 +52,12 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan,
                           bool caller_blas = false);
 
-// Most chunks of rows a column sum of the backward adds separately (norm/column_sums.cu); the
-// backward sums three matrices at once.
+// Most chunks of rows a column sum of the backward adds separately (norm/column_sums.cu). A pass
+// sums dy (D columns), dqkv (3D, whose sums LayerNorm's bias gradient takes times Wqkv) and
+// d_xn * xhat (D) at once: its scratch holds a chunk's partials of the 5D columns each, and the
+// 3D sums of dqkv in fp64: kColumnPartialsPerDim D doubles.
 constexpr int64_t kMaxColumnSumChunks = 128;
+constexpr int64_t kColumnPartialsPerDim = 5 * kMaxColumnSumChunks + 3;
 
 // cuBLAS's workspace in a backward on the library's own handle: its recommendation for Hopper
 // (32 MiB), 4 MiB on older GPUs. Less changes its choice of algorithm for the weight gradients

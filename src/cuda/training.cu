@@ -9,7 +9,7 @@
 //   dqkv  = attention backward of (qkv, o, lse, d_o)  (T, 3D), attention/attention_backward.cu
 //   d_Wqkv = dqkv^T xn                                xn (T, D): LayerNorm output
 //   d_xn  = dqkv Wqkv
-//   d_gamma, d_beta = column sums of d_xn * xhat, d_xn
+//   d_gamma, d_beta = column sums of d_xn * xhat, d_xn (d_beta as those of dqkv, times Wqkv)
 //   d_src = dy + LayerNorm backward of d_xn           the residual and the branch
 // Why this shape: the training forward runs each pass as the staged pass
 // (staged/pass.h: LayerNorm with its statistics, the QKV product, flash
@@ -230,12 +230,12 @@ class Training {
   // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
   Status backward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                        const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
-    // The pass's column sums (d_bo, d_beta, d_gamma) in one pair of launches at the end: their
-    // inputs (dy, d_xn, d_xn * xhat) all stay until then.
+    // The pass's column sums (d_bo, d_beta, d_gamma) in one set of launches at the end: their
+    // inputs (dy, dqkv, d_xn * xhat) all stay until then.
     cuda::ColumnSumJobs sums;
-    if (grads.out_bias) sums.add(dy, grads.out_bias);
+    if (grads.out_bias) sums.add(dy, D_, grads.out_bias);
     if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, &sums); !s.ok()) return s;
-    if (cudaError_t e = cuda::column_sums(sums, T_, D_, partials_, dev_, stream_); e != cudaSuccess)
+    if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
     return Status::Ok();
   }
@@ -265,21 +265,21 @@ class Training {
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
       if (Status s = weight_gradient(d_qkv_, 3 * D_, b.norm, grads.qkv_weight, "qkv_weight gradient"); !s.ok())
         return s;
-    if (d_src == nullptr && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
+    // d_beta, the column sums of d_xn = dqkv Wqkv, as those of dqkv times Wqkv (column_sums.h says why).
+    if (grads.norm_bias) sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias);
+    if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
 
     // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward; d_attn_ is free again and takes d_xn * xhat.
     if (Status s = product(d_qkv_, w.qkv_weight, planes.qkv_t, true, D_, 3 * D_, nullptr, nullptr, d_norm_,
                            "LayerNorm output gradient");
         !s.ok())
       return s;
-    if (grads.norm_bias) sums->add(d_norm_, grads.norm_bias);
-    if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
     float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
     if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
                                                   d_norm_xhat, dev_, stream_);
         e != cudaSuccess)
       return cuda_error(e, "layer_norm_backward launch");
-    if (grads.norm_weight) sums->add(d_norm_xhat, grads.norm_weight);
+    if (grads.norm_weight) sums->add(d_norm_xhat, D_, grads.norm_weight);
     return Status::Ok();
   }
 

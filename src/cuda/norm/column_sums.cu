@@ -1,6 +1,8 @@
-// Column sums in two launches (column_sums.h): a block per (32 columns,
-// chunk of rows) sums its chunk, 8 row lanes per column each taking every
-// 8th row and then added in lane order; a warp per column adds the chunks.
+// Column sums in two launches (column_sums.h), a third for a projected job:
+// a block per (32 columns, chunk of rows, job) sums its chunk, 8 row lanes
+// per column each taking every 8th row and then added in lane order; a warp
+// per column adds the chunks; a projected job's sums then multiply its
+// weight, a block per 32 output columns with 8 lanes over the inputs.
 // The sums run in fp64 and round to fp32 once at the end: a bias gradient is
 // a sum over every position of the grid (tens of thousands of terms), and an
 // fp32 tree over them adds rounding errors of the order of the terms' own
@@ -19,16 +21,26 @@ namespace {
 constexpr int kCols = 32, kRowLanes = 8;
 constexpr int64_t kMaxChunks = kMaxColumnSumChunks;  // the plan's partials region holds this many
 
-// partials[chunk][c] = sum of a[r][c] over the chunk's rows.
-// Job blockIdx.z's partials at partials + blockIdx.z * gridDim.y * N.
+// Job j's fields by a constant index (a runtime one would copy the parameters to local memory).
+template <typename T>
+__device__ __forceinline__ T of_job(const T (&field)[ColumnSumJobs::kMax], int j) {
+  return j == 0 ? field[0] : j == 1 ? field[1] : field[2];
+}
+// Where job j's chunk partials start: chunks columns of each job before it.
+__device__ __forceinline__ int64_t job_offset(const ColumnSumJobs& jobs, int j, int64_t chunks) {
+  return chunks * (j == 0 ? 0 : j == 1 ? jobs.cols[0] : jobs.cols[0] + jobs.cols[1]);
+}
+
+// partials[chunk][c] = sum of a[r][c] over the chunk's rows, for job blockIdx.z.
 __global__ void __launch_bounds__(kCols* kRowLanes)
-    chunk_sums_kernel(const ColumnSumJobs jobs, int64_t M, int N, int64_t rows_per_chunk, double* __restrict__ partials) {
+    chunk_sums_kernel(const ColumnSumJobs jobs, int64_t M, int64_t rows_per_chunk, double* __restrict__ partials) {
   grid_dependency_wait();
   allow_dependent_launch();
+  const int j = blockIdx.z, N = of_job(jobs.cols, j);
+  if (blockIdx.x * kCols >= N) return;  // past this job's columns (the grid covers the widest)
   __shared__ double lane_sums[kRowLanes][kCols];
-  // A constant index per job (a runtime one would copy the parameters to local memory).
-  const float* __restrict__ a = blockIdx.z == 0 ? jobs.a[0] : blockIdx.z == 1 ? jobs.a[1] : jobs.a[2];
-  partials += blockIdx.z * (int64_t)gridDim.y * N;
+  const float* __restrict__ a = of_job(jobs.a, j);
+  partials += job_offset(jobs, j, gridDim.y);
   const int c = blockIdx.x * kCols + threadIdx.x;
   const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
   double sum = 0.0;
@@ -45,21 +57,45 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
   }
 }
 
-// sums[c] = the sum of partials[k][c] over the chunks k: a warp per column, lane l adding chunks
-// l, l + 32, ... in order, then the lanes' sums by a fixed butterfly (the same tree every call).
-// A thread per column walking all chunks would wait out a memory latency per chunk.
-__global__ void chunk_total_kernel(const double* __restrict__ partials, int64_t chunks, int N,
-                                   const ColumnSumJobs jobs) {
+// Column c of job blockIdx.y: the sum of partials[k][c] over the chunks k, a warp per column, lane
+// l adding chunks l, l + 32, ... in order, then the lanes' sums by a fixed butterfly (the same tree
+// every call). A thread per column walking all chunks would wait out a memory latency per chunk.
+// Rounded into sums, or for the projected job kept in fp64 at `totals`.
+__global__ void chunk_total_kernel(const double* __restrict__ partials, int64_t chunks, const ColumnSumJobs jobs,
+                                   double* __restrict__ totals) {
   grid_dependency_wait();
   allow_dependent_launch();
+  const int j = blockIdx.y, N = of_job(jobs.cols, j);
   const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (c >= N) return;
-  float* sums = blockIdx.y == 0 ? jobs.sums[0] : blockIdx.y == 1 ? jobs.sums[1] : jobs.sums[2];
-  partials += blockIdx.y * chunks * N;
+  partials += job_offset(jobs, j, chunks);
   double total = 0.0;
   for (int64_t k = lane; k < chunks; k += 32) total += partials[k * N + c];
   total = warp_sum(total);
-  if (lane == 0) sums[c] = (float)total;
+  if (lane != 0) return;
+  if (j == jobs.projected) totals[c] = total;
+  else of_job(jobs.sums, j)[c] = (float)total;
+}
+
+// out[o] = sum over c < K of totals[c] w[c][o], in fp64: lane threadIdx.y takes every 8th c, then
+// the lanes add in order.
+__global__ void __launch_bounds__(kCols* kRowLanes)
+    project_kernel(const double* __restrict__ totals, const float* __restrict__ w, int K, int out_cols,
+                   float* __restrict__ out) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  __shared__ double lane_sums[kRowLanes][kCols];
+  const int o = blockIdx.x * kCols + threadIdx.x;
+  double sum = 0.0;
+  if (o < out_cols)
+    for (int c = threadIdx.y; c < K; c += kRowLanes) sum += totals[c] * (double)w[(int64_t)c * out_cols + o];
+  lane_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && o < out_cols) {
+    double total = 0.0;
+    for (int l = 0; l < kRowLanes; ++l) total += lane_sums[l][threadIdx.x];
+    out[o] = (float)total;
+  }
 }
 
 int64_t rows_per_chunk(int64_t M) {
@@ -74,17 +110,32 @@ int64_t column_sum_chunks(int64_t M) {
   return std::max<int64_t>(1, (M + per - 1) / per);
 }
 
-cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, int N, double* partials, const DeviceCaps& dev,
+int64_t column_sum_partials(const ColumnSumJobs& jobs, int64_t M) {
+  int64_t cols = 0;
+  for (int j = 0; j < jobs.count; ++j) cols += jobs.cols[j];
+  return column_sum_chunks(M) * cols + (jobs.projected >= 0 ? jobs.cols[jobs.projected] : 0);
+}
+
+cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, double* partials, const DeviceCaps& dev,
                         cudaStream_t stream) {
-  if (N == 0 || jobs.count == 0) return cudaSuccess;
+  if (jobs.count == 0) return cudaSuccess;
+  int widest = 0, cols = 0;
+  for (int j = 0; j < jobs.count; ++j) widest = std::max(widest, jobs.cols[j]), cols += jobs.cols[j];
+  if (widest == 0) return cudaSuccess;
   const int64_t per = rows_per_chunk(M), chunks = column_sum_chunks(M);
-  const dim3 grid((N + kCols - 1) / kCols, (unsigned)chunks, jobs.count);
-  if (cudaError_t e = launch_kernel<chunk_sums_kernel>(grid, dim3(kCols, kRowLanes), 0, stream, dev, jobs, M, N, per,
+  double* totals = partials + chunks * cols;  // the projected job's sums
+  const dim3 grid((widest + kCols - 1) / kCols, (unsigned)chunks, jobs.count);
+  if (cudaError_t e = launch_kernel<chunk_sums_kernel>(grid, dim3(kCols, kRowLanes), 0, stream, dev, jobs, M, per,
                                                        partials);
       e != cudaSuccess)
     return e;
-  return launch_kernel<chunk_total_kernel>(dim3((N + 7) / 8, jobs.count), 256, 0, stream, dev, partials, chunks, N,
-                                           jobs);
+  if (cudaError_t e = launch_kernel<chunk_total_kernel>(dim3((widest + 7) / 8, jobs.count), 256, 0, stream, dev,
+                                                        partials, chunks, jobs, totals);
+      e != cudaSuccess || jobs.projected < 0)
+    return e;
+  return launch_kernel<project_kernel>(dim3((jobs.out_cols + kCols - 1) / kCols), dim3(kCols, kRowLanes), 0, stream,
+                                       dev, totals, jobs.w, jobs.cols[jobs.projected], jobs.out_cols,
+                                       jobs.sums[jobs.projected]);
 }
 
 }  // namespace fastaxial::cuda

@@ -1,8 +1,8 @@
-// Column sums of a row-major (M, N) matrix over all M rows, in a fixed order
+// Column sums of row-major matrices over all their rows, in a fixed order
 // (column_sums.cu): the bias and LayerNorm weight gradients, which sum over
 // every position of the grid. Deterministic: the rows are cut into chunks that
-// depend on M alone, each chunk summed in a fixed order, then the chunks'
-// sums added by a fixed tree; no atomics.
+// depend on the row count alone, each chunk summed in a fixed order, then the
+// chunks' sums added by a fixed tree; no atomics.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,22 +13,38 @@
 
 namespace fastaxial::cuda {
 
-// Up to three matrices of the same shape summed in the same two launches.
+// Up to three matrices of M rows each summed in the same launches. A job may be projected: its
+// column sums (N) times w (N, out_cols), in fp64 before the one rounding to fp32. LayerNorm's
+// bias gradient is such a job: the column sums of d_xn = dqkv Wqkv are those of dqkv times Wqkv,
+// and summing dqkv first keeps the product's rounding, whose sign the tensor cores' truncation
+// makes the same at every position, out of a sum over every position (docs/perf-notes.md, v77).
 struct ColumnSumJobs {
   static constexpr int kMax = 3;
-  const float* a[kMax] = {};  // (M, N)
-  float* sums[kMax] = {};     // (N)
   int count = 0;
-  void add(const float* matrix, float* out) { a[count] = matrix, sums[count++] = out; }
+  const float* a[kMax] = {};  // (M, cols[j])
+  int cols[kMax] = {};
+  float* sums[kMax] = {};     // (cols[j]), or (out_cols) for the projected job
+  int projected = -1;         // the projected job's index, or -1
+  const float* w = nullptr;   // (cols[projected], out_cols), row-major
+  int out_cols = 0;
+  void add(const float* matrix, int n, float* out) { a[count] = matrix, cols[count] = n, sums[count++] = out; }
+  void add_projected(const float* matrix, int n, const float* weight, int out_n, float* out) {
+    projected = count, w = weight, out_cols = out_n;
+    add(matrix, n, out);
+  }
 };
 
-// Chunks of rows (at most kMaxColumnSumChunks): partials must hold
-// ColumnSumJobs::kMax * column_sum_chunks(M) * N doubles (the sums run in fp64).
+// Chunks of rows a sum over M rows is cut into (at most kMaxColumnSumChunks).
 int64_t column_sum_chunks(int64_t M);
 
-// sums[j] (N) = sum over rows of a[j] (M, N) for each job; partials is scratch (see above).
-// M = 0 gives zeros.
-cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, int N, double* partials, const DeviceCaps& dev,
+// Doubles of scratch column_sums needs: column_sum_chunks(M) a column of every job, and one more
+// a column of the projected job. The backward's plan holds (5 * kMaxColumnSumChunks + 3) D: the
+// jobs of a pass are dy (D), dqkv (3D, projected) and d_xn * xhat (D).
+int64_t column_sum_partials(const ColumnSumJobs& jobs, int64_t M);
+
+// sums[j] = the column sums of a[j] (M, cols[j]) for each job, the projected job's times w; partials
+// is scratch of column_sum_partials(jobs, M) doubles. M = 0 gives zeros.
+cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, double* partials, const DeviceCaps& dev,
                         cudaStream_t stream);
 
 }  // namespace fastaxial::cuda

@@ -473,7 +473,7 @@ struct Region {
   std::vector<Region> ws = {{"grad_row_output", c.grad_row_output, td4}, {"grad_attn", c.grad_attn, td4},
                             {"grad_qkv", c.grad_qkv, mul(td4, 3)},       {"grad_norm", c.grad_norm, td4},
                             {"delta", c.delta, th4},
-                            {"column_partials", c.column_partials, mul({3, kMaxColumnSumChunks, u(p.dim), 8})}};
+                            {"column_partials", c.column_partials, mul({5 * kMaxColumnSumChunks + 3, u(p.dim), 8})}};
   if (c.caller_blas != (c.blas == CudaBackwardPlan::kNone))
     return ::testing::AssertionFailure() << "cuBLAS scratch and caller_blas disagree: " << c.describe();
   if (!c.caller_blas) ws.push_back({"blas", c.blas, c.blas_bytes});

@@ -401,7 +401,7 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
     ws.push_back({c.grad_row_output, td, "grad_row_output"}), ws.push_back({c.grad_attn, td, "grad_attn"});
     ws.push_back({c.grad_qkv, 3 * td, "grad_qkv"}), ws.push_back({c.grad_norm, td, "grad_norm"});
     ws.push_back({c.delta, th, "delta"});
-    ws.push_back({c.column_partials, 3 * 128 * (size_t)p.dim * sizeof(double), "column_partials"});
+    ws.push_back({c.column_partials, (5 * 128 + 3) * (size_t)p.dim * sizeof(double), "column_partials"});
     ws.push_back({c.blas, c.blas_bytes, "blas"});
     if (c.weight_planes != CudaBackwardPlan::kNone)
       ws.push_back({c.weight_planes, 32 * (size_t)p.dim * p.dim * 4, "weight_planes"});
