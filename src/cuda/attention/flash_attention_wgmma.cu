@@ -37,8 +37,9 @@
 //   4. o (64, 32) += p v: p's A fragments straight from s's registers (k in
 //      the permuted order), v^T's planes as B.
 //   5. one barrier: step s + 1's planes visible, step s's buffers free.
-// 3xTF32 throughout (detail/tf32x3.cuh): lo*hi, hi*lo, hi*hi a step, runs of
-// two 8-deep steps into fresh accumulators, each added to its total in fp32.
+// 3xTF32 throughout (the element traits Tf32x3 of detail/tf32x3.cuh, the
+// mainloop parts' Elem): lo*hi, hi*lo, hi*hi a step, runs of two 8-deep
+// steps into fresh accumulators, each added to its total in fp32.
 //
 // Shared memory (137 KB from a 1024-byte aligned base), each kind twice:
 //   k:   (hi, lo) planes, 64 rows of 128 bytes (features 0..31)
@@ -76,17 +77,19 @@ template <int HDP>
 struct WgFlashTile {
   static_assert(HDP == 32, "k rows are one 128-byte swizzle row; head dim 16 measured slower than mma.sync");
   static constexpr int BM = 128, BN = 64, kThreads = 256;  // two warpgroups of 64 queries
+  using Elem = Tf32x3;  // fp32 on the 3xTF32 products (detail/tf32x3.cuh): B operands in Elem::kPlanes planes
   static constexpr int ld = HDP + 4;  // raw rows: conflict-free fragment and transposing reads
   static constexpr int k_plane = BN * 128;
   static constexpr int vt_atom = HDP * 128;  // 32 keys of every feature
   static constexpr int vt_plane = (BN / 32) * vt_atom;
   static constexpr int raw_k = BN * ld * 4;  // a stage: k's rows, then v's
+  static constexpr int k_buf = Elem::kPlanes * k_plane, vt_buf = Elem::kPlanes * vt_plane;  // a buffer's planes
   // Two buffers of each kind: q (a unit's while the next one's comes), raw rows (step s + 1's
   // being split while step s + 2's arrive) and planes (step s's in the products while step
   // s + 1's are written).
-  static constexpr int k_off = 0;  // (hi, lo) planes of k, per buffer
-  static constexpr int vt_off = k_off + 2 * 2 * k_plane;
-  static constexpr int raw_off = vt_off + 2 * 2 * vt_plane;
+  static constexpr int k_off = 0;  // k's planes, buffer b at + b k_buf
+  static constexpr int vt_off = k_off + 2 * k_buf;
+  static constexpr int raw_off = vt_off + 2 * vt_buf;
   static constexpr int q_off = raw_off + 2 * 2 * raw_k;
   static constexpr int bytes = q_off + 2 * BM * ld * 4 + 1024;  // + room to align the base
   // Per thread and tile: 16-byte pieces of k split, elements of v transposed and split.
@@ -114,12 +117,12 @@ __device__ __forceinline__ void copy_unit_rows(const Copy& copy_rows, const Flas
 template <int HDP, class Map>
 __device__ __forceinline__ void split_tile(char* sm, const float* raws, const Map& vmap, int64_t st, int tid) {
   using Tile = WgFlashTile<HDP>;
-  char* kp = sm + Tile::k_off + (st & 1) * 2 * Tile::k_plane;
+  char* kp = sm + Tile::k_off + (st & 1) * Tile::k_buf;
   split_stage<HDP, Tile::k_pieces, Tile::kThreads>(
       raws, Tile::raw_k, st, tid,
       [&](const float* kr, int r, int c) { split_piece<Tile::ld>(kr, kp, Tile::k_plane, r, c); },
       [&](const float* kr) {
-        vmap.split(kr + Tile::raw_k / 4, reinterpret_cast<float*>(sm + Tile::vt_off + (st & 1) * 2 * Tile::vt_plane),
+        vmap.split(kr + Tile::raw_k / 4, reinterpret_cast<float*>(sm + Tile::vt_off + (st & 1) * Tile::vt_buf),
                    Tile::vt_plane / 4);
       });
 }
@@ -137,6 +140,7 @@ __global__ void __launch_bounds__(256, 1)
     flash_wgmma_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = WgFlashTile<HDP>;
+  using Elem = typename Tile::Elem;
   constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
   constexpr int NT = BN / 8, NO = HDP / 2;  // key n-tiles, o accumulators
   const int hd = a.D / a.heads, L = (int)a.pos.len;
@@ -172,7 +176,7 @@ __global__ void __launch_bounds__(256, 1)
   FlashUnit cur;  // the unit in the products, ui of the block's: step st is its tile j
   int64_t ui = 0;
   int j = 0;
-  FragA qa[2], qb[2];  // q's A fragments, split once a unit: steps 0, 1 in qa, 2, 3 in qb
+  typename Elem::FragA qa[2], qb[2];  // q's A fragments, made once a unit: steps 0, 1 in qa, 2, 3 in qb
   UnitDropout<kDropout> dropout(dpass);
   FlashRows<NO / 4> rows;  // the warp's 16 rows of o (flash_parts.cuh)
 
@@ -180,19 +184,19 @@ __global__ void __launch_bounds__(256, 1)
   for (int64_t st = 0; st < steps; ++st) {
     if (j == 0) {
       cur = unit_at(ui);
-      rows_frags<LD>(qa, qb, qs + ((ui & 1) * BM + 16 * warp) * LD, g, t);  // the warp's q rows
+      rows_frags<Elem, LD>(qa, qb, qs + ((ui & 1) * BM + 16 * warp) * LD, g, t);  // the warp's q rows
       dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
       rows.reset();
     }
     // s (64, BN) = q k^T, issued: s[4 jn + e] is key 8 jn + 2t + e of row g, s[4 jn + 2 + e] of
     // row g + 8 (steps 2, 3 into ts). While the products run, the copies and split ahead.
     float s[BN / 2], ts[BN / 2];
-    rows_times_plane<BN>(s, ts, qa, qb, base + Tile::k_off + (uint32_t)((st & 1) * 2 * Tile::k_plane), Tile::k_plane);
+    rows_times_plane<Elem, BN>(s, ts, qa, qb, base + Tile::k_off + (uint32_t)((st & 1) * Tile::k_buf), Tile::k_plane);
     stream_ahead(st, steps, copy_next, split_next);
 
     uint32_t keep[NT / 2];
     dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
-    rows_times_plane_done<BN>(s, ts, qa, qb);
+    rows_times_plane_done<Elem, BN>(s, ts, qa, qb);
 
     // Scores in base 2, keys >= L at -inf, the online softmax; dropped p
     // zeroed after the row sums.
@@ -201,8 +205,8 @@ __global__ void __launch_bounds__(256, 1)
     dropout.template apply<NT>(sx, keep, t);
 
     // o += p v, v^T's planes as B.
-    tile_times_planes<HDP>(rows.o, s, base + Tile::vt_off + (uint32_t)((st & 1) * 2 * Tile::vt_plane), Tile::vt_atom,
-                           Tile::vt_plane);
+    tile_times_planes<Elem, HDP>(rows.o, s, base + Tile::vt_off + (uint32_t)((st & 1) * Tile::vt_buf), Tile::vt_atom,
+                                 Tile::vt_plane);
 
     if (++j == unit_at.tiles) {  // the unit's last tile: o / l and the lse out
       j = 0;

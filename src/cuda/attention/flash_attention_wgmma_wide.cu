@@ -38,7 +38,8 @@
 //   4. o (64, HDP) += p v: for each half of o's columns (one for HDP 64),
 //      runs of two key groups into one fresh accumulator.
 //   5. wait for the copies; barrier: step s + 2's rows in, step s's planes free.
-// 3xTF32 throughout (detail/tf32x3.cuh). The kernel drives its parts:
+// 3xTF32 throughout (the element traits Tf32x3 of detail/tf32x3.cuh, the
+// mainloop's Elem). The kernel drives its parts:
 // WideSmem (the layout), WidePipeline (copies and barriers), WideSplit (the
 // split), wide_scores and wide_pv (the mainloop), and flash_parts.cuh's
 // BlockUnits, StepCursor, FlashRows and UnitDropout.
@@ -73,14 +74,16 @@ template <int HDP>
 struct WideTile {
   static_assert(HDP == 64 || HDP == 96 || HDP == 128, "padded head dims 64, 96, 128");
   static constexpr int BM = 128, BN = 32, kThreads = 256;  // two warpgroups of 64 queries; keys a step
+  using Elem = Tf32x3;  // fp32 on the 3xTF32 products (detail/tf32x3.cuh): B operands in Elem::kPlanes planes
   static constexpr int ld = HDP + 4;                       // raw rows: conflict-free transposing reads
   static constexpr int chunk = BN * 128;                   // k's features 32c..32c + 31 for the step's keys
   static constexpr int k_plane = (HDP / 32) * chunk;
   static constexpr int vt_plane = HDP * 128;  // one atom: the step's 32 keys of every feature
   static constexpr int PN = HDP <= 64 ? HDP : HDP / 2;  // o's columns a p v product (n64, n48)
-  static constexpr int k_off = 0;                       // (hi, lo) planes of k, two buffers
-  static constexpr int vt_off = k_off + 2 * 2 * k_plane;
-  static constexpr int raw_off = vt_off + 2 * 2 * vt_plane;  // k's rows, then v's, (BN, HDP) at stride ld
+  static constexpr int k_buf = Elem::kPlanes * k_plane, vt_buf = Elem::kPlanes * vt_plane;  // a buffer's planes
+  static constexpr int k_off = 0;                            // k's planes, buffer b at + b k_buf
+  static constexpr int vt_off = k_off + 2 * k_buf;
+  static constexpr int raw_off = vt_off + 2 * vt_buf;        // k's rows, then v's, (BN, HDP) at stride ld
   static constexpr int q_off = raw_off + 2 * BN * ld * 4;    // (BM, HDP), rows swizzled
   static constexpr int bytes = q_off + BM * HDP * 4 + 1024;  // + room to align the base
   static constexpr int runs = HDP / 16;                      // runs of the score product
@@ -101,14 +104,14 @@ __device__ __forceinline__ int q_word(int r, int c) {
 }
 
 #if FASTAXIAL_SM90A_DEVICE
-// The mainloop's products (wgmma, 3xTF32) for a warpgroup's 64 queries and a
-// step of BN = 32 keys.
+// The mainloop's products (wgmma) for a warpgroup's 64 queries and a step of
+// BN = 32 keys, in element type Elem's runs (Tf32x3: 3xTF32).
 
 // s (64, 32) = q k^T: HDP / 16 runs of two 8-deep steps, alternating two
-// fresh accumulators; q_frag(kk) reads and splits q's A fragment of step kk;
+// fresh accumulators; q_frag(kk) reads q's A fragment of step kk (Elem::a);
 // between(r) runs once run r is issued (the next step's split goes there).
 // k's planes at kb: chunks of 32 features, Tile::chunk bytes apart.
-template <int HDP, class QFrag, class Between>
+template <class Elem, int HDP, class QFrag, class Between>
 __device__ __forceinline__ void wide_scores(float (&s)[WideTile<HDP>::BN / 2], uint32_t kb, QFrag&& q_frag,
                                             Between&& between) {
   using Tile = WideTile<HDP>;
@@ -116,7 +119,7 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideTile<HDP>::BN / 2], u
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) s[i] = 0.0f;
   float acc[2][N / 2];
-  FragA f[2][2];
+  typename Elem::FragA f[2][2];
 #pragma unroll
   for (int r = 0; r < Tile::runs; ++r) {
     f[r % 2][0] = q_frag(2 * r), f[r % 2][1] = q_frag(2 * r + 1);
@@ -126,23 +129,23 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideTile<HDP>::BN / 2], u
       const int kk = 2 * r + k;
       d[k] = desc_sw128(kb + (kk / 4) * Tile::chunk + (kk % 4) * 32);
     }
-    wgmma_3xtf32_run<N>(acc[r % 2], f[r % 2], d, Tile::k_plane >> 4);
+    Elem::template wgmma_run<N>(acc[r % 2], f[r % 2], d, Tile::k_plane >> 4);
     between(r);
     if (r > 0) {
       wgmma_wait<1>();
-      fence_frags(f[(r - 1) % 2]);
+      Elem::fence(f[(r - 1) % 2]);
       add_to(s, acc[(r - 1) % 2]);
     }
   }
   wgmma_wait<0>();
-  fence_frags(f[(Tile::runs - 1) % 2]);
+  Elem::fence(f[(Tile::runs - 1) % 2]);
   add_to(s, acc[(Tile::runs - 1) % 2]);
 }
 
 // o (64, HDP) += p v, PN columns at a time: runs of two key groups into a
 // fresh accumulator, v^T's planes at vb (one atom: the step's 32 keys of
 // every feature).
-template <int HDP>
+template <class Elem, int HDP>
 __device__ __forceinline__ void wide_pv(float (&o)[HDP / 2], float (&s)[WideTile<HDP>::BN / 2], uint32_t vb) {
   using Tile = WideTile<HDP>;
   constexpr int PN = Tile::PN;
@@ -150,18 +153,18 @@ __device__ __forceinline__ void wide_pv(float (&o)[HDP / 2], float (&s)[WideTile
   for (int hh = 0; hh < HDP / PN; ++hh)
 #pragma unroll
     for (int rr = 0; rr < Tile::BN / 16; ++rr) {
-      FragA f[2];
+      typename Elem::FragA f[2];
       uint64_t d[2];
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int jg = 2 * rr + k;  // keys 8 jg .. 8 jg + 7
-        f[k] = make_a(s[4 * jg], s[4 * jg + 2], s[4 * jg + 1], s[4 * jg + 3]);
+        f[k] = Elem::a(s[4 * jg], s[4 * jg + 2], s[4 * jg + 1], s[4 * jg + 3]);
         d[k] = desc_sw128(vb + hh * PN * 128 + jg * 32);
       }
       float acc[PN / 2];
-      wgmma_3xtf32_run<PN>(acc, f, d, Tile::vt_plane >> 4);
+      Elem::template wgmma_run<PN>(acc, f, d, Tile::vt_plane >> 4);
       wgmma_wait<0>();
-      fence_frags(f);
+      Elem::fence(f);
       fence_regs(acc);
 #pragma unroll
       for (int i = 0; i < PN / 2; ++i) o[hh * (PN / 2) + i] += acc[i];
@@ -202,20 +205,18 @@ struct WideSmem {
     }
   }
 
-  // The (hi, lo) planes of k and of v^T in buffer b.
-  __device__ __forceinline__ uint32_t k_planes(int b) const {
-    return base + Tile::k_off + (uint32_t)(b * 2 * Tile::k_plane);
-  }
+  // The planes of k and of v^T in buffer b.
+  __device__ __forceinline__ uint32_t k_planes(int b) const { return base + Tile::k_off + (uint32_t)(b * Tile::k_buf); }
   __device__ __forceinline__ uint32_t vt_planes(int b) const {
-    return base + Tile::vt_off + (uint32_t)(b * 2 * Tile::vt_plane);
+    return base + Tile::vt_off + (uint32_t)(b * Tile::vt_buf);
   }
 
   // The A fragment of q's step kk for a warp's 16 rows at qw (qs + 16 warp
-  // HDP), read and split: (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4);
-  // the swizzle's row % 8 is g.
-  static __device__ __forceinline__ FragA q_frag(const float* qw, int kk, int g, int t) {
+  // HDP), read and made (Elem::a): (g, t), (g + 8, t), (g, t + 4),
+  // (g + 8, t + 4); the swizzle's row % 8 is g.
+  static __device__ __forceinline__ typename Tile::Elem::FragA q_frag(const float* qw, int kk, int g, int t) {
     const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
-    return make_a(qw[g * HDP + c0], qw[(g + 8) * HDP + c0], qw[g * HDP + c1], qw[(g + 8) * HDP + c1]);
+    return Tile::Elem::a(qw[g * HDP + c0], qw[(g + 8) * HDP + c0], qw[g * HDP + c1], qw[(g + 8) * HDP + c1]);
   }
 };
 
@@ -247,11 +248,11 @@ struct WideSplit {
       const float4 x = *reinterpret_cast<const float4*>(raws + r * LD + 4 * c);
       uint32_t h0, h1, h2, h3, w0, w1, w2, w3;
       split(x.x, h0, w0), split(x.y, h1, w1), split(x.z, h2, w2), split(x.w, h3, w3);
-      char* at = sm + Tile::k_off + b * 2 * Tile::k_plane + (c / 8) * Tile::chunk + r * 128 + ((((c % 8) ^ r) & 7) << 4);
+      char* at = sm + Tile::k_off + b * Tile::k_buf + (c / 8) * Tile::chunk + r * 128 + ((((c % 8) ^ r) & 7) << 4);
       *reinterpret_cast<uint4*>(at) = make_uint4(h0, h1, h2, h3);
       *reinterpret_cast<uint4*>(at + Tile::k_plane) = make_uint4(w0, w1, w2, w3);
     }
-    float* vp = reinterpret_cast<float*>(sm + Tile::vt_off + b * 2 * Tile::vt_plane);
+    float* vp = reinterpret_cast<float*>(sm + Tile::vt_off + b * Tile::vt_buf);
     const float* vr = raws + BN * LD;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
@@ -377,6 +378,7 @@ __global__ void __launch_bounds__(256, 1)
                             const FlashPartials sp) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = WideTile<HDP>;
+  using Elem = typename Tile::Elem;
   constexpr int BM = Tile::BM, BN = Tile::BN, NT = BN / 8;  // key n-tiles
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   const int hd = a.D / a.heads, L = (int)a.pos.len;
@@ -416,7 +418,7 @@ __global__ void __launch_bounds__(256, 1)
     // s (64, BN) = q k^T, step st + 1's split between its runs; step st + 2's
     // rows and, with a unit's last step, the next unit's q into the free buffers.
     float s[BN / 2];
-    wide_scores<HDP>(s, smem.k_planes(b), q_frag, [&](int r) {
+    wide_scores<Elem, HDP>(s, smem.k_planes(b), q_frag, [&](int r) {
       if (has_next) split.part(r, b ^ 1);
     });
     pipe.refill(a, copy, unit_at);
@@ -430,7 +432,7 @@ __global__ void __launch_bounds__(256, 1)
     const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
     rows.template step<NT>(sx, scale_log2, step.j * BN, L, t);
     dropout.template apply<NT>(sx, keep, t);
-    wide_pv<HDP>(rows.o, s, smem.vt_planes(b));
+    wide_pv<Elem, HDP>(rows.o, s, smem.vt_planes(b));
 
     if (last) wide_unit_end<kSplit>(rows, a, kDropout ? dpass.scale : 1.0f, sp, step.cur, warp, g, L, hd, t);
     if (!has_next) break;

@@ -66,9 +66,11 @@ using attention_backward_detail::tc::row_stats;
 
 struct QgTile {
   static constexpr int HDP = 32, BM = 128, BN = 64, kThreads = 256;
+  using Elem = Tf32x3;  // fp32 on the 3xTF32 products (detail/tf32x3.cuh): B operands in Elem::kPlanes planes
   static constexpr int ld = HDP + 4;
   static constexpr int plane = BN * 128;     // a straight plane (64 keys); a transposed one is as large
-  static constexpr int buffer = 3 * 2 * plane;  // k, v straight and k transposed, (hi, lo) each
+  static constexpr int operand = Elem::kPlanes * plane;  // a B operand's planes
+  static constexpr int buffer = 3 * operand;             // k, v straight and k transposed
   static constexpr int raw_k = BN * ld * 4;
   static constexpr int unit_q = BM * ld * 4;  // q's rows of a unit; d_o's follow
   static constexpr int planes_off = 0;        // buffer b at + b buffer: k, v, k^T
@@ -107,9 +109,9 @@ __device__ __forceinline__ void split_tile(char* sm, const float* raws, const Ma
       raws, Tile::raw_k, st, tid,
       [&](const float* kr, int r, int c) {
         split_piece<Tile::ld>(kr, pb, Tile::plane, r, c);                                      // k
-        split_piece<Tile::ld>(kr + Tile::raw_k / 4, pb + 2 * Tile::plane, Tile::plane, r, c);  // v
+        split_piece<Tile::ld>(kr + Tile::raw_k / 4, pb + Tile::operand, Tile::plane, r, c);    // v
       },
-      [&](const float* kr) { kmap.split(kr, reinterpret_cast<float*>(pb + 4 * Tile::plane), Tile::plane / 4); });
+      [&](const float* kr) { kmap.split(kr, reinterpret_cast<float*>(pb + 2 * Tile::operand), Tile::plane / 4); });
 }
 
 // The unit's end: scale dq into dqkv's q columns (backward_parts.cuh's
@@ -180,6 +182,7 @@ __global__ void __launch_bounds__(256, 1)
                              const DropoutPass dpass) {
 #if FASTAXIAL_SM90A_DEVICE
   using Tile = QgTile;
+  using Elem = Tile::Elem;
   constexpr int HDP = Tile::HDP, BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
   constexpr int NT = BN / 8, NO = HDP / 2;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
@@ -211,7 +214,7 @@ __global__ void __launch_bounds__(256, 1)
   stream_start(steps, copy_next, split_next);
 
   StepCursor step(unit_at);  // the step in the products
-  FragA qa[2], qb[2];  // q's A fragments: k-steps 0, 1 and 2, 3
+  Elem::FragA qa[2], qb[2];  // q's A fragments: k-steps 0, 1 and 2, 3
   const float* dw = nullptr;  // the warp's d_o rows (their fragments are split at each step: registers)
   float hi[2], lo[2], dl[2];  // lse2 (detail/lse.cuh) and delta of rows g, g + 8
   const int64_t n_rows = a.pos.num_seq * a.heads * L;
@@ -224,7 +227,7 @@ __global__ void __launch_bounds__(256, 1)
     if (step.first()) {
       const float* qw = qs + ((step.ui & 1) * 2 * BM + 16 * warp) * LD;
       dw = qw + BM * LD;
-      rows_frags<LD>(qa, qb, qw, g, t);
+      rows_frags<Elem, LD>(qa, qb, qw, g, t);
       row_stats(a, n_rows, cur.item, cur.q0 + 16 * warp + g, L, hi, lo, dl);
       dropout.start(dpass, cur.item, cur.q0 + 16 * warp, L);
       zero(dq);
@@ -232,23 +235,23 @@ __global__ void __launch_bounds__(256, 1)
     // s = q k^T, issued (k-steps 2, 3 into ts); while it runs, the copies and split ahead.
     const uint32_t kb = base + Tile::planes_off + (uint32_t)((st & 1) * Tile::buffer);
     float s[BN / 2], ts[BN / 2];
-    rows_times_plane<BN, true>(s, ts, qa, qb, kb, Tile::plane);
+    rows_times_plane<Elem, BN, true>(s, ts, qa, qb, kb, Tile::plane);
     stream_ahead(st, steps, copy_next, split_next);
 
     uint32_t keep[NT / 2];
     dropout.template keep_bits<NT>(keep, j * BN, L, g, t);
-    rows_times_plane_done<BN>(s, ts, qa, qb);
+    rows_times_plane_done<Elem, BN>(s, ts, qa, qb);
     // dp (64, 64) = d_o v^T, issued (k-steps 2, 3 into tdp); p from s while it runs.
     float dp[BN / 2], tdp[BN / 2];
-    FragA da[2], db[2];
-    rows_frags<LD>(da, db, dw, g, t);
-    rows_times_plane<BN, true>(dp, tdp, da, db, kb + 2 * Tile::plane, Tile::plane);
+    Elem::FragA da[2], db[2];
+    rows_frags<Elem, LD>(da, db, dw, g, t);
+    rows_times_plane<Elem, BN, true>(dp, tdp, da, db, kb + Tile::operand, Tile::plane);
     probs_from_scores(s, scale_log2, hi, lo);
-    rows_times_plane_done<BN>(dp, tdp, da, db);
+    rows_times_plane_done<Elem, BN>(dp, tdp, da, db);
     grads_from_probs<NT, kDropout>(dp, s, keep, dl, dpass.scale, j * BN, L, t);
 
     // dq += dS k, k^T's planes as B (as the forward's p v).
-    tile_times_planes<HDP, true>(dq, dp, kb + 4 * Tile::plane, HDP * 128, Tile::plane);
+    tile_times_planes<Elem, HDP, true>(dq, dp, kb + 2 * Tile::operand, HDP * 128, Tile::plane);
     if (step.last()) store_dq<kVec>(a, cur, dq, scale, W, hd, L, cur.q0 + 16 * warp, g, t);  // the unit's last tile
     step.advance(unit_at, unit_at.count);
     stream_barrier(st, steps);

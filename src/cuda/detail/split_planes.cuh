@@ -11,6 +11,8 @@
 //     slot t holds key 2t and slot t + 4 key 2t + 1, so that the A operand of
 //     such a product comes straight from a score accumulator (the C fragment
 //     of columns 2t, 2t + 1 is then the A fragment of k indices t, t + 4).
+// These are Tf32x3's planes (detail/tf32x3.cuh: kPlanes, hi then lo) and
+// fp32's splits; another element type brings its own.
 #pragma once
 
 #include <cstdint>
@@ -29,14 +31,6 @@ template <int ROWS>
 __device__ __forceinline__ int transposed_word(int kk, int n) {
   const int s = (kk & ~7) | ((kk & 7) >> 1) | ((kk & 1) << 2);  // the key's slot
   return (s >> 5) * ROWS * 32 + n * 32 + ((((s >> 2) & 7) ^ (n & 7)) << 2) + (s & 3);
-}
-
-// The A fragment of 8-deep step kk for a warp's 16 rows of raw fp32 (row 0
-// at p, row stride LD), split: (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4).
-template <int LD>
-__device__ __forceinline__ FragA rows_frag(const float* p, int kk, int g, int t) {
-  const float* e = p + g * LD + 8 * kk + t;
-  return make_a(e[0], e[8 * LD], e[4], e[8 * LD + 4]);
 }
 
 // The 16-byte piece c (features 4c..4c + 3) of row r of raw rows (stride

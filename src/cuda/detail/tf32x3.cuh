@@ -11,9 +11,14 @@
 // t = lane % 4, A (16 x 8, row-major) holds (g, t), (g+8, t), (g, t+4),
 // (g+8, t+4); B (8 x 8, k x n) holds (t, g), (t+4, g); C (16 x 8) holds
 // (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+//
+// At the bottom, Tf32x3: the element traits of fp32 on these products, for
+// the mainloops on mma.sync and on wgmma (detail/wgmma.cuh's instructions).
 #pragma once
 
 #include <cstdint>
+
+#include "wgmma.cuh"  // the wgmma instructions of Tf32x3's wgmma members
 
 namespace fastaxial::cuda {
 
@@ -221,16 +226,30 @@ __device__ __forceinline__ FragA load_a_split(const float* p, int ld) {
 }
 
 // ---- The element traits -------------------------------------------------------
-// What a mainloop (attention/mainloop_*.cuh) needs of its element type: the
-// fragments, one warp's product of an 8-deep step, and a run of two steps.
-// Tf32x3 is fp32 in memory on the 3xTF32 products of this file; a 16-bit
-// type brings traits with the same members (its own fragments and
-// mma.sync shape) and no split.
+// What the mainloops need of their element type, on both instruction families.
+// Tf32x3 is fp32 in memory on the 3xTF32 products of this file (mma.sync) and
+// of detail/wgmma.cuh's TF32 instructions (wgmma); a 16-bit type brings traits
+// with the same members: its own fragments and instruction shapes, one plane
+// for a B operand in shared memory, and no split.
+//   mma.sync (attention/mainloop_mma.cuh): FragA, FragB, a, b, step,
+//     load_a_perm, load_bt_perm, run;
+//   wgmma (attention/mainloop_wgmma.cuh, the wide flash kernel, the GEMM, the
+//     weight gradient, the fused kernel's steps): FragA, a, kPlanes,
+//     wgmma_run, wgmma_step, fence.
 struct Tf32x3 {
   using Element = float;
   using FragA = cuda::FragA;
   using FragB = cuda::FragB;
-  __device__ static __forceinline__ FragA a(float a0, float a1, float a2, float a3) { return make_a(a0, a1, a2, a3); }
+  // A B operand in shared or global memory for wgmma: planes of TF32 words,
+  // hi then lo, at a kernel's plane stride (detail/split_planes.cuh).
+  static constexpr int kPlanes = 2;
+  // The A fragment of one 8-deep step from fp32 values, split (layout: this
+  // file's header for mma.sync, detail/wgmma.cuh's for wgmma, the same per
+  // warp). kRoundLo: lo rounded as well, for fragments that many products read (split).
+  template <bool kRoundLo = false>
+  __device__ static __forceinline__ FragA a(float a0, float a1, float a2, float a3) {
+    return make_a<kRoundLo>(a0, a1, a2, a3);
+  }
   __device__ static __forceinline__ FragB b(float b0, float b1) { return make_b(b0, b1); }
   // t = a b (kFresh) or t += a b, one 8-deep step, in t's accumulator.
   template <bool kFresh>
@@ -245,6 +264,65 @@ struct Tf32x3 {
                                              const FragB& b1) {
     mma_3xtf32_x2(c, a0, b0, a1, b1);
   }
+
+#if FASTAXIAL_SM90A_DEVICE
+  // Keeps A fragments in place (the compiler must not reuse their registers)
+  // until the wgmma products that read them complete.
+  __device__ static __forceinline__ void fence(FragA& f) { fence_regs(f.hi), fence_regs(f.lo); }
+  template <int N>
+  __device__ static __forceinline__ void fence(FragA (&f)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) fence(f[i]);
+  }
+
+  // A run of two 8-deep steps on wgmma, 64 x N, into the fresh accumulator
+  // t: lo*hi, hi*lo, hi*hi a step, or with kSmallFirst both steps' lo*hi
+  // and hi*lo, then both hi*hi (products_x2's order, the backward's); one
+  // commit group. A from the split fragments f of the two steps; b: the
+  // descriptors of the steps' B hi planes, each step's lo plane lo 16-byte
+  // units after its hi one. f and t stay untouched until the wait that
+  // completes the group (then fence(f)).
+  template <int N, bool kSmallFirst = false>
+  __device__ static __forceinline__ void wgmma_run(float (&t)[N / 2], FragA (&f)[2], const uint64_t (&b)[2],
+                                                   uint64_t lo) {
+    fence_regs(t);
+    fence(f);
+    wgmma_fence();
+    if constexpr (kSmallFirst) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        wgmma_m64k8_rs<N>(t, f[k].lo, b[k], k);
+        wgmma_m64k8_rs<N>(t, f[k].hi, b[k] + lo, 1);
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) wgmma_m64k8_rs<N>(t, f[k].hi, b[k], 1);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        wgmma_m64k8_rs<N>(t, f[k].lo, b[k], k);
+        wgmma_m64k8_rs<N>(t, f[k].hi, b[k] + lo, 1);
+        wgmma_m64k8_rs<N>(t, f[k].hi, b[k], 1);
+      }
+    }
+    wgmma_commit();
+  }
+
+  // One 8-deep step on wgmma into the fresh accumulator t (lo*hi, hi*lo,
+  // hi*hi), one commit group: a run of one step, for products whose runs'
+  // truncation errors would add up (mma_3xtf32_x2). A from the split
+  // fragment f; b: the descriptor of the step's B hi plane, its lo plane lo
+  // 16-byte units after it.
+  template <int N>
+  __device__ static __forceinline__ void wgmma_step(float (&t)[N / 2], FragA& f, uint64_t b, uint64_t lo) {
+    fence_regs(t);
+    fence(f);
+    wgmma_fence();
+    wgmma_m64k8_rs<N>(t, f.lo, b, 0);
+    wgmma_m64k8_rs<N>(t, f.hi, b + lo, 1);
+    wgmma_m64k8_rs<N>(t, f.hi, b, 1);
+    wgmma_commit();
+  }
+#endif  // FASTAXIAL_SM90A_DEVICE
 };
 
 }  // namespace fastaxial::cuda

@@ -1,10 +1,12 @@
-// Hopper's warpgroup matrix instructions (wgmma, sm_90a only) for fp32 data
-// as TF32: the shared-memory matrix descriptor, the products gemm/gemm.cu,
-// the fused kernel (fused/steps_wgmma.cuh), the flash attention and the
-// backward's dq (attention/flash_attention_wgmma.cu,
-// attention/query_grads_wgmma.cu) and the weight gradients
-// (gemm/weight_gradient.cu) use (A from registers, B from shared memory),
-// and the fences around them.
+// Hopper's warpgroup matrix instructions (wgmma, sm_90a only): the
+// shared-memory matrix descriptor, the products with a TF32 A operand from
+// registers and B from shared memory (64 x N x 8, by N), the fences around
+// them, and wgmma_add_runs4 (two runs in flight). An element type's run of
+// products over a K slice is its traits' (detail/tf32x3.cuh: Tf32x3's
+// wgmma_run, the 3xTF32 products on these TF32 instructions); the parts
+// built on them: attention/mainloop_wgmma.cuh, the wide flash kernel
+// (attention/flash_attention_wgmma_wide.cu), gemm/gemm.cu,
+// gemm/weight_gradient_parts.cuh and fused/steps_wgmma.cuh.
 // Its functions exist only in device code compiled for sm_90a
 // (FASTAXIAL_SM90A_DEVICE); use them under that macro.
 //
@@ -18,8 +20,6 @@
 #pragma once
 
 #include <cstdint>
-
-#include "tf32x3.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FASTAXIAL_SM90A_DEVICE 1
@@ -66,13 +66,6 @@ __device__ __forceinline__ void add_to(float (&c)[N], float (&t)[N]) {
   fence_regs(t);
 #pragma unroll
   for (int i = 0; i < N; ++i) c[i] += t[i];
-}
-
-// Register A operands, kept in place until the products that read them complete.
-template <int N>
-__device__ __forceinline__ void fence_frags(FragA (&f)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) fence_regs(f[i].hi), fence_regs(f[i].lo);
 }
 
 // The accumulator operands d[i .. i + 7] of a wgmma instruction's inline asm.
@@ -189,76 +182,28 @@ __device__ __forceinline__ void wgmma_m64k8_rs(float (&d)[N / 2], const uint32_t
     wgmma_m64n8k8_rs(d, a, b, accumulate);
 }
 
-// One run of the 3xTF32 products (tf32x3.cuh) of two 8-deep steps into t:
-// lo*hi, hi*lo, hi*hi a step, or with kSmallFirst both steps' lo*hi and
-// hi*lo, then both hi*hi (tf32x3.cuh: products_x2, the backward's order);
-// the first into a fresh accumulator; one commit group. A from the split fragments f of the two steps; b: the descriptors of
-// the steps' B hi planes, each step's lo plane lo 16-byte units after its hi
-// one. f and t stay untouched until the wait that completes the group.
-template <int N, bool kSmallFirst = false>
-__device__ __forceinline__ void wgmma_3xtf32_run(float (&t)[N / 2], FragA (&f)[2], const uint64_t (&b)[2],
-                                                 uint64_t lo) {
-  fence_regs(t);
-  fence_frags(f);
-  wgmma_fence();
-  if constexpr (kSmallFirst) {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      wgmma_m64k8_rs<N>(t, f[k].lo, b[k], k);
-      wgmma_m64k8_rs<N>(t, f[k].hi, b[k] + lo, 1);
-    }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) wgmma_m64k8_rs<N>(t, f[k].hi, b[k], 1);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      wgmma_m64k8_rs<N>(t, f[k].lo, b[k], k);
-      wgmma_m64k8_rs<N>(t, f[k].hi, b[k] + lo, 1);
-      wgmma_m64k8_rs<N>(t, f[k].hi, b[k], 1);
-    }
-  }
-  wgmma_commit();
-}
-
-// One 8-deep step's 3xTF32 products into the fresh accumulator t (lo*hi,
-// hi*lo, hi*hi), one commit group: a run of one step, for products whose
-// runs' truncation errors would add up (tf32x3.cuh: mma_3xtf32_x2). A from
-// the split fragment f; b: the descriptor of the step's B hi plane, its lo
-// plane lo 16-byte units after it.
-template <int N>
-__device__ __forceinline__ void wgmma_3xtf32_step(float (&t)[N / 2], FragA& f, uint64_t b, uint64_t lo) {
-  fence_regs(t);
-  fence_regs(f.hi), fence_regs(f.lo);
-  wgmma_fence();
-  wgmma_m64k8_rs<N>(t, f.lo, b, 0);
-  wgmma_m64k8_rs<N>(t, f.hi, b + lo, 1);
-  wgmma_m64k8_rs<N>(t, f.hi, b, 1);
-  wgmma_commit();
-}
-
 // acc (N floats) += the totals of four runs, run(t, f, r) issuing run r into
-// fresh accumulator t with A fragments f (wgmma_3xtf32_run): two runs in
-// flight on two accumulators in turn, so that one run's products go on while
-// the other's total is added.
-template <int N, class Run>
-__device__ __forceinline__ void wgmma_add_runs4(float (&acc)[N], Run&& run) {
-  float t0[N], t1[N];
-  FragA f0[2], f1[2];
+// fresh accumulator t with Elem's A fragments f (Elem::wgmma_run): two runs
+// in flight on the accumulators t0 and t1 in turn, so that one run's
+// products go on while the other's total is added.
+template <class Elem, int N, class Run>
+__device__ __forceinline__ void wgmma_add_runs4(float (&acc)[N], float (&t0)[N], float (&t1)[N], Run&& run) {
+  typename Elem::FragA f0[2], f1[2];
   run(t0, f0, 0);
   run(t1, f1, 1);
   wgmma_wait<1>();
-  fence_frags(f0);
+  Elem::fence(f0);
   add_to(acc, t0);
   run(t0, f0, 2);
   wgmma_wait<1>();
-  fence_frags(f1);
+  Elem::fence(f1);
   add_to(acc, t1);
   run(t1, f1, 3);
   wgmma_wait<1>();
-  fence_frags(f0);
+  Elem::fence(f0);
   add_to(acc, t0);
   wgmma_wait<0>();
-  fence_frags(f1);
+  Elem::fence(f1);
   add_to(acc, t1);
 }
 

@@ -8,7 +8,8 @@
 // of mma.sync, fragment loads and splits, whose latency bounds the mma.sync
 // products. Three warpgroups a block: each takes units (64-row tiles of
 // [q | k | v]^T for a range of positions), and two of them half the
-// positions each of the output product.
+// positions each of the output product. The products are element type
+// Elem's (wg_run, wg_product; WgmmaSteps::Elem = Tf32x3, 3xTF32).
 #pragma once
 
 #include <cstdint>
@@ -37,53 +38,40 @@ __device__ __forceinline__ void load_rows(WgRows& R, const float* __restrict__ W
 }
 
 #if FASTAXIAL_SM90A_DEVICE
-// The three products of steps s0 and s0 + 1 into t (fresh), A from R split
-// into f, one commit group. b: the B operand's hi-plane descriptor
-// (detail/wgmma.cuh) at the warpgroup's first row; lo: bytes to the lo plane;
-// chunk: bytes to the next 32 values.
-template <int NW>
-__device__ __forceinline__ void wg_run(float (&t)[NW / 2], FragA (&f)[2], const WgRows& R, int s0, uint64_t b,
-                                       uint32_t lo, uint32_t chunk) {
+// The run of steps s0 and s0 + 1 into t (fresh), A from R made into Elem's
+// fragments f (Elem::a), one commit group (Elem::wgmma_run). b: the B
+// operand's first-plane descriptor (detail/wgmma.cuh) at the warpgroup's
+// first row; lo: bytes to its next plane; chunk: bytes to the next 32 values.
+template <class Elem, int NW>
+__device__ __forceinline__ void wg_run(float (&t)[NW / 2], typename Elem::FragA (&f)[2], const WgRows& R, int s0,
+                                       uint64_t b, uint32_t lo, uint32_t chunk) {
   uint64_t d[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int s = s0 + k;
     const float2 r0 = R.w[s][0], r1 = R.w[s][1];
-    f[k] = make_a(r0.x, r1.x, r0.y, r1.y);
+    f[k] = Elem::a(r0.x, r1.x, r0.y, r1.y);
     d[k] = b + ((s / 4 * chunk + s % 4 * 32) >> 4);  // the address field counts 16 bytes
   }
-  wgmma_3xtf32_run<NW>(t, f, d, lo >> 4);
+  Elem::template wgmma_run<NW>(t, f, d, lo >> 4);
 }
 #endif
 
 // c (64, NW) = W (64, 64) @ B^T for one warpgroup: R its rows of W, B NW rows
-// of the operand at descriptor b. Runs of two steps go into fresh
-// accumulators (detail/tf32x3.cuh), two alternating, so one run's products go on
-// while the other's are added; the block's other warpgroups hide the waits.
-template <int NW>
+// of the operand at descriptor b. Four runs of two steps into fresh
+// accumulators, two alternating (wgmma_add_runs4), so one run's products go
+// on while the other's are added; the block's other warpgroups hide the
+// waits. c and the fresh accumulators t0, t1 start at zero.
+template <class Elem, int NW>
 __device__ __forceinline__ void wg_product(float (&c)[NW / 2], const WgRows& R, uint64_t b, uint32_t lo,
                                            uint32_t chunk) {
 #if FASTAXIAL_SM90A_DEVICE
   float t0[NW / 2], t1[NW / 2];
-  FragA f0[2], f1[2];
 #pragma unroll
   for (int i = 0; i < NW / 2; ++i) c[i] = t0[i] = t1[i] = 0.0f;
-  wg_run<NW>(t0, f0, R, 0, b, lo, chunk);
-  wg_run<NW>(t1, f1, R, 2, b, lo, chunk);
-  wgmma_wait<1>();
-  fence_frags(f0);
-  add_to(c, t0);
-  wg_run<NW>(t0, f0, R, 4, b, lo, chunk);
-  wgmma_wait<1>();
-  fence_frags(f1);
-  add_to(c, t1);
-  wg_run<NW>(t1, f1, R, 6, b, lo, chunk);
-  wgmma_wait<1>();
-  fence_frags(f0);
-  add_to(c, t0);
-  wgmma_wait<0>();
-  fence_frags(f1);
-  add_to(c, t1);
+  wgmma_add_runs4<Elem>(c, t0, t1, [&](float(&t)[NW / 2], typename Elem::FragA(&f)[2], int r) {
+    wg_run<Elem, NW>(t, f, R, 2 * r, b, lo, chunk);
+  });
 #else
   (void)c, (void)R, (void)b, (void)lo, (void)chunk;
   __trap();  // built without sm_90a: launch_fused launches no wgmma variant
@@ -94,6 +82,7 @@ __device__ __forceinline__ void wg_product(float (&c)[NW / 2], const WgRows& R, 
 // and later o the B operand (WgOperand); the attention as on mma.sync.
 template <int MT, int HD>
 struct WgmmaSteps {
+  using Elem = Tf32x3;  // fp32 on the 3xTF32 products (detail/tf32x3.cuh); block.cuh's WgOperand holds its planes
   using Block = FusedBlock<MT, true>;
   static constexpr int NWARPS = Block::NWARPS, LP = Block::LP;
   // The QKV product in units, a warpgroup's share: (64-row tile, NQ positions), three units
@@ -138,7 +127,7 @@ struct WgmmaSteps {
       const int u = b.wg + 3 * i, m = u / (LP / NQ), n0 = NQ * (u % (LP / NQ));
       if (i + 1 < kUnits / 3) load_rows(wq[i + 1], unit_rows(b, u + 3));
       float c[NQ / 2];
-      wg_product<NQ>(c, wq[i], b.desc(n0), b.wg_lo, b.wg_chunk);
+      wg_product<Elem, NQ>(c, wq[i], b.desc(n0), b.wg_lo, b.wg_chunk);
       store_qkv(b, c, m, n0);
     }
   }
@@ -193,7 +182,7 @@ struct WgmmaSteps {
     if (b.wg >= 2) return;
     const int f = b.f, o0 = NO * b.wg;
     float c[NO / 2];
-    wg_product<NO>(c, wo, b.desc(o0), b.wg_lo, b.wg_chunk);
+    wg_product<Elem, NO>(c, wo, b.desc(o0), b.wg_lo, b.wg_chunk);
     const float bias[2] = {b.params[2 * b.D + f], b.params[2 * b.D + f + 8]};
 #pragma unroll
     for (int i = 0; i < NO / 2; ++i) {

@@ -1,7 +1,9 @@
 // C (M, N) = A (M, K) @ W (N, K)^T (+ bias) (+ residual) in fp32 accuracy on
 // Hopper's warpgroup tensor-core instructions (wgmma, sm_90a), the 3xTF32
 // split: W comes already split in global memory (two planes, hi then lo, of
-// TF32 values: detail/tf32x3.cuh), A as plain fp32, split in registers.
+// TF32 values: detail/tf32x3.cuh), A as plain fp32, split in registers. The
+// products are the element traits' (Tf32x3, Tiling::Elem): its A fragments,
+// its wgmma_step, its planes of W.
 //
 // Shape: a block computes 128 x 128 tiles of C with two consumer warpgroups
 // of 64 rows each (64 accumulators a thread), one block an SM, looping over
@@ -69,13 +71,14 @@ constexpr int kProducerRegs = 56, kConsumerRegs = 152;  // a thread, with three 
 // fresh accumulator is BN / 4 registers, not BN / 2.
 template <int CW, int BN_>
 struct Tiling {
+  using Elem = Tf32x3;  // fp32 on the 3xTF32 products (detail/tf32x3.cuh): W in Elem::kPlanes planes
   static constexpr int BM = 64 * CW, BN = BN_;
   static constexpr int NH = CW == 3 ? 2 : 1;
   static constexpr int kConsumers = 128 * CW, kProducers = CW == 3 ? 128 : 64;
   static constexpr int kThreads = kConsumers + kProducers;
   static constexpr int kATile = BM * BK * 4;    // an A tile: 8, 16 or 24 KB
   static constexpr int kWTile = BN * BK * 4;    // one plane of a W tile: 16 or 12 KB
-  static constexpr int kStageBytes = kATile + 2 * kWTile;  // A, W hi, W lo
+  static constexpr int kStageBytes = kATile + Elem::kPlanes * kWTile;  // A, W hi, W lo
   static constexpr int kBarriers = kStages * kStageBytes;  // full[kStages], then empty[kStages]: 8 bytes each
   static constexpr size_t kSmemBytes = (size_t)kBarriers + 2 * kStages * 8 + 1024;  // + room to align to 1024
 };
@@ -122,30 +125,32 @@ __device__ __forceinline__ void load_tile(uint32_t s, const TileCopies& tc, cons
 }
 
 // This thread's A fragments (detail/wgmma.cuh) of steps ks and ks + 1 of the
-// stage's A tile at a, for consumer warpgroup wg, split: column t of a step
-// is in piece 2 k of its row, column t + 4 in piece 2 k + 1; rows r and r + 8
+// stage's A tile at a, for consumer warpgroup wg, made with lo rounded
+// (Elem::a<true>: each is read by a row of products): column t of a step is
+// in piece 2 k of its row, column t + 4 in piece 2 k + 1; rows r and r + 8
 // share r % 8 = g, so both sit at the same swizzled place 1024 bytes apart.
-__device__ __forceinline__ void load_a(FragA (&f)[2], const float* a, int wg, int ks) {
+template <class Elem>
+__device__ __forceinline__ void load_a(typename Elem::FragA (&f)[2], const float* a, int wg, int ks) {
   const int warp = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const float* row = a + (wg * 64 + warp * 16 + g) * 32 + t;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const float* c0 = row + ((2 * (ks + k)) ^ g) * 4;
     const float* c4 = row + ((2 * (ks + k) + 1) ^ g) * 4;
-    f[k] = make_a<true>(c0[0], c0[256], c4[0], c4[256]);
+    f[k] = Elem::template a<true>(c0[0], c0[256], c4[0], c4[256]);
   }
 }
 
-// The three products of step ks of the stage at s into t (fresh) for the
-// tile's columns h BN / NH .. (h + 1) BN / NH - 1, A from the step's fragment
-// f, one commit group.
+// The products of step ks of the stage at s into t (fresh) for the tile's
+// columns h BN / NH .. (h + 1) BN / NH - 1, A from the step's fragment f, one
+// commit group (Elem::wgmma_step: a run of one step).
 template <int CW, int BN>
-__device__ __forceinline__ void step_products(float (&t)[BN / 2 / Tiling<CW, BN>::NH], FragA& f, uint32_t s, int ks,
-                                              int h) {
+__device__ __forceinline__ void step_products(float (&t)[BN / 2 / Tiling<CW, BN>::NH],
+                                              typename Tiling<CW, BN>::Elem::FragA& f, uint32_t s, int ks, int h) {
   using Tl = Tiling<CW, BN>;
-  // W's hi plane at step ks and the half's first row (8-row groups 1024 bytes apart); the lo plane kWTile on
+  // W's first plane at step ks and the half's first row (8-row groups 1024 bytes apart); the next kWTile on
   const uint32_t w_hi = s + Tl::kATile + h * (BN / Tl::NH) * 128 + ks * 32;
-  wgmma_3xtf32_step<BN / Tl::NH>(t, f, desc_sw128(w_hi), Tl::kWTile >> 4);
+  Tl::Elem::template wgmma_step<BN / Tl::NH>(t, f, desc_sw128(w_hi), Tl::kWTile >> 4);
 }
 
 // c's registers of half h (columns h BN / NH ..: c[4 j ..] are columns 8 j ..) += t.
@@ -166,6 +171,7 @@ __device__ __forceinline__ void produce(const GemmArgs& p, uint32_t base, uint32
   using Tl = Tiling<CW, BN>;
   constexpr int P = Tl::kProducers;
   const int tid = threadIdx.x - Tl::kConsumers;
+  static_assert(Tl::Elem::kPlanes == 2, "W's hi and lo planes");
   const int64_t w_plane = (int64_t)p.N * p.K;  // W's lo plane, after its hi plane
   int stage = 0;
   uint32_t phase = 0;  // the parity of the stage's current use
@@ -177,8 +183,8 @@ __device__ __forceinline__ void produce(const GemmArgs& p, uint32_t base, uint32
       const uint32_t s = base + stage * Tl::kStageBytes;
       if (refill) mbarrier_wait(bars + 8 * (kStages + stage), phase ^ 1);
       load_tile<Tl::BM, P>(s, a, p.a, 0, kt * BK, p.K, tid);
-      load_tile<BN, P>(s + Tl::kATile, w, p.w, 0, kt * BK, p.K, tid);
-      load_tile<BN, P>(s + Tl::kATile + Tl::kWTile, w, p.w, w_plane, kt * BK, p.K, tid);
+      load_tile<BN, P>(s + Tl::kATile, w, p.w, 0, kt * BK, p.K, tid);                      // W's hi plane
+      load_tile<BN, P>(s + Tl::kATile + Tl::kWTile, w, p.w, w_plane, kt * BK, p.K, tid);  // and its lo plane
       copy_async_arrive(bars + 8 * stage);
       if (++stage == kStages) stage = 0, phase ^= 1, refill = true;
     }
@@ -239,10 +245,11 @@ template <int CW, int BN>
 __device__ __forceinline__ void consume(const GemmArgs& p, uint32_t base, const float* base_ptr, uint32_t bars,
                                         int ntiles, int ktiles, int64_t tiles) {
   using Tl = Tiling<CW, BN>;
+  using Elem = typename Tl::Elem;
   constexpr int NH = Tl::NH, kAcc = BN / 2;  // accumulators a thread
   const int wg = threadIdx.x / 128;
   float c[kAcc], t[kAcc / NH];
-  FragA f[2][2];  // the A fragments of steps 0-1 and 2-3 (loaded two at a time)
+  typename Elem::FragA f[2][2];  // the A fragments of steps 0-1 and 2-3 (loaded two at a time)
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) c[i] = 0.0f;
   int stage = 0;
@@ -253,16 +260,16 @@ __device__ __forceinline__ void consume(const GemmArgs& p, uint32_t base, const 
       const float* a_tile = base_ptr + stage * (Tl::kStageBytes / 4);
       mbarrier_wait(bars + 8 * stage, phase);
       fence_async_smem();  // cp.async wrote the W planes through the generic proxy; wgmma reads the async one
-      load_a(f[0], a_tile, wg, 0);
-      load_a(f[1], a_tile, wg, 2);
+      load_a<Elem>(f[0], a_tile, wg, 0);
+      load_a<Elem>(f[1], a_tile, wg, 2);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
         for (int h = 0; h < NH; ++h) {
-          FragA& fk = f[ks / 2][ks % 2];
+          typename Elem::FragA& fk = f[ks / 2][ks % 2];
           step_products<CW, BN>(t, fk, s, ks, h);
           wgmma_wait<0>();
-          fence_regs(fk.hi), fence_regs(fk.lo);
+          Elem::fence(fk);
           add_half<NH>(c, t, h);
         }
       mbarrier_arrive(bars + 8 * (kStages + stage));  // the stage's products are done: it may be refilled

@@ -291,15 +291,17 @@ static_assert(kWgBM == 128 && kThreads == 256, "two warpgroups, one 64-row wgmma
 template <int BN_>
 struct WgTiling {
   static constexpr int BN = BN_;
-  static constexpr int kBPlane = BN * BK * 4;     // bytes: BN rows of 128
-  static constexpr int kBStage = 2 * kBPlane;     // hi, lo
-  static constexpr int kATile = BK * LDA * 4;     // bytes: 32 rows of 136 floats
-  static constexpr int kBBlocks = BN * BK / 16;   // 4 x 4 blocks of a stage's B tile, one a thread
+  using Elem = Tf32x3;  // fp32 on the 3xTF32 products (detail/tf32x3.cuh): B stages of Elem::kPlanes planes
+  static constexpr int kBPlane = BN * BK * 4;              // bytes: BN rows of 128
+  static constexpr int kBStage = Elem::kPlanes * kBPlane;  // hi, lo
+  static constexpr int kATile = BK * LDA * 4;              // bytes: 32 rows of 136 floats
+  static constexpr int kBBlocks = BN * BK / 16;            // 4 x 4 blocks of a stage's B tile, one a thread
   static constexpr size_t kSmemBytes = 1024 + 2 * (size_t)kBStage + (size_t)kStagesA * kATile;
 };
 static_assert(WgTiling<128>::kSmemBytes == kWeightGradWgmmaSmemBytes, "plan.h's size");
 #if FASTAXIAL_SM90A_DEVICE
-static_assert(WgRows<128>::kBPlane == WgTiling<128>::kBPlane && WgRows<64>::kBPlane == WgTiling<64>::kBPlane,
+static_assert(WgRows<Tf32x3, 128>::kBPlane == WgTiling<128>::kBPlane &&
+                  WgRows<Tf32x3, 64>::kBPlane == WgTiling<64>::kBPlane,
               "the products read the planes where the stages hold them");
 #endif
 static_assert(WgTiling<128>::kBBlocks == kThreads && WgTiling<64>::kBBlocks == kThreads / 2,
@@ -481,7 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
   grid_dependency_wait();
   allow_dependent_launch();
 
-  WgRows<BN> r;  // zeroed
+  WgRows<typename WgTiling<BN>::Elem, BN> r;  // zeroed
   pipe.fill();
   if (active && tile.steps > 0) r.load(r.fa, pipe.a_tile(0), a_row, 0);
 

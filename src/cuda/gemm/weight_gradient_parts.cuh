@@ -3,7 +3,8 @@
 // kernel is built"):
 //   - the scheduler: which tile of C and which chunk of rows a block takes;
 //   - the mainloops, per instruction family: a stage's products for a warp's 32 x 32 piece on
-//     mma.sync, a run's for a warpgroup's 64 rows on wgmma;
+//     mma.sync, a run's for a warpgroup's 64 rows on wgmma (WgRows<Elem, BN>, on the element
+//     traits of detail/tf32x3.cuh);
 //   - the epilogues: a warp's piece or a warpgroup's rows into C, or into a split's partial tile.
 // What stays in weight_gradient.cu is the kernels' own: their tile shapes, shared-memory layouts,
 // copies and pipelines, and the order in which they call these parts.
@@ -155,29 +156,33 @@ __device__ __forceinline__ void store_piece(const float (&acc)[2][4][4], const P
 
 #if FASTAXIAL_SM90A_DEVICE
 // ---- wgmma: a warpgroup's 64 rows ---------------------------------------------
+// In element type Elem's products (detail/tf32x3.cuh's traits: Tf32x3 for fp32, 3xTF32).
 // This thread's A fragments (detail/wgmma.cuh) of k-steps ks and ks + 1 of the A tile at sa (BK
-// rows of LDA floats, [position][row of C]), split: fragment rows g and g + 8 are the tile's rows
-// a_row = 64 wg + 16 w + 2 g and a_row + 1, one 8-byte load a position.
-__device__ __forceinline__ void load_a_frags(FragA (&f)[2], const float* sa, int a_row, int ks) {
+// rows of LDA floats, [position][row of C]), made with lo rounded (Elem::a<true>: many products
+// read them): fragment rows g and g + 8 are the tile's rows a_row = 64 wg + 16 w + 2 g and
+// a_row + 1, one 8-byte load a position.
+template <class Elem>
+__device__ __forceinline__ void load_a_frags(typename Elem::FragA (&f)[2], const float* sa, int a_row, int ks) {
   const int t = threadIdx.x % 4;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const float* p = sa + (8 * (ks + k) + t) * LDA + a_row;
     const float2 r0 = *reinterpret_cast<const float2*>(p);            // position 8 (ks + k) + t
     const float2 r1 = *reinterpret_cast<const float2*>(p + 4 * LDA);  // and t + 4
-    f[k] = make_a<true>(r0.x, r0.y, r1.x, r1.y);
+    f[k] = Elem::template a<true>(r0.x, r0.y, r1.x, r1.y);
   }
 }
 
 // A warpgroup's rows of the tile through a block's steps: the running sum c, the fresh accumulator
-// t of a run, both zeroed here, and the split A fragments of a step's two runs (fa: k-steps 0-1,
+// t of a run, both zeroed here, and the A fragments of a step's two runs (fa: k-steps 0-1,
 // fb: 2-3), each loaded a run ahead. The mainloop: load() a run's fragments, issue() its
 // products, add() them to c once they have completed; the epilogue: store(). a_row: the thread's
 // fragment rows g, g + 8 are the tile's rows a_row, a_row + 1 (the permutation of
 // weight_gradient.cu).
-template <int BN>
+template <class Elem, int BN>
 struct WgRows {
-  static constexpr uint32_t kBPlane = BN * BK * 4;  // bytes: a B stage's hi plane, then its lo plane
+  using FragA = typename Elem::FragA;
+  static constexpr uint32_t kBPlane = BN * BK * 4;  // bytes: a plane of a B stage (Elem::kPlanes of them)
   float c[BN / 2], t[BN / 2];                       // accumulators (m64nBNk8)
   FragA fa[2], fb[2];
   __device__ __forceinline__ WgRows() {
@@ -186,18 +191,18 @@ struct WgRows {
   }
   // f: the fragments of k-steps ks and ks + 1 of the A tile at sa (load_a_frags).
   __device__ __forceinline__ void load(FragA (&f)[2], const float* sa, int a_row, int ks) const {
-    load_a_frags(f, sa, a_row, ks);
+    load_a_frags<Elem>(f, sa, a_row, ks);
   }
-  // The three products of k-steps ks and ks + 1 of the B stage at shared address stage into t
-  // (fresh), A from the fragments f of those steps; one commit group.
+  // The run of k-steps ks and ks + 1 of the B stage at shared address stage into t (fresh), A
+  // from the fragments f of those steps, in the backward's order (kSmallFirst); one commit group.
   __device__ __forceinline__ void issue(FragA (&f)[2], uint32_t stage, int ks) {
     const uint64_t b[2] = {desc_sw128(stage + ks * 32), desc_sw128(stage + ks * 32 + 32)};
-    wgmma_3xtf32_run<BN, true>(t, f, b, kBPlane >> 4);
+    Elem::template wgmma_run<BN, true>(t, f, b, kBPlane >> 4);
   }
   // c += t once the run on fragments f has completed: f and t free again.
   __device__ __forceinline__ void add(FragA (&f)[2]) {
     wgmma_wait<0>();
-    fence_frags(f);
+    Elem::fence(f);
     add_to(c, t);
   }
   // The epilogue: c into the block's output, as store_piece. Accumulator d[4 j .. 4 j + 3]
