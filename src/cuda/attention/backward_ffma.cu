@@ -14,13 +14,16 @@
 // P and dS rows (BN + 8 floats, 8 mod 16) take the score step's scalar
 // stores, 4 rows of 8 keys per warp, without conflicts. Tiles shrink as HDP
 // grows, so that the dk, dv accumulators (2 RR x 4 RC floats a thread) fit
-// in registers and shared memory stays near 100 KB (Tiles below). Each
-// kernel is a short body over the parts below (dropout, the score step,
-// the gradient steps and stores) and stream_tiles (backward_parts.cuh).
+// in registers and shared memory stays near 100 KB (Tiles below). The two
+// kernels are one template (grads_kernel, kKeys: dk, dv or dq) with one
+// start and one layout (Smem), then a short body each over the parts below
+// (dropout, the score step, the gradient steps and stores) and stream_tiles
+// (backward_parts.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "backward_launch.cuh"
 #include "backward_parts.cuh"
@@ -112,45 +115,37 @@ constexpr int key_ld() {
   return HDP + 4;
 }
 
-// Shared memory of the dk, dv kernel, in floats:
-//   k, v:                (BN, ldk) each, the block's keys
-//   stage s: q, d_o      (BM, ldq) each, one query tile
-//   p, ds:               (BM, ldp) each
-//   stage s: lse (hi, lo), delta  (BM) each
-// Row buffers with the same stride are contiguous, so one pass zeroes
-// their padding columns.
-template <int HDP>
-struct KvSmem {
+// Shared memory of either kernel (kKeys: the dk, dv kernel's, else the dq kernel's), in floats:
+//                         dk, dv                         dq
+//   the block's rows:     k, v (BN, ldk) each            q, d_o (BM, ldq) each
+//   stage s's rows:       q, d_o (BM, ldq) each          k, v (BN, ldk) each
+//   scores:               p, ds (BM, ldp) each           ds (BM, ldp)
+//   lse (hi, lo), delta:  (BM) each, stage s's           (BM) each, the block's
+// The block's rows (F a buffer, stride ldf) and the stages' (R a buffer, stride lds) are each
+// contiguous, so one pass a stride zeroes their padding columns (start_block).
+template <int HDP, bool kKeys>
+struct Smem {
   using T = Tiles<HDP>;
-  static constexpr int BM = T::KvScore::BM, BN = T::KvScore::BN, ST = T::stages, ldp = T::KvScore::ldp;
+  using Score = std::conditional_t<kKeys, typename T::KvScore, typename T::QScore>;
+  using Grad = std::conditional_t<kKeys, typename T::KvGrad, typename T::QGrad>;
+  static constexpr int BM = Score::BM, BN = Score::BN, ST = T::stages, ldp = Score::ldp;
   static constexpr int ldk = key_ld<HDP>(), ldq = HDP;
-  static constexpr int k = 0, v = BN * ldk, q = 2 * BN * ldk;
-  static constexpr int stage = 2 * BM * ldq;  // q, then d_o
-  static constexpr int p = q + ST * stage, ds = p + BM * ldp;
-  static constexpr int vec = ds + BM * ldp;  // stage s: lse hi at vec + 3 BM s, lo BM after, delta 2 BM after
-  static constexpr int floats = vec + ST * 3 * BM;
+  static constexpr int F = kKeys ? BN : BM, ldf = kKeys ? ldk : ldq;  // the block's rows a buffer
+  static constexpr int R = kKeys ? BM : BN, lds = kKeys ? ldq : ldk;  // a stage's rows a buffer
+  static constexpr int streamed = 2 * F * ldf, stage = 2 * R * lds;   // stage s at streamed + s stage
+  static constexpr int k = kKeys ? 0 : streamed, v = k + BN * ldk;    // dq: stage 0's
+  static constexpr int q = kKeys ? streamed : 0, d_o = q + BM * ldq;  // dk, dv: stage 0's
+  static constexpr int p = streamed + ST * stage;                     // dk, dv only
+  static constexpr int ds = p + (kKeys ? BM * ldp : 0);
+  static constexpr int vec = ds + BM * ldp;  // lse hi, lo, then delta (dk, dv: stage s's at + 3 BM s)
+  static constexpr int floats = vec + (kKeys ? ST : 1) * 3 * BM;
   static constexpr size_t bytes = (size_t)floats * sizeof(float);
-  static_assert(q % 4 == 0 && stage % 4 == 0 && p % 4 == 0 && ldp % 4 == 0 && vec % 4 == 0, "16-byte rows");
+  static_assert(stage % 4 == 0 && streamed % 4 == 0 && p % 4 == 0 && ldp % 4 == 0 && vec % 4 == 0, "16-byte rows");
 };
-
-// Shared memory of the dq kernel, in floats:
-//   q, d_o:              (BM, ldq) each, the block's queries
-//   stage s: k, v        (BN, ldk) each, one key tile
-//   ds:                  (BM, ldp)
-//   lse (hi, lo), delta: (BM) each
 template <int HDP>
-struct QSmem {
-  using T = Tiles<HDP>;
-  static constexpr int BM = T::QScore::BM, BN = T::QScore::BN, ST = T::stages, ldp = T::QScore::ldp;
-  static constexpr int ldk = key_ld<HDP>(), ldq = HDP;
-  static constexpr int q = 0, d_o = BM * ldq, k = 2 * BM * ldq;
-  static constexpr int stage = 2 * BN * ldk;  // k, then v
-  static constexpr int ds = k + ST * stage;
-  static constexpr int vec = ds + BM * ldp;  // lse hi, lo, then delta
-  static constexpr int floats = vec + 3 * BM;
-  static constexpr size_t bytes = (size_t)floats * sizeof(float);
-  static_assert(k % 4 == 0 && stage % 4 == 0 && ds % 4 == 0 && vec % 4 == 0, "16-byte rows");
-};
+using KvSmem = Smem<HDP, true>;
+template <int HDP>
+using QSmem = Smem<HDP, false>;
 
 // ---- small device helpers ---------------------------------------------------------------------
 
@@ -381,121 +376,109 @@ __device__ __forceinline__ void store_grads(float* dst, const GradAcc<Grad>& g, 
 
 // ---- the kernels -------------------------------------------------------------------------------
 
-// Both kernels' start: the padding columns of the block's fixed rows (k, v
-// or q, d_o at stride LDF) and of every stage's streamed rows (LDS) zeroed,
-// as no copy writes them, before the wait for the kernel before (whose
-// outputs are read from here on); then the next kernel may launch.
-template <int LDF, int LDS, int HDP>
-__device__ __forceinline__ void start_block(float* fixed, int fixed_rows, float* streamed, int streamed_rows, int hd) {
-  zero_padding<LDF, HDP>(fixed, fixed_rows, hd, kThreads);
-  zero_padding<LDS, HDP>(streamed, streamed_rows, hd, kThreads);
+// Both kernels' start: the padding columns of the block's rows and of every stage's (S, a
+// Smem) zeroed, as no copy writes them, before the wait for the kernel before (whose outputs are
+// read from here on); then the next kernel may launch.
+template <class S, int HDP>
+__device__ __forceinline__ void start_block(float* sm, int hd) {
+  zero_padding<S::ldf, HDP>(sm, 2 * S::F, hd, kThreads);
+  zero_padding<S::lds, HDP>(sm + S::streamed, 2 * S::ST * S::R, hd, kThreads);
   grid_dependency_wait();
   allow_dependent_launch();
 }
 
-// dk and dv of BN keys (tile hp.tile) of one (sequence, head), streaming
-// the query tiles. kDropout: dpass applies (threshold != 0).
-template <int HDP, bool kVec, bool kDropout>
+// Tile hp.tile of one (sequence, head): kKeys, dk and dv of BN keys, streaming the query tiles;
+// else dq of BM queries, streaming the key tiles. One kernel for both, as they share their start
+// and layout (Smem) and differ only in what they stream and sum. kDropout: dpass applies
+// (threshold != 0).
+template <bool kKeys, int HDP, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(kThreads)
-    key_grads_kernel(const AttentionBackwardKernelArgs a, float scale, int key_tiles, const DropoutPass dpass) {
-  using Score = typename Tiles<HDP>::KvScore;
-  using Grad = typename Tiles<HDP>::KvGrad;
-  using S = KvSmem<HDP>;
+    grads_kernel(const AttentionBackwardKernelArgs a, float scale, int tiles, const DropoutPass dpass) {
+  using S = Smem<HDP, kKeys>;
+  using Score = typename S::Score;
+  using Grad = typename S::Grad;
   constexpr int BM = S::BM, BN = S::BN;
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const Head hp = block_head(a, key_tiles);
-  const int k0 = hp.tile * BN;
-  start_block<S::ldk, S::ldq, HDP>(sm + S::k, 2 * BN, sm + S::q, 2 * S::ST * BM, hp.hd);  // k, v; q, d_o
+  const Head hp = block_head(a, tiles);
+  const int p0 = hp.tile * S::F;  // the block's first key (dk, dv) or query (dq)
+  start_block<S, HDP>(sm, hp.hd);  // k, v and a stage's q, d_o; or q, d_o and a stage's k, v
 
   const int64_t W = 3 * (int64_t)a.D;  // floats a row of qkv and dqkv
-  const KeySideSlices in = key_side_slices(a, hp);
-  const float scale_log2 = scale * kLog2e;  // as the tensor-core launch's
-  const ElementDropout<kDropout> drop(dpass, hp.item, 0, hp.L);
-  const auto load_queries = [&](int stage, int i) {  // query tile i: q, d_o, lse hi, lo, delta
-    const int q0 = i * BM;
-    float* qs = sm + S::q + stage * S::stage;
-    float* vs = sm + S::vec + stage * 3 * BM;
-    copy_rows<S::ldq, HDP, kVec>(qs, in.q, W, hp, q0, BM, kThreads);
-    copy_rows<S::ldq, HDP, kVec>(qs + BM * S::ldq, in.d_o, a.D, hp, q0, BM, kThreads);
-    copy_positions(vs, in.lse, q0, BM, hp.L, kThreads);
-    copy_positions(vs + BM, in.lse_lo, q0, BM, hp.L, kThreads);
-    copy_positions(vs + 2 * BM, in.delta, q0, BM, hp.L, kThreads);
-  };
-  copy_key_rows<S::ldk, HDP, kVec>(sm + S::k, in.q, W, a.D, hp, k0, BN, kThreads);
-  load_queries(0, 0);
-  copy_async_commit();
+  if constexpr (kKeys) {
+    const int k0 = p0;  // the block's first key
+    const KeySideSlices in = key_side_slices(a, hp);
+    const float scale_log2 = scale * kLog2e;  // as the tensor-core launch's
+    const ElementDropout<kDropout> drop(dpass, hp.item, 0, hp.L);
+    const auto load_queries = [&](int stage, int i) {  // query tile i: q, d_o, lse hi, lo, delta
+      const int q0 = i * BM;
+      float* qs = sm + S::q + stage * S::stage;
+      float* vs = sm + S::vec + stage * 3 * BM;
+      copy_rows<S::ldq, HDP, kVec>(qs, in.q, W, hp, q0, BM, kThreads);
+      copy_rows<S::ldq, HDP, kVec>(sm + S::d_o + stage * S::stage, in.d_o, a.D, hp, q0, BM, kThreads);
+      copy_positions(vs, in.lse, q0, BM, hp.L, kThreads);
+      copy_positions(vs + BM, in.lse_lo, q0, BM, hp.L, kThreads);
+      copy_positions(vs + 2 * BM, in.delta, q0, BM, hp.L, kThreads);
+    };
+    copy_key_rows<S::ldk, HDP, kVec>(sm + S::k, in.q, W, a.D, hp, k0, BN, kThreads);
+    load_queries(0, 0);
+    copy_async_commit();
 
-  GradAcc<Grad> dk, dv;
-  zero<Grad>(dk);
-  zero<Grad>(dv);
-  stream_tiles<S::ST>(make_int2(0, (hp.L + BM - 1) / BM), load_queries, [&](int i, int st) {
-    const float* q = sm + S::q + st * S::stage;  // q is (BM, HDP), d_o (BM, HDP) after it
-    const float* d_o = q + BM * S::ldq;
-    const float* stats = sm + S::vec + st * 3 * BM;  // lse2 hi, then lo, then delta
-    float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
-    row_dots<Score, HDP, S::ldq, S::ldk>(s, q, sm + S::k, warp, lane);     // q k^T
-    row_dots<Score, HDP, S::ldq, S::ldk>(dp, d_o, sm + S::v, warp, lane);  // d_o v^T
-    softmax_grad<Score, kDropout>(s, dp, stats, stats + BM, stats + 2 * BM, scale_log2, i * BM, k0, hp.L, warp, lane,
-                                  drop.drop, drop.at(i * BM, k0, hp.L));
-    store_scores<Score>(sm + S::p, s, warp, lane);
-    store_scores<Score>(sm + S::ds, dp, warp, lane);
-    __syncthreads();  // P and dS (BM, BN) complete
-    key_grads<Grad, BM, S::ldp, S::ldq>(dv, dk, sm + S::p, sm + S::ds, d_o, q, warp, lane);
-  });
-  float* out = a.dqkv + (int64_t)hp.h * hp.hd;  // head h's dq columns; dk at + D, dv at + 2D
-  store_grads<Grad, kVec>(out + a.D, dk, scale, W, hp, k0, warp, lane);
-  store_grads<Grad, kVec>(out + 2 * a.D, dv, 1.0f, W, hp, k0, warp, lane);
-}
+    GradAcc<Grad> dk, dv;
+    zero<Grad>(dk);
+    zero<Grad>(dv);
+    stream_tiles<S::ST>(make_int2(0, (hp.L + BM - 1) / BM), load_queries, [&](int i, int st) {
+      const float* q = sm + S::q + st * S::stage;  // q and d_o are (BM, HDP)
+      const float* d_o = sm + S::d_o + st * S::stage;
+      const float* stats = sm + S::vec + st * 3 * BM;  // lse2 hi, then lo, then delta
+      float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
+      row_dots<Score, HDP, S::ldq, S::ldk>(s, q, sm + S::k, warp, lane);     // q k^T
+      row_dots<Score, HDP, S::ldq, S::ldk>(dp, d_o, sm + S::v, warp, lane);  // d_o v^T
+      softmax_grad<Score, kDropout>(s, dp, stats, stats + BM, stats + 2 * BM, scale_log2, i * BM, k0, hp.L, warp,
+                                    lane, drop.drop, drop.at(i * BM, k0, hp.L));
+      store_scores<Score>(sm + S::p, s, warp, lane);
+      store_scores<Score>(sm + S::ds, dp, warp, lane);
+      __syncthreads();  // P and dS (BM, BN) complete
+      key_grads<Grad, BM, S::ldp, S::ldq>(dv, dk, sm + S::p, sm + S::ds, d_o, q, warp, lane);
+    });
+    float* out = a.dqkv + (int64_t)hp.h * hp.hd;  // head h's dq columns; dk at + D, dv at + 2D
+    store_grads<Grad, kVec>(out + a.D, dk, scale, W, hp, k0, warp, lane);
+    store_grads<Grad, kVec>(out + 2 * a.D, dv, 1.0f, W, hp, k0, warp, lane);
+  } else {
+    const int q0 = p0;  // the block's first query
+    const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
+    const auto load_keys = [&](int stage, int j) {  // key tile j: k, then v
+      const int k0 = j * BN;
+      copy_key_rows<S::ldk, HDP, kVec>(sm + S::k + stage * S::stage, qg, W, a.D, hp, k0, BN, kThreads);
+    };
+    copy_rows<S::ldq, HDP, kVec>(sm + S::q, qg, W, hp, q0, BM, kThreads);
+    copy_rows<S::ldq, HDP, kVec>(sm + S::d_o, a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, kThreads);
+    // lse2 hi, lo (detail/lse.cuh), delta.
+    copy_positions(sm + S::vec, a.lse + hp.item * hp.L, q0, BM, hp.L, kThreads);
+    copy_positions(sm + S::vec + BM, a.lse + (a.pos.num_seq * a.heads + hp.item) * hp.L, q0, BM, hp.L, kThreads);
+    copy_positions(sm + S::vec + 2 * BM, a.delta + hp.item * hp.L, q0, BM, hp.L, kThreads);
+    const float scale_log2 = scale * kLog2e;  // as the tensor-core launch's
+    load_keys(0, 0);
+    copy_async_commit();
+    const ElementDropout<kDropout> drop(dpass, hp.item, q0, hp.L);
 
-// dq of BM queries (tile hp.tile) of one (sequence, head), streaming the
-// key tiles. kDropout: dpass applies (threshold != 0).
-template <int HDP, bool kVec, bool kDropout>
-__global__ void __launch_bounds__(kThreads)
-    query_grads_kernel(const AttentionBackwardKernelArgs a, float scale, int query_tiles, const DropoutPass dpass) {
-  using Score = typename Tiles<HDP>::QScore;
-  using Grad = typename Tiles<HDP>::QGrad;
-  using S = QSmem<HDP>;
-  constexpr int BM = S::BM, BN = S::BN;
-  extern __shared__ float4 smem4[];
-  float* sm = reinterpret_cast<float*>(smem4);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const Head hp = block_head(a, query_tiles);
-  const int q0 = hp.tile * BM;
-  start_block<S::ldq, S::ldk, HDP>(sm + S::q, 2 * BM, sm + S::k, 2 * S::ST * BN, hp.hd);  // q, d_o; k, v
-
-  const int64_t W = 3 * (int64_t)a.D;
-  const float* qg = a.qkv + (int64_t)hp.h * hp.hd;  // head h's q columns; k at + D, v at + 2D
-  const auto load_keys = [&](int stage, int j) {  // key tile j: k, then v
-    const int k0 = j * BN;
-    copy_key_rows<S::ldk, HDP, kVec>(sm + S::k + stage * S::stage, qg, W, a.D, hp, k0, BN, kThreads);
-  };
-  copy_rows<S::ldq, HDP, kVec>(sm + S::q, qg, W, hp, q0, BM, kThreads);
-  copy_rows<S::ldq, HDP, kVec>(sm + S::d_o, a.d_o + (int64_t)hp.h * hp.hd, a.D, hp, q0, BM, kThreads);
-  // lse2 hi, lo (detail/lse.cuh), delta.
-  copy_positions(sm + S::vec, a.lse + hp.item * hp.L, q0, BM, hp.L, kThreads);
-  copy_positions(sm + S::vec + BM, a.lse + (a.pos.num_seq * a.heads + hp.item) * hp.L, q0, BM, hp.L, kThreads);
-  copy_positions(sm + S::vec + 2 * BM, a.delta + hp.item * hp.L, q0, BM, hp.L, kThreads);
-  const float scale_log2 = scale * kLog2e;  // as the tensor-core launch's
-  load_keys(0, 0);
-  copy_async_commit();
-  const ElementDropout<kDropout> drop(dpass, hp.item, q0, hp.L);
-
-  GradAcc<Grad> dq;
-  zero<Grad>(dq);
-  stream_tiles<S::ST>(make_int2(0, (hp.L + BN - 1) / BN), load_keys, [&](int j, int st) {
-    const float* k = sm + S::k + st * S::stage;  // k is (BN, HDP), v (BN, HDP) after it
-    float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
-    row_dots<Score, HDP, S::ldq, S::ldk>(s, sm + S::q, k, warp, lane);                 // q k^T
-    row_dots<Score, HDP, S::ldq, S::ldk>(dp, sm + S::d_o, k + BN * S::ldk, warp, lane);  // d_o v^T
-    softmax_grad<Score, kDropout>(s, dp, sm + S::vec, sm + S::vec + BM, sm + S::vec + 2 * BM, scale_log2, q0, j * BN,
-                                  hp.L, warp, lane, drop.drop, drop.at(0, j * BN, hp.L));
-    store_scores<Score>(sm + S::ds, dp, warp, lane);
-    __syncthreads();  // dS (BM, BN) complete
-    query_grads<Grad, BN, S::ldp, S::ldk>(dq, sm + S::ds, k, warp, lane);
-  });
-  store_grads<Grad, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, q0, warp, lane);
+    GradAcc<Grad> dq;
+    zero<Grad>(dq);
+    stream_tiles<S::ST>(make_int2(0, (hp.L + BN - 1) / BN), load_keys, [&](int j, int st) {
+      const float* k = sm + S::k + st * S::stage;  // k and v are (BN, HDP)
+      const float* v = sm + S::v + st * S::stage;
+      float s[Score::RM][Score::RK], dp[Score::RM][Score::RK];
+      row_dots<Score, HDP, S::ldq, S::ldk>(s, sm + S::q, k, warp, lane);     // q k^T
+      row_dots<Score, HDP, S::ldq, S::ldk>(dp, sm + S::d_o, v, warp, lane);  // d_o v^T
+      softmax_grad<Score, kDropout>(s, dp, sm + S::vec, sm + S::vec + BM, sm + S::vec + 2 * BM, scale_log2, q0,
+                                    j * BN, hp.L, warp, lane, drop.drop, drop.at(0, j * BN, hp.L));
+      store_scores<Score>(sm + S::ds, dp, warp, lane);
+      __syncthreads();  // dS (BM, BN) complete
+      query_grads<Grad, BN, S::ldp, S::ldk>(dq, sm + S::ds, k, warp, lane);
+    });
+    store_grads<Grad, kVec>(a.dqkv + (int64_t)hp.h * hp.hd, dq, scale, W, hp, q0, warp, lane);
+  }
 }
 
 }  // namespace ffma
@@ -520,12 +503,12 @@ cudaError_t launch_ffma(const AttentionBackwardArgs& a, const BackwardLaunch& s,
     if (!tile_counts(a.pos.num_seq, a.heads, a.pos.len, Kv::BN, Q::BM, &key_tiles, &query_tiles))
       return cudaErrorInvalidValue;
     if (cudaError_t e = launch_delta(a, s, dev, stream); e != cudaSuccess) return e;
-    if (cudaError_t e = launch_grid<ffma::key_grads_kernel<HDP, kVec, kDropout>>(
+    if (cudaError_t e = launch_grid<ffma::grads_kernel<true, HDP, kVec, kDropout>>(
             s.items * key_tiles, ffma::kThreads, Kv::bytes, dev, stream, s.k, s.scale, key_tiles, s.dpass);
         e != cudaSuccess)
       return e;
-    return launch_grid<ffma::query_grads_kernel<HDP, kVec, kDropout>>(s.items * query_tiles, ffma::kThreads, Q::bytes,
-                                                                      dev, stream, s.k, s.scale, query_tiles, s.dpass);
+    return launch_grid<ffma::grads_kernel<false, HDP, kVec, kDropout>>(
+        s.items * query_tiles, ffma::kThreads, Q::bytes, dev, stream, s.k, s.scale, query_tiles, s.dpass);
   });
 }
 

@@ -238,6 +238,27 @@ __device__ __forceinline__ void score_tiles(float (&acc)[NT][4], const float* a,
   }
 }
 
+// One score of softmax_grad_cols or _rows, in place: s -> P = 2^(scale_log2 s - lse2) (lse2 as
+// hi + lo), dp -> dS = P (dp - delta); kDropout: P -> P m and dS = P (m dp - delta), m =
+// keep_scale where bit `bit` of keep is set, else 0. kMasked: both 0 unless row_in and the
+// score's column position, pair + c (c = 0, 1 in its thread's pair), is < L.
+template <bool kMasked, bool kDropout>
+__device__ __forceinline__ void score_grad(float& s, float& dp, float hi, float lo, float delta, float scale_log2,
+                                           const uint32_t& keep, int bit, float keep_scale, bool row_in, int pair,
+                                           int c, int L) {
+  float p = prob_from_lse2(s, scale_log2, hi, lo), ds;
+  if constexpr (kDropout) {
+    const float m = ((keep >> bit) & 1u) ? keep_scale : 0.0f;
+    ds = p * fmaf(m, dp, -delta);
+    p *= m;
+  } else {
+    ds = p * (dp - delta);
+  }
+  const bool in = !kMasked || (row_in && pair + c < L);
+  s = in ? p : 0.0f;
+  dp = in ? ds : 0.0f;
+}
+
 // acc[f] (16 x 8) += C (16 x 8 NK) . rows 0 .. 8 NK - 1, columns 8f .. 8f +
 // 7 of b: c[j] is the C fragment of columns 8j .. 8j + 7 of the left
 // operand (P^T, dS^T or dS), its A fragment by c_as_a; b's rows (queries or
@@ -281,18 +302,9 @@ __device__ __forceinline__ void softmax_grad_cols(float (&s)[NQ][4], float (&dp)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = e & 1;  // column 8j + 2t + c; row g + 8 (e >> 1)
-      float p = prob_from_lse2(s[j][e], scale_log2, hi[c], lo[c]), ds;
-      if constexpr (kDropout) {
-        const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_cols(g, e))) & 1u;
-        const float m = kept ? keep_scale : 0.0f;
-        ds = p * fmaf(m, dp[j][e], -dl[c]);
-        p *= m;
-      } else {
-        ds = p * (dp[j][e] - dl[c]);
-      }
-      const bool in = !kMasked || (key_in[e >> 1] && q0 + 8 * j + 2 * t + c < L);
-      s[j][e] = in ? p : 0.0f;
-      dp[j][e] = in ? ds : 0.0f;
+      score_grad<kMasked, kDropout>(s[j][e], dp[j][e], hi[c], lo[c], dl[c], scale_log2, keep[j / 2],
+                                    16 * (j % 2) + dropout_bit_cols(g, e), keep_scale, key_in[e >> 1],
+                                    q0 + 8 * j + 2 * t, c, L);
     }
   }
 }
@@ -324,18 +336,9 @@ __device__ __forceinline__ void softmax_grad_rows(float (&s)[NK][4], float (&dp)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = e >> 1;  // row g + 8r; column 8j + 2t + (e & 1)
-      float p = prob_from_lse2(s[j][e], scale_log2, hi[r], lo[r]), ds;
-      if constexpr (kDropout) {
-        const bool kept = (keep[j / 2] >> (16 * (j % 2) + dropout_bit_rows(t, e))) & 1u;
-        const float m = kept ? keep_scale : 0.0f;
-        ds = p * fmaf(m, dp[j][e], -dl[r]);
-        p *= m;
-      } else {
-        ds = p * (dp[j][e] - dl[r]);
-      }
-      const bool in = !kMasked || k0 + 8 * j + 2 * t + (e & 1) < L;
-      s[j][e] = in ? p : 0.0f;
-      dp[j][e] = in ? ds : 0.0f;
+      score_grad<kMasked, kDropout>(s[j][e], dp[j][e], hi[r], lo[r], dl[r], scale_log2, keep[j / 2],
+                                    16 * (j % 2) + dropout_bit_rows(t, e), keep_scale, true, k0 + 8 * j + 2 * t,
+                                    e & 1, L);
     }
 }
 
