@@ -1,8 +1,12 @@
-// gemm.h's products: the BLAS set with set_cpu_sgemm where there is one, else Eigen. (The BLAS
-// itself is kept in dispatch.cpp: one for the process, whichever copy of this file runs.)
+// gemm.h's products: small ones on register tiles; the rest on the BLAS set with set_cpu_sgemm where
+// there is one, else Eigen. (The BLAS itself is kept in dispatch.cpp: one for the process,
+// whichever copy of this file runs.)
 #include "gemm.h"
 
+#include <algorithm>
+#include <array>
 #include <climits>
+#include <utility>
 
 #include "fastaxial/fastaxial.h"
 
@@ -25,6 +29,104 @@ void eigen_product(const A& a, const B& b, float beta, Strided& c) {
 
 bool fits_int(int64_t v) { return v <= INT_MAX; }
 
+// The small products (kSmallProduct) on tiles of c held in registers, Eigen's packets of this copy's
+// instruction set: no packing, each element summed over k in order.
+namespace ei = Eigen::internal;
+using Packet = ei::packet_traits<float>::type;
+constexpr int64_t kW = ei::packet_traits<float>::size;
+// A tile of kRows rows by up to kPackets packets of c, its accumulators in registers.
+constexpr int kRows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 6 : 4;
+constexpr int kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 3;
+
+// c (MR rows, NP packets: `cols` of them written) = a b + beta c: a(i, p) at a[i ars + p acs], b's
+// row p at b + p ldb (NP packets readable). Each element is summed over p in order.
+template <int MR, int NP>
+void small_tile(const float* a, int64_t ars, int64_t acs, const float* b, int64_t ldb, int64_t k, float beta,
+                float* c, int64_t ldc, int64_t cols) {
+  Packet acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NP; ++j) acc[i][j] = ei::pset1<Packet>(0.0f);
+  for (int64_t p = 0; p < k; ++p) {
+    Packet bp[NP];
+    for (int j = 0; j < NP; ++j) bp[j] = ei::ploadu<Packet>(b + p * ldb + j * kW);
+    for (int i = 0; i < MR; ++i) {
+      const Packet ai = ei::pset1<Packet>(a[i * ars + p * acs]);
+      for (int j = 0; j < NP; ++j) acc[i][j] = ei::pmadd(ai, bp[j], acc[i][j]);
+    }
+  }
+  const Packet vbeta = ei::pset1<Packet>(beta);
+  if (cols == NP * kW) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NP; ++j) {
+        float* cij = c + i * ldc + j * kW;
+        ei::pstoreu(cij, beta == 0.0f ? acc[i][j] : ei::pmadd(vbeta, ei::ploadu<Packet>(cij), acc[i][j]));
+      }
+    return;
+  }
+  alignas(64) float rest[NP * kW];  // a partial last tile: through a buffer, its columns
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NP; ++j) ei::pstore(rest + j * kW, acc[i][j]);
+    float* ci = c + i * ldc;
+    for (int64_t j = 0; j < cols; ++j) ci[j] = beta == 0.0f ? rest[j] : rest[j] + beta * ci[j];
+  }
+}
+
+// dst (cols, rows), row stride ldd = src (rows, cols), row stride ld, transposed: blocks of kW x kW
+// in registers, the edges one by one.
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  const int64_t rows_w = rows / kW * kW, cols_w = cols / kW * kW;
+  for (int64_t r0 = 0; r0 < rows_w; r0 += kW)
+    for (int64_t c0 = 0; c0 < cols_w; c0 += kW) {
+      ei::PacketBlock<Packet, kW> block;
+      for (int64_t i = 0; i < kW; ++i) block.packet[i] = ei::ploadu<Packet>(src + (r0 + i) * ld + c0);
+      ei::ptranspose(block);
+      for (int64_t i = 0; i < kW; ++i) ei::pstoreu(dst + (c0 + i) * ldd + r0, block.packet[i]);
+    }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = r < rows_w ? cols_w : 0; c < cols; ++c) dst[c * ldd + r] = src[r * ld + c];
+}
+
+using SmallTile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*, int64_t,
+                           int64_t);
+template <int... I>
+constexpr std::array<SmallTile, sizeof...(I)> small_tiles(std::integer_sequence<int, I...>) {
+  return {&small_tile<I / kPackets + 1, I % kPackets + 1>...};
+}
+// small_tile<rows, packets> at [(rows - 1) kPackets + packets - 1].
+constexpr auto kSmallTiles = small_tiles(std::make_integer_sequence<int, kRows * kPackets>());
+
+// c (m, n) = op(a) op(b) + beta c on small_tile: op(b) read as rows of whole packets, from b where
+// it lies so (not transposed, n a multiple of the packet), else from a copy; c's columns in
+// tiles of at most kPackets packets, as even as they go, and kRows rows.
+void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {
+  const int64_t m = a.op_rows(), n = b.op_cols(), k = a.op_cols(), packets = (n + kW - 1) / kW;
+  const float* bp = b.data;
+  int64_t ldb = b.ld;
+  thread_local AlignedFloats copy;
+  if (b.trans || n % kW != 0) {
+    ldb = packets * kW;
+    copy.assign(k * ldb, 0.0f);
+    if (b.trans) {
+      transpose(b.data, b.ld, n, k, copy.data(), ldb);
+    } else {
+      for (int64_t p = 0; p < k; ++p) std::copy_n(b.data + p * b.ld, n, copy.data() + p * ldb);
+    }
+    bp = copy.data();
+  }
+  const int64_t ars = a.trans ? 1 : a.ld, acs = a.trans ? a.ld : 1;
+  const int64_t tiles = (packets + kPackets - 1) / kPackets;
+  for (int64_t t = 0, j0 = 0; t < tiles; ++t) {
+    const int64_t np = (packets - j0 + (tiles - t) - 1) / (tiles - t);  // packets of this column tile
+    const int64_t cols = std::min(np * kW, n - j0 * kW);
+    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+      const int64_t mr = std::min<int64_t>(kRows, m - i0);
+      kSmallTiles[(mr - 1) * kPackets + np - 1](a.data + i0 * ars, ars, acs, bp + j0 * kW, ldb, k, beta,
+                                                c + i0 * ldc + j0 * kW, ldc, cols);
+    }
+    j0 += np;
+  }
+}
+
 }  // namespace
 
 void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {
@@ -35,6 +137,7 @@ void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc)
     if (beta == 0.0f) cm.setZero(); else cm *= beta;
     return;
   }
+  if (m * n * k <= kSmallProduct) return small_product(a, b, beta, c, ldc);
   const CpuSgemm sgemm = cpu_sgemm();
   if (sgemm != nullptr && fits_int(m) && fits_int(n) && fits_int(k) && fits_int(a.ld) && fits_int(b.ld) &&
       fits_int(ldc)) {

@@ -1,10 +1,12 @@
 // The CPU kernels' matrix products: c = op(a) op(b) (+ beta c) on row-major blocks.
 //
-// Every product of the CPU forward and backward goes through gemm() below. It runs on the BLAS
-// set with fastaxial::set_cpu_sgemm (the torch module sets the one PyTorch runs on: MKL's
-// AVX2 and AVX-512 kernels, picked at run time), else on Eigen's own GEMM, whose speed depends on
-// the instruction set this file was compiled for (docs/cpu-blas.md). Operands are Eigen
-// row-major matrices, maps or blocks of them: their data pointer, sizes and row stride.
+// Every product of the CPU forward and backward goes through gemm() below. A small one (at most
+// kSmallProduct multiply-adds: the attention's per (sequence, head) products at short sequences)
+// runs on gemm.cpp's own register tiles; a larger one on the BLAS set with
+// fastaxial::set_cpu_sgemm (the torch module sets the one PyTorch runs on: MKL's AVX2 and AVX-512
+// kernels, picked at run time), else on Eigen's own GEMM, whose speed depends on the instruction
+// set this file was compiled for (docs/cpu-blas.md). Operands are Eigen row-major matrices, maps
+// or blocks of them: their data pointer, sizes and row stride.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,11 @@ Operand tr(const E& x) {
   o.trans = true;
   return o;
 }
+
+// Products of at most this many multiply-adds (m n k) take the register tiles: a BLAS call costs its
+// thread setting, checks and the packing of both operands, a good part of a product this small
+// (perf notes v78). A rule of the shape alone, so the bits do not depend on the thread count.
+constexpr int64_t kSmallProduct = int64_t{1} << 19;
 
 // c (m, n) = op(a) op(b) + beta c, c row-major with row stride ldc; with beta 0 c is not read.
 void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
