@@ -15,6 +15,9 @@ out=${3:?usage: benchmarks/compare_trees.sh BEFORE AFTER OUTDIR [SECONDS]}
 seconds=${4:-300}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out" && out=$(cd "$out" && pwd)
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
+[ -n "$arch" ] || { echo "compare_trees.sh: no GPU (nvidia-smi names none): it times CUDA builds"; exit 1; }
+[ "$arch" = 90 ] && arch=90a
 work=$(mktemp -d)
 trees=()
 for t in before after; do
@@ -22,9 +25,6 @@ for t in before after; do
   if [ -f "$src" ]; then mkdir -p "$work/$t" && tar -xf "$src" -C "$work/$t" && src=$work/$t; fi
   trees+=("$(cd "$src" && pwd)")
 done
-arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d .)
-[ -n "$arch" ] || { echo "compare_trees.sh: no GPU (nvidia-smi names none): it times CUDA builds"; exit 1; }
-[ "$arch" = 90 ] && arch=90a
 export FASTAXIAL_CMAKE_ARGS="-DFASTAXIAL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=${arch}-real -DFASTAXIAL_BUILD_TESTS=OFF -DFASTAXIAL_BUILD_EXAMPLES=OFF"
 for i in 0 1; do
   (cd "${trees[$i]}" && scripts/setup >"$out/setup-$i.log" 2>&1) &
