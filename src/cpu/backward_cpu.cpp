@@ -310,7 +310,7 @@ void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, i
 // of the pass (3D floats a position: AxialParams::saved_qkv), or null to run the QKV product;
 // o_in: its attention output (D floats a position: AxialParams::saved_o), or null to run p v.
 void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
-                   const float* dout, float* dsrc, const AxisGrads& gw, AlignedFloats& partials,
+                   const float* dout, float* dsrc, const AxisGrads& gw, UnsetFloats& partials,
                    std::vector<double>& col_partials, const DropoutParams* drop, int pass, const float* qkv_in,
                    const float* o_in) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
@@ -333,7 +333,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   if (whole && want_qkv) all_y.resize(N * L, D), all_dqkv.resize(N * L, 3 * D);
   if (whole && want_out) all_g.resize(N * L, D), all_o.resize(N * L, D);
   if (any_weight) {
-    if (!whole) partials.assign(bk.num_chunks * lay.size, 0.0f);
+    if (!whole) partials.resize(bk.num_chunks * lay.size);  // unset: each chunk zeroes its own (below)
     col_partials.assign(bk.num_chunks * lay.col_size, 0.0);
   }
 
@@ -348,6 +348,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   const int inner = team == 1 ? threads : 1;
   for_blocks(bk.num_chunks, team, [&](int64_t c, Scratch& t) {
     float* part = any_weight && !whole ? partials.data() + c * lay.size : nullptr;
+    if (part != nullptr) std::fill_n(part, lay.size, 0.0f);
     double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
     for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
       const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
@@ -592,7 +593,7 @@ Status backward(const AxialParams& p, const AxialGrads& g) {
       dx1 = dx1_scratch.get();
     }
   }
-  AlignedFloats partials;  // products' partials: 64-byte aligned, as Eigen's scratch (gemm.h)
+  UnsetFloats partials;  // products' partials: 64-byte aligned, as Eigen's scratch (gemm.h)
   std::vector<double> col_partials;
   // The forward's q, k, v of each pass, where kept (the row pass's first).
   const float* const row_qkv = p.saved_qkv;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <Eigen/Core>
@@ -41,6 +42,25 @@ using ConstVec = Eigen::Map<const Eigen::RowVectorXf>;
 using VecMap = Eigen::Map<Eigen::RowVectorXf>;
 // Floats on Eigen's alignment (64 bytes: CMakeLists.txt), for buffers that products read or write.
 using AlignedFloats = std::vector<float, Eigen::aligned_allocator<float>>;
+// The same, but resize() leaves new floats unset: for a buffer whose parts the threads zero
+// themselves (in parallel, where each part is about to be used) instead of one thread zeroing all.
+template <class T>
+struct NoInitAllocator : Eigen::aligned_allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = NoInitAllocator<U>;
+  };
+  NoInitAllocator() = default;
+  template <class U>
+  NoInitAllocator(const NoInitAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U*) noexcept {}  // default-initialisation: nothing for floats
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using UnsetFloats = std::vector<float, NoInitAllocator<float>>;
 
 // The threads an OpenMP parallel region gets by default; 1 in a build without OpenMP.
 inline int max_threads() {
