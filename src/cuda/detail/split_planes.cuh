@@ -21,11 +21,6 @@
 
 namespace fastaxial::cuda {
 
-// Byte of feature f (0..31) of row r in a straight plane.
-__device__ __forceinline__ int straight_byte(int r, int f) {
-  return r * 128 + ((((f >> 2) ^ r) & 7) << 4) + ((f & 3) << 2);
-}
-
 // Word of key kk (0..63), feature n (0..ROWS - 1) in a transposed plane of ROWS rows an atom.
 template <int ROWS>
 __device__ __forceinline__ int transposed_word(int kk, int n) {
