@@ -68,119 +68,62 @@ __device__ __forceinline__ void add_to(float (&c)[N], float (&t)[N]) {
   for (int i = 0; i < N; ++i) c[i] += t[i];
 }
 
-// The accumulator operands d[i .. i + 7] of a wgmma instruction's inline asm.
-#define FASTAXIAL_WGMMA_ACC8(i)                                                                          \
-  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
-      "+f"(d[i + 7])
-
-// d (64 x 128) = or += A (64 x 8) @ B (8 x 128), A from registers (the
-// mma.m16n8k8 A fragment of the warp's 16 rows), B in shared memory.
-__device__ __forceinline__ void wgmma_m64n128k8_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
-        FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40), FASTAXIAL_WGMMA_ACC8(48), FASTAXIAL_WGMMA_ACC8(56)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-// d (64 x 96) = or += A (64 x 8) @ B (8 x 96), A from registers (the
-// mma.m16n8k8 A fragment of the warp's 16 rows), B in shared memory.
-__device__ __forceinline__ void wgmma_m64n96k8_rs(float (&d)[48], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, "
-      "{%48, %49, %50, %51}, %52, p, 1, 1;\n}\n"
-      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
-        FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-// d (64 x 64) = or += A (64 x 8) @ B (8 x 64): the weight gradients' narrow tiles
-// (gemm/weight_gradient.cu, K <= 64) and the attention kernels' scores (64 keys).
-__device__ __forceinline__ void wgmma_m64n64k8_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-// d (64 x 48) = or += A (64 x 8) @ B (8 x 48): half of a 96-column tile (gemm/gemm.cu, three warpgroups).
-__device__ __forceinline__ void wgmma_m64n48k8_rs(float (&d)[24], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n48k8.f32.tf32.tf32 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
-      "{%24, %25, %26, %27}, %28, p, 1, 1;\n}\n"
-      : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-#undef FASTAXIAL_WGMMA_ACC8
-
-// The same for narrow products: the fused kernel's (fused/steps_wgmma.cuh), whose N
-// is a sequence's positions, 8 to 32 a warpgroup, and the attention kernels'
-// products over keys (N = head dim 32).
-__device__ __forceinline__ void wgmma_m64n8k8_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_m64n16k8_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_m64n24k8_rs(float (&d)[12], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n24k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-__device__ __forceinline__ void wgmma_m64n32k8_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
-// The register-A products above by N.
+// wgmma_m64k8_rs<N>: d (64 x N) = or += A (64 x 8) @ B (8 x N), A from registers (the
+// mma.m16n8k8 A fragment of the warp's 16 rows), B in shared memory. One specialization a width:
+//   128 and 96: the attention kernels' and the GEMM's wide tiles;
+//   64: the weight gradients' narrow tiles (gemm/weight_gradient.cu, K <= 64) and the attention
+//       kernels' scores (64 keys);
+//   48: half of a 96-column tile (gemm/gemm.cu, three warpgroups);
+//   8 to 32: the fused kernel's (fused/steps_wgmma.cuh), whose N is a sequence's positions, 8 to
+//       32 a warpgroup, and the attention kernels' products over keys (N = head dim 32).
+// Any other N fails to compile. The asm operands: d's N / 2 accumulators (%0 ..), then a's four
+// registers, b and accumulate, which sets the predicate p (0: d = A B; 1: d += A B).
 template <int N>
 __device__ __forceinline__ void wgmma_m64k8_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b, int accumulate) {
-  static_assert(N == 128 || N == 96 || N == 64 || N == 48 || N == 32 || N == 24 || N == 16 || N == 8,
-                "wgmma_m64k8_rs: N is 8, 16, 24, 32, 48, 64, 96 or 128");
-  if constexpr (N == 128)
-    wgmma_m64n128k8_rs(d, a, b, accumulate);
-  else if constexpr (N == 96)
-    wgmma_m64n96k8_rs(d, a, b, accumulate);
-  else if constexpr (N == 64)
-    wgmma_m64n64k8_rs(d, a, b, accumulate);
-  else if constexpr (N == 48)
-    wgmma_m64n48k8_rs(d, a, b, accumulate);
-  else if constexpr (N == 32)
-    wgmma_m64n32k8_rs(d, a, b, accumulate);
-  else if constexpr (N == 24)
-    wgmma_m64n24k8_rs(d, a, b, accumulate);
-  else if constexpr (N == 16)
-    wgmma_m64n16k8_rs(d, a, b, accumulate);
-  else
-    wgmma_m64n8k8_rs(d, a, b, accumulate);
+  static_assert(N != N, "wgmma_m64k8_rs: N is 8, 16, 24, 32, 48, 64, 96 or 128");
 }
+#define FASTAXIAL_WGMMA_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define FASTAXIAL_WGMMA_ACC8(i) FASTAXIAL_WGMMA_ACC4(i), FASTAXIAL_WGMMA_ACC4(i + 4)
+// N, the accumulator list "{%0, ..}", then "{a's operands}, b's operand", the predicate's operand
+// number, and the accumulator operands.
+#define FASTAXIAL_WGMMA_TF32_RS(N, acc, ab, pred, ...)                                                              \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void wgmma_m64k8_rs<N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t b,           \
+                                                    int accumulate) {                                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #pred ", 0;\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 " acc ", " ab ", p, 1, 1;\n}\n"            \
+                 : __VA_ARGS__                                                                                   \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                     \
+  }
+
+FASTAXIAL_WGMMA_TF32_RS(128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
+                        "{%64, %65, %66, %67}, %68", 69,
+                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
+                        FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40), FASTAXIAL_WGMMA_ACC8(48), FASTAXIAL_WGMMA_ACC8(56))
+FASTAXIAL_WGMMA_TF32_RS(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}",
+                        "{%48, %49, %50, %51}, %52", 53,
+                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16),
+                        FASTAXIAL_WGMMA_ACC8(24), FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40))
+FASTAXIAL_WGMMA_TF32_RS(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
+                        "{%32, %33, %34, %35}, %36", 37,
+                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8),
+                        FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24))
+FASTAXIAL_WGMMA_TF32_RS(48, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}",
+                        "{%24, %25, %26, %27}, %28", 29,
+                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8),
+                        FASTAXIAL_WGMMA_ACC8(16))
+FASTAXIAL_WGMMA_TF32_RS(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
+                        "{%16, %17, %18, %19}, %20", 21, FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8))
+FASTAXIAL_WGMMA_TF32_RS(24, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}",
+                        "{%12, %13, %14, %15}, %16", 17, FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC4(8))
+FASTAXIAL_WGMMA_TF32_RS(16, "{%0, %1, %2, %3, %4, %5, %6, %7}",
+                        "{%8, %9, %10, %11}, %12", 13, FASTAXIAL_WGMMA_ACC8(0))
+FASTAXIAL_WGMMA_TF32_RS(8, "{%0, %1, %2, %3}",
+                        "{%4, %5, %6, %7}, %8", 9, FASTAXIAL_WGMMA_ACC4(0))
+
+#undef FASTAXIAL_WGMMA_TF32_RS
+#undef FASTAXIAL_WGMMA_ACC8
+#undef FASTAXIAL_WGMMA_ACC4
 
 // acc (N floats) += the totals of four runs, run(t, f, r) issuing run r into
 // fresh accumulator t with Elem's A fragments f (Elem::wgmma_run): two runs
