@@ -35,6 +35,10 @@ namespace ei = Eigen::internal;
 using Packet = ei::packet_traits<float>::type;
 constexpr int64_t kW = ei::packet_traits<float>::size;
 // A tile of kRows rows by up to kPackets packets of c, its accumulators in registers.
+// The sum over k runs kDepth terms at a time in the registers, each block then added into c: one
+// sequential sum over a long k (a weight gradient's positions, hundreds) rounds as often as it
+// has terms, so that its error grows past the BLAS's, which blocks k the same way.
+constexpr int64_t kDepth = 64;
 constexpr int kRows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 6 : 4;
 constexpr int kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 3;
 
@@ -97,7 +101,7 @@ constexpr auto kSmallTiles = small_tiles(std::make_integer_sequence<int, kRows *
 
 // c (m, n) = op(a) op(b) + beta c on small_tile: op(b) read as rows of whole packets, from b where
 // it lies so (not transposed, n a multiple of the packet), else from a copy; c's columns in
-// tiles of at most kPackets packets, as even as they go, and kRows rows.
+// tiles of at most kPackets packets, as even as they go, and kRows rows; k in blocks of kDepth.
 void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {
   const int64_t m = a.op_rows(), n = b.op_cols(), k = a.op_cols(), packets = (n + kW - 1) / kW;
   const float* bp = b.data;
@@ -120,8 +124,10 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
     const int64_t cols = std::min(np * kW, n - j0 * kW);
     for (int64_t i0 = 0; i0 < m; i0 += kRows) {
       const int64_t mr = std::min<int64_t>(kRows, m - i0);
-      kSmallTiles[(mr - 1) * kPackets + np - 1](a.data + i0 * ars, ars, acs, bp + j0 * kW, ldb, k, beta,
-                                                c + i0 * ldc + j0 * kW, ldc, cols);
+      for (int64_t p0 = 0; p0 < k; p0 += kDepth)
+        kSmallTiles[(mr - 1) * kPackets + np - 1](a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW,
+                                                  ldb, std::min(kDepth, k - p0), p0 == 0 ? beta : 1.0f,
+                                                  c + i0 * ldc + j0 * kW, ldc, cols);
     }
     j0 += np;
   }
