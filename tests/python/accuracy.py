@@ -96,6 +96,23 @@ def rel_err(a, exact):
     return num / den if den > 0 else float("inf")
 
 
+def max_rel_err(a, exact):
+    """max |a - exact| / max |exact| in float64 (the largest element's error, against the largest
+    element): an error confined to a few elements, which the norm of rel_err dilutes; inf where `a` is
+    not finite, 0 where a equals exact."""
+    a = a.detach().to(torch.float64)
+    exact = exact.detach().to(device=a.device, dtype=torch.float64)
+    assert a.shape == exact.shape, (a.shape, exact.shape)
+    if not torch.isfinite(a).all():
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    num, den = (a - exact).abs().max().item(), exact.abs().max().item()
+    if num == 0:
+        return 0.0
+    return num / den if den > 0 else float("inf")
+
+
 def check(got, fp32, exact, what="output", k=K):
     """None where `got` meets the rule against `exact` (float64) given the fp32 reference's `fp32`,
     else a message with both errors. `exact` must be finite: the rule compares finite math."""
