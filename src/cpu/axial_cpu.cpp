@@ -158,9 +158,13 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       t.o.resize(rows, D);
       // Queries in tiles of kQueryTile where keys come in blocks: a (kQueryTile, kKeyBlock) score tile.
       const int64_t qt = L > kKeyBlock ? kQueryTile : L;
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t h = 0; h < a.heads; ++h)
-          for (int64_t i0 = 0; i0 < L; i0 += qt) attend(a, t.qkv, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
+      if (L == 1 && a.drop == nullptr) {
+        for (int64_t r = 0; r < rows; ++r) single_key_forward(t.qkv, r, D, a.heads, t.o);
+      } else {
+        for (int64_t s = 0; s < ns; ++s)
+          for (int64_t h = 0; h < a.heads; ++h)
+            for (int64_t i0 = 0; i0 < L; i0 += qt) attend(a, t.qkv, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
+      }
       for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
       // x += o Wout^T + bout, then scatter.
       gemm(t.x, in(t.o), tr(a.wout), 1.0f);

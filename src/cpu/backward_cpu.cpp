@@ -257,7 +257,9 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
     t.o.resize(rows, D);
     const int64_t R = query_ranges(L);
     const Spread spread = spread_ranges(team, threads, ns * heads, R, 0);  // (no parts kept)
-    for_ranges(ns * heads, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+    if (L == 1 && drop == nullptr) {  // one key: no products (single_key_forward)
+      for (int64_t r = 0; r < rows; ++r) single_key_forward(t.qkv, r, D, heads, t.o);
+    } else for_ranges(ns * heads, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
       const int64_t s = i / heads, h = i % heads;
       const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
       gemm(hs.s, in(t.qkv.block(s * L + r0, h * hd, n, hd)), tr(t.qkv.block(s * L, D + h * hd, L, hd)));
@@ -395,7 +397,12 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           spread_ranges(team, threads, items, R, want_dqkv ? 2 * L * hd * (int64_t)sizeof(float) : 0);
       const bool keep = spread == Spread::kPairs && want_dqkv;  // the ranges keep their parts
       if (keep) t.parts.resize(2 * items * R);
-      if (attend) for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+      if (attend && L == 1 && drop == nullptr) {  // one key: no products (single_key_backward)
+        for (int64_t r = 0; r < rows; ++r) {
+          if (want_dqkv) single_key_backward(t.qkv, t.dO, r, D, heads, scale, t.dqkv, run_pv ? &t.o : nullptr);
+          else single_key_forward(t.qkv, r, D, heads, t.o);
+        }
+      } else if (attend) for_ranges(items, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
         const int64_t s = i / heads, h = i % heads;
         const auto k = t.qkv.block(s * L, D + h * hd, L, hd);
         const auto val = t.qkv.block(s * L, 2 * D + h * hd, L, hd);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -179,6 +180,50 @@ inline float exp_and_sum(float* row, int64_t n, float max, float scale) {
     sum += row[j];
   }
   return sum;
+}
+
+// Attention over one key (sequences of length 1, the other axis of a 1-D input): the softmax of a
+// single score s is exp(s - s) = 1 where s is finite and NaN where it is not, so a head's output is
+// P v, and in the backward dv = P dO and dS = P (dP - P dP) = 0 where dP is finite (NaN where not).
+// single_key_* compute these as the general code's per-(sequence, head) products do (a zero
+// accumulator plus each term: +0 for -0; the scores' and dP's FMA chains), without the products'
+// calls, a dozen per position and head. Rows r of qkv (rows, 3D), o (rows, D), dO and dqkv.
+inline float single_key_dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t j = 0; j < n; ++j) s = std::fma(a[j], b[j], s);
+  return s;
+}
+inline float single_key_p(const float* q, const float* k, int64_t hd) {
+  const float s = single_key_dot(q, k, hd);
+  return s - s == 0.0f ? 1.0f : std::numeric_limits<float>::quiet_NaN();
+}
+// o = P v for every head of row r.
+template <class Qkv, class O>
+void single_key_forward(const Qkv& qkv, int64_t r, int64_t D, int64_t heads, O& o) {
+  const int64_t hd = D / heads;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* q = &qkv(r, h * hd);
+    const float p = single_key_p(q, q + D, hd);
+    for (int64_t j = 0; j < hd; ++j) o(r, h * hd + j) = p * q[2 * D + j] + 0.0f;
+  }
+}
+// dqkv's row r (dq, dk, dv) from dO's, and o's where `o` is not null; scale = 1 / sqrt(hd).
+template <class Qkv, class DO, class Dqkv, class O>
+void single_key_backward(const Qkv& qkv, const DO& dO, int64_t r, int64_t D, int64_t heads, float scale,
+                         Dqkv& dqkv, O* o) {
+  const int64_t hd = D / heads;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float *q = &qkv(r, h * hd), *k = q + D, *v = q + 2 * D, *g = &dO(r, h * hd);
+    const float p = single_key_p(q, k, hd);
+    const float dp = single_key_dot(g, v, hd);
+    const float ds = (dp - p * dp) * p * scale;
+    for (int64_t j = 0; j < hd; ++j) {
+      if (o != nullptr) (*o)(r, h * hd + j) = p * v[j] + 0.0f;
+      dqkv(r, h * hd + j) = ds * k[j] + 0.0f;
+      dqkv(r, D + h * hd + j) = q[j] * ds + 0.0f;
+      dqkv(r, 2 * D + h * hd + j) = g[j] * p + 0.0f;
+    }
+  }
 }
 
 // The dropout multipliers (0 or 1 / (1 - p)) of sequence n, head h of `pass` (0 rows, 1
