@@ -30,17 +30,17 @@ void eigen_product(const A& a, const B& b, float beta, Strided& c) {
 bool fits_int(int64_t v) { return v <= INT_MAX; }
 
 // The small products (kSmallProduct) on tiles of c held in registers, Eigen's packets of this copy's
-// instruction set: no packing, each element summed over k in order.
+// instruction set: no packing, each element summed over k in order, kDepth terms at a time.
 namespace ei = Eigen::internal;
 using Packet = ei::packet_traits<float>::type;
 constexpr int64_t kW = ei::packet_traits<float>::size;
 // A tile of kRows rows by up to kPackets packets of c, its accumulators in registers.
-// The sum over k runs kDepth terms at a time in the registers, each block then added into c: one
-// sequential sum over a long k (a weight gradient's positions, hundreds) rounds as often as it
-// has terms, so that its error grows past the BLAS's, which blocks k the same way.
-constexpr int64_t kDepth = 64;
 constexpr int kRows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 6 : 4;
 constexpr int kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 3;
+// The registers sum kDepth terms of k, then add that block into c, as a BLAS blocks k: one chain
+// over a long k (a weight gradient's positions, hundreds) would round at the whole sum's magnitude
+// every step, its error then past the BLAS's that the reference runs on.
+constexpr int64_t kDepth = 64;
 
 // c (MR rows, NP packets: `cols` of them written) = a b + beta c: a(i, p) at a[i ars + p acs], b's
 // row p at b + p ldb (NP packets readable). Each element is summed over p in order.
