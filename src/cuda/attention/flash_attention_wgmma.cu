@@ -160,14 +160,11 @@ __global__ void __launch_bounds__(256, 1)
   const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, 1, BN);
   const int64_t steps = unit_at.count * unit_at.tiles, row_words = unit_at.row_words;
   const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
-  // The copies run ahead of the products (pipeline_wgmma.cuh): the next step to copy is the copy
-  // cursor's, step cs.
-  StepCursor copy(unit_at);
-  int64_t cs = 0;
+  CopyStream<BN, decltype(unit_at)> copy(unit_at);  // the copies, ahead of the products (pipeline_wgmma.cuh)
   const auto copy_next = [&]() {
-    copy_step<BN>(copy_rows, copy, cs, unit_at, base + Tile::raw_off, Tile::raw_k,
-                  [&](const FlashUnit& cu, int64_t ui) { copy_unit_rows<HDP>(copy_rows, cu, ui, base, row_words); },
-                  [&](const FlashUnit& cu, int m) { return cu.qg + (m + 1) * a.D; });  // k at qg + D, v at qg + 2D
+    copy.next(copy_rows, base + Tile::raw_off, Tile::raw_k,
+              [&](const FlashUnit& cu, int64_t ui) { copy_unit_rows<HDP>(copy_rows, cu, ui, base, row_words); },
+              [&](const FlashUnit& cu, int m) { return cu.qg + (m + 1) * a.D; });  // k at qg + D, v at qg + 2D
   };
   const TransposeMap<LD, Tile::v_elems, kThreads> vmap(tid);
   const auto split_next = [&](int64_t st) { split_tile<HDP>(sm, raws, vmap, st, tid); };

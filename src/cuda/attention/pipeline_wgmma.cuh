@@ -9,7 +9,7 @@
 // unit's first step brings besides k and v (q; q and d_o), which planes its
 // split writes.
 //   zero_head_padding, HeadRowCopy: the raw rows' padding and copies;
-//   copy_step, split_stage: a step's copies and a step's split;
+//   CopyStream, split_stage: a step's copies and a step's split;
 //   stream_start, stream_ahead, stream_barrier: where in a step they run.
 #pragma once
 
@@ -63,26 +63,36 @@ struct HeadRowCopy {
   }
 };
 
-// Step cs's copies, at the copy cursor `copy` over the block's units
-// unit_at: with a unit's first tile unit_rows(unit, ui), the unit's own
-// rows; then the tile's k rows (head slice slice(unit, 0)) into raw stage
-// cs % 2 at raw + 2 (cs % 2) raw_k bytes, its v rows (slice(unit, 1))
-// raw_k after. A slice is asked for where its copy starts, so that a
-// kernel's address arithmetic keeps its place among the copies. One commit
-// group a step, so that a wait for all leaves none in flight; then the
-// cursor and cs move on.
-template <int BN, class Copy, class Units, class UnitRows, class Slice>
-__device__ __forceinline__ void copy_step(const Copy& copy_rows, StepCursor& copy, int64_t& cs, const Units& unit_at,
-                                          uint32_t raw, int raw_k, UnitRows&& unit_rows, Slice&& slice) {
-  const FlashUnit& cu = copy.cur;
-  if (copy.first()) unit_rows(cu, copy.ui);
-  const uint32_t d = raw + (uint32_t)((cs & 1) * 2 * raw_k);
-  copy_rows(Rows<BN>(), d, slice(cu, 0), unit_at.row_words, copy.j * BN);
-  copy_rows(Rows<BN>(), d + raw_k, slice(cu, 1), unit_at.row_words, copy.j * BN);
-  copy_async_commit();
-  ++cs;
-  copy.advance(unit_at, unit_at.count);
-}
+// The copy side of the stream: a cursor over the block's units (unit_at)
+// one or two steps ahead of the products, and the step it copies next, cs,
+// whose raw stage is cs % 2. next() is step cs's copies: with a unit's first
+// tile unit_rows(unit, ui), the unit's own rows; then the tile's k rows (head
+// slice slice(unit, 0)) into raw stage cs % 2 at raw + 2 (cs % 2) raw_k
+// bytes, its v rows (slice(unit, 1)) raw_k after. A slice is asked for where
+// its copy starts, so that a kernel's address arithmetic keeps its place
+// among the copies. One commit group a step, so that a wait for all leaves
+// none in flight; then the cursor and cs move on.
+template <int BN, class Units>
+struct CopyStream {
+  const Units& unit_at;
+  StepCursor cursor;
+  int64_t cs = 0;
+
+  __device__ __forceinline__ explicit CopyStream(const Units& units) : unit_at(units), cursor(units) {}
+
+  template <class Copy, class UnitRows, class Slice>
+  __device__ __forceinline__ void next(const Copy& copy_rows, uint32_t raw, int raw_k, UnitRows&& unit_rows,
+                                       Slice&& slice) {
+    const FlashUnit& cu = cursor.cur;
+    if (cursor.first()) unit_rows(cu, cursor.ui);
+    const uint32_t d = raw + (uint32_t)((cs & 1) * 2 * raw_k);
+    copy_rows(Rows<BN>(), d, slice(cu, 0), unit_at.row_words, cursor.j * BN);
+    copy_rows(Rows<BN>(), d + raw_k, slice(cu, 1), unit_at.row_words, cursor.j * BN);
+    copy_async_commit();
+    ++cs;
+    cursor.advance(unit_at, unit_at.count);
+  }
+};
 
 // Step st's split from raw stage st % 2 (k's rows at kr = raws + 2 (st % 2)
 // raw_k bytes, v's raw_k after): piece(kr, r, c) for each of the thread's
@@ -100,7 +110,7 @@ __device__ __forceinline__ void split_stage(const float* raws, int raw_k, int64_
   transpose(kr);
 }
 
-// The pipeline's start: steps 0 and 1 copied (copy_next: copy_step), step 0
+// The pipeline's start: steps 0 and 1 copied (copy_next: CopyStream::next), step 0
 // split (split(st): split_stage) and its planes visible to wgmma.
 template <class CopyNext, class Split>
 __device__ __forceinline__ void stream_start(int64_t steps, CopyNext&& copy_next, Split&& split) {

@@ -201,13 +201,11 @@ __global__ void __launch_bounds__(256, 1)
   const BlockUnits<BM, AttentionBackwardKernelArgs> unit_at(a, q_tiles, 1, BN);
   const int64_t steps = unit_at.count * unit_at.tiles, W = unit_at.row_words;
   const HeadRowCopy<HDP, kVec, LD, kThreads> copy_rows{a.pos.pos_stride, L, hd, a.qkv, tid};
-  // The copy cursor, as in the forward's kernel (pipeline_wgmma.cuh), at step cs.
-  StepCursor copy(unit_at);
-  int64_t cs = 0;
+  CopyStream<BN, decltype(unit_at)> copy(unit_at);  // as in the forward's kernel (pipeline_wgmma.cuh)
   const auto copy_next = [&]() {
-    copy_step<BN>(copy_rows, copy, cs, unit_at, base + Tile::raw_off, Tile::raw_k,
-                  [&](const FlashUnit& cu, int64_t ui) { copy_unit_rows(copy_rows, a, cu, ui, base, W); },
-                  [&](const FlashUnit& cu, int m) { return cu.qg + a.D + m * a.D; });  // k, then v D further
+    copy.next(copy_rows, base + Tile::raw_off, Tile::raw_k,
+              [&](const FlashUnit& cu, int64_t ui) { copy_unit_rows(copy_rows, a, cu, ui, base, W); },
+              [&](const FlashUnit& cu, int m) { return cu.qg + a.D + m * a.D; });  // k, then v D further
   };
   const TransposeMap<LD, Tile::t_elems, kThreads> kmap(tid);
   const auto split_next = [&](int64_t st) { split_tile(sm, raws, kmap, st, tid); };
