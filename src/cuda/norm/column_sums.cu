@@ -2,7 +2,7 @@
 // a block per (32 columns, chunk of rows, job) sums its chunk, 8 row lanes
 // per column each taking every 8th row and then added in lane order; a warp
 // per column adds the chunks; a projected job's sums then multiply its
-// weight, a block per 32 output columns with 8 lanes over the inputs.
+// weight, a block per 32 output columns with 32 lanes over the inputs.
 // The sums run in fp64 and round to fp32 once at the end: a bias gradient is
 // a sum over every position of the grid (tens of thousands of terms), and an
 // fp32 tree over them adds rounding errors of the order of the terms' own
@@ -19,6 +19,9 @@ namespace fastaxial::cuda {
 namespace {
 
 constexpr int kCols = 32, kRowLanes = 8;
+// The projection's lanes over its K inputs: a short chain each (K / 32 products, the loads
+// unrolled), since the launch has only out_cols / 32 blocks.
+constexpr int kProjectLanes = 32;
 constexpr int64_t kMaxChunks = kMaxColumnSumChunks;  // the plan's partials region holds this many
 
 // Job j's fields by a constant index (a runtime one would copy the parameters to local memory).
@@ -77,23 +80,25 @@ __global__ void chunk_total_kernel(const double* __restrict__ partials, int64_t 
   else of_job(jobs.sums, j)[c] = (float)total;
 }
 
-// out[o] = sum over c < K of totals[c] w[c][o], in fp64: lane threadIdx.y takes every 8th c, then
+// out[o] = sum over c < K of totals[c] w[c][o], in fp64: lane threadIdx.y takes every 32nd c, then
 // the lanes add in order.
-__global__ void __launch_bounds__(kCols* kRowLanes)
+__global__ void __launch_bounds__(kCols* kProjectLanes)
     project_kernel(const double* __restrict__ totals, const float* __restrict__ w, int K, int out_cols,
                    float* __restrict__ out) {
   grid_dependency_wait();
   allow_dependent_launch();
-  __shared__ double lane_sums[kRowLanes][kCols];
+  __shared__ double lane_sums[kProjectLanes][kCols];
   const int o = blockIdx.x * kCols + threadIdx.x;
   double sum = 0.0;
-  if (o < out_cols)
-    for (int c = threadIdx.y; c < K; c += kRowLanes) sum += totals[c] * (double)w[(int64_t)c * out_cols + o];
+  if (o < out_cols) {
+#pragma unroll 4
+    for (int c = threadIdx.y; c < K; c += kProjectLanes) sum += totals[c] * (double)w[(int64_t)c * out_cols + o];
+  }
   lane_sums[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y == 0 && o < out_cols) {
     double total = 0.0;
-    for (int l = 0; l < kRowLanes; ++l) total += lane_sums[l][threadIdx.x];
+    for (int l = 0; l < kProjectLanes; ++l) total += lane_sums[l][threadIdx.x];
     out[o] = (float)total;
   }
 }
@@ -133,7 +138,7 @@ cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, double* partials, 
                                                         partials, chunks, jobs, totals);
       e != cudaSuccess || jobs.projected < 0)
     return e;
-  return launch_kernel<project_kernel>(dim3((jobs.out_cols + kCols - 1) / kCols), dim3(kCols, kRowLanes), 0, stream,
+  return launch_kernel<project_kernel>(dim3((jobs.out_cols + kCols - 1) / kCols), dim3(kCols, kProjectLanes), 0, stream,
                                        dev, totals, jobs.w, jobs.cols[jobs.projected], jobs.out_cols,
                                        jobs.sums[jobs.projected]);
 }
