@@ -3,8 +3,8 @@ output gradient) at the benchmark's six shapes, from the torch profiler over 10 
 
     PYTHONPATH=python python benchmarks/training_kernel_times.py
 
-Prints each shape's total kernel time a step and that of the column sums (norm/column_sums.cu:
-chunk_sums, chunk_total, project). A kernel launched early under programmatic dependent launch
+Prints each shape's total kernel time a step, its six longest kernels, and the column sums
+(norm/column_sums.cu: chunk_sums, chunk_total, project). A kernel launched early under programmatic dependent launch
 counts its wait for the kernel before it, so its time is an upper bound.
 """
 import collections, sys
@@ -36,5 +36,8 @@ for shape in SIX:
     total = sum(t.values())
     cs = {k: v for k, v in t.items() if "chunk_sums" in k or "chunk_total" in k or "project_kernel" in k}
     print(f"{shape}: kernels {total:.1f} us/step; column sums {sum(cs.values()):.1f} us/step")
+    for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:6]:
+        print(f"  {v:8.1f}  {k[:110]}")
+    print("  column sums:")
     for k, v in sorted(cs.items(), key=lambda kv: -kv[1]):
         print(f"    {v:8.1f}  {k[:110]}")
