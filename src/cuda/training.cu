@@ -194,14 +194,20 @@ class Training {
 
   // A weight's gradient c (N, D) = a^T b over the T positions, a (T, N), b (T, D): on the tensor
   // cores where the plan has them (its partials region, reused by each product in turn: they run
-  // one after another on the stream), else on cuBLAS.
-  Status weight_gradient(const float* a, int N, const float* b, float* c, const char* what) {
+  // one after another on the stream), else on cuBLAS. Where a_job is one of *sums' jobs (a's
+  // column sums), the product also takes that job's chunk partials, if its chunks fit the scratch.
+  Status weight_gradient(const float* a, int N, const float* b, float* c, const char* what,
+                         cuda::ColumnSumJobs* sums = nullptr, int a_job = -1) {
     if (tensor_core_weight_grads_) {
       cuda::WeightGradientArgs g;
       g.a = a, g.b = b, g.c = c, g.T = T_, g.lda = N, g.ldb = D_, g.ldc = D_, g.N = N, g.K = D_;
+      const int64_t chunks = cuda::weight_gradient_variant(g, dev_).split.splits;
+      const bool take = a_job >= 0 && chunks <= kMaxColumnSumChunks;
+      if (take) g.a_sums = sums->chunk_partials(partials_, a_job);
       if (cudaError_t e = cuda::weight_gradient(g, weight_partials_, weight_partials_bytes_, dev_, stream_);
           e != cudaSuccess)
         return cuda_error(e, what);
+      if (take) sums->take_chunks(a_job, chunks);
       return Status::Ok();
     }
     return blas_gemm(true, false, N, D_, T_, a, N, b, D_, 0.0f, c, D_, what);
@@ -231,21 +237,25 @@ class Training {
   Status backward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                        const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
     // The pass's column sums (d_bo, d_beta, d_gamma) in one set of launches at the end: their
-    // inputs (dy, dqkv, d_xn * xhat) all stay until then.
+    // inputs (dy, dqkv, d_xn * xhat) all stay until then. dy's and dqkv's are taken by the weight
+    // gradients that read them, where those run (weight_gradient).
     cuda::ColumnSumJobs sums;
-    if (grads.out_bias) sums.add(dy, D_, grads.out_bias);
-    if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, &sums); !s.ok()) return s;
+    const int dy_job = grads.out_bias ? sums.add(dy, D_, grads.out_bias) : -1;
+    if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, dy_job, &sums); !s.ok())
+      return s;
     if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
     return Status::Ok();
   }
 
-  // backward_pass's products and kernels, from d_Wo on; the column sums it needs go into *sums.
+  // backward_pass's products and kernels, from d_Wo on; the column sums it needs go into *sums
+  // (dy's: job dy_job, or -1).
   Status gradients_through(int pass, const AxisView& view, const AxisWeights& w, const float* src,
                            const PassBuffers& b, const Planes& planes, const float* dy, float* d_src,
-                           const AxisGrads& grads, cuda::ColumnSumJobs* sums) {
+                           const AxisGrads& grads, int dy_job, cuda::ColumnSumJobs* sums) {
     if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
-      if (Status s = weight_gradient(dy, D_, b.attn, grads.out_weight, "out_weight gradient"); !s.ok()) return s;
+      if (Status s = weight_gradient(dy, D_, b.attn, grads.out_weight, "out_weight gradient", sums, dy_job); !s.ok())
+        return s;
     if (d_src == nullptr && !grads.qkv_weight && !grads.norm_weight && !grads.norm_bias) return Status::Ok();
 
     // d_o (T, D) = dy Wo, then the attention backward into dqkv (T, 3D).
@@ -262,11 +272,12 @@ class Training {
     a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
     if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "attention_backward launch");
-    if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
-      if (Status s = weight_gradient(d_qkv_, 3 * D_, b.norm, grads.qkv_weight, "qkv_weight gradient"); !s.ok())
-        return s;
     // d_beta, the column sums of d_xn = dqkv Wqkv, as those of dqkv times Wqkv (column_sums.h says why).
-    if (grads.norm_bias) sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias);
+    const int dqkv_job = grads.norm_bias ? sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias) : -1;
+    if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
+      if (Status s = weight_gradient(d_qkv_, 3 * D_, b.norm, grads.qkv_weight, "qkv_weight gradient", sums, dqkv_job);
+          !s.ok())
+        return s;
     if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
 
     // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward; d_attn_ is free again and takes d_xn * xhat.

@@ -17,6 +17,10 @@
 // Both are short bodies driving the parts of weight_gradient_parts.cuh (the
 // scheduler, a mainloop per instruction family, the epilogues); what is here
 // is each kernel's own: tile shape, shared memory, copies and pipeline.
+// Asked for (WeightGradientArgs::a_sums), both also take A's column sums per
+// chunk (ASums: the bias gradient where A is a layer's output gradient) from
+// the A tiles they stream anyway, in instances of their own (kSums), so that
+// the plain ones keep their code.
 //
 // ---- The mma.sync kernel ----
 // Shape. A block owns a 128 x 64 tile of C (kWeightGradTileN x
@@ -229,8 +233,9 @@ __device__ __forceinline__ void copy_tile(float* s, const float* m, int64_t ld, 
 }
 
 // The block's tile of C (blockIdx.x) over its chunk of rows (blockIdx.y), into p.out: C itself
-// (one chunk) or the chunk's partial tile. kVec: 16-byte copies.
-template <bool kVec>
+// (one chunk) or the chunk's partial tile. kVec: 16-byte copies. kSums: also A's column sums
+// (ASums) into p.a_sums.
+template <bool kVec, bool kSums>
 __global__ void __launch_bounds__(kThreads, 2) chunk_product_kernel(const Product p) {
   extern __shared__ float4 smem4[];
   float* const sm = reinterpret_cast<float*>(smem4);
@@ -252,6 +257,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_product_kernel(const Produc
   };
   float acc[2][4][4];
   zero_piece(acc);
+  const bool sums = kSums && tile.n0 == 0;  // the chunk's first tile column takes A's column sums
+  ASums a_sums;
 
   // The ring: stages 0 .. kStages - 2 in flight first; a group committed every step, empty or
   // not, so that wait<kStages - 2> always means "this step's copies are in".
@@ -272,10 +279,12 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_product_kernel(const Produc
       const float* sa = sm + read * kStageFloats;
       stage_products(acc, sa, sa + BK * LDA, wm, wn, g, t);
     }
+    if (sums) a_sums.add(sm + read * kStageFloats);
     read = read == kStages - 1 ? 0 : read + 1;
     write = write == kStages - 1 ? 0 : write + 1;
   }
 
+  if (sums) a_sums.store(p, tile, reinterpret_cast<double*>(sm));
   if (!active) return;
   store_piece(acc, p, tile.m0 + wm, tile.n0 + wn, g, t);
 }
@@ -466,8 +475,9 @@ struct WgPipeline {
 #endif  // FASTAXIAL_SM90A_DEVICE
 
 // The block's tile of C (blockIdx.x) over its chunk of rows (blockIdx.y), into p.out, on wgmma.
-// A and B 16-byte aligned, lda, ldb and K multiples of 4 (weight_gradient_wgmma).
-template <int BN>
+// A and B 16-byte aligned, lda, ldb and K multiples of 4 (weight_gradient_wgmma). kSums: also
+// A's column sums (ASums) into p.a_sums.
+template <int BN, bool kSums>
 __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const Product p) {
 #if FASTAXIAL_SM90A_DEVICE
   extern __shared__ float4 smem4[];
@@ -484,6 +494,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
   allow_dependent_launch();
 
   WgRows<typename WgTiling<BN>::Elem, BN> r;  // zeroed
+  const bool sums = kSums && tile.n0 == 0;     // the chunk's first tile column takes A's column sums
+  ASums a_sums;
   pipe.fill();
   if (active && tile.steps > 0) r.load(r.fa, pipe.a_tile(0), a_row, 0);
 
@@ -508,6 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
         r.add(r.fa);
         r.issue(r.fb, sb, 2);  // run 1
       }
+      if (sums) a_sums.add(sa);  // while run 1 is on the tensor cores
       pipe.arrive();  // step i + 1 is in for all
       if constexpr (kWork) {
         if (i + 1 < tile.steps) r.load(r.fa, pipe.a_tile(i + 1), a_row, 0);
@@ -520,6 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_product_wgmma_kernel(const 
   else
     all_steps(std::false_type{});
   copy_async_wait<0>();  // the empty groups of the last steps
+  if (sums) a_sums.store(p, tile, reinterpret_cast<double*>(pipe.ring));
 
   if (!active) return;
   r.store(p, tile, a_row);
@@ -555,18 +569,18 @@ __global__ void __launch_bounds__(kSumCols* kSumLanes)
   c[e / K * ldc + e % K] = total;
 }
 
-template <bool kVec>
+template <bool kVec, bool kSums>
 cudaError_t launch_chunks(const Product& p, unsigned tiles, unsigned splits, const DeviceCaps& dev,
                           cudaStream_t stream) {
-  constexpr auto kernel = chunk_product_kernel<kVec>;
+  constexpr auto kernel = chunk_product_kernel<kVec, kSums>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;  // 78 KB: past the default 48
   return launch_kernel<kernel>(dim3(tiles, splits), dim3(kThreads), kWeightGradSmemBytes, stream, dev, p);
 }
 
-template <int BN>
+template <int BN, bool kSums>
 cudaError_t launch_wgmma(const Product& p, unsigned tiles, unsigned splits, const DeviceCaps& dev,
                          cudaStream_t stream) {
-  constexpr auto kernel = chunk_product_wgmma_kernel<BN>;
+  constexpr auto kernel = chunk_product_wgmma_kernel<BN, kSums>;
   if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
   return launch_kernel<kernel>(dim3(tiles, splits), dim3(kThreads), WgTiling<BN>::kSmemBytes, stream, dev, p);
 }
@@ -611,14 +625,17 @@ cudaError_t weight_gradient(const WeightGradientArgs& g, float* partials, size_t
   p.out = split.splits > 1 ? partials : g.c;
   p.ld_out = split.splits > 1 ? g.K : g.ldc;
   p.vec_out = aligned16(p.out) && p.ld_out % 4 == 0;
+  p.a_sums = g.a_sums;
   const bool vec = aligned16(g.a) && aligned16(g.b) && g.lda % 4 == 0 && g.ldb % 4 == 0;
-  cudaError_t e;
-  if (wgmma)
-    e = bn == 64 ? launch_wgmma<64>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream)
-                 : launch_wgmma<128>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream);
-  else
-    e = vec ? launch_chunks<true>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream)
-            : launch_chunks<false>(p, (unsigned)tiles, (unsigned)split.splits, dev, stream);
+  const auto tiles_u = (unsigned)tiles, splits_u = (unsigned)split.splits;
+  const cudaError_t e = with_bools(
+      [&](auto vec_c, auto sums_c) {
+        constexpr bool kVec = decltype(vec_c)::value, kSums = decltype(sums_c)::value;
+        if (!wgmma) return launch_chunks<kVec, kSums>(p, tiles_u, splits_u, dev, stream);
+        return bn == 64 ? launch_wgmma<64, kSums>(p, tiles_u, splits_u, dev, stream)
+                        : launch_wgmma<128, kSums>(p, tiles_u, splits_u, dev, stream);
+      },
+      vec, g.a_sums != nullptr);
   if (e != cudaSuccess) return e;
   if (split.splits == 1) return cudaSuccess;
   const int64_t blocks = ((int64_t)g.N * g.K + kSumCols - 1) / kSumCols;

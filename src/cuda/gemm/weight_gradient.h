@@ -27,6 +27,11 @@ struct WeightGradientArgs {
   // Run the mma.sync kernel even where the wgmma one would (tests, comparisons); the partials
   // that weight_gradient_partials_floats sizes serve both.
   bool mma_sync = false;
+  // Where not null, also A's column sums (the bias gradient of the layer whose output gradient A
+  // is) in fp64 over each chunk of rows: a_sums[s][n] = sum of A[t][n] over chunk s's rows, for the
+  // S = weight_gradient_variant(g, dev).split.splits chunks ([S][N] doubles); their sum over s in a
+  // fixed order is the column sum (norm/column_sums.h: ColumnSumJobs::take_chunks).
+  double* a_sums = nullptr;
 };
 
 // The kernel, tiles and split weight_gradient runs g with on dev: plan.h's rule

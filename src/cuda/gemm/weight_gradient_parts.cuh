@@ -5,7 +5,8 @@
 //   - the mainloops, per instruction family: a stage's products for a warp's 32 x 32 piece on
 //     mma.sync, a run's for a warpgroup's 64 rows on wgmma (WgRows<Elem, BN>, on the element
 //     traits of detail/tf32x3.cuh);
-//   - the epilogues: a warp's piece or a warpgroup's rows into C, or into a split's partial tile.
+//   - the epilogues: a warp's piece or a warpgroup's rows into C, or into a split's partial tile;
+//   - ASums: A's column sums over the block's chunk, where the call asks for them.
 // What stays in weight_gradient.cu is the kernels' own: their tile shapes, shared-memory layouts,
 // copies and pipelines, and the order in which they call these parts.
 #pragma once
@@ -31,7 +32,8 @@ struct Product {
   int64_t lda, ldb, ld_out;
   int64_t T, rows;  // rows summed; rows a chunk (a multiple of BK)
   int N, K, tiles_k;
-  bool vec_out;  // out 16-byte aligned with ld_out a multiple of 4: 16-byte stores
+  bool vec_out;     // out 16-byte aligned with ld_out a multiple of 4: 16-byte stores
+  double* a_sums;   // [S][N]: A's column sums over each chunk (the kernels' kSums instances), else null
 };
 
 // ---- The scheduler ----------------------------------------------------------
@@ -153,6 +155,34 @@ __device__ __forceinline__ void store_piece(const float (&acc)[2][4][4], const P
       store_row(out + row * p.ld_out + col, v, col, p.K, p.vec_out);
     }
 }
+
+// ---- A's column sums ---------------------------------------------------------
+// A layer's bias gradient is the column sums of its output gradient, the A of its weight's
+// gradient: the blocks of a chunk's first tile column (n0 = 0) take them from the A tiles they
+// stream through shared memory anyway, rather than a kernel of their own reading A again. In
+// fp64, as column_sums.cu (a sum over every position). Thread x takes column x % 128 of the tile
+// and the rows of each stage of parity x / 128, in order; the two parities are then added, even
+// first, into a_sums[chunk][m0 + column]. Both kernels hold a stage's A as (BK, LDA) floats,
+// columns m0 .. m0 + 127 (zeros past N and past the chunk).
+struct ASums {
+  static_assert(kWeightGradTileN == 128 && kWeightGradWgmmaTileN == 128, "256 threads: two a column");
+  double sum = 0.0;
+  // The stage's A tile sa (BK, LDA).
+  __device__ __forceinline__ void add(const float* sa) {
+    const float* col = sa + threadIdx.x / 128 * LDA + threadIdx.x % 128;
+#pragma unroll
+    for (int i = 0; i < BK / 2; ++i) sum += (double)col[2 * i * LDA];
+  }
+  // After the last stage, by every thread of the block: scratch, 128 doubles of shared memory that
+  // nothing reads any more once every thread is here.
+  __device__ __forceinline__ void store(const Product& p, const ChunkTile& tile, double* scratch) const {
+    const int c = threadIdx.x % 128;
+    __syncthreads();
+    if (threadIdx.x >= 128) scratch[c] = sum;
+    __syncthreads();
+    if (threadIdx.x < 128 && tile.m0 + c < p.N) p.a_sums[(int64_t)blockIdx.y * p.N + tile.m0 + c] = sum + scratch[c];
+  }
+};
 
 #if FASTAXIAL_SM90A_DEVICE
 // ---- wgmma: a warpgroup's 64 rows ---------------------------------------------

@@ -2,7 +2,9 @@
 // a block per (32 columns, chunk of rows, job) sums its chunk, 8 row lanes
 // per column each taking every 8th row and then added in lane order; a warp
 // per column adds the chunks; a projected job's sums then multiply its
-// weight, a block per 32 output columns with 32 lanes over the inputs.
+// weight, a block per 32 output columns with 32 lanes over the inputs. A job
+// whose chunk partials another kernel wrote (ColumnSumJobs::take_chunks)
+// skips the first launch.
 // The sums run in fp64 and round to fp32 once at the end: a bias gradient is
 // a sum over every position of the grid (tens of thousands of terms), and an
 // fp32 tree over them adds rounding errors of the order of the terms' own
@@ -29,9 +31,10 @@ template <typename T>
 __device__ __forceinline__ T of_job(const T (&field)[ColumnSumJobs::kMax], int j) {
   return j == 0 ? field[0] : j == 1 ? field[1] : field[2];
 }
-// Where job j's chunk partials start: chunks columns of each job before it.
-__device__ __forceinline__ int64_t job_offset(const ColumnSumJobs& jobs, int j, int64_t chunks) {
-  return chunks * (j == 0 ? 0 : j == 1 ? jobs.cols[0] : jobs.cols[0] + jobs.cols[1]);
+// Where job j's chunk partials start (ColumnSumJobs::chunk_partials): kMaxChunks a column of each
+// job before it.
+__device__ __forceinline__ int64_t job_offset(const ColumnSumJobs& jobs, int j) {
+  return kMaxChunks * (j == 0 ? 0 : j == 1 ? jobs.cols[0] : jobs.cols[0] + jobs.cols[1]);
 }
 
 // partials[chunk][c] = sum of a[r][c] over the chunk's rows, for job blockIdx.z.
@@ -40,10 +43,11 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
   grid_dependency_wait();
   allow_dependent_launch();
   const int j = blockIdx.z, N = of_job(jobs.cols, j);
-  if (blockIdx.x * kCols >= N) return;  // past this job's columns (the grid covers the widest)
+  // Past this job's columns (the grid covers the widest), or its partials are in already.
+  if (blockIdx.x * kCols >= N || of_job(jobs.chunks, j) > 0) return;
   __shared__ double lane_sums[kRowLanes][kCols];
   const float* __restrict__ a = of_job(jobs.a, j);
-  partials += job_offset(jobs, j, gridDim.y);
+  partials += job_offset(jobs, j);
   const int c = blockIdx.x * kCols + threadIdx.x;
   const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
   double sum = 0.0;
@@ -60,10 +64,11 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
   }
 }
 
-// Column c of job blockIdx.y: the sum of partials[k][c] over the chunks k, a warp per column, lane
-// l adding chunks l, l + 32, ... in order, then the lanes' sums by a fixed butterfly (the same tree
-// every call). A thread per column walking all chunks would wait out a memory latency per chunk.
-// Rounded into sums, or for the projected job kept in fp64 at `totals`.
+// Column c of job blockIdx.y: the sum of partials[k][c] over the job's chunks k (`chunks`, or
+// those another kernel wrote), a warp per column, lane l adding chunks l, l + 32, ... in order, then
+// the lanes' sums by a fixed butterfly (the same tree every call). A thread per column walking all
+// chunks would wait out a memory latency per chunk. Rounded into sums, or for the projected job
+// kept in fp64 at `totals`.
 __global__ void chunk_total_kernel(const double* __restrict__ partials, int64_t chunks, const ColumnSumJobs jobs,
                                    double* __restrict__ totals) {
   grid_dependency_wait();
@@ -71,7 +76,8 @@ __global__ void chunk_total_kernel(const double* __restrict__ partials, int64_t 
   const int j = blockIdx.y, N = of_job(jobs.cols, j);
   const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (c >= N) return;
-  partials += job_offset(jobs, j, chunks);
+  if (of_job(jobs.chunks, j) > 0) chunks = of_job(jobs.chunks, j);
+  partials += job_offset(jobs, j);
   double total = 0.0;
   for (int64_t k = lane; k < chunks; k += 32) total += partials[k * N + c];
   total = warp_sum(total);
@@ -115,25 +121,31 @@ int64_t column_sum_chunks(int64_t M) {
   return std::max<int64_t>(1, (M + per - 1) / per);
 }
 
-int64_t column_sum_partials(const ColumnSumJobs& jobs, int64_t M) {
+int64_t column_sum_partials(const ColumnSumJobs& jobs) {
   int64_t cols = 0;
   for (int j = 0; j < jobs.count; ++j) cols += jobs.cols[j];
-  return column_sum_chunks(M) * cols + (jobs.projected >= 0 ? jobs.cols[jobs.projected] : 0);
+  return kMaxChunks * cols + (jobs.projected >= 0 ? jobs.cols[jobs.projected] : 0);
 }
 
 cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, double* partials, const DeviceCaps& dev,
                         cudaStream_t stream) {
   if (jobs.count == 0) return cudaSuccess;
-  int widest = 0, cols = 0;
-  for (int j = 0; j < jobs.count; ++j) widest = std::max(widest, jobs.cols[j]), cols += jobs.cols[j];
+  int widest = 0, widest_here = 0, cols = 0;  // widest_here: of the jobs whose chunks are summed here
+  for (int j = 0; j < jobs.count; ++j) {
+    if (jobs.chunks[j] < 0 || jobs.chunks[j] > kMaxChunks) return cudaErrorInvalidValue;
+    widest = std::max(widest, jobs.cols[j]), cols += jobs.cols[j];
+    if (jobs.chunks[j] == 0) widest_here = std::max(widest_here, jobs.cols[j]);
+  }
   if (widest == 0) return cudaSuccess;
   const int64_t per = rows_per_chunk(M), chunks = column_sum_chunks(M);
-  double* totals = partials + chunks * cols;  // the projected job's sums
-  const dim3 grid((widest + kCols - 1) / kCols, (unsigned)chunks, jobs.count);
-  if (cudaError_t e = launch_kernel<chunk_sums_kernel>(grid, dim3(kCols, kRowLanes), 0, stream, dev, jobs, M, per,
-                                                       partials);
-      e != cudaSuccess)
-    return e;
+  double* totals = partials + kMaxChunks * cols;  // the projected job's sums
+  if (widest_here > 0) {
+    const dim3 grid((widest_here + kCols - 1) / kCols, (unsigned)chunks, jobs.count);
+    if (cudaError_t e = launch_kernel<chunk_sums_kernel>(grid, dim3(kCols, kRowLanes), 0, stream, dev, jobs, M, per,
+                                                         partials);
+        e != cudaSuccess)
+      return e;
+  }
   if (cudaError_t e = launch_kernel<chunk_total_kernel>(dim3((widest + 7) / 8, jobs.count), 256, 0, stream, dev,
                                                         partials, chunks, jobs, totals);
       e != cudaSuccess || jobs.projected < 0)

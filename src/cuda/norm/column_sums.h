@@ -18,32 +18,50 @@ namespace fastaxial::cuda {
 // bias gradient is such a job: the column sums of d_xn = dqkv Wqkv are those of dqkv times Wqkv,
 // and summing dqkv first keeps the product's rounding, whose sign the tensor cores' truncation
 // makes the same at every position, out of a sum over every position (docs/perf-notes.md, v77).
+//
+// A job's chunk partials may come from a kernel that reads its matrix anyway (the weight
+// gradients' ASums: a matrix's column sums are the bias gradient where it is a layer's output
+// gradient): that kernel writes them at chunk_partials(partials, j), [n][cols[j]] doubles for its n
+// chunks, and take_chunks(j, n) says so; column_sums then only adds them up.
 struct ColumnSumJobs {
   static constexpr int kMax = 3;
   int count = 0;
   const float* a[kMax] = {};  // (M, cols[j])
   int cols[kMax] = {};
   float* sums[kMax] = {};     // (cols[j]), or (out_cols) for the projected job
+  int64_t chunks[kMax] = {};  // the chunk partials another kernel wrote for job j, else 0
   int projected = -1;         // the projected job's index, or -1
   const float* w = nullptr;   // (cols[projected], out_cols), row-major
   int out_cols = 0;
-  void add(const float* matrix, int n, float* out) { a[count] = matrix, cols[count] = n, sums[count++] = out; }
-  void add_projected(const float* matrix, int n, const float* weight, int out_n, float* out) {
-    projected = count, w = weight, out_cols = out_n;
-    add(matrix, n, out);
+  // The job's index.
+  int add(const float* matrix, int n, float* out) {
+    a[count] = matrix, cols[count] = n, sums[count] = out;
+    return count++;
   }
+  int add_projected(const float* matrix, int n, const float* weight, int out_n, float* out) {
+    projected = count, w = weight, out_cols = out_n;
+    return add(matrix, n, out);
+  }
+  // Where job j's chunk partials lie in the scratch: kMaxColumnSumChunks a column of each job before it.
+  double* chunk_partials(double* partials, int j) const {
+    int64_t before = 0;
+    for (int i = 0; i < j; ++i) before += cols[i];
+    return partials + kMaxColumnSumChunks * before;
+  }
+  // Job j's n (1 .. kMaxColumnSumChunks) chunk partials are at chunk_partials: not summed again.
+  void take_chunks(int j, int64_t n) { chunks[j] = n; }
 };
 
 // Chunks of rows a sum over M rows is cut into (at most kMaxColumnSumChunks).
 int64_t column_sum_chunks(int64_t M);
 
-// Doubles of scratch column_sums needs: column_sum_chunks(M) a column of every job, and one more
-// a column of the projected job. The backward's plan holds (5 * kMaxColumnSumChunks + 3) D: the
+// Doubles of scratch column_sums needs: kMaxColumnSumChunks a column of every job, and one more a
+// column of the projected job. The backward's plan holds (5 * kMaxColumnSumChunks + 3) D: the
 // jobs of a pass are dy (D), dqkv (3D, projected) and d_xn * xhat (D).
-int64_t column_sum_partials(const ColumnSumJobs& jobs, int64_t M);
+int64_t column_sum_partials(const ColumnSumJobs& jobs);
 
 // sums[j] = the column sums of a[j] (M, cols[j]) for each job, the projected job's times w; partials
-// is scratch of column_sum_partials(jobs, M) doubles. M = 0 gives zeros.
+// is scratch of column_sum_partials(jobs) doubles. M = 0 gives zeros.
 cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, double* partials, const DeviceCaps& dev,
                         cudaStream_t stream);
 

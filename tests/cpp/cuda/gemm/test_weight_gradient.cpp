@@ -194,6 +194,40 @@ TEST_P(WeightGradient, MatchesDoubleProductAndRepeatsBitwise) {
       }
     EXPECT_LE(worst, allowed) << kernel << ": worst element (" << bad_n << ", " << bad_k << "): split error " << R
                               << ", fp32 loop's " << E32 << " (expected size " << Q << "), chunks " << splits;
+
+    // Again with A's column sums (WeightGradientArgs::a_sums): C the same bits; chunk s's sum of
+    // column n that of the host in float64 over the chunk's rows, to fp64 rounding (a row missed
+    // or counted twice is off by about |A| ~ 1); nothing written past the [splits][N] sums.
+    const int64_t chunk_rows =
+        weight_gradient_split(T, N, K, dev, on_wgmma ? WeightGradKernel::kWgmma : WeightGradKernel::kMmaSync).rows;
+    const size_t sums = (size_t)splits * N, kTail = 8;
+    std::vector<double> want(sums, 0.0), size(sums, 0.0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        const double x = a[c.a_offset + t * lda + n];
+        want[t / chunk_rows * N + n] += x, size[t / chunk_rows * N + n] += std::fabs(x);
+      }
+    const DevicePtr ds = device_alloc(2 * (sums + kTail));
+    ASSERT_TRUE(ds);
+    double* const d_sums = reinterpret_cast<double*>(ds.get());
+    CUDA_OK(cudaMemset(dc.get(), 0xff, c_floats * 4));
+    CUDA_OK(cudaMemset(d_sums, 0xff, (sums + kTail) * sizeof(double)));
+    g.a_sums = d_sums;
+    CUDA_OK(cuda::weight_gradient(g, partial_floats > 0 ? dp.get() : nullptr, partial_floats * 4, dev, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    g.a_sums = nullptr;
+    std::vector<float> with_sums(c_floats);
+    std::vector<double> got(sums + kTail);
+    CUDA_OK(cudaMemcpy(with_sums.data(), dc.get(), c_floats * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got.data(), d_sums, got.size() * sizeof(double), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(out[0].data(), with_sums.data(), c_floats * 4), 0) << kernel << ": C with the sums differs";
+    for (size_t e = 0; e < sums; ++e) {
+      const double bound = std::ldexp(size[e], -52) * (double)std::min(T, chunk_rows);
+      ASSERT_LE(std::fabs(got[e] - want[e]), bound) << kernel << ": chunk " << e / N << ", column " << e % N << ": "
+                                                    << got[e] << " against " << want[e];
+    }
+    for (size_t e = sums; e < got.size(); ++e)
+      ASSERT_TRUE(std::isnan(got[e])) << kernel << ": wrote past the sums, " << e - sums << " doubles past";
   }
 }
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -20,7 +21,9 @@ namespace {
 // M rows: no rows, fewer than a chunk, one chunk per 64 rows, and the most chunks with rows left
 // over. The rows have a mean far from zero (as a bias gradient's terms can), so that a sum in fp32
 // would be off by many ulps; the sums run in fp64 and round once, so each result is the float64
-// sum rounded: within an ulp. Two calls give the same bits.
+// sum rounded: within an ulp. Two calls give the same bits. Then again with the first two jobs'
+// chunk partials written by another kernel (the weight gradients' ASums; here from the host, in
+// fp64, over chunks of their own count): their matrices are not given, and the sums are the same.
 TEST(CudaColumnSums, JobsAndProjectedJobMatchDouble) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   DeviceCaps dev;
@@ -29,69 +32,83 @@ TEST(CudaColumnSums, JobsAndProjectedJobMatchDouble) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (int D : {1, 24, 96, 200}) {
     for (int64_t M : {0, 5, 640, 9001}) {
-      SCOPED_TRACE("D " + std::to_string(D) + ", M " + std::to_string(M));
-      const int cols[3] = {D, 3 * D, D};
-      std::vector<std::vector<float>> a(3);
-      for (int j = 0; j < 3; ++j) {
-        a[j].resize((size_t)M * cols[j]);
-        for (size_t i = 0; i < a[j].size(); ++i) a[j][i] = 2.0f + u(rng) + 0.25f * (float)(i % cols[j] % 3);
-      }
-      std::vector<float> w((size_t)3 * D * D);
-      for (float& v : w) v = u(rng);
-
-      std::vector<DevicePtr> bufs;
-      bool ok = true;
-      auto put = [&](const std::vector<float>& h) {
-        bufs.push_back(device_alloc(h.size() + 1));
-        float* d = bufs.back().get();
-        ok = ok && d != nullptr &&
-             cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess;
-        return d;
-      };
-      auto poisoned = [&](size_t count) {
-        bufs.push_back(device_alloc(count));
-        float* d = bufs.back().get();
-        ok = ok && d != nullptr && cudaMemset(d, 0xff, count * sizeof(float)) == cudaSuccess;
-        return d;
-      };
-      cuda::ColumnSumJobs jobs;
-      float* out[3] = {poisoned(D), poisoned(D), poisoned(D)};
-      jobs.add(put(a[0]), D, out[0]);
-      jobs.add_projected(put(a[1]), 3 * D, put(w), D, out[1]);
-      jobs.add(put(a[2]), D, out[2]);
-      const int64_t partials = cuda::column_sum_partials(jobs, M);
-      EXPECT_LE(partials, kColumnPartialsPerDim * D) << "the plan's scratch holds a pass's jobs";
-      double* scratch = nullptr;
-      ASSERT_EQ(cudaMalloc(&scratch, partials * sizeof(double)), cudaSuccess);
-      ASSERT_TRUE(ok) << "allocating and filling the buffers";
-      CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));
-      CUDA_OK(cuda::column_sums(jobs, M, scratch, dev, nullptr));
-      CUDA_OK(cudaDeviceSynchronize());
-      std::vector<std::vector<float>> got(3, std::vector<float>(D)), again(3, std::vector<float>(D));
-      for (int j = 0; j < 3; ++j)
-        CUDA_OK(cudaMemcpy(got[j].data(), out[j], D * sizeof(float), cudaMemcpyDeviceToHost));
-      CUDA_OK(cuda::column_sums(jobs, M, scratch, dev, nullptr));
-      for (int j = 0; j < 3; ++j)
-        CUDA_OK(cudaMemcpy(again[j].data(), out[j], D * sizeof(float), cudaMemcpyDeviceToHost));
-      CUDA_OK(cudaFree(scratch));
-
-      for (int j = 0; j < 3; ++j) {
-        std::vector<double> sums(cols[j], 0.0);
-        for (int64_t r = 0; r < M; ++r)
-          for (int c = 0; c < cols[j]; ++c) sums[c] += a[j][r * cols[j] + c];
-        std::vector<double> ref = sums;
-        if (j == 1) {  // the projected job: sums (3D) times w (3D, D)
-          ref.assign(D, 0.0);
-          for (int c = 0; c < 3 * D; ++c)
-            for (int o = 0; o < D; ++o) ref[o] += sums[c] * w[(size_t)c * D + o];
+      for (bool taken : {false, true}) {
+        SCOPED_TRACE("D " + std::to_string(D) + ", M " + std::to_string(M) + (taken ? ", chunks taken" : ""));
+        const int cols[3] = {D, 3 * D, D};
+        std::vector<std::vector<float>> a(3);
+        for (int j = 0; j < 3; ++j) {
+          a[j].resize((size_t)M * cols[j]);
+          for (size_t i = 0; i < a[j].size(); ++i) a[j][i] = 2.0f + u(rng) + 0.25f * (float)(i % cols[j] % 3);
         }
-        for (int o = 0; o < D; ++o) {
-          const float want = (float)ref[o];
-          const double ulp = std::nextafter(std::abs(want), INFINITY) - std::abs(want);
-          ASSERT_LE(std::abs(got[j][o] - ref[o]), ulp) << "job " << j << ", column " << o << ": " << got[j][o]
-                                                       << " against " << ref[o];
+        std::vector<float> w((size_t)3 * D * D);
+        for (float& v : w) v = u(rng);
+
+        std::vector<DevicePtr> bufs;
+        bool ok = true;
+        auto put = [&](const std::vector<float>& h) {
+          bufs.push_back(device_alloc(h.size() + 1));
+          float* d = bufs.back().get();
+          ok = ok && d != nullptr &&
+               cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess;
+          return d;
+        };
+        auto poisoned = [&](size_t count) {
+          bufs.push_back(device_alloc(count));
+          float* d = bufs.back().get();
+          ok = ok && d != nullptr && cudaMemset(d, 0xff, count * sizeof(float)) == cudaSuccess;
+          return d;
+        };
+        cuda::ColumnSumJobs jobs;
+        float* out[3] = {poisoned(D), poisoned(D), poisoned(D)};
+        EXPECT_EQ(jobs.add(taken ? nullptr : put(a[0]), D, out[0]), 0);
+        EXPECT_EQ(jobs.add_projected(taken ? nullptr : put(a[1]), 3 * D, put(w), D, out[1]), 1);
+        EXPECT_EQ(jobs.add(put(a[2]), D, out[2]), 2);
+        const int64_t partials = cuda::column_sum_partials(jobs);
+        EXPECT_LE(partials, kColumnPartialsPerDim * D) << "the plan's scratch holds a pass's jobs";
+        double* scratch = nullptr;
+        ASSERT_EQ(cudaMalloc(&scratch, partials * sizeof(double)), cudaSuccess);
+        ASSERT_TRUE(ok) << "allocating and filling the buffers";
+        CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));
+        if (taken) {
+          // Chunks of 97 rows (the last shorter), at most kMaxColumnSumChunks: the last takes the rest.
+          const int64_t n = std::min<int64_t>(kMaxColumnSumChunks, std::max<int64_t>(1, (M + 96) / 97));
+          for (int j = 0; j < 2; ++j) {
+            std::vector<double> chunk_sums((size_t)n * cols[j], 0.0);
+            for (int64_t r = 0; r < M; ++r)
+              for (int c = 0; c < cols[j]; ++c) chunk_sums[std::min(r / 97, n - 1) * cols[j] + c] += a[j][r * cols[j] + c];
+            CUDA_OK(cudaMemcpy(jobs.chunk_partials(scratch, j), chunk_sums.data(), chunk_sums.size() * sizeof(double),
+                               cudaMemcpyHostToDevice));
+            jobs.take_chunks(j, n);
+          }
         }
-        EXPECT_TRUE(same_bits(got[j], again[j])) << "job " << j << ": a second call";
+        CUDA_OK(cuda::column_sums(jobs, M, scratch, dev, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        std::vector<std::vector<float>> got(3, std::vector<float>(D)), again(3, std::vector<float>(D));
+        for (int j = 0; j < 3; ++j)
+          CUDA_OK(cudaMemcpy(got[j].data(), out[j], D * sizeof(float), cudaMemcpyDeviceToHost));
+        CUDA_OK(cuda::column_sums(jobs, M, scratch, dev, nullptr));
+        for (int j = 0; j < 3; ++j)
+          CUDA_OK(cudaMemcpy(again[j].data(), out[j], D * sizeof(float), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaFree(scratch));
+
+        for (int j = 0; j < 3; ++j) {
+          std::vector<double> sums(cols[j], 0.0);
+          for (int64_t r = 0; r < M; ++r)
+            for (int c = 0; c < cols[j]; ++c) sums[c] += a[j][r * cols[j] + c];
+          std::vector<double> ref = sums;
+          if (j == 1) {  // the projected job: sums (3D) times w (3D, D)
+            ref.assign(D, 0.0);
+            for (int c = 0; c < 3 * D; ++c)
+              for (int o = 0; o < D; ++o) ref[o] += sums[c] * w[(size_t)c * D + o];
+          }
+          for (int o = 0; o < D; ++o) {
+            const float want = (float)ref[o];
+            const double ulp = std::nextafter(std::abs(want), INFINITY) - std::abs(want);
+            ASSERT_LE(std::abs(got[j][o] - ref[o]), ulp) << "job " << j << ", column " << o << ": " << got[j][o]
+                                                         << " against " << ref[o];
+          }
+          EXPECT_TRUE(same_bits(got[j], again[j])) << "job " << j << ": a second call";
+        }
       }
     }
   }
