@@ -82,24 +82,9 @@ GRAD_NAMES = ("x",) + tuple(f"{m}.{p}" for m, p in fastaxial.reference._WEIGHT_N
 FUSED_NODE = "AxialAttentionFunction"  # the operator's C++ autograd node
 
 
-def rel_err(a, exact):
-    """||a - exact|| / ||exact|| in float64: inf where `a` is not finite, 0 where a equals exact
-    (both zero included)."""
-    a = a.detach().to(torch.float64)
-    exact = exact.detach().to(device=a.device, dtype=torch.float64)
-    assert a.shape == exact.shape, (a.shape, exact.shape)
-    if not torch.isfinite(a).all():
-        return float("inf")
-    num, den = (a - exact).norm().item(), exact.norm().item()
-    if num == 0:
-        return 0.0
-    return num / den if den > 0 else float("inf")
-
-
-def max_rel_err(a, exact):
-    """max |a - exact| / max |exact| in float64 (the largest element's error, against the largest
-    element): an error confined to a few elements, which the norm of rel_err dilutes; inf where `a` is
-    not finite, 0 where a equals exact."""
+def _relative(a, exact, size):
+    """size(a - exact) / size(exact) in float64: inf where `a` is not finite, 0 where a equals exact
+    (both zero or empty included)."""
     a = a.detach().to(torch.float64)
     exact = exact.detach().to(device=a.device, dtype=torch.float64)
     assert a.shape == exact.shape, (a.shape, exact.shape)
@@ -107,10 +92,21 @@ def max_rel_err(a, exact):
         return float("inf")
     if a.numel() == 0:
         return 0.0
-    num, den = (a - exact).abs().max().item(), exact.abs().max().item()
+    num, den = size(a - exact), size(exact)
     if num == 0:
         return 0.0
     return num / den if den > 0 else float("inf")
+
+
+def rel_err(a, exact):
+    """||a - exact|| / ||exact|| (_relative)."""
+    return _relative(a, exact, lambda t: t.norm().item())
+
+
+def max_rel_err(a, exact):
+    """max |a - exact| / max |exact| (_relative): the largest element's error, against the largest
+    element, an error confined to a few elements, which the norm of rel_err dilutes."""
+    return _relative(a, exact, lambda t: t.abs().max().item())
 
 
 def check(got, fp32, exact, what="output", k=K):
