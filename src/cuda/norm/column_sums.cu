@@ -31,11 +31,6 @@ template <typename T>
 __device__ __forceinline__ T of_job(const T (&field)[ColumnSumJobs::kMax], int j) {
   return j == 0 ? field[0] : j == 1 ? field[1] : field[2];
 }
-// Where job j's chunk partials start (ColumnSumJobs::chunk_partials): kMaxChunks a column of each
-// job before it.
-__device__ __forceinline__ int64_t job_offset(const ColumnSumJobs& jobs, int j) {
-  return kMaxChunks * (j == 0 ? 0 : j == 1 ? jobs.cols[0] : jobs.cols[0] + jobs.cols[1]);
-}
 
 // partials[chunk][c] = sum of a[r][c] over the chunk's rows, for job blockIdx.z.
 __global__ void __launch_bounds__(kCols* kRowLanes)
@@ -47,7 +42,7 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
   if (blockIdx.x * kCols >= N || of_job(jobs.chunks, j) > 0) return;
   __shared__ double lane_sums[kRowLanes][kCols];
   const float* __restrict__ a = of_job(jobs.a, j);
-  partials += job_offset(jobs, j);
+  partials += jobs.partials_offset(j);
   const int c = blockIdx.x * kCols + threadIdx.x;
   const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
   double sum = 0.0;
@@ -77,7 +72,7 @@ __global__ void chunk_total_kernel(const double* __restrict__ partials, int64_t 
   const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (c >= N) return;
   if (of_job(jobs.chunks, j) > 0) chunks = of_job(jobs.chunks, j);
-  partials += job_offset(jobs, j);
+  partials += jobs.partials_offset(j);
   double total = 0.0;
   for (int64_t k = lane; k < chunks; k += 32) total += partials[k * N + c];
   total = warp_sum(total);

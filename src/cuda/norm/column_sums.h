@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../../common/axis.h"  // FASTAXIAL_HOST_DEVICE
 #include "../../common/plan.h"  // DeviceCaps
 
 namespace fastaxial::cuda {
@@ -24,7 +25,7 @@ namespace fastaxial::cuda {
 // gradient): that kernel writes them at chunk_partials(partials, j), [n][cols[j]] doubles for its n
 // chunks, and take_chunks(j, n) says so; column_sums then only adds them up.
 struct ColumnSumJobs {
-  static constexpr int kMax = 3;
+  static constexpr int kMax = 3;  // partials_offset names jobs 0, 1 and 2
   int count = 0;
   const float* a[kMax] = {};  // (M, cols[j])
   int cols[kMax] = {};
@@ -42,12 +43,13 @@ struct ColumnSumJobs {
     projected = count, w = weight, out_cols = out_n;
     return add(matrix, n, out);
   }
-  // Where job j's chunk partials lie in the scratch: kMaxColumnSumChunks a column of each job before it.
-  double* chunk_partials(double* partials, int j) const {
-    int64_t before = 0;
-    for (int i = 0; i < j; ++i) before += cols[i];
-    return partials + kMaxColumnSumChunks * before;
+  // Where job j's chunk partials start in the scratch, in doubles: kMaxColumnSumChunks a column
+  // of each job before it. Constant indices (kMax = 3), so that a kernel reading it keeps its
+  // parameters in place rather than copying them to local memory for a runtime index.
+  FASTAXIAL_HOST_DEVICE int64_t partials_offset(int j) const {
+    return kMaxColumnSumChunks * (j == 0 ? 0 : j == 1 ? cols[0] : cols[0] + cols[1]);
   }
+  double* chunk_partials(double* partials, int j) const { return partials + partials_offset(j); }
   // Job j's n (1 .. kMaxColumnSumChunks) chunk partials are at chunk_partials: not summed again.
   void take_chunks(int j, int64_t n) { chunks[j] = n; }
 };
