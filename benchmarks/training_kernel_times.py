@@ -1,11 +1,12 @@
-"""GPU time of the column-sum kernels in a CUDA training step (forward, then backward of a fixed
-output gradient) at the benchmark's six shapes, from the torch profiler over 10 steps.
+"""GPU time of the kernels of a CUDA training step (forward, then backward of a fixed output
+gradient) at the benchmark's six shapes, from the torch profiler over 10 steps.
 
     PYTHONPATH=python python benchmarks/training_kernel_times.py
 
 Prints each shape's total kernel time a step, its six longest kernels, and the column sums
-(norm/column_sums.cu: chunk_sums, chunk_total, project). A kernel launched early under programmatic dependent launch
-counts its wait for the kernel before it, so its time is an upper bound.
+(norm/column_sums.cu: chunk_sums, chunk_total, project). A kernel launched early under
+programmatic dependent launch counts its wait for the kernel before it, so its time is an upper
+bound.
 """
 import collections, sys
 import torch
