@@ -51,10 +51,13 @@ _CUDA_TRAINING_DEVICES = {}  # device index -> whether the CUDA training path ru
 
 
 def _cuda_training_device(device):
+    # torch.compile traces this too, on a process's first call before any eager one: Dynamo folds
+    # current_device and get_device_properties into constants, but would put get_device_capability
+    # into the graph as a call of its own.
     index = device.index if device.index is not None else torch.cuda.current_device()
     known = _CUDA_TRAINING_DEVICES.get(index)
     if known is None:
-        known = _CUDA_TRAINING_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= _CUDA_TRAINING_MIN_MAJOR
+        known = _CUDA_TRAINING_DEVICES[index] = torch.cuda.get_device_properties(index).major >= _CUDA_TRAINING_MIN_MAJOR
     return known
 
 
@@ -247,8 +250,8 @@ class AxialAttention(reference.AxialAttentionReference):
             if not _HAS_DROPOUT:
                 return "this build has no attention dropout (it was built without Random123)"
             if not _cuda_training_device(x.device):
-                return ("attention dropout on CUDA needs compute capability 8.0 or newer, got "
-                        + ".".join(map(str, torch.cuda.get_device_capability(x.device))))
+                props = torch.cuda.get_device_properties(x.device)
+                return f"attention dropout on CUDA needs compute capability 8.0 or newer, got {props.major}.{props.minor}"
             return (f"attention dropout on CUDA serves head dims up to {_CUDA_TRAINING_MAX_HEAD_DIM}, "
                     f"got {x.shape[3] // self.num_heads}")
         if x.dtype is not torch.float32:
