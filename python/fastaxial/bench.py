@@ -63,11 +63,7 @@ model: training steps of a small axial transformer (fastaxial.model_bench says w
 On the CPU every protocol times each call by the host clock (nothing to
 flush or synchronize; harness there is grad and training mode without the
 fill), and host rows are measured the same way as on CUDA; the training
-step's peak memory is None there. The queued, synchronized and training
-protocols time the contenders there in CPU_ROUNDS alternating rounds (each
-round every contender in turn, the order reversed every other round), so
-that a spell of contention on a shared machine falls on all of them rather
-than on whichever was being timed.
+step's peak memory is None there.
 
 In bench.json, per shape: "results" (queued, with the correctness check),
 "synchronized" and "harness", each {contender: {mean_us, median_us, iters, stdev_us}}
@@ -133,7 +129,6 @@ GPU_REPLAYS = 100
 FLUSH_BYTES = 256 * 2**20
 CPU_MATRIX = 1024  # the side of the CPU's matrices for the matrix rates (CUDA's: 8192)
 ERROR_CHARS = 1000  # of a failed contender's error message, kept in the report
-CPU_ROUNDS = 5  # alternating rounds of the contenders' timed calls on the CPU (module docstring)
 
 ITERS_HELP = "timed forwards per contender (default 200 CUDA, 20 CPU)"
 TRAINING_DROPOUT = 0.1
@@ -239,33 +234,6 @@ class Timer:
             times.append(self._events_around(fn))
         return _stats(times)
 
-    def interleaved(self, fns, iters, warmup, rounds=CPU_ROUNDS):
-        """The CPU's queued and synchronized protocols for several contenders at once: each warmed up,
-        then `rounds` rounds of about iters / rounds calls each by the host clock, every contender in
-        turn (the order reversed every other round). {name: stats}, iters calls each; a contender
-        whose call raises is {error} and leaves the rounds."""
-        out, times = {}, {}
-        for name, fn in fns.items():
-            try:
-                for _ in range(warmup):
-                    fn()
-                times[name] = []
-            except Exception as e:
-                out[name] = {"error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}
-        for r in range(rounds):
-            calls = iters // rounds + (r < iters % rounds)
-            for name in (list(times) if r % 2 == 0 else list(times)[::-1]):
-                if name in out:
-                    continue
-                try:
-                    times[name] += _host_clock(fns[name], calls)
-                except Exception as e:
-                    out[name] = {"error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}
-        for name, t in times.items():
-            if name not in out:
-                out[name] = _stats(t)
-        return {name: out[name] for name in fns}
-
     def harness(self, fn, iters, warmup):
         for _ in range(warmup):
             fn()
@@ -366,8 +334,6 @@ def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=DE
     x = torch.randn(B, H, W, D, device=device).to(dtype)
     fp32 = dtype is torch.float32
     rows, synchronized = {}, {}
-    interleave = device.type == "cpu"  # (module docstring: CPU_ROUNDS)
-    ran = {}  # on the CPU, the contenders that ran, timed together below
     with torch.no_grad():
         # fp32 against the fp32 reference; bf16 against the reference in float64 (bf16 converts exactly).
         expected = ref(x) if fp32 else copy.deepcopy(ref).double()(x.double())
@@ -376,27 +342,18 @@ def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=DE
                 fn(x)
                 got = fn(x).clone()  # second call: compiled graphs settle
                 err = (got.to(expected.dtype) - expected).abs().max().item()
-                rows[name] = {} if interleave else timer.queued(lambda: fn(x), iters, warmup)
-                rows[name]["max_abs_err"] = err
+                rows[name] = {**timer.queued(lambda: fn(x), iters, warmup), "max_abs_err": err}
                 if fp32:
                     rows[name]["allclose_1e-4"] = bool(torch.allclose(got, expected, atol=1e-4, rtol=1e-4))
-                if interleave:
-                    ran[name] = lambda fn=fn: fn(x)
-                elif "synchronized" in protocols:
+                if "synchronized" in protocols:
                     synchronized[name] = timer.synchronized(lambda: fn(x), iters, warmup)
             except Exception as e:  # a contender that cannot run a shape (an SDPA backend, say) is a result
                 rows[name] = {"error": f"{type(e).__name__}: {e}"[:ERROR_CHARS]}
                 if "synchronized" in protocols:
                     synchronized[name] = rows[name]
             finally:
-                if name.startswith("compile") and not interleave:
+                if name.startswith("compile"):
                     torch._dynamo.reset()  # drop compiled graphs before the next contender
-        if ran:
-            for name, stats in timer.interleaved(ran, iters, warmup).items():
-                rows[name] = {**stats, **rows[name]} if "error" not in stats else stats
-            if "synchronized" in protocols:
-                synchronized.update(timer.interleaved(ran, iters, warmup))
-            torch._dynamo.reset()
     if not fp32:
         eager_err = rows["eager"].get("max_abs_err")
         for row in rows.values():
@@ -488,8 +445,6 @@ def training_rows(ref, new, x, g, device, timer, iters, warmup, compile_):
     exact = float64_grads(ref, x, g)
     x = x.detach().requires_grad_(False)
     rows = {}
-    interleave = device.type == "cpu"  # (module docstring: CPU_ROUNDS)
-    ran = {}  # on the CPU, the contenders that trained, timed together below
     with torch.enable_grad():
         for name, fn in contenders(ref, new, device, compile_).items():
             weights = (new if name == "fastaxial" else ref).weights()
@@ -500,29 +455,15 @@ def training_rows(ref, new, x, g, device, timer, iters, warmup, compile_):
                     step()
                 _sync(device)
                 row["peak_bytes"] = step_peak_bytes(step, weights, device)
-                if interleave:
-                    ran[name] = step
-                else:
-                    row["synchronized"] = timer.synchronized(step, iters, warmup)
-                    row["queued"] = timer.queued(step, iters, warmup)
+                row["synchronized"] = timer.synchronized(step, iters, warmup)
+                row["queued"] = timer.queued(step, iters, warmup)
                 row["grad_max_abs_err"] = grad_errors(fn, weights, x, g, exact)
             except Exception as e:  # a contender that cannot train is a result, not a crash
                 row["error"] = f"{type(e).__name__}: {e}"[:ERROR_CHARS]
-                ran.pop(name, None)
             finally:
                 _clear_grads(weights)
-                if name.startswith("compile") and not interleave:
+                if name.startswith("compile"):
                     torch._dynamo.reset()
-        for key in ("synchronized", "queued") if ran else ():
-            for name, stats in timer.interleaved(ran, iters, warmup).items():
-                if "error" in stats:
-                    rows[name]["error"] = stats["error"]
-                else:
-                    rows[name][key] = stats
-        for name in ran:
-            _clear_grads((new if name == "fastaxial" else ref).weights())
-        if ran:
-            torch._dynamo.reset()
     eager = rows.get("eager", {})
     for row in rows.values():
         peak, eager_peak = row.get("peak_bytes"), eager.get("peak_bytes")

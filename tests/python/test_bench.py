@@ -182,32 +182,6 @@ def test_training_records_a_failing_contender(monkeypatch, tmp_path):
     assert "- (2, 5, 6, 16, 2) broken: RuntimeError: cannot train" in md and "second line" not in md
 
 
-def test_cpu_contenders_are_timed_in_alternating_rounds():
-    """On the CPU the contenders' timed calls alternate: CPU_ROUNDS rounds, each contender in turn, the
-    order reversed every other round; each gets its warm-up and then exactly iters timed calls; one that
-    raises is an error row and the others still get all of theirs."""
-    order = []
-
-    def make(name, fail_at=None):
-        def fn():
-            order.append(name)
-            if fail_at is not None and order.count(name) == fail_at:
-                raise RuntimeError(f"{name} broke")
-        return fn
-
-    timer = bench.Timer(torch.device("cpu"))
-    fns = {"a": make("a"), "b": make("b"), "c": make("c", fail_at=4)}
-    out = timer.interleaved(fns, iters=7, warmup=2, rounds=3)
-    assert list(out) == ["a", "b", "c"]
-    assert out["a"]["iters"] == out["b"]["iters"] == 7 and positive(out["a"]["mean_us"], out["b"]["median_us"])
-    assert out["c"] == {"error": "RuntimeError: c broke"}
-    # Warm-up (2 each), then rounds of 3, 2 and 2 calls: a b c (c breaks on its 2nd timed call, its 4th
-    # in all), then b a (reversed, without c), then a b.
-    assert order == ["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["a"] * 3 + ["b"] * 3 + ["c"] * 2 + ["b"] * 2 + \
-        ["a"] * 2 + ["a"] * 2 + ["b"] * 2
-    assert bench.CPU_ROUNDS > 1
-
-
 def test_training_is_asked_for_not_default():
     assert "training" in bench.PROTOCOLS and "training" not in bench.DEFAULT_PROTOCOLS
     assert bench.parse_protocols("training,queued") == ("queued", "training")
