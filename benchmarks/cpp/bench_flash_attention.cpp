@@ -15,7 +15,7 @@
 // it where it fits); rate: 14 N heads L^2 hd (the seven products of the recomputing kernels) for
 // all three, and each one's largest difference of dqkv from the first relative to max |dqkv|.
 // Not a test: built on request (ninja bench_flash_attention), run on a GPU.
-//   build/tests/cpp/bench_flash_attention [reps] [N L hd heads]...
+//   build/benchmarks/cpp/bench_flash_attention [reps] [N L hd heads]...
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -9,7 +9,7 @@
 // and residual from cuBLAS's C, relative to the largest |C| (a sanity check; test_gemm_tf32x3
 // holds the accuracy bounds against float64).
 // Not a test: built on request (ninja bench_gemm), run on a GPU.
-//   build/tests/cpp/bench_gemm [reps] [M N K]...
+//   build/benchmarks/cpp/bench_gemm [reps] [M N K]...
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 

@@ -7,7 +7,7 @@
 // split, the partials' total). Also prints the largest difference of each result from cuBLAS's,
 // relative to the largest |C| (a sanity check; test_weight_gradient holds the accuracy bounds).
 // Not a test: built on request (ninja bench_weight_gradient), run on a GPU.
-//   build/tests/cpp/bench_weight_gradient [reps] [T N K]...
+//   build/benchmarks/cpp/bench_weight_gradient [reps] [T N K]...
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
