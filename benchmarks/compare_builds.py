@@ -11,7 +11,8 @@ inputs.
     python benchmarks/compare_builds.py compare BEFORE.json... -- AFTER.json...
 
 `compare` prints one row per timing, after / before from the mean over rounds of each round's
-median, flags rows off by more than --tolerance, and lists every shape whose bits differ.
+median, flags rows off by more than --tolerance, and lists every shape whose bits differ. Beside it,
+the same ratio from the median over rounds: where the two part, a few rounds were noisy.
 """
 import argparse
 import hashlib
@@ -79,7 +80,8 @@ def compare(args):
     sides = [args.files[:split], args.files[split + 1:]]
     loaded = [[json.load(open(p))["rows"] for p in side] for side in sides]
     worst, off, bits = 1.0, [], []
-    print(f"| shape | timing | before µs | after µs | after / before |\n|---|---|---:|---:|---:|")
+    print("| shape | timing | before µs | after µs | after / before | by medians over rounds |\n"
+          "|---|---|---:|---:|---:|---:|")
     for key, row in loaded[0][0].items():
         for what in row:
             if what.endswith("bits"):
@@ -89,11 +91,13 @@ def compare(args):
             b = statistics.fmean(r[key][what] for r in loaded[0])
             a = statistics.fmean(r[key][what] for r in loaded[1])
             ratio = a / b
+            by_medians = statistics.median(r[key][what] for r in loaded[1]) / statistics.median(
+                r[key][what] for r in loaded[0])
             worst = max(worst, ratio)
             mark = " **off**" if abs(ratio - 1) > args.tolerance else ""
             if mark:
-                off.append(f"{key} {what}: {ratio:.3f}")
-            print(f"| {key} | {what} | {b:.1f} | {a:.1f} | {ratio:.3f}{mark} |")
+                off.append(f"{key} {what}: {ratio:.3f} (by medians {by_medians:.3f})")
+            print(f"| {key} | {what} | {b:.1f} | {a:.1f} | {ratio:.3f}{mark} | {by_medians:.3f} |")
     print(f"\nrows off by more than {args.tolerance:.0%}: {len(off)}" + "".join(f"\n  {o}" for o in off))
     print(f"bits that differ between builds or rounds: {len(bits)}" + "".join(f"\n  {b}" for b in bits))
     return 1 if bits else 0
