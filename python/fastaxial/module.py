@@ -51,10 +51,13 @@ _CUDA_TRAINING_DEVICES = {}  # device index -> whether the CUDA training path ru
 
 
 def _cuda_training_device(device):
-    # torch.compile traces this too, on a process's first call before any eager one: Dynamo folds
-    # current_device and get_device_properties into constants, but would put get_device_capability
-    # into the graph as a call of its own.
+    # torch.compile traces this too. Dynamo folds current_device and get_device_properties into
+    # constants (get_device_capability it would put into the graph as a call of its own). Traced, the
+    # cache is left alone: a first fill inside a trace changes a global the graph's guards read, so
+    # the next call would compile the graph again.
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.compiler.is_compiling():
+        return torch.cuda.get_device_properties(index).major >= _CUDA_TRAINING_MIN_MAJOR
     known = _CUDA_TRAINING_DEVICES.get(index)
     if known is None:
         known = _CUDA_TRAINING_DEVICES[index] = torch.cuda.get_device_properties(index).major >= _CUDA_TRAINING_MIN_MAJOR

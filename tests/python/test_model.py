@@ -75,6 +75,27 @@ def test_compiled_module_is_the_operator_alone(dropout, device, monkeypatch):
     assert others(g["backward"], ()) == [], g["backward"]
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_compiled_module_compiles_once(dropout, device, monkeypatch):
+    """Compiled as a process's first call (the module's per-device cache empty), the module compiles
+    once over several training steps: nothing the first trace fills in may fail the graph's guards
+    on the next call."""
+    monkeypatch.setattr(fastaxial.module, "_CUDA_TRAINING_DEVICES", {})
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    m = fastaxial.AxialAttention(32, 2, 5, 6, dropout=dropout).to(device).train()
+    compiled = torch.compile(m, backend=backend)
+    x = torch.randn(2, 5, 6, 32, device=device, requires_grad=True)
+    for _ in range(3):
+        compiled(x).sum().backward()
+    assert len(graphs) == 1, [g.code for g in graphs]
+
+
 def test_compiled_model_has_no_graph_break(device):
     """The benchmark's model under torch.compile: one graph, no break (at fastaxial or elsewhere)."""
     torch._dynamo.reset()
