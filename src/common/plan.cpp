@@ -248,6 +248,7 @@ bool flash_wgmma_can_run(int hdp, int64_t len, const DeviceCaps& dev) {
 }  // namespace
 
 FlashVariant flash_variant(const FlashProblem& f, const DeviceCaps& dev) {
+  if (f.products != Products::kFp32) return {FlashKernel::kMmaSync, 1};  // its only kernel, unsplit
   if (f.len <= kFlashShortMaxLen && !f.mma_sync) return {FlashKernel::kShort, 1};
   int splits = 1;
   const size_t need = flash_partials_bytes(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);

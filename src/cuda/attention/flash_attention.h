@@ -56,6 +56,8 @@ struct FlashArgs {
   // Run the mma.sync kernel even where a wgmma one or the short-sequence one would: for tests
   // and benchmarks that compare them.
   bool mma_sync = false;
+  // The products' element type (plan.h): 16-bit products run on the mma.sync kernel, unsplit.
+  Products products = Products::kFp32;
 };
 
 // What the kernels receive of a (the dropout fields go as a DropoutPass of their own).

@@ -120,7 +120,8 @@ struct Result {
 // for the pass (none where that is 0).
 // mma_sync: the mma.sync kernel even where a wgmma one or the short-sequence one applies.
 void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
-             const uint64_t* philox_seed_offset = nullptr, bool partials = false, bool mma_sync = false) {
+             const uint64_t* philox_seed_offset = nullptr, bool partials = false, bool mma_sync = false,
+             Products products = Products::kFp32) {
   const int64_t D = pr.D, T = pr.T, lse_n = 2 * pr.N * pr.heads * pr.L;  // hi, then lo
   const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
                   dlse = device_alloc((size_t)(lse_n + kGuardLse));
@@ -137,7 +138,7 @@ void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, 
 
   cuda::FlashArgs a;
   a.pos = pr.view, a.qkv = qkv_at, a.o = dout.get(), a.lse = dlse.get(), a.D = (int)D, a.heads = pr.heads;
-  a.mma_sync = mma_sync;
+  a.mma_sync = mma_sync, a.products = products;
   if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
   DevicePtr dpart;
   if (partials) {
@@ -363,6 +364,107 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{256, 32, 4, true, 1, 6, 0, 0}, Case{300, 17, 2, false, 1, 3, 0, 3},
                       Case{4096, 32, 1, false, 1, 1, 0, 0}, Case{1000, 12, 2, true, 1, 2, 1, 0}),
     [](const auto& info) { return case_name(info.param); });
+
+// x rounded to bf16 or fp16 (nearest, ties to even; fp16's subnormals too), as the 16-bit products'
+// fragments and PyTorch's conversions round.
+float round16(float x, Products type) {
+  if (type == Products::kBf16) return from_bits((bits(x) + 0x7fffu + ((bits(x) >> 16) & 1u)) & 0xffff0000u);
+  if (std::fabs(x) < 0x1p-14f) return std::nearbyint(x * 0x1p24f) * 0x1p-24f;  // fp16 subnormals: steps of 2^-24
+  return from_bits((bits(x) + 0xfffu + ((bits(x) >> 13) & 1u)) & 0xffffe000u);
+}
+
+struct Case16 {
+  Case shape;
+  Products type;
+};
+
+std::string case16_name(const Case16& c) {
+  return case_name(c.shape) + (c.type == Products::kBf16 ? "_bf16" : "_fp16");
+}
+
+// 16-bit products (FlashArgs::products, detail/mma16.cuh: q, k, v and p rounded to the type, fp32
+// accumulation) against float64 on the exact fp32 inputs, by issue 37's accuracy rule: at most twice
+// the error of PyTorch's attention math run in the same type on the host: q, k and v rounded, the
+// scores rounded (a 16-bit matmul's output), the softmax in float64 and its output rounded, p v
+// summed in float64 and rounded. Max errors over every valid element of the case. Rows outside the
+// view stay poison; no NaN (it counts as an infinite error).
+class FlashAttention16 : public ::testing::TestWithParam<Case16> {};
+
+TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
+  const Case16 c = GetParam();
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.shape.hd, &dev, &why)) GTEST_SKIP() << why;
+  const Problem pr = make_problem(c.shape);
+  {
+    cuda::FlashArgs a;
+    a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads, a.products = c.type;
+    ASSERT_EQ(cuda::flash_attention_variant(a, dev).kernel, FlashKernel::kMmaSync);
+    ASSERT_EQ(cuda::flash_attention_variant(a, dev).splits, 1);
+  }
+  Result r;
+  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, false, c.type);
+  if (HasFatalFailure()) return;
+  const int64_t D = pr.D, L = pr.L, hd = pr.hd;
+  const auto r16 = [&](double x) { return (double)round16((float)x, c.type); };
+  const double scale = 1.0 / std::sqrt((double)hd);
+  double worst = 0.0, worst_ref = 0.0;
+  std::vector<char> touched((size_t)(pr.T + kGuardRows), 0);
+  std::vector<double> s((size_t)L), o((size_t)hd), o16((size_t)hd);
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t h = 0; h < pr.heads; ++h)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t orow = pr.view.offset(n, l);
+        touched[(size_t)orow] = 1;
+        const float* q = pr.qkv.data() + orow * 3 * D + h * hd;
+        std::vector<double> s16((size_t)L);
+        double m = -INFINITY, m16 = -INFINITY;
+        for (int64_t k = 0; k < L; ++k) {
+          const float* kr = pr.qkv.data() + pr.view.offset(n, k) * 3 * D + D + h * hd;
+          double e = 0.0, e16 = 0.0;
+          for (int64_t i = 0; i < hd; ++i) e += (double)q[i] * kr[i], e16 += r16(q[i]) * r16(kr[i]);
+          s[k] = e * scale, s16[k] = r16(e16) * scale;
+          m = std::max(m, s[k]), m16 = std::max(m16, s16[k]);
+        }
+        double sum = 0.0, sum16 = 0.0;
+        for (int64_t k = 0; k < L; ++k) sum += std::exp(s[k] - m), sum16 += std::exp(s16[k] - m16);
+        std::fill(o.begin(), o.end(), 0.0), std::fill(o16.begin(), o16.end(), 0.0);
+        for (int64_t k = 0; k < L; ++k) {
+          const float* vr = pr.qkv.data() + pr.view.offset(n, k) * 3 * D + 2 * D + h * hd;
+          const double p = std::exp(s[k] - m) / sum, p16 = r16(std::exp(s16[k] - m16) / sum16);
+          for (int64_t i = 0; i < hd; ++i) o[i] += p * vr[i], o16[i] += p16 * r16(vr[i]);
+        }
+        const float* got = r.o.data() + orow * D + h * hd;
+        for (int64_t i = 0; i < hd; ++i) {
+          worst = worst_abs(worst, got[i], o[i]);
+          worst_ref = worst_abs(worst_ref, (float)r16(o16[i]), o[i]);
+        }
+      }
+  EXPECT_GT(worst_ref, 0.0);  // the same-type reference does round
+  EXPECT_LE(worst, 2.0 * worst_ref) << "16-bit products' max error " << worst << ", the same-type reference's "
+                                    << worst_ref;
+  int64_t written = 0;
+  for (int64_t r_ = 0; r_ < pr.T + kGuardRows; ++r_)
+    if (!touched[(size_t)r_])
+      for (int64_t i = 0; i < D; ++i) written += !is_poison(r.o[(size_t)(r_ * D + i)]);
+  EXPECT_EQ(written, 0) << "elements of rows outside the view written";
+}
+
+// Both types across the padded head dims, the 2-warp blocks of short sequences (L <= 32), one and
+// several key tiles, the 4-byte copies (odd head dims, misaligned qkv), views that leave rows out.
+const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {7, 16, 4, false, 3, 5, 0, 0},
+                         {65, 16, 3, false, 1, 10, 7, 0}, {200, 24, 2, true, 1, 4, 3, 0},
+                         {64, 64, 2, false, 2, 4, 0, 1},  {200, 96, 1, true, 1, 3, 0, 0},
+                         {130, 128, 2, true, 1, 2, 0, 0}, {65, 160, 2, false, 1, 3, 0, 2},
+                         {100, 256, 1, false, 1, 2, 0, 0}, {33, 32, 2, true, 2, 5, 0, 0}};
+std::vector<Case16> cases16() {
+  std::vector<Case16> out;
+  for (const Case& c : kCases16)
+    for (Products t : {Products::kBf16, Products::kFp16}) out.push_back({c, t});
+  return out;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttention16, ::testing::ValuesIn(cases16()),
+                         [](const auto& info) { return case16_name(info.param); });
 
 // The kernel flash_attention picks (common/plan.h's flash_variant): wgmma for padded head dim 32
 // and the wide wgmma kernel for 64, 96 and 128, past kFlashWgmmaMinLen on sm_90a code (in a build
