@@ -19,7 +19,7 @@
 // registers and shared memory they no longer hold let more of them share an
 // SM.
 //
-// Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh),
+// Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh; or the 16-bit products below),
 // the parts of flash_parts.cuh and mainloop_mma.cuh:
 //   s (16, BN) = q (16, HDP) k^T (HDP, BN)       MmaMainloop::scores
 //   online softmax on s in registers: running row max m and sum l (base 2:
@@ -55,7 +55,7 @@
 // HDP 64, 32 up to 128, 16 beyond) so that nothing spills, and q's fragments
 // are read from shared memory and split at each k-step rather than held.
 // q, k and v stay raw fp32 in shared memory (cp.async copies them as they
-// are) and are split into (hi, lo) as fragments are loaded.
+// are) and are split into (hi, lo), or rounded to 16 bits, as fragments are loaded.
 //
 // Global loads: 16-byte cp.async where every head slice is 16-byte aligned
 // (hd % 4 == 0 and qkv 16-byte aligned, hence D % 4 == 0), else 4-byte

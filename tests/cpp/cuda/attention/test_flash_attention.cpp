@@ -402,9 +402,12 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
     ASSERT_EQ(cuda::flash_attention_variant(a, dev).kernel, FlashKernel::kMmaSync);
     ASSERT_EQ(cuda::flash_attention_variant(a, dev).splits, 1);
   }
-  Result r;
+  Result r, r32;
   run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, false, c.type);
+  run_gpu(pr, c.shape.misalign, dev, &r32, nullptr, nullptr, false, true);  // 3xTF32, same kernel
   if (HasFatalFailure()) return;
+  // The 16-bit products ran: every case's v is rounded, so some row differs from 3xTF32's.
+  EXPECT_GT(rows_differing(pr, r, r32), 0) << "the 16-bit products gave the fp32 kernel's bits";
   const int64_t D = pr.D, L = pr.L, hd = pr.hd;
   const auto r16 = [&](double x) { return (double)round16((float)x, c.type); };
   const double scale = 1.0 / std::sqrt((double)hd);
@@ -448,11 +451,17 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
     if (!touched[(size_t)r_])
       for (int64_t i = 0; i < D; ++i) written += !is_poison(r.o[(size_t)(r_ * D + i)]);
   EXPECT_EQ(written, 0) << "elements of rows outside the view written";
+  int64_t lse_written = 0;  // (its values are the rounded scores' softmax: no fp32 backward reads them yet)
+  for (size_t i = (size_t)(2 * pr.N * pr.heads * L); i < r.lse.size(); ++i) lse_written += !is_poison(r.lse[i]);
+  EXPECT_EQ(lse_written, 0) << "lse written past (2, num_seq, heads, L)";
 }
 
-// Both types across the padded head dims, the 2-warp blocks of short sequences (L <= 32), one and
-// several key tiles, the 4-byte copies (odd head dims, misaligned qkv), views that leave rows out.
-const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {7, 16, 4, false, 3, 5, 0, 0},
+// Both types across the padded head dims (8 with one key and with many: the single-step scores),
+// the 2-warp blocks of short sequences (L <= 32), one and several key tiles, the 4-byte copies
+// (odd head dims, misaligned qkv), views that leave rows out. Dropout with 16-bit products is
+// built but not tested yet.
+const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 6, 0, 2},
+                         {7, 16, 4, false, 3, 5, 0, 0},   {65, 40, 4, true, 2, 3, 0, 0},
                          {65, 16, 3, false, 1, 10, 7, 0}, {200, 24, 2, true, 1, 4, 3, 0},
                          {64, 64, 2, false, 2, 4, 0, 1},  {200, 96, 1, true, 1, 3, 0, 0},
                          {130, 128, 2, true, 1, 2, 0, 0}, {65, 160, 2, false, 1, 3, 0, 2},
@@ -469,6 +478,26 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttention16, ::testing::ValuesIn(cases16()
 // The kernel flash_attention picks (common/plan.h's flash_variant): wgmma for padded head dim 32
 // and the wide wgmma kernel for 64, 96 and 128, past kFlashWgmmaMinLen on sm_90a code (in a build
 // with it), unless the mma.sync kernel is asked for; the short kernel up to kFlashShortMaxLen.
+// 16-bit products: the mma.sync kernel, unsplit and without split partials, where fp32 would take
+// the short kernel, a wgmma one or a split.
+TEST(FlashAttentionRules, SixteenBitProductsStayOnMmaSyncUnsplit) {
+  DeviceCaps dev;
+  dev.sm90a = true, dev.sms = 132, dev.cc_major = 9, dev.smem_optin = 232448;
+  for (const FlashProblem base : {FlashProblem{1, 4096, 32, 1}, FlashProblem{8, 3, 64, 2}, FlashProblem{4, 300, 64, 4}}) {
+    FlashProblem f = base;
+    f.partials_bytes = workspace_bytes(f, dev) + 1;
+    const FlashVariant v32 = flash_variant(f, dev);
+    EXPECT_TRUE(v32.kernel != FlashKernel::kMmaSync || v32.splits > 1) << "a shape fp32 sends elsewhere";
+    for (Products t : {Products::kBf16, Products::kFp16}) {
+      f.products = t;
+      const FlashVariant v = flash_variant(f, dev);
+      EXPECT_EQ(v.kernel, FlashKernel::kMmaSync);
+      EXPECT_EQ(v.splits, 1);
+      EXPECT_EQ(workspace_bytes(f, dev), 0u);
+    }
+  }
+}
+
 TEST(FlashAttentionRules, KernelVariant) {
   DeviceCaps h = h200();
   const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);  // a build without sm_90a code never takes wgmma
