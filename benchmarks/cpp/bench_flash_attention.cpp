@@ -1,7 +1,8 @@
 // Timing of the staged path's flash attention (src/cuda/attention/flash_attention.cu): one pass of
 // N sequences of length L, `heads` heads of head_dim hd, qkv and o contiguous rows (as a row pass
 // of a (1, N, L, heads hd) grid), on the kernel flash_attention picks (wgmma where it applies)
-// and on the mma.sync kernel (FlashArgs::mma_sync), with the log-sum-exp written (as the
+// and on the mma.sync kernel (FlashArgs::mma_sync), then on bf16 and fp16 products (FlashArgs::products,
+// the mma.sync kernel; their difference from the first relative to max |o|), with the log-sum-exp written (as the
 // training forward does) and without a split-KV buffer (so no pass splits its keys here).
 // Each time is the mean of `reps` calls,
 // each after the L2 is flushed (a 256 MB memset), between CUDA events around the call alone.
@@ -70,8 +71,9 @@ int main(int argc, char** argv) {
   const DeviceCaps dev = fastaxial::test::bench_device(reps);
   fastaxial::test::ColdTimer timer;
 
-  std::printf("%6s %5s %4s %5s | %-22s | %-18s | %s\n", "N", "L", "hd", "heads", "flash_attention (kernel)",
-              "mma.sync forced", "max diff / max |o|");
+  std::printf("%6s %5s %4s %5s | %-22s | %-18s | %s | %-27s | %-27s\n", "N", "L", "hd", "heads",
+              "flash_attention (kernel)", "mma.sync forced", "max diff / max |o|", "bf16 products (diff)",
+              "fp16 products (diff)");
   for (const Shape& s : shapes) {
     const int64_t D = (int64_t)s.hd * s.heads, T = s.N * s.L;
     fastaxial::AxialParams p;
@@ -83,27 +85,33 @@ int main(int argc, char** argv) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> hqkv((size_t)(T * 3 * D));
     for (float& x : hqkv) x = normal(rng);
-    float *qkv, *o[2], *lse;
+    float *qkv, *o[4], *lse, *lse16;
     BENCH_CHECK(cudaMalloc(&qkv, hqkv.size() * 4));
     for (float*& oi : o) BENCH_CHECK(cudaMalloc(&oi, (size_t)(T * D) * 4));
     BENCH_CHECK(cudaMalloc(&lse, (size_t)(2 * s.N * s.heads * s.L) * 4));  // hi, lo
+    BENCH_CHECK(cudaMalloc(&lse16, (size_t)(2 * s.N * s.heads * s.L) * 4));  // the 16-bit runs' (the backward reads lse)
     BENCH_CHECK(cudaMemcpy(qkv, hqkv.data(), hqkv.size() * 4, cudaMemcpyHostToDevice));
 
     cuda::FlashArgs a;
     a.pos = view, a.qkv = qkv, a.lse = lse, a.D = (int)D, a.heads = s.heads;
-    // variant 0: as picked; 1: mma.sync. Returns the mean time in ms.
+    // variant 0: as picked; 1: mma.sync; 2 and 3: bf16 and fp16 products (the mma.sync kernel).
+    // Returns the mean time in ms.
     const auto time = [&](int variant) {
       cuda::FlashArgs av = a;
       av.o = o[variant], av.mma_sync = variant == 1;
+      if (variant >= 2) av.products = variant == 2 ? fastaxial::Products::kBf16 : fastaxial::Products::kFp16, av.lse = lse16;
       return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::flash_attention(av, dev, nullptr)); });
     };
-    double ms[2];
-    for (int v = 0; v < 2; ++v) ms[v] = time(v);
+    double ms[4];
+    for (int v = 0; v < 4; ++v) ms[v] = time(v);
     const double flop = 4.0 * (double)s.N * s.heads * (double)s.L * (double)s.L * s.hd;
     const bool wgmma = cuda::flash_wgmma_chosen(a, dev);
-    std::printf("%6lld %5lld %4d %5d | %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e\n", (long long)s.N,
-                (long long)s.L, s.hd, s.heads, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma",
-                1e3 * ms[1], flop / ms[1] * 1e-9, relative_difference(o[0], o[1], (size_t)(T * D)));
+    std::printf("%6lld %5lld %4d %5d | %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e | %8.1f us %5.1f TF %.1e | "
+                "%8.1f us %5.1f TF %.1e\n",
+                (long long)s.N, (long long)s.L, s.hd, s.heads, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma",
+                1e3 * ms[1], flop / ms[1] * 1e-9, relative_difference(o[0], o[1], (size_t)(T * D)), 1e3 * ms[2],
+                flop / ms[2] * 1e-9, relative_difference(o[0], o[2], (size_t)(T * D)), 1e3 * ms[3],
+                flop / ms[3] * 1e-9, relative_difference(o[0], o[3], (size_t)(T * D)));
     // The backward from variant 0's o and lse.
     std::vector<float> hdo((size_t)(T * D));
     for (float& x : hdo) x = normal(rng);
@@ -137,6 +145,7 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(qkv));
     for (float* oi : o) BENCH_CHECK(cudaFree(oi));
     BENCH_CHECK(cudaFree(lse));
+    BENCH_CHECK(cudaFree(lse16));
   }
   return 0;
 }

@@ -248,6 +248,7 @@ bool flash_wgmma_can_run(int hdp, int64_t len, const DeviceCaps& dev) {
 }  // namespace
 
 FlashVariant flash_variant(const FlashProblem& f, const DeviceCaps& dev) {
+  if (f.products != Products::kFp32) return {FlashKernel::kMmaSync, 1};  // its only kernel, unsplit
   if (f.len <= kFlashShortMaxLen && !f.mma_sync) return {FlashKernel::kShort, 1};
   int splits = 1;
   const size_t need = flash_partials_bytes(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);
@@ -615,7 +616,8 @@ bool can_run(const FlashProblem& f, const DeviceCaps& dev) {
   return flash_padded_head_dim(f.head_dim) != 0 && f.len < (int64_t{1} << 30) && dev.cc_major >= 8;
 }
 size_t workspace_bytes(const FlashProblem& f, const DeviceCaps& dev) {
-  return f.dropout ? 0 : flash_partials_bytes(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);
+  if (f.dropout || f.products != Products::kFp32) return 0;  // no split there
+  return flash_partials_bytes(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);
 }
 
 bool can_run(const AttentionGradProblem& a, const DeviceCaps& dev) {

@@ -256,11 +256,17 @@ constexpr int kFlashShortMaxLen = 4;
 constexpr int64_t kFlashWgmmaMinLen = 64;
 
 // What the choice reads of a flash_attention call (FlashArgs).
+// The element type of the attention kernels' products: fp32 on 3xTF32 (fp32 accuracy), or a 16-bit
+// type with fp32 accumulation (detail/mma16.cuh), as autocast computes the reference's products.
+// The 16-bit products run on the mma.sync kernel only, for now.
+enum class Products { kFp32, kBf16, kFp16 };
+
 struct FlashProblem {
   int64_t num_seq = 0, len = 0, head_dim = 0;
   int64_t heads = 0;
   bool dropout = false;       // attention dropout on (threshold != 0)
   bool mma_sync = false;      // FlashArgs::mma_sync: the mma.sync kernel wherever it can run
+  Products products = Products::kFp32;
   size_t partials_bytes = 0;  // room given for split-KV partials (0: none)
 };
 

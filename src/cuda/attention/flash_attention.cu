@@ -19,7 +19,7 @@
 // registers and shared memory they no longer hold let more of them share an
 // SM.
 //
-// Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh),
+// Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh; or the 16-bit products below),
 // the parts of flash_parts.cuh and mainloop_mma.cuh:
 //   s (16, BN) = q (16, HDP) k^T (HDP, BN)       MmaMainloop::scores
 //   online softmax on s in registers: running row max m and sum l (base 2:
@@ -42,6 +42,11 @@
 // kernel in plain fp32 (flash_short_kernel); FlashArgs::mma_sync keeps them
 // all here.
 //
+// Products (FlashArgs::products): 3xTF32 (Tf32x3), or bf16 or fp16 with fp32
+// accumulation (detail/mma16.cuh's traits: q, k, v and p rounded to the
+// 16-bit type as fragments are made, as autocast computes the reference's
+// products), the kernel's first template argument; 16-bit products never split.
+//
 // Head dims: the kernel is a template on a padded head dim HDP (8, 16, 32,
 // 48, 64, 96, 128, 192, 256); columns hd..HDP-1 of q, k and v are zero in
 // shared memory (they change no score, and the output columns they make are
@@ -50,7 +55,7 @@
 // HDP 64, 32 up to 128, 16 beyond) so that nothing spills, and q's fragments
 // are read from shared memory and split at each k-step rather than held.
 // q, k and v stay raw fp32 in shared memory (cp.async copies them as they
-// are) and are split into (hi, lo) as fragments are loaded.
+// are) and are split into (hi, lo), or rounded to 16 bits, as fragments are loaded.
 //
 // Global loads: 16-byte cp.async where every head slice is 16-byte aligned
 // (hd % 4 == 0 and qkv 16-byte aligned, hence D % 4 == 0), else 4-byte
@@ -87,6 +92,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/smem_layout.h"
 #include "../../common/validate.h"  // aligned16
@@ -94,6 +100,7 @@
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
 #include "../detail/lse.cuh"
+#include "../detail/mma16.cuh"
 #include "../detail/online_softmax.cuh"
 #include "../detail/tf32x3.cuh"
 #include "flash_parts.cuh"
@@ -275,14 +282,14 @@ __device__ __forceinline__ void store_unit(FlashRows<NF>& rows, const AttentionK
 // kVec: the 16-byte copies (every head slice 16-byte aligned). kDropout:
 // dpass applies (threshold != 0). kSplit: the split's key tiles only, o, m
 // and l to sp.partials unnormalised (a.o and a.lse unused).
-template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
+template <class Elem, int HDP, int W, bool kVec, bool kDropout, bool kSplit>
 __global__ void __launch_bounds__(32 * W)
     flash_attention_kernel(const AttentionKernelArgs a, float scale_log2, int q_tiles, const DropoutPass dpass,
                            const FlashPartials sp) {
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   static_assert(!kSplit || W == kWarps, "smem_layout.h's split rule counts blocks of kBM queries");
   using Tile = FlashTile<HDP, W>;
-  using Mainloop = MmaMainloop<Tf32x3, HDP, Tile::BN, Tile::ldk, Tile::ldv>;
+  using Mainloop = MmaMainloop<Elem, HDP, Tile::BN, Tile::ldk, Tile::ldv>;
   constexpr int BM = Tile::BM, BN = Tile::BN;
   const int hd = a.D / a.heads, L = (int)a.pos.len;
   // As the launcher sized shared memory (bytes_for(L)); a split has L >= 1024, hence two stages,
@@ -460,11 +467,11 @@ cudaError_t launch_combine(const FlashArgs& a, const FlashPartials& sp, const De
 
 // One launch of the kernel with W warps a block: a block per (sequence,
 // head, query tile of 16 W) [, split].
-template <int HDP, int W, bool kVec, bool kDropout, bool kSplit>
+template <class Elem, int HDP, int W, bool kVec, bool kDropout, bool kSplit>
 cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                          cudaStream_t stream) {
   using Tile = FlashTile<HDP, W>;
-  constexpr auto kernel = flash_attention_kernel<HDP, W, kVec, kDropout, kSplit>;
+  constexpr auto kernel = flash_attention_kernel<Elem, HDP, W, kVec, kDropout, kSplit>;
   if (Tile::bytes > (size_t)dev.smem_optin) return cudaErrorInvalidConfiguration;
   if constexpr (Tile::bytes > 48 * 1024)
     if (cudaError_t e = allow_max_smem<kernel>(dev); e != cudaSuccess) return e;
@@ -481,8 +488,9 @@ cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const FlashPartia
 }
 
 // The instantiation for a's flags: 16-byte copies (vec), dropout, split (no dropout there), and
-// blocks of 2 warps for short sequences (flash_warps; splits take kWarps).
-template <int HDP>
+// blocks of 2 warps for short sequences (flash_warps; splits take kWarps); Elem: the products'
+// element traits (a 16-bit one never splits).
+template <class Elem, int HDP>
 cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                          cudaStream_t stream) {
   const bool split = sp.splits > 1;
@@ -491,10 +499,11 @@ cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const F
   return with_bools(
       [&](auto v, auto d, auto s, auto two) {
         constexpr bool kDropout = decltype(d)::value, kSplit = decltype(s)::value;
-        if constexpr ((kDropout && (kSplit || !kDropoutAvailable)) || (kSplit && decltype(two)::value))
+        if constexpr ((kDropout && (kSplit || !kDropoutAvailable)) || (kSplit && decltype(two)::value) ||
+                      (kSplit && !std::is_same_v<Elem, Tf32x3>))
           return cudaErrorInvalidValue;  // never asked for
         else
-          return launch_flash<HDP, decltype(two)::value ? 2 : kWarps, decltype(v)::value, kDropout, kSplit>(
+          return launch_flash<Elem, HDP, decltype(two)::value ? 2 : kWarps, decltype(v)::value, kDropout, kSplit>(
               a, scale_log2, sp, dev, stream);
       },
       vec, dropout, split, two_warps);
@@ -503,7 +512,7 @@ cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const F
 template <int HDP>
 int split_occupancy(const DeviceCaps& dev) {
   using Tile = FlashTile<HDP, kWarps>;
-  constexpr auto kernel = flash_attention_kernel<HDP, kWarps, true, false, true>;
+  constexpr auto kernel = flash_attention_kernel<Tf32x3, HDP, kWarps, true, false, true>;
   if (Tile::bytes > (size_t)dev.smem_optin || allow_max_smem<kernel>(dev) != cudaSuccess) return 0;
   int n = 0;
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, 32 * kWarps, Tile::bytes) == cudaSuccess ? n : 0;
@@ -534,7 +543,7 @@ FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev) 
 #endif
   FlashProblem f;
   f.num_seq = a.pos.num_seq, f.len = a.pos.len, f.head_dim = a.heads > 0 ? a.D / a.heads : 0, f.heads = a.heads;
-  f.dropout = a.dropout.threshold != 0, f.mma_sync = a.mma_sync;
+  f.dropout = a.dropout.threshold != 0, f.mma_sync = a.mma_sync, f.products = a.products;
   f.partials_bytes = a.partials != nullptr ? a.partials_bytes : 0;
   return flash_variant(f, d);
 }
@@ -571,7 +580,18 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
       return launch_combine(a, sp, dev, stream);
     default:
       return with_padded_head_dim(
-          hdp, [&](auto h) { return launch_flash<decltype(h)::value>(a, vec, scale_log2, sp, dev, stream); },
+          hdp,
+          [&](auto h) {
+            constexpr int H = decltype(h)::value;
+            switch (a.products) {
+              case Products::kBf16:
+                return launch_flash<Bf16Mma, H>(a, vec, scale_log2, sp, dev, stream);
+              case Products::kFp16:
+                return launch_flash<Fp16Mma, H>(a, vec, scale_log2, sp, dev, stream);
+              default:
+                return launch_flash<Tf32x3, H>(a, vec, scale_log2, sp, dev, stream);
+            }
+          },
           cudaErrorInvalidValue);
   }
 }

@@ -3,7 +3,8 @@
 //   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
 // from the (T, 3D) qkv rows that the QKV product wrote, keys and values
 // streamed through shared memory in tiles, so any sequence length stays on
-// the tensor cores (3xTF32 mma.sync, fp32 accuracy, any sm_80+ GPU).
+// the tensor cores (3xTF32 mma.sync, fp32 accuracy, any sm_80+ GPU; or 16-bit
+// products with fp32 accumulation, FlashArgs::products).
 // With attention dropout (FlashArgs::dropout), the probabilities are masked
 // and scaled after the softmax's row sums: o_h = (P o M / (1 - p)) v_h with
 // P = softmax(...), M the keep mask of common/dropout.h; lse stays P's.
@@ -56,6 +57,8 @@ struct FlashArgs {
   // Run the mma.sync kernel even where a wgmma one or the short-sequence one would: for tests
   // and benchmarks that compare them.
   bool mma_sync = false;
+  // The products' element type (plan.h): 16-bit products run on the mma.sync kernel, unsplit.
+  Products products = Products::kFp32;
 };
 
 // What the kernels receive of a (the dropout fields go as a DropoutPass of their own).

@@ -42,121 +42,10 @@
 #include "src/cuda/attention/flash_attention.h"
 #include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_can_run: whether the build has sm_90a code
 #include "util/cuda_test_util.h"
+#include "util/flash_attention_test_util.h"
 
 namespace fastaxial::test {
 namespace {
-
-constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
-constexpr int64_t kGuardRows = 3;          // rows of o past the T the views address
-constexpr int64_t kGuardLse = 67;          // lse elements past (2, num_seq, heads, L): hi, lo
-
-bool is_poison(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u == kPoison;
-}
-
-struct Case {
-  int L, hd, heads;
-  bool col;      // the column pass's view of a (B, L, other) grid, else the row pass's of (B, other, L)
-  int B, other;  // batch, and the grid's extent along the other axis
-  int used;      // sequences the view covers (0: all of B * other); the other rows must stay untouched
-  int misalign;  // qkv passed this many floats past a 16-byte boundary (the kernel's 4-byte copies)
-};
-
-std::string case_name(const Case& c) {
-  return "L" + std::to_string(c.L) + "_hd" + std::to_string(c.hd) + "_heads" + std::to_string(c.heads) +
-         (c.col ? "_col" : "_row") + "_B" + std::to_string(c.B) + "x" + std::to_string(c.other) +
-         (c.used ? "_used" + std::to_string(c.used) : "") + (c.misalign ? "_misalign" + std::to_string(c.misalign) : "");
-}
-
-void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
-
-// max |x - ref| over a row, NaN counting as infinite.
-double worst_abs(double worst, float x, double ref) {
-  const double e = std::isnan(x) ? std::numeric_limits<double>::infinity() : std::fabs((double)x - ref);
-  return std::max(worst, e);
-}
-
-// A case's sizes, its view in rows (as the staged path's row_indices gives
-// it to the kernel) and its random qkv.
-struct Problem {
-  AxialParams p;
-  AxisView view{};
-  int64_t D = 0, T = 0, N = 0, L = 0, hd = 0;
-  int heads = 0, pass = 0;  // pass: 1 for the column view
-  std::vector<float> qkv;   // (T, 3D)
-};
-
-Problem make_problem(const Case& c) {
-  Problem pr;
-  pr.D = (int64_t)c.hd * c.heads;
-  pr.p.batch = c.B, pr.p.dim = pr.D, pr.p.heads = c.heads;
-  pr.p.height = c.col ? c.L : c.other;
-  pr.p.width = c.col ? c.other : c.L;
-  // The pass's view, in floats (common/axis.h), then in rows of D.
-  const AxisView fv = c.col ? col_view(pr.p) : row_view(pr.p);
-  pr.view = {c.used ? c.used : fv.num_seq, fv.len, fv.inner, fv.seq_stride / pr.D, fv.pos_stride / pr.D,
-             fv.batch_stride / pr.D};
-  pr.T = pr.p.batch * pr.p.height * pr.p.width, pr.N = pr.view.num_seq, pr.L = c.L, pr.hd = c.hd;
-  pr.heads = c.heads, pr.pass = c.col ? 1 : 0;
-  std::mt19937 rng(1234567u + 7919u * (uint32_t)(c.L * 3 + c.hd * 5 + c.heads * 7 + c.B * 11 + c.other * 13));
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  pr.qkv.resize((size_t)(pr.T * 3 * pr.D));
-  for (float& x : pr.qkv) x = normal(rng);
-  return pr;
-}
-
-// The kernel's output: o ((T + kGuardRows) D) and lse ((2, N, heads, L) +
-// kGuardLse), both poisoned before the call.
-struct Result {
-  std::vector<float> o, lse;
-};
-
-// flash_attention on pr with qkv misaligned by `misalign` floats; with
-// drop (threshold != 0: dropout), its seed and offset from the device pair
-// {seed, offset} (null: none given).
-// With `partials`, a poisoned split-KV buffer of workspace_bytes(FlashProblem)
-// for the pass (none where that is 0).
-// mma_sync: the mma.sync kernel even where a wgmma one or the short-sequence one applies.
-void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r, const DropoutParams* drop = nullptr,
-             const uint64_t* philox_seed_offset = nullptr, bool partials = false, bool mma_sync = false) {
-  const int64_t D = pr.D, T = pr.T, lse_n = 2 * pr.N * pr.heads * pr.L;  // hi, then lo
-  const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
-                  dlse = device_alloc((size_t)(lse_n + kGuardLse));
-  ASSERT_TRUE(dqkv && dout && dlse);
-  DevicePtr philox;
-  if (philox_seed_offset) {
-    philox = philox_pair(philox_seed_offset[0], philox_seed_offset[1]);
-    ASSERT_TRUE(philox);
-  }
-  float* qkv_at = dqkv.get() + misalign;
-  CUDA_OK(cudaMemcpy(qkv_at, pr.qkv.data(), pr.qkv.size() * sizeof(float), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(dout.get(), 0xff, (size_t)((T + kGuardRows) * D) * sizeof(float)));
-  CUDA_OK(cudaMemset(dlse.get(), 0xff, (size_t)(lse_n + kGuardLse) * sizeof(float)));
-
-  cuda::FlashArgs a;
-  a.pos = pr.view, a.qkv = qkv_at, a.o = dout.get(), a.lse = dlse.get(), a.D = (int)D, a.heads = pr.heads;
-  a.mma_sync = mma_sync;
-  if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
-  DevicePtr dpart;
-  if (partials) {
-    const size_t bytes = workspace_bytes(FlashProblem{pr.N, pr.L, pr.hd, pr.heads}, dev);
-    if (bytes > 0) {
-      dpart = device_alloc(bytes / sizeof(float));
-      ASSERT_TRUE(dpart);
-      CUDA_OK(cudaMemset(dpart.get(), 0xff, bytes));
-      a.partials = dpart.get(), a.partials_bytes = bytes;
-    }
-  }
-  CUDA_OK(cuda::flash_attention(a, dev, nullptr));
-  CUDA_OK(cudaGetLastError());
-  CUDA_OK(cudaDeviceSynchronize());
-  r->o.resize((size_t)((T + kGuardRows) * D));
-  r->lse.resize((size_t)(lse_n + kGuardLse));
-  CUDA_OK(cudaMemcpy(r->o.data(), dout.get(), r->o.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(r->lse.data(), dlse.get(), r->lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
-}
 
 // r against float64 on the host, mask (where given) the multipliers of
 // (sequence n, head h): mask(n, h)[i L + j], 0 or the dropout scale.
@@ -259,34 +148,6 @@ void expect_matches_reference(const Problem& pr, const Result& r, Mask mask) {
   EXPECT_EQ(lse_written, 0) << "lse written past (2, num_seq, heads, L)";
 }
 
-// The device as the kernel sees it; false (with the reason in *why) where
-// the case cannot run here.
-bool device_for(int hd, DeviceCaps* dev, std::string* why) {
-  if (!have_gpu())
-    *why = "no CUDA device";
-  else if (!read_device_caps(dev))
-    *why = "device attribute query failed";
-  else if (dev->cc_major < 8)
-    *why = "needs compute capability 8.0 or later (mma.sync tf32)";
-  else if (cuda::flash_attention_smem_bytes(hd) > (size_t)dev->smem_optin)
-    *why = "head_dim " + std::to_string(hd) + " needs more shared memory than this device gives a block";
-  else
-    return true;
-  return false;
-}
-
-// How many of the rows the view addresses (D floats each) differ, bitwise,
-// between two results.
-int64_t rows_differing(const Problem& pr, const Result& x, const Result& y) {
-  int64_t differ = 0;
-  for (int64_t n = 0; n < pr.N; ++n)
-    for (int64_t l = 0; l < pr.L; ++l) {
-      const size_t at = (size_t)(pr.view.offset(n, l) * pr.D);
-      differ += std::memcmp(x.o.data() + at, y.o.data() + at, (size_t)pr.D * sizeof(float)) != 0;
-    }
-  return differ;
-}
-
 // Whether flash_attention runs pr's pass on another kernel than the mma.sync one on dev (a
 // wgmma kernel, or the short-sequence one), which FlashArgs::mma_sync overrides.
 bool takes_other_kernel(const Problem& pr, const DeviceCaps& dev) {
@@ -364,9 +225,6 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4096, 32, 1, false, 1, 1, 0, 0}, Case{1000, 12, 2, true, 1, 2, 1, 0}),
     [](const auto& info) { return case_name(info.param); });
 
-// The kernel flash_attention picks (common/plan.h's flash_variant): wgmma for padded head dim 32
-// and the wide wgmma kernel for 64, 96 and 128, past kFlashWgmmaMinLen on sm_90a code (in a build
-// with it), unless the mma.sync kernel is asked for; the short kernel up to kFlashShortMaxLen.
 TEST(FlashAttentionRules, KernelVariant) {
   DeviceCaps h = h200();
   const bool sm90a_build = cuda::gemm_tf32x3_can_run(h);  // a build without sm_90a code never takes wgmma

@@ -1,0 +1,133 @@
+// Element traits for 16-bit products on mma.sync (any sm_80+ GPU): bf16 or
+// fp16 operands, fp32 accumulation. The same members as detail/tf32x3.cuh's
+// Tf32x3 on mma.sync (FragA, FragB, a, b, step, load_a_perm, load_bt_perm,
+// run), so that attention/mainloop_mma.cuh runs on them unchanged; there is
+// no split: one product per step where 3xTF32 takes three.
+//
+// The mainloops hand over values in Tf32x3's permuted-k order: a(a0, a1, a2,
+// a3) is (g, k 2t), (g + 8, k 2t), (g, k 2t + 1), (g + 8, k 2t + 1) of an
+// 8-deep step, and b(b0, b1) is (k 2t, g), (k 2t + 1, g). PTX's m16n8k8
+// 16-bit layout holds exactly those: A's register 0 is row g, k 2t and 2t + 1
+// (the lower k in the lower half), register 1 row g + 8; B's one register is
+// k 2t and 2t + 1 of column g. A run of two 8-deep steps is one m16n8k16:
+// its A registers are step 0's then step 1's, its B registers the same.
+//
+// Values are rounded to the 16-bit type (round to nearest even) as the
+// fragments are made: from fp32 in shared memory, or from the scores in
+// registers for p v. This is the products' precision under autocast (the
+// reference's Linear layers and attention products in bf16 or fp16, fp32
+// accumulation); the softmax and its statistics stay fp32 in the mainloop.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace fastaxial::cuda {
+
+template <class T>
+struct Mma16Type;
+template <>
+struct Mma16Type<__nv_bfloat16> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the lower half
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+template <>
+struct Mma16Type<__half> {
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+
+// The PTX type name of each, spliced into the instructions below.
+#define FASTAXIAL_MMA16_K8(TYPE)                                                                              \
+  "mma.sync.aligned.m16n8k8.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
+#define FASTAXIAL_MMA16_K8_FIRST(TYPE)                                                                         \
+  "mma.sync.aligned.m16n8k8.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%7, %7, %7, %7};\n"
+#define FASTAXIAL_MMA16_K16(TYPE)                                                                              \
+  "mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                                                      \
+  ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+
+template <class T>
+struct Mma16 {
+  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  struct FragA {  // a 16 x 8 operand: rows g and g + 8, k 2t and 2t + 1
+    uint32_t r[2];
+  };
+  struct FragB {  // an 8 x 8 operand: k 2t and 2t + 1 of column g
+    uint32_t r;
+  };
+
+  // kRoundLo is Tf32x3's (lo rounded too); with no split it has nothing to do.
+  template <bool kRoundLo = false>
+  __device__ static __forceinline__ FragA a(float a0, float a1, float a2, float a3) {
+    return {{Mma16Type<T>::pack(a0, a2), Mma16Type<T>::pack(a1, a3)}};
+  }
+  __device__ static __forceinline__ FragB b(float b0, float b1) { return {Mma16Type<T>::pack(b0, b1)}; }
+
+  // t = a b (kFresh) or t += a b, one 8-deep step.
+  template <bool kFresh>
+  __device__ static __forceinline__ void step(float (&t)[4], const FragA& a, const FragB& b) {
+    if constexpr (kFresh) {
+      if constexpr (kBf16)
+        asm volatile(FASTAXIAL_MMA16_K8_FIRST("bf16")
+                     : "=f"(t[0]), "=f"(t[1]), "=f"(t[2]), "=f"(t[3])
+                     : "r"(a.r[0]), "r"(a.r[1]), "r"(b.r), "f"(0.0f));
+      else
+        asm volatile(FASTAXIAL_MMA16_K8_FIRST("f16")
+                     : "=f"(t[0]), "=f"(t[1]), "=f"(t[2]), "=f"(t[3])
+                     : "r"(a.r[0]), "r"(a.r[1]), "r"(b.r), "f"(0.0f));
+    } else {
+      if constexpr (kBf16)
+        asm volatile(FASTAXIAL_MMA16_K8("bf16")
+                     : "+f"(t[0]), "+f"(t[1]), "+f"(t[2]), "+f"(t[3])
+                     : "r"(a.r[0]), "r"(a.r[1]), "r"(b.r));
+      else
+        asm volatile(FASTAXIAL_MMA16_K8("f16")
+                     : "+f"(t[0]), "+f"(t[1]), "+f"(t[2]), "+f"(t[3])
+                     : "r"(a.r[0]), "r"(a.r[1]), "r"(b.r));
+    }
+  }
+
+  // A = rows 0..15, B^T = rows 0..7 of fp32 rows at p (row stride ld), 8 elements from p, in the
+  // order above: a thread's k 2t and 2t + 1 of a row are one 8-byte load.
+  __device__ static __forceinline__ FragA load_a_perm(const float* p, int ld) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const float2 r0 = *reinterpret_cast<const float2*>(p + g * ld + 2 * t);
+    const float2 r1 = *reinterpret_cast<const float2*>(p + (g + 8) * ld + 2 * t);
+    return a(r0.x, r1.x, r0.y, r1.y);
+  }
+  __device__ static __forceinline__ FragB load_bt_perm(const float* p, int ld) {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    const float2 r = *reinterpret_cast<const float2*>(p + g * ld + 2 * t);
+    return b(r.x, r.y);
+  }
+
+  // c += a0 b0 + a1 b1: one m16n8k16 straight into c. The tensor core accumulates in fp32; with
+  // 16-bit operands the products' rounding is far above an fp32 add's, so no fresh accumulator.
+  __device__ static __forceinline__ void run(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
+                                             const FragB& b1) {
+    if constexpr (kBf16)
+      asm volatile(FASTAXIAL_MMA16_K16("bf16")
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                   : "r"(a0.r[0]), "r"(a0.r[1]), "r"(a1.r[0]), "r"(a1.r[1]), "r"(b0.r), "r"(b1.r));
+    else
+      asm volatile(FASTAXIAL_MMA16_K16("f16")
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                   : "r"(a0.r[0]), "r"(a0.r[1]), "r"(a1.r[0]), "r"(a1.r[1]), "r"(b0.r), "r"(b1.r));
+  }
+};
+
+#undef FASTAXIAL_MMA16_K8
+#undef FASTAXIAL_MMA16_K8_FIRST
+#undef FASTAXIAL_MMA16_K16
+
+using Bf16Mma = Mma16<__nv_bfloat16>;
+using Fp16Mma = Mma16<__half>;
+
+}  // namespace fastaxial::cuda
