@@ -266,8 +266,8 @@ struct FlashProblem {
   int64_t heads = 0;
   bool dropout = false;       // attention dropout on (threshold != 0)
   bool mma_sync = false;      // FlashArgs::mma_sync: the mma.sync kernel wherever it can run
-  Products products = Products::kFp32;
   size_t partials_bytes = 0;  // room given for split-KV partials (0: none)
+  Products products = Products::kFp32;
 };
 
 struct FlashVariant {
