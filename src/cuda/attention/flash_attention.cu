@@ -13,11 +13,12 @@
 // through shared memory BN at a time, double-buffered where the sequence has
 // more than one key tile: the copy of tile j + 1 (cp.async) is in flight
 // while tile j is computed, one barrier per tile. Nothing of a whole sequence is held,
-// so shared memory does not grow with L. A short sequence (L <= 32) takes
-// blocks of 2 warps, so that every warp has queries, and one that is a
-// single key tile one buffer: such blocks are latency-bound, and the
-// registers and shared memory they no longer hold let more of them share an
-// SM.
+// so shared memory does not grow with L. A short sequence takes blocks of 1
+// warp (L <= 16) or 2 (L <= 32), so that every warp has queries, with key
+// tiles of at most 16 W keys, so that its products are not mostly padding,
+// and one that is a single key tile one buffer: such blocks are
+// latency-bound, and the registers and shared memory they no longer hold
+// let more of them share an SM.
 //
 // Per tile and warp, all on the tensor cores with 3xTF32 (detail/tf32x3.cuh; or the 16-bit products below),
 // the parts of flash_parts.cuh and mainloop_mma.cuh:
@@ -110,16 +111,16 @@ namespace fastaxial::cuda {
 namespace {
 
 // Warps a block, each owning 16 queries: 4 (64 queries) in general, 2 where
-// the sequence has 32 positions or fewer, so that no warp of the block only
-// copies and the registers and shared memory (q rows) of a block go to warps
-// that compute: such blocks are latency-bound, and twice as many of their
-// (sequence, head) items then run side by side on an SM (a 3-warp block for
-// L <= 48 gained nothing, so there is none).
+// the sequence has 32 positions or fewer, 1 where it has 16 or fewer, so that
+// no warp of the block only copies and the registers and shared memory (q
+// rows) of a block go to warps that compute: such blocks are latency-bound,
+// and more of their (sequence, head) items then run side by side on an SM (a
+// 3-warp block for L <= 48 gained nothing, so there is none).
 constexpr int kWarps = 4;
 constexpr int kBM = 16 * kWarps;  // queries a block of kWarps warps
 static_assert(kBM == kFlashQueryTile, "smem_layout.h's split rule counts these query tiles");
 // The warps a block for a sequence of length L (splits take kWarps).
-constexpr int flash_warps(int64_t len) { return len <= 32 ? 2 : kWarps; }
+constexpr int flash_warps(int64_t len) { return len <= 16 ? 1 : len <= 32 ? 2 : kWarps; }
 // A sequence short enough for fewer warps is one query tile of kBM as well, so the grid-size
 // check in flash_attention, which counts tiles of kBM, counts the blocks launched.
 static_assert(flash_warps(kBM) == kWarps && flash_warps(kBM + 1) == kWarps, "short blocks: L < kBM only");
@@ -141,9 +142,12 @@ constexpr int kMaxLen = 1 << 30;  // L below this: tile arithmetic in int
 template <int HDP, int W = kWarps>
 struct FlashTile {
   static_assert(HDP % 8 == 0 && HDP >= 8 && HDP <= 256, "padded head dim");
-  static_assert(W == 2 || W == kWarps, "warps a block: flash_warps");
+  static_assert(W == 1 || W == 2 || W == kWarps, "warps a block: flash_warps");
   static constexpr int BM = 16 * W;  // queries a block
-  static constexpr int BN = flash_key_tile(HDP);  // keys a tile: 64 up to HDP 64, 32 up to 128, 16 beyond
+  // Keys a tile: 64 up to HDP 64, 32 up to 128, 16 beyond (flash_key_tile); at most BM, so that the
+  // short blocks (L <= 16 W) take one tile of at most 16 W keys: at L = 16 a tile of 64 was three
+  // quarters padding, every score and p v product of it computed.
+  static constexpr int BN = flash_key_tile(HDP) < BM ? flash_key_tile(HDP) : BM;
   static constexpr int ldk = float2_row_words(HDP);
   static constexpr int ldv = HDP + 4;
   static constexpr int q_floats = BM * ldk;
@@ -488,25 +492,25 @@ cudaError_t launch_flash(const FlashArgs& a, float scale_log2, const FlashPartia
 }
 
 // The instantiation for a's flags: 16-byte copies (vec), dropout, split (no dropout there), and
-// blocks of 2 warps for short sequences (flash_warps; splits take kWarps); Elem: the products'
+// blocks of 1 or 2 warps for short sequences (flash_warps; splits take kWarps); Elem: the products'
 // element traits (a 16-bit one never splits).
 template <class Elem, int HDP>
 cudaError_t launch_flash(const FlashArgs& a, bool vec, float scale_log2, const FlashPartials& sp, const DeviceCaps& dev,
                          cudaStream_t stream) {
   const bool split = sp.splits > 1;
   const bool dropout = kDropoutAvailable && !split && a.dropout.threshold != 0;
-  const bool two_warps = !split && flash_warps(a.pos.len) == 2;
+  const int warps = split ? kWarps : flash_warps(a.pos.len);
   return with_bools(
-      [&](auto v, auto d, auto s, auto two) {
+      [&](auto v, auto d, auto s, auto one, auto two) {
         constexpr bool kDropout = decltype(d)::value, kSplit = decltype(s)::value;
-        if constexpr ((kDropout && (kSplit || !kDropoutAvailable)) || (kSplit && decltype(two)::value) ||
-                      (kSplit && !std::is_same_v<Elem, Tf32x3>))
+        constexpr int W = decltype(one)::value ? 1 : decltype(two)::value ? 2 : kWarps;
+        if constexpr ((kDropout && (kSplit || !kDropoutAvailable)) || (kSplit && W != kWarps) ||
+                      (kSplit && !std::is_same_v<Elem, Tf32x3>) || (decltype(one)::value && decltype(two)::value))
           return cudaErrorInvalidValue;  // never asked for
         else
-          return launch_flash<Elem, HDP, decltype(two)::value ? 2 : kWarps, decltype(v)::value, kDropout, kSplit>(
-              a, scale_log2, sp, dev, stream);
+          return launch_flash<Elem, HDP, W, decltype(v)::value, kDropout, kSplit>(a, scale_log2, sp, dev, stream);
       },
-      vec, dropout, split, two_warps);
+      vec, dropout, split, warps == 1, warps == 2);
 }
 
 template <int HDP>

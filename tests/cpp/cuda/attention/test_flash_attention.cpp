@@ -180,9 +180,10 @@ TEST_P(FlashAttention, MatchesDoubleReference) {
   }
 }
 
-// L across the 64-query tiles, the 32-query blocks of short sequences
-// (L <= 32) and the key tiles (64 keys up to head_dim 64, 32 up to
-// 128, 16 beyond; one buffer where L is a single tile); head_dim across the padded sizes (8, 16, 32, 48,
+// L across the 64-query tiles, the 16- and 32-query blocks of short
+// sequences (L <= 16, L <= 32) and the key tiles (64 keys up to head_dim
+// 64, 32 up to 128, 16 beyond, at most a block's queries; one buffer where
+// L is a single tile); head_dim across the padded sizes (8, 16, 32, 48,
 // 64, 96, 128, 192, 256), odd ones on the 4-byte copies, aligned ones too
 // where qkv is misaligned; up to a few hundred sequences; some views that
 // leave sequences out, so that stray writes land in rows that must stay
@@ -212,6 +213,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{17, 24, 2, false, 3, 4, 0, 0}, Case{33, 128, 1, true, 2, 3, 0, 0},
                       Case{24, 192, 2, false, 2, 3, 0, 1}, Case{29, 64, 2, true, 2, 5, 3, 0},
                       Case{21, 16, 3, false, 2, 4, 0, 2},
+                      // One warp a block (L <= 16: 16-key tiles) and two (L <= 32: 32-key tiles, one stage).
+                      Case{16, 24, 4, true, 4, 16, 0, 0}, Case{32, 32, 2, false, 2, 9, 0, 0}, Case{9, 64, 2, true, 3, 7, 0, 1},
                       // The wgmma kernel (head dims 17..32, L > 64) and its edges (L = 33 and 64, head
                       // dims 9..16 stay on mma.sync): two key tiles and more, partial query and key
                       // tiles, odd head dims on the 4-byte copies, misaligned qkv, a sequence of
@@ -478,6 +481,8 @@ const DropoutCase kDropoutCases[] = {
     {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
     {Case{1, 64, 3, false, 3, 200, 0, 0}, DropoutSpec{0.5f, 41, 8, 0}},
     {Case{5, 96, 2, false, 2, 40, 0, 0}, DropoutSpec{0.5f, 77, 3, 0}},
+    {Case{16, 24, 4, true, 2, 8, 0, 0}, DropoutSpec{0.1f, 31, 4, 0}},
+    {Case{30, 32, 2, false, 2, 5, 0, 0}, DropoutSpec{0.5f, 19, 6, 0}},
     {Case{4, 24, 3, true, 2, 30, 0, 0}, DropoutSpec{0.5f, 55, 2, 0}},
     {Case{16, 32, 1, true, 3, 10, 0, 1}, DropoutSpec{0.1f, 91, 0, 0}},
     {Case{32, 128, 2, false, 1, 3, 0, 0}, DropoutSpec{0.5f, 31, 6, 0}},
