@@ -38,13 +38,13 @@ __device__ __forceinline__ void store_key_grads(const AttentionBackwardKernelArg
 // takes fewer for short sequences and small grids); warp w owns keys
 // 16 (w / FW) .. + 15 of the tile and features FP (w % FW) .. + FP - 1 of
 // their gradients. Shared memory as KvTiling lays it out for KW groups.
-// kDropout: dpass applies (threshold != 0).
-template <int HDP, bool kVec, bool kDropout>
-__global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
+// T: the tiling, KvTc<HDP> or, for sequences of at most kShortGradLen
+// positions, KvTcShort<HDP>. kDropout: dpass applies (threshold != 0).
+template <class T, bool kVec, bool kDropout>
+__global__ void __launch_bounds__(T::threads, T::min_blocks)
     key_grads_kernel(const AttentionBackwardKernelArgs a, float scale, float scale_log2, int key_tiles, const Split sp,
                      const DropoutPass dpass) {
-  using T = KvTc<HDP>;
-  constexpr int BM = T::BM, ST = T::ST, LD = T::ld;
+  constexpr int HDP = T::HDP, BM = T::BM, ST = T::ST, LD = T::ld;
   constexpr int NQ = BM / 8, NF = T::FP / 8;
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
@@ -114,11 +114,19 @@ __global__ void __launch_bounds__(KvTc<HDP>::threads, KvTc<HDP>::min_blocks)
 
 cudaError_t launch_key_grads_tc(const BackwardLaunch& s, const AttentionBackwardKernelArgs& k, const TcBlocks& b,
                                 const DeviceCaps& dev, cudaStream_t stream) {
+  // Short sequences stream 16 queries a step (KvTcShort), where the general step is longer.
+  const bool short_tiles = s.k.pos.len <= kShortGradLen && b.sp.splits == 1;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
-    using Kv = KvTc<decltype(hdp)::value>;
-    return launch_grid<key_grads_kernel<Kv::HDP, decltype(vec)::value, decltype(dropout)::value>>(
-        s.items * b.tiles * b.sp.splits, 32 * Kv::FW * b.warps, Kv::bytes(16 * b.warps), dev, stream, k, s.scale,
-        s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+    constexpr int H = decltype(hdp)::value;
+    const auto launch = [&](auto tiling) {
+      using Kv = decltype(tiling);
+      return launch_grid<key_grads_kernel<Kv, decltype(vec)::value, decltype(dropout)::value>>(
+          s.items * b.tiles * b.sp.splits, 32 * Kv::FW * b.warps, Kv::bytes(16 * b.warps), dev, stream, k, s.scale,
+          s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+    };
+    if constexpr (KvTc<H>::BM > KvTcShort<H>::BM)
+      if (short_tiles) return launch(KvTcShort<H>());
+    return launch(KvTc<H>());
   });
 }
 

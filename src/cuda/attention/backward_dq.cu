@@ -20,13 +20,13 @@ using namespace tc;
 // each of the block's blockDim.x / 32 <= QW warps (the launch takes fewer
 // for short sequences and small grids); warp w owns queries 16 w .. 16 w +
 // 15 of the tile. Shared memory as QTiling lays it out for QW warps.
-// kDropout: dpass applies (threshold != 0).
-template <int HDP, bool kVec, bool kDropout>
-__global__ void __launch_bounds__(QTc<HDP>::threads, QTc<HDP>::min_blocks)
+// T: the tiling, QTc<HDP> or, for sequences of at most kShortGradLen
+// positions, QTcShort<HDP>. kDropout: dpass applies (threshold != 0).
+template <class T, bool kVec, bool kDropout>
+__global__ void __launch_bounds__(T::threads, T::min_blocks)
     query_grads_kernel(const AttentionBackwardKernelArgs a, float scale, float scale_log2, int query_tiles,
                        const Split sp, const DropoutPass dpass) {
-  using T = QTc<HDP>;
-  constexpr int BN = T::BN, ST = T::ST, LD = T::ld;
+  constexpr int HDP = T::HDP, BN = T::BN, ST = T::ST, LD = T::ld;
   constexpr int NK = BN / 8, NF = HDP / 8;
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
@@ -179,11 +179,19 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
 
 cudaError_t launch_query_grads_tc(const BackwardLaunch& s, const TcBlocks& b, const DeviceCaps& dev,
                                   cudaStream_t stream) {
+  // Short sequences take 16 keys a step (QTcShort), where the general step is longer.
+  const bool short_tiles = s.k.pos.len <= kShortGradLen && b.sp.splits == 1;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
-    using Q = QTc<decltype(hdp)::value>;
-    return launch_grid<query_grads_kernel<Q::HDP, decltype(vec)::value, decltype(dropout)::value>>(
-        s.items * b.tiles * b.sp.splits, 32 * b.warps, Q::bytes(16 * b.warps), dev, stream, s.k, s.scale,
-        s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+    constexpr int H = decltype(hdp)::value;
+    const auto launch = [&](auto tiling) {
+      using Q = decltype(tiling);
+      return launch_grid<query_grads_kernel<Q, decltype(vec)::value, decltype(dropout)::value>>(
+          s.items * b.tiles * b.sp.splits, 32 * b.warps, Q::bytes(16 * b.warps), dev, stream, s.k, s.scale,
+          s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+    };
+    if constexpr (QTc<H>::BN > QTcShort<H>::BN)
+      if (short_tiles) return launch(QTcShort<H>());
+    return launch(QTc<H>());
   });
 }
 

@@ -168,6 +168,18 @@ using fastaxial::DsTc;
 using fastaxial::KvTc;
 using fastaxial::QTc;
 
+// The same kernels' tiles for sequences of at most kShortGradLen positions: 16 queries a step on
+// the key side, 16 keys a step for dq, one stage (the sequence is one tile). At L = 16 the general
+// steps (KvTc's 32 queries, QTc's 32 or 64 keys, up to head dim 96) were half or more padding,
+// every product of it computed. Where the general step is 16 already, these are not launched.
+constexpr int kShortGradLen = 16;
+template <int HDP>
+struct KvTcShort : fastaxial::KvTiling<HDP, attention_grad_tiles(HDP).kw, attention_grad_tiles(HDP).fw, 16, 1,
+                                       attention_grad_tiles(HDP).kv_min_blocks> {};
+template <int HDP>
+struct QTcShort
+    : fastaxial::QTiling<HDP, attention_grad_tiles(HDP).qw, 16, 1, attention_grad_tiles(HDP).q_min_blocks> {};
+
 // ---- fragments from fp32 rows in shared memory (PTX m16n8k8 .tf32 layouts, g = lane / 4, t = lane % 4)
 
 // A (16 x 8) = rows 0..15, elements 0..7 of the rows at p: (g, t), (g + 8,

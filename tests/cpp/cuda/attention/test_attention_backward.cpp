@@ -445,7 +445,8 @@ TEST_P(AttentionBackward, MatchesDoubleReference) {
 // L across the kernels' tiles (tensor cores: keys a block 16 a warp, up
 // to 64, 32 at head_dim 192 and 256; queries a step 32, 16 from head_dim
 // 48; queries a dq block 16 a warp, up to 64, 32 at head_dim 192 and 256;
-// keys a dq step 64, 32 from head_dim 32, 16 from 128. FFMA: keys a block
+// keys a dq step 64, 32 from head_dim 32, 16 from 128; 16 for both steps
+// where L <= 16. FFMA: keys a block
 // 128 up to head_dim 48, 64 up to 128, 32 beyond; queries a step 16 to 32;
 // queries a dq block 128, 64 or 32; keys a dq step 64 down to 16), head_dim
 // across the padded sizes (8, 16, 32, 48, 64, 96, 128, 192, 256), odd
@@ -473,7 +474,12 @@ const Case kCases[] = {
     // units than an H200's 132 blocks (160), odd head dims on the 4-byte copies, misaligned
     // tensors, partial key tiles; and its edge (L = 192 stays on mma.sync).
     Case{200, 20, 4, true, 1, 20, 0, 1}, Case{256, 32, 2, false, 1, 3, 0, 0}, Case{300, 17, 1, false, 1, 2, 0, 0},
-    Case{192, 32, 2, true, 1, 3, 0, 0}};
+    Case{192, 32, 2, true, 1, 3, 0, 0},
+    // Sequences of at most 16 positions (KvTcShort, QTcShort: 16 queries a key-side step, 16 keys a
+    // dq step): the model protocol's passes (L = 16, head dim 24, 4 heads), head dims 16, 64 and 96,
+    // misaligned tensors, a view that leaves sequences out; many items, so that blocks take 1 warp.
+    Case{16, 24, 4, true, 4, 16, 0, 0}, Case{16, 16, 2, false, 2, 9, 0, 0}, Case{9, 64, 2, false, 2, 5, 0, 1},
+    Case{12, 96, 1, true, 1, 7, 3, 0}, Case{16, 32, 4, false, 8, 40, 0, 0}};
 
 const Path kPaths[] = {Path::kTensorCores, Path::kScores, Path::kFfma, Path::kSplit, Path::kScoresSplit};
 
@@ -673,6 +679,8 @@ const DropoutCase kDropoutCases[] = {
     {Case{1, 40, 2, true, 2, 7, 0, 1}, DropoutSpec{0.5f, 23, 0, 1}},
     {Case{200, 24, 4, false, 1, 20, 0, 0}, DropoutSpec{0.1f, 37, 3, 0}},  // dq on wgmma, 160 units
     {Case{257, 32, 2, true, 1, 3, 0, 1}, DropoutSpec{0.5f, 29, 1, (uint64_t{1} << 32) - 7}},
+    {Case{16, 24, 4, true, 2, 8, 0, 0}, DropoutSpec{0.1f, 31, 4, 0}},  // the short tiles (L <= 16)
+    {Case{13, 32, 2, false, 1, 6, 0, 2}, DropoutSpec{0.5f, 19, 6, 0}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardDropout,
