@@ -114,8 +114,9 @@ __global__ void __launch_bounds__(T::threads, T::min_blocks)
 
 cudaError_t launch_key_grads_tc(const BackwardLaunch& s, const AttentionBackwardKernelArgs& k, const TcBlocks& b,
                                 const DeviceCaps& dev, cudaStream_t stream) {
-  // Short sequences stream 16 queries a step (KvTcShort), where the general step is longer.
-  const bool short_tiles = s.k.pos.len <= kShortGradLen && b.sp.splits == 1;
+  // Short sequences stream 16 queries a step (KvTcShort), where the general step is longer (padded
+  // head dims 8 to 32). They never split (plan.cpp: at most one split a streamed tile).
+  const bool short_tiles = s.k.pos.len <= kShortGradLen;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
     constexpr int H = decltype(hdp)::value;
     const auto launch = [&](auto tiling) {

@@ -179,8 +179,9 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
 
 cudaError_t launch_query_grads_tc(const BackwardLaunch& s, const TcBlocks& b, const DeviceCaps& dev,
                                   cudaStream_t stream) {
-  // Short sequences take 16 keys a step (QTcShort), where the general step is longer.
-  const bool short_tiles = s.k.pos.len <= kShortGradLen && b.sp.splits == 1;
+  // Short sequences take 16 keys a step (QTcShort), where the general step is longer (padded head
+  // dims 8 to 96). They never split (plan.cpp: at most one split a streamed tile).
+  const bool short_tiles = s.k.pos.len <= kShortGradLen;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
     constexpr int H = decltype(hdp)::value;
     const auto launch = [&](auto tiling) {

@@ -173,6 +173,7 @@ using fastaxial::QTc;
 // steps (KvTc's 32 queries, QTc's 32 or 64 keys, up to head dim 96) were half or more padding,
 // every product of it computed. Where the general step is 16 already, these are not launched.
 constexpr int kShortGradLen = 16;
+static_assert(kShortGradLen <= 16, "a short sequence is one 16-row step: one stage streams it");
 template <int HDP>
 struct KvTcShort : fastaxial::KvTiling<HDP, attention_grad_tiles(HDP).kw, attention_grad_tiles(HDP).fw, 16, 1,
                                        attention_grad_tiles(HDP).kv_min_blocks> {};

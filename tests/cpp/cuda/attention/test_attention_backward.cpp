@@ -475,9 +475,11 @@ const Case kCases[] = {
     // tensors, partial key tiles; and its edge (L = 192 stays on mma.sync).
     Case{200, 20, 4, true, 1, 20, 0, 1}, Case{256, 32, 2, false, 1, 3, 0, 0}, Case{300, 17, 1, false, 1, 2, 0, 0},
     Case{192, 32, 2, true, 1, 3, 0, 0},
-    // Sequences of at most 16 positions (KvTcShort, QTcShort: 16 queries a key-side step, 16 keys a
-    // dq step): the model protocol's passes (L = 16, head dim 24, 4 heads), head dims 16, 64 and 96,
-    // misaligned tensors, a view that leaves sequences out; many items, so that blocks take 1 warp.
+    // Sequences of at most 16 positions (KvTcShort at padded head dims 8 to 32: 16 queries a
+    // key-side step; QTcShort up to 96: 16 keys a dq step): the model protocol's passes (L = 16,
+    // head dim 24, 4 heads), head dims 16, 32, 64 and 96, misaligned tensors, a view that leaves
+    // sequences out, many items. (The FFMA path does not use them, and L <= 16 never splits, so
+    // the _ffma and _split cases run the unchanged kernels and unsplit launches.)
     Case{16, 24, 4, true, 4, 16, 0, 0}, Case{16, 16, 2, false, 2, 9, 0, 0}, Case{9, 64, 2, false, 2, 5, 0, 1},
     Case{12, 96, 1, true, 1, 7, 3, 0}, Case{16, 32, 4, false, 8, 40, 0, 0}};
 
