@@ -7,7 +7,10 @@
 // around the call alone. TFLOP/s count 2 M N K (the fp32 product; gemm_tf32x3 issues three
 // TF32 products for each). Also prints the largest difference of gemm_tf32x3's C minus bias
 // and residual from cuBLAS's C, relative to the largest |C| (a sanity check; test_gemm_tf32x3
-// holds the accuracy bounds against float64).
+// holds the accuracy bounds against float64). And the 16-bit products (gemm_16bit: bf16
+// operands, fp32 accumulation and C, on cuBLAS), with the time of rounding an fp32 A to bf16
+// (round_to_16bit), which a 16-bit product on fp32 activations pays once; W is rounded once,
+// outside the timing, as weights are a call.
 // Not a test: built on request (ninja bench_gemm), run on a GPU.
 //   build/benchmarks/cpp/bench_gemm [reps] [M N K]...
 #include <cublas_v2.h>
@@ -23,6 +26,7 @@
 #include <vector>
 
 #include "src/common/plan.h"
+#include "src/cuda/gemm/blas.h"
 #include "src/cuda/gemm/gemm.h"
 #include "bench_util.h"
 
@@ -58,8 +62,8 @@ int main(int argc, char** argv) {
   BENCH_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
   fastaxial::test::ColdTimer timer;
 
-  std::printf("%6s %5s %5s | %-22s | %-22s | %s\n", "M", "N", "K", "gemm_tf32x3 (tiling)", "cuBLAS fp32",
-              "max diff / max |C|");
+  std::printf("%6s %5s %5s | %-22s | %-22s | %-18s | %-26s | %s\n", "M", "N", "K", "gemm_tf32x3 (tiling)",
+              "cuBLAS fp32", "max diff / max |C|", "bf16 products (diff)", "A to bf16");
   for (const Shape& s : shapes) {
     const int64_t M = s.M, N = s.N, K = s.K;
     std::mt19937 rng(7);
@@ -77,7 +81,8 @@ int main(int argc, char** argv) {
       std::memcpy(&hi, &u, 4);
       wsplit[e] = hi, wsplit[N * K + e] = hw[e] - hi;
     }
-    float *a, *w, *wf, *bias, *res, *c, *cb;
+    float *a, *w, *wf, *bias, *res, *c, *cb, *c16;
+    void *a16, *w16;
     BENCH_CHECK(cudaMalloc(&a, M * K * 4));
     BENCH_CHECK(cudaMalloc(&w, 2 * N * K * 4));
     BENCH_CHECK(cudaMalloc(&wf, N * K * 4));
@@ -85,6 +90,9 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaMalloc(&res, M * N * 4));
     BENCH_CHECK(cudaMalloc(&c, M * N * 4));
     BENCH_CHECK(cudaMalloc(&cb, M * N * 4));
+    BENCH_CHECK(cudaMalloc(&c16, M * N * 4));
+    BENCH_CHECK(cudaMalloc(&a16, M * K * 2));
+    BENCH_CHECK(cudaMalloc(&w16, N * K * 2));
     BENCH_CHECK(cudaMemcpy(a, ha.data(), M * K * 4, cudaMemcpyHostToDevice));
     BENCH_CHECK(cudaMemcpy(w, wsplit.data(), 2 * N * K * 4, cudaMemcpyHostToDevice));
     BENCH_CHECK(cudaMemcpy(wf, hw.data(), N * K * 4, cudaMemcpyHostToDevice));
@@ -98,19 +106,35 @@ int main(int argc, char** argv) {
       const float one = 1.0f, zero = 0.0f;  // column-major: C^T (N, M) = W (K, N)^T A^T (K, M)
       BENCH_CHECK(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, s.N, (int)M, s.K, &one, wf, s.K, a, s.K, &zero, cb, s.N));
     });
-    std::vector<float> out(M * N), ref(M * N);
+    BENCH_CHECK(cuda::round_to_16bit(wf, w16, N * K, fastaxial::Products::kBf16, dev, nullptr));
+    const double ms_round = timer.mean_ms(reps, [&] {
+      BENCH_CHECK(cuda::round_to_16bit(a, a16, M * K, fastaxial::Products::kBf16, dev, nullptr));
+    });
+    const double ms_16 = timer.mean_ms(reps, [&] {
+      const fastaxial::Status st = cuda::gemm_16bit(blas, fastaxial::Products::kBf16, false, true, M, N, K, a16, K, w16,
+                                                    K, 0.0f, c16, N, "bench product");
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", st.message.c_str());
+        std::exit(1);
+      }
+    });
+    std::vector<float> out(M * N), ref(M * N), out16(M * N);
+    BENCH_CHECK(cudaMemcpy(out16.data(), c16, M * N * 4, cudaMemcpyDeviceToHost));
     BENCH_CHECK(cudaMemcpy(out.data(), c, M * N * 4, cudaMemcpyDeviceToHost));
     BENCH_CHECK(cudaMemcpy(ref.data(), cb, M * N * 4, cudaMemcpyDeviceToHost));
-    double cmax = 0.0, diff = 0.0;
+    double cmax = 0.0, diff = 0.0, diff16 = 0.0;
     for (int64_t e = 0; e < M * N; ++e) {
       cmax = std::max(cmax, (double)std::fabs(ref[e]));
       diff = std::max(diff, std::fabs((double)out[e] - hbias[e % N] - hres[e] - ref[e]));
+      diff16 = std::max(diff16, std::fabs((double)out16[e] - ref[e]));
     }
     const fastaxial::GemmTiling t = fastaxial::gemm_tiling(M, N, dev.sms);
     const double flop = 2.0 * M * N * K;
-    std::printf("%6lld %5d %5d | %7.1f us %5.1f TF %3dx%-3d | %7.1f us %5.1f TF | %.1e\n", (long long)M, s.N, s.K,
-                1e3 * ms, flop / ms * 1e-9, t.rows, t.cols, 1e3 * ms_blas, flop / ms_blas * 1e-9, diff / cmax);
-    for (float* p : {a, w, wf, bias, res, c, cb}) BENCH_CHECK(cudaFree(p));
+    std::printf("%6lld %5d %5d | %7.1f us %5.1f TF %3dx%-3d | %7.1f us %5.1f TF | %.1e            | %7.1f us %6.1f TF %.1e | %7.1f us\n",
+                (long long)M, s.N, s.K, 1e3 * ms, flop / ms * 1e-9, t.rows, t.cols, 1e3 * ms_blas, flop / ms_blas * 1e-9,
+                diff / cmax, 1e3 * ms_16, flop / ms_16 * 1e-9, diff16 / cmax, 1e3 * ms_round);
+    for (float* p : {a, w, wf, bias, res, c, cb, c16}) BENCH_CHECK(cudaFree(p));
+    for (void* p : {a16, w16}) BENCH_CHECK(cudaFree(p));
   }
   BENCH_CHECK(cublasDestroy(blas));
   return 0;

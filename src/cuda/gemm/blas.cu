@@ -1,7 +1,15 @@
-// cuBLAS calls of the backward (blas.h).
+// cuBLAS calls of the backward, and of the 16-bit products with the rounding of their fp32
+// operands (blas.h).
 #include "blas.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
 #include <string>
+#include <type_traits>
+
+#include "../detail/launch.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -9,6 +17,48 @@ namespace {
 Status blas_error(cublasStatus_t s, const char* what) {
   return {StatusCode::kCudaError, std::string(what) + ": " + cublasGetStatusName(s) + " (" +
                                       cublasGetStatusString(s) + ")"};
+}
+
+constexpr int kRoundThreads = 256;
+
+// Four elements a thread where x and y allow 16- and 8-byte accesses (vec), else one; a grid-stride loop.
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kRoundThreads) round_kernel(const float* __restrict__ x, T* __restrict__ y,
+                                                             int64_t n) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const int64_t stride = (int64_t)gridDim.x * kRoundThreads;
+  int64_t i = (int64_t)blockIdx.x * kRoundThreads + threadIdx.x;
+  if constexpr (kVec) {
+    using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
+    for (; 4 * i < n; i += stride) {
+      const float4 v = reinterpret_cast<const float4*>(x)[i];
+      T2 lo, hi;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+      else
+        lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
+      T2* out = reinterpret_cast<T2*>(y) + 2 * i;
+      out[0] = lo, out[1] = hi;
+    }
+  } else {
+    for (; i < n; i += stride) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        y[i] = __float2bfloat16_rn(x[i]);
+      else
+        y[i] = __float2half_rn(x[i]);
+    }
+  }
+}
+
+template <class T>
+cudaError_t launch_round(const float* x, void* y, int64_t n, const DeviceCaps& dev, cudaStream_t stream) {
+  const bool vec = n % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 8 == 0;
+  const int64_t items = vec ? n / 4 : n;
+  const unsigned blocks = (unsigned)std::min<int64_t>((items + kRoundThreads - 1) / kRoundThreads, 65535);
+  T* out = static_cast<T*>(y);
+  return vec ? launch_kernel<round_kernel<T, true>>(dim3(blocks), dim3(kRoundThreads), 0, stream, dev, x, out, n)
+             : launch_kernel<round_kernel<T, false>>(dim3(blocks), dim3(kRoundThreads), 0, stream, dev, x, out, n);
 }
 
 }  // namespace
@@ -75,6 +125,37 @@ Status gemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64_t N, 
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return {StatusCode::kCudaError, std::string(what) + ": CUDA error after cuBLAS: " + cudaGetErrorString(e)};
   return Status::Ok();
+}
+
+}  // namespace fastaxial::cuda
+
+namespace fastaxial::cuda {
+
+Status gemm_16bit(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  const void* A, int64_t lda, const void* B, int64_t ldb, float beta, float* C, int64_t ldc,
+                  const char* what) {
+  if (type != Products::kBf16 && type != Products::kFp16)
+    return {StatusCode::kInvalidArgument, std::string(what) + ": gemm_16bit takes bf16 or fp16 operands"};
+  if (M == 0 || N == 0) return Status::Ok();
+  const float one = 1.0f;
+  const cudaDataType_t ab = type == Products::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
+  // Column-major C^T (N, M) = op(B)^T (N, K) op(A)^T (K, M), as gemm.
+  const cublasStatus_t s =
+      cublasGemmEx_64(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &one, B,
+                      ab, ldb, A, ab, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  if (s != CUBLAS_STATUS_SUCCESS) return blas_error(s, what);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
+    return {StatusCode::kCudaError, std::string(what) + ": CUDA error after cuBLAS: " + cudaGetErrorString(e)};
+  return Status::Ok();
+}
+
+cudaError_t round_to_16bit(const float* x, void* y, int64_t n, Products type, const DeviceCaps& dev,
+                           cudaStream_t stream) {
+  if (n < 0 || (n > 0 && (x == nullptr || y == nullptr))) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  if (type == Products::kBf16) return launch_round<__nv_bfloat16>(x, y, n, dev, stream);
+  if (type == Products::kFp16) return launch_round<__half>(x, y, n, dev, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace fastaxial::cuda

@@ -1,5 +1,6 @@
 // The backward's products on cuBLAS, in fp32 (no TF32, no reduced-precision
-// reductions), for row-major matrices. cuBLAS is column-major: a row-major
+// reductions), and the 16-bit products (bf16, fp16; fp32 accumulation), for
+// row-major matrices. cuBLAS is column-major: a row-major
 // (r, c) matrix is its column-major transpose, so C = op(A) op(B) is asked of
 // it as C^T = op(B)^T op(A)^T with the operands swapped.
 // Deterministic: cuBLAS gives bitwise identical results for the same call on
@@ -11,6 +12,7 @@
 
 #include <cstdint>
 
+#include "../../common/plan.h"  // Products
 #include "fastaxial/fastaxial.h"
 
 namespace fastaxial::cuda {
@@ -41,5 +43,18 @@ class CallerBlas {
 // the row strides as stored.
 Status gemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A,
             int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc, const char* what);
+
+// The same product with A and B in a 16-bit type (type: Products::kBf16 or kFp16), C in fp32: the
+// tensor cores' 16-bit products with fp32 accumulation (CUBLAS_COMPUTE_32F), as PyTorch's
+// Linear layers run under autocast on the same library. Deterministic as above. Strides and
+// sizes count elements.
+Status gemm_16bit(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  const void* A, int64_t lda, const void* B, int64_t ldb, float beta, float* C, int64_t ldc,
+                  const char* what);
+
+// y (n) = x (n) rounded to `type` (bf16 or fp16: nearest, ties to even, as PyTorch's conversions;
+// fp16 overflows to infinity), on stream: the fp32 operands of gemm_16bit.
+cudaError_t round_to_16bit(const float* x, void* y, int64_t n, Products type, const DeviceCaps& dev,
+                           cudaStream_t stream);
 
 }  // namespace fastaxial::cuda
