@@ -1,6 +1,7 @@
 """The 16-bit and autocast calls of the operator on CUDA, for compute-sanitizer (scripts/gpu-check):
 bfloat16 and float16 modules, forward and backward, with and without attention dropout, at the
-default problem and a long row; a float32 module under bfloat16 autocast with a bfloat16 x. Run with
+default problem and a long row; the same modules' forward without grad (the 16-bit products:
+AxialParams::products); a float32 module under bfloat16 autocast with a bfloat16 x. Run with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that each tensor is an allocation of its own and an access past
 one is seen. Checks dtypes and finiteness; the accuracy checks are pytest's (test_low_precision.py)."""
 
@@ -26,6 +27,9 @@ def main():
                 m = fastaxial.AxialAttention(D, heads, H, W, dropout=p).cuda().to(dtype).train()
                 out, grads = step(m, torch.randn(B, H, W, D, device="cuda").to(dtype))
                 assert out.dtype is dtype and all(g.dtype is dtype for g in grads)
+            with torch.no_grad():
+                out = m.eval()(torch.randn(B, H, W, D, device="cuda").to(dtype))
+            assert out.dtype is dtype and torch.isfinite(out).all()
     m = fastaxial.AxialAttention(64, 4, 32, 32).cuda()
     with torch.autocast("cuda", torch.bfloat16):
         out, grads = step(m, torch.randn(4, 32, 32, 64, device="cuda").bfloat16())

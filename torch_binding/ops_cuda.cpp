@@ -76,6 +76,11 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
     run_training_forward(p, plan, empty_saved(plan, c.x));
     return out.to(c.dtype);
   }
+  // A 16-bit call without grad: the products in its dtype (AxialParams::products), as the
+  // reference computes them in that dtype. (With grad, the training forward's fp32 products: its
+  // backward has no 16-bit products yet.)
+  if (c.dtype == at::kBFloat16) p.products = Products::kBf16;
+  if (c.dtype == at::kHalf) p.products = Products::kFp16;
   CudaPlan plan;
   Status s = plan_cuda(p, &plan);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
@@ -185,6 +190,9 @@ std::string describe_cuda_plan(const at::Tensor& x, int64_t num_heads) {
   const c10::cuda::CUDAGuard guard(x.device());
   AxialParams p;
   p.batch = x.size(0), p.height = x.size(1), p.width = x.size(2), p.dim = x.size(3), p.heads = num_heads;
+  // As axial_attention_cuda plans a call without grad of x's dtype.
+  if (x.scalar_type() == at::kBFloat16) p.products = Products::kBf16;
+  if (x.scalar_type() == at::kHalf) p.products = Products::kFp16;
   CudaPlan plan;
   const Status s = plan_cuda(p, &plan);
   TORCH_CHECK(s.ok(), "fastaxial.describe_cuda_plan: ", s.message);

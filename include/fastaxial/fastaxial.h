@@ -36,6 +36,11 @@ struct Status {
   static Status Ok() { return {}; }
 };
 
+// The precision of the matrix products (AxialParams::products): fp32 (the tensor cores' 3xTF32
+// split, within twice plain fp32's error), or bf16 or fp16 (operands rounded to the 16-bit type,
+// fp32 accumulation: what PyTorch's Linear layers and attention compute under autocast).
+enum class Products { kFp32, kBf16, kFp16 };
+
 // The five parameter tensors of one axis (row or column).
 struct AxisWeights {
   const float* norm_weight = nullptr;  // (D)      LayerNorm gain
@@ -73,6 +78,16 @@ struct AxialParams {
   float dropout = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;
+
+  // The matrix products of forward_cuda (Products above). kBf16 and kFp16 run every pass that
+  // the staged path serves (an sm_90a build on a compute-capability 9.0 GPU, dim a multiple of 8,
+  // aligned tensors; not where FASTAXIAL_CUDA_PATH forces the fused or generic family) on it, with
+  // LayerNorm's output rounded to the type, the projections on cuBLAS's 16-bit products, the flash
+  // attention kernel's 16-bit products, and LayerNorm's statistics and the softmax in fp32; the
+  // other passes keep fp32 products (CudaPlan's PassPlan::products says which). The CPU calls
+  // compute in fp32 whatever it is; the CUDA training calls take kFp32 only (kUnsupported
+  // otherwise: their backward has no 16-bit products yet).
+  Products products = Products::kFp32;
   // CUDA graphs: where set, forward_cuda_training reads the seed and the offset from device
   // memory when the kernels run, seed = *seed_device and offset = *offset_device + offset, so
   // that a captured graph draws a fresh mask at each replay from values updated between
@@ -224,6 +239,8 @@ struct PassPlan {
   // passes of few long sequences; 1: no split).
   FlashKernel flash_kernel = FlashKernel::kNone;
   int flash_splits = 1;
+  // The pass's products: AxialParams::products where the pass is staged, else kFp32.
+  Products products = Products::kFp32;
 };
 
 struct CudaPlan {
@@ -242,10 +259,18 @@ struct CudaPlan {
   // kNone where no pass splits.
   size_t flash_partials = kNone;
   size_t flash_partials_bytes = 0;
+  // Passes on 16-bit products: an operand rounded to the type, T D 16-bit values (the LayerNorm
+  // output, then the attention output); each such pass's weights rounded, 4 D^2 values (Wqkv,
+  // then Wout), the row pass's first; the workspace of the library's cuBLAS handle.
+  size_t operand16 = kNone;
+  size_t weights16 = kNone;
+  size_t blas = kNone;
+  size_t blas_bytes = 0;
   size_t workspace_bytes = 0;           // the whole workspace
 
-  // What the plan was made for; forward_cuda rejects another problem or device.
+  // What the plan was made for; forward_cuda rejects another problem, products or device.
   int64_t batch = 0, height = 0, width = 0, dim = 0, heads = 0;
+  Products products = Products::kFp32;
   int device = -1;
 
   // One line, e.g. "row: fused (wgmma), col: staged (flash wgmma-wide, 2 splits); workspace

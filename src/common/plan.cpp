@@ -105,6 +105,7 @@ std::string CudaPlan::describe() const {
       if (p.flash_splits > 1) s << ", " << p.flash_splits << " splits";
       s << ")";
     }
+    if (p.products != Products::kFp32) s << (p.products == Products::kBf16 ? " on bf16 products" : " on fp16 products");
   };
   pass("row", row);
   s << ", ";
@@ -115,6 +116,8 @@ std::string CudaPlan::describe() const {
   if (col_weight_planes != kNone) s << ", col weight planes at " << col_weight_planes;
   if (flash_partials != kNone)
     s << ", flash split-KV partials at " << flash_partials << " (" << flash_partials_bytes << " B)";
+  if (operand16 != kNone) s << ", 16-bit operand at " << operand16 << ", 16-bit weights at " << weights16;
+  if (blas != kNone) s << ", cuBLAS workspace at " << blas << " (" << blas_bytes << " B)";
   s << " (B " << batch << ", H " << height << ", W " << width << ", D " << dim << ", heads " << heads << ", device "
     << device << ")";
   return s.str();
@@ -327,6 +330,7 @@ AttentionGradVariant attention_grad_variant(const AttentionGradProblem& a, const
 Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan) {
   CudaPlan c;
   c.batch = p.batch, c.height = p.height, c.width = p.width, c.dim = p.dim, c.heads = p.heads;
+  c.products = p.products;
   c.device = dev.device;
   // The row pass's output, the workspace's first region, is 256-byte
   // aligned; null stands in for it (it counts as aligned).
@@ -337,6 +341,22 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   if (Status s = plan_pass(col_view(p), p.dim, p.heads, pass_aligned(p.col, x1, p.out), dev, options, &c.col);
       !s.ok())
     return s;
+  // 16-bit products: every pass the staged path serves takes it, with the flash kernel's
+  // mma.sync instance (the only attention kernel on 16-bit products: flash_variant), unsplit;
+  // not where FASTAXIAL_CUDA_PATH forces the fused or generic family (fp32 products there).
+  if (p.products != Products::kFp32 && options.forced != ForcedFamily::kFused &&
+      options.forced != ForcedFamily::kGeneric) {
+    PlanOptions staged = options;
+    staged.forced = ForcedFamily::kStaged;
+    const auto on_16bit = [&](const AxisView& view, bool aligned, PassPlan* pass) {
+      PassPlan s;
+      if (!plan_pass(view, p.dim, p.heads, aligned, dev, staged, &s).ok() || s.family != KernelFamily::kStaged) return;
+      s.flash = true, s.flash_kernel = FlashKernel::kMmaSync, s.flash_splits = 1, s.products = p.products;
+      *pass = s;
+    };
+    on_16bit(row, pass_aligned(p.row, p.x, x1), &c.row);
+    on_16bit(col, pass_aligned(p.col, x1, p.out), &c.col);
+  }
 
   const size_t floats = (size_t)(p.batch * p.height * p.width * p.dim);  // validate() bounds it by int64
   const size_t bytes = floats * sizeof(float);
@@ -349,16 +369,27 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
     fits = D <= ~size_t{0} / (8 * sizeof(float)) / D && bytes <= ~size_t{0} / 4 &&
            append(&end, 4 * bytes, &c.staged_scratch);
     // The flash kernel's split-KV partials (smem_layout.h): the larger pass's.
+    // (16-bit products never split and take no TF32 planes.)
+    const bool row32 = row_staged && c.row.products == Products::kFp32, col32 = col_staged && c.col.products == Products::kFp32;
     size_t partials = 0;
-    if (c.row.flash) partials = flash_partials_bytes(row.num_seq, row.len, p.dim / p.heads, p.heads, dev.sms);
-    if (c.col.flash)
+    if (c.row.flash && row32) partials = flash_partials_bytes(row.num_seq, row.len, p.dim / p.heads, p.heads, dev.sms);
+    if (c.col.flash && col32)
       partials = std::max(partials, flash_partials_bytes(col.num_seq, col.len, p.dim / p.heads, p.heads, dev.sms));
     if (fits && partials > 0) {
       fits = append(&end, partials, &c.flash_partials);
       c.flash_partials_bytes = partials;
     }
-    if (fits && row_staged) fits = append(&end, planes, &c.row_weight_planes);
-    if (fits && col_staged) fits = append(&end, planes, &c.col_weight_planes);
+    if (fits && row32) fits = append(&end, planes, &c.row_weight_planes);
+    if (fits && col32) fits = append(&end, planes, &c.col_weight_planes);
+    // 16-bit products: the rounded operand (2 bytes a value), the rounded weights of each such
+    // pass (4 D^2 values), cuBLAS's workspace.
+    const int passes16 = (c.row.products != Products::kFp32) + (c.col.products != Products::kFp32);
+    if (fits && passes16 > 0) {
+      fits = floats <= ~size_t{0} / 2 && append(&end, 2 * floats, &c.operand16) &&
+             append(&end, (size_t)passes16 * 4 * D * D * 2, &c.weights16);
+      c.blas_bytes = backward_blas_bytes(dev);
+      fits = fits && append(&end, c.blas_bytes, &c.blas);
+    }
   }
   if (!fits) return invalid("the workspace size overflows size_t");
   c.workspace_bytes = end;
@@ -477,6 +508,10 @@ size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCa
 }
 
 Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan, bool caller_blas) {
+  if (p.products != Products::kFp32)
+    return {StatusCode::kUnsupported,
+            "the CUDA training calls run fp32 products only (AxialParams::products = kFp32): their backward has no "
+            "16-bit products yet"};
   const int64_t hd = p.dim / p.heads;
   if (hd > kCudaBackwardMaxHeadDim)
     return {StatusCode::kUnsupported, "the CUDA backward serves head dims up to " +

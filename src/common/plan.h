@@ -259,7 +259,7 @@ constexpr int64_t kFlashWgmmaMinLen = 64;
 // The element type of the attention kernels' products: fp32 on 3xTF32 (fp32 accuracy), or a 16-bit
 // type with fp32 accumulation (detail/mma16.cuh), as autocast computes the reference's products.
 // The 16-bit products run on the mma.sync kernel only, for now.
-enum class Products { kFp32, kBf16, kFp16 };
+// Products (the products' precision): fastaxial.h, AxialParams::products.
 
 struct FlashProblem {
   int64_t num_seq = 0, len = 0, head_dim = 0;

@@ -30,6 +30,8 @@ Status validate_sizes(const AxialParams& p) {
     if (v < 0) return invalid(std::string(name) + " must be >= 0, got " + std::to_string(v));
   if (p.dim < 1) return invalid("dim must be >= 1, got " + std::to_string(p.dim));
   if (p.heads < 1) return invalid("heads must be >= 1, got " + std::to_string(p.heads));
+  if (p.products != Products::kFp32 && p.products != Products::kBf16 && p.products != Products::kFp16)
+    return invalid("products must be Products::kFp32, kBf16 or kFp16, got " + std::to_string((int)p.products));
   if (p.dim % p.heads != 0) {
     std::ostringstream s;
     s << "dim (" << p.dim << ") must be divisible by heads (" << p.heads << ")";

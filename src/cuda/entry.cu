@@ -10,7 +10,9 @@
 #include <string>
 
 #include "../common/plan.h"
+#include "gemm/blas.h"
 #include "kernels.h"
+#include "staged/pass.h"  // launch_staged_16bit
 
 namespace fastaxial {
 namespace cuda {
@@ -83,6 +85,8 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
   DeviceCaps dev;
   if (Status s = current_device(&dev); !s.ok()) return s;
   if (Status s = check_plan_matches(p, plan, dev.device, "the plan"); !s.ok()) return s;
+  if (plan.products != p.products)
+    return {StatusCode::kInvalidArgument, "the plan was made for other products (AxialParams::products): " + plan.describe()};
   if (p.dropout > 0)
     return {StatusCode::kUnsupported,
             "forward_cuda has no attention dropout: forward_cuda_training applies it (and keeps what its backward needs)"};
@@ -106,10 +110,20 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
     return cuda::StagedWeights{w, w ? w + qkv_planes : nullptr};
   };
   const cuda::StagedWeights row_split = planes(plan.row_weight_planes), col_split = planes(plan.col_weight_planes);
-  // The first staged pass splits the weights of every staged pass, beside its LayerNorm.
+  // The first staged pass on fp32 products splits the weights of every such pass, beside its LayerNorm.
+  const auto staged32 = [](const PassPlan& pp) {
+    return pp.family == KernelFamily::kStaged && pp.products == Products::kFp32;
+  };
   cuda::PlaneJobs splits;
-  if (plan.row.family == KernelFamily::kStaged) cuda::add_weight_splits(&splits, p.row, row_split, (int)p.dim);
-  if (plan.col.family == KernelFamily::kStaged) cuda::add_weight_splits(&splits, p.col, col_split, (int)p.dim);
+  if (staged32(plan.row)) cuda::add_weight_splits(&splits, p.row, row_split, (int)p.dim);
+  if (staged32(plan.col)) cuda::add_weight_splits(&splits, p.col, col_split, (int)p.dim);
+  // Passes on 16-bit products: the library's cuBLAS handle on the plan's workspace, and the
+  // rounded weights, the row pass's first.
+  cublasHandle_t blas = nullptr;
+  if (plan.blas != CudaPlan::kNone)
+    if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
+  char* weights16 = plan.weights16 == CudaPlan::kNone ? nullptr : ws + plan.weights16;
+  const size_t pass_weights16 = 4 * (size_t)p.dim * (size_t)p.dim * 2;  // bytes
 
   const auto pass = [&](const PassPlan& pp, const AxisView& view, const AxisWeights& w, const float* src, float* dst,
                         const cuda::StagedWeights& split) -> Status {
@@ -117,6 +131,12 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
       case KernelFamily::kFused:
         return cuda::launch_fused(view, p, w, src, dst, pp.wgmma, dev, stream);
       case KernelFamily::kStaged: {
+        if (pp.products != Products::kFp32) {
+          void* w16 = weights16;
+          weights16 += pass_weights16;
+          return cuda::launch_staged_16bit(view, p, w, src, dst, scratch, ws + plan.operand16, w16, blas, pp.products,
+                                           dev, stream);
+        }
         const Status s = cuda::launch_staged(view, p, w, src, dst, scratch, split, splits, pp.flash,
                                              region(plan.flash_partials), plan.flash_partials_bytes, dev, stream);
         splits.count = 0;  // split once, by the first staged pass

@@ -334,6 +334,9 @@ Status zero_weight_grads(const AxialParams& p, const AxialGrads& g, cudaStream_t
 Status check_call(const AxialParams& p, const CudaBackwardPlan& plan, const void* saved, size_t saved_bytes,
                   const void* workspace, size_t workspace_bytes, DeviceCaps* dev) {
   if (Status s = validate_inputs(p); !s.ok()) return s;
+  if (p.products != Products::kFp32)
+    return {StatusCode::kUnsupported, "the CUDA training calls run fp32 products only (AxialParams::products = "
+                                      "kFp32): their backward has no 16-bit products yet"};
   if (Status s = cuda::current_device(dev); !s.ok()) return s;
   if (Status s = check_plan_matches(p, plan, dev->device, "the backward plan"); !s.ok()) return s;
   if ((p.seed_device == nullptr) != (p.offset_device == nullptr))

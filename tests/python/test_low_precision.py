@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastaxial
-from accuracy import GRAD_NAMES, K, rel_err
+from accuracy import GRAD_NAMES, K, max_rel_err, rel_err
 from conftest import randomize_
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -256,3 +256,41 @@ def test_messages_in_16_bits():
         fake = [torch.empty(shape) for shape in shapes]  # float32
         with pytest.raises(RuntimeError, match="the weights must be torch.float16 like x, got torch.float32"):
             torch.ops.fastaxial.axial_attention(x, *fake, 4, 1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
+                    reason="no CUDA kernel or no GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + [(2, 16, 16, 96, 4), (1, 2, 300, 64, 2)], ids=str)
+def test_16bit_forward_without_grad_on_16bit_products(shape, dtype):
+    """Without grad a 16-bit call runs its products in its dtype (AxialParams::products: the staged
+    path's 16-bit products, which the plan names): the rule against the reference in the same
+    dtype, and bits that differ from the fp32 products' on the same values (the call on float32
+    copies, rounded to the dtype: what a call that fell back to fp32 would return)."""
+    B, H, W, D, heads = shape
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("16-bit products take the staged path: compute capability 9.0 (sm_90a code)")
+    name = "bf16" if dtype is torch.bfloat16 else "fp16"
+    plan = fastaxial.ops.describe_cuda_plan(torch.empty(B, H, W, D, device=device, dtype=dtype), heads)
+    assert f"row: staged (flash mma.sync) on {name} products" in plan, plan
+    worst_new = worst_ref = 0.0
+    differs = False
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        ref = randomize_(fastaxial.AxialAttentionReference(D, heads, H, W), seed).to(device, dtype)
+        exact = fastaxial.AxialAttentionReference(D, heads, H, W).to(device, torch.float64)
+        exact.load_state_dict(ref.state_dict())
+        x = torch.randn(B, H, W, D, generator=torch.Generator().manual_seed(100 + seed)).to(device, dtype)
+        weights = list(ref.weights())
+        with torch.no_grad():
+            got = fastaxial.ops.axial_attention(x, *weights, heads, 1e-5)
+            want = ref(x)
+            truth = exact(x.double())
+            fp32_products = fastaxial.ops.axial_attention(x.float(), *[w.float() for w in weights], heads, 1e-5)
+        differs = differs or not torch.equal(got, fp32_products.to(dtype))
+        assert got.dtype is dtype and torch.isfinite(got).all()
+        worst_new = max(worst_new, max_rel_err(got, truth))
+        worst_ref = max(worst_ref, max_rel_err(want, truth))
+    assert worst_new <= K * worst_ref, f"{worst_new:.3g} against the {dtype} reference's {worst_ref:.3g}"
+    assert differs, "the call without grad gave the fp32 products' bits: the 16-bit products did not run"

@@ -92,3 +92,48 @@ Status launch_staged(const AxisView& view, const AxialParams& p, const AxisWeigh
 }
 
 }  // namespace fastaxial::cuda
+
+namespace fastaxial::cuda {
+
+Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
+                           float* dst, float* scratch, void* operand16, void* weights16, cublasHandle_t h,
+                           Products type, const DeviceCaps& dev, cudaStream_t stream) {
+  const int D = (int)p.dim;
+  const int64_t T = view.num_seq * view.len, DD = (int64_t)D * D;
+  float* norm = scratch;                   // (T, D): LayerNorm output, then attention output
+  float* qkv = scratch + T * (int64_t)D;  // (T, 3D)
+  auto* wqkv16 = static_cast<uint16_t*>(weights16);  // (3D, D) rounded, then Wout (D, D)
+  uint16_t* wout16 = wqkv16 + 3 * DD;
+  const auto check = [](cudaError_t e, const char* what) { return e == cudaSuccess ? Status::Ok() : cuda_error(e, what); };
+  if (cudaError_t e = layer_norm_forward(src, w.norm_weight, w.norm_bias, p.eps, T, D, norm, nullptr, dev, stream);
+      e != cudaSuccess) {
+    // Without statistics the launch takes a block per 8 positions (norm.h).
+    if (e == cudaErrorInvalidConfiguration) return {StatusCode::kUnsupported, "too many positions for one pass"};
+    return cuda_error(e, "layer_norm_forward launch");
+  }
+  // The positions are in memory order here: LayerNorm and the products act on each alone.
+  if (Status s = check(round_to_16bit(norm, operand16, T * D, type, dev, stream), "rounding the LayerNorm output");
+      !s.ok())
+    return s;
+  if (Status s = check(round_to_16bit(w.qkv_weight, wqkv16, 3 * DD, type, dev, stream), "rounding Wqkv"); !s.ok())
+    return s;
+  if (Status s = check(round_to_16bit(w.out_weight, wout16, DD, type, dev, stream), "rounding Wout"); !s.ok())
+    return s;
+  if (Status s = gemm_16bit(h, type, false, true, T, 3 * D, D, operand16, D, wqkv16, D, 0.0f, qkv, 3 * D,
+                            "QKV product (16-bit)");
+      !s.ok())
+    return s;
+  FlashArgs f;
+  f.pos = row_indices(view, D);
+  f.qkv = qkv, f.o = norm;  // the LayerNorm output is read (rounded) by now
+  f.D = D, f.heads = (int)p.heads;
+  f.products = type;
+  if (Status s = check(flash_attention(f, dev, stream), "flash_attention launch (16-bit products)"); !s.ok()) return s;
+  if (Status s = check(round_to_16bit(norm, operand16, T * D, type, dev, stream), "rounding the attention output");
+      !s.ok())
+    return s;
+  if (Status s = check(add_bias(src, w.out_bias, T, D, dst, dev, stream), "add_bias launch"); !s.ok()) return s;
+  return gemm_16bit(h, type, false, true, T, D, D, operand16, D, wout16, D, 1.0f, dst, D, "output product (16-bit)");
+}
+
+}  // namespace fastaxial::cuda

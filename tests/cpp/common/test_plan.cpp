@@ -4,6 +4,8 @@
 // apply here: every test passes its options explicitly, so it runs once.
 #include <gtest/gtest.h>
 
+#include <array>
+
 #include <string>
 #include <vector>
 
@@ -339,6 +341,69 @@ TEST(Plan, FlashKernelVariant) {
     EXPECT_STREQ(to_string(v.kernel), to_string(c.kernel)) << c.n << " x " << c.len << ", head_dim " << c.hd;
     EXPECT_EQ(v.splits, c.splits) << c.n << " x " << c.len << ", head_dim " << c.hd;
   }
+}
+
+// 16-bit products (AxialParams::products): every pass the staged path serves takes it, on the
+// flash kernel's mma.sync instance, unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
+// weights a pass, cuBLAS's workspace) and without the TF32 planes or split partials; where the
+// staged path cannot run (no sm_90a code), the passes keep their fp32 plan and no region is added.
+// The training plan refuses them. An out-of-range value is an invalid argument.
+TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
+  for (Products type : {Products::kBf16, Products::kFp16}) {
+    for (const auto& shape : {std::array<int64_t, 5>{4, 32, 32, 64, 4}, std::array<int64_t, 5>{1, 2, 4096, 128, 1},
+                              std::array<int64_t, 5>{64, 16, 16, 96, 4}}) {
+      AxialParams p = problem(shape[0], shape[1], shape[2], shape[3], shape[4]);
+      const CudaPlan fp32 = plan_of(p, h200());
+      p.products = type;
+      const CudaPlan c = plan_of(p, h200());
+      for (const PassPlan* pass : {&c.row, &c.col}) {
+        EXPECT_EQ(pass->family, KernelFamily::kStaged) << c.describe();
+        EXPECT_TRUE(pass->flash) << c.describe();
+        EXPECT_EQ(pass->flash_kernel, FlashKernel::kMmaSync) << c.describe();
+        EXPECT_EQ(pass->flash_splits, 1) << c.describe();
+        EXPECT_EQ(pass->products, type) << c.describe();
+      }
+      EXPECT_EQ(c.products, type);
+      const size_t T = (size_t)(shape[0] * shape[1] * shape[2]), D = (size_t)shape[3];
+      ASSERT_NE(c.operand16, CudaPlan::kNone);
+      ASSERT_NE(c.weights16, CudaPlan::kNone);
+      ASSERT_NE(c.blas, CudaPlan::kNone);
+      EXPECT_GE(c.weights16, c.operand16 + 2 * T * D);
+      EXPECT_GE(c.blas, c.weights16 + 2 * 4 * D * D * 2);
+      EXPECT_GE(c.workspace_bytes, c.blas + c.blas_bytes);
+      EXPECT_EQ(c.blas_bytes, backward_blas_bytes(h200()));
+      EXPECT_EQ(c.row_weight_planes, CudaPlan::kNone);
+      EXPECT_EQ(c.col_weight_planes, CudaPlan::kNone);
+      EXPECT_EQ(c.flash_partials, CudaPlan::kNone);
+      EXPECT_NE(c.describe().find(type == Products::kBf16 ? "on bf16 products" : "on fp16 products"), std::string::npos)
+          << c.describe();
+      EXPECT_EQ(fp32.operand16, CudaPlan::kNone);
+      EXPECT_EQ(fp32.row.products, Products::kFp32);
+      // No sm_90a code: no staged path, so the fp32 plan.
+      const CudaPlan ptx = plan_of(p, ptx_only());
+      EXPECT_EQ(ptx.row.products, Products::kFp32) << ptx.describe();
+      EXPECT_EQ(ptx.col.products, Products::kFp32) << ptx.describe();
+      EXPECT_EQ(ptx.operand16, CudaPlan::kNone);
+      // A forced fused or generic family keeps fp32 products (FASTAXIAL_CUDA_PATH).
+      for (ForcedFamily f : {ForcedFamily::kFused, ForcedFamily::kGeneric}) {
+        PlanOptions o;
+        o.forced = f;
+        const CudaPlan forced = plan_of(p, h200(), o);
+        EXPECT_EQ(forced.row.products, Products::kFp32) << forced.describe();
+        EXPECT_EQ(forced.col.products, Products::kFp32) << forced.describe();
+        EXPECT_EQ(forced.operand16, CudaPlan::kNone);
+      }
+      CudaBackwardPlan b;
+      const Status st = make_backward_plan(p, h200(), &b);
+      EXPECT_EQ(st.code, StatusCode::kUnsupported) << st.message;
+      EXPECT_NE(st.message.find("16-bit products"), std::string::npos) << st.message;
+    }
+  }
+  AxialParams p = problem(1, 4, 4, 8, 1);
+  p.products = static_cast<Products>(7);
+  const Status st = validate(p);  // (plan_cuda validates the sizes and this first, as forward_cuda)
+  EXPECT_EQ(st.code, StatusCode::kInvalidArgument) << st.message;
+  EXPECT_NE(st.message.find("products"), std::string::npos) << st.message;
 }
 
 TEST(Plan, DescribesItself) {

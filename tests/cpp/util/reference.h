@@ -122,10 +122,17 @@ inline AxialParams params(const Problem& p, float* out) {
   return a;
 }
 
+// A 16-bit type's rounding of a double (through float): the points where PyTorch's eager
+// evaluation in that dtype rounds (reference_axis's `round`).
+using RoundFn = std::function<double(double)>;
+
 // One axis on y (B, H, W, D) in double, in place. along_w: rows, else columns. keep (null: no
-// dropout): the mask, kept probabilities times drop_scale.
+// dropout): the mask, kept probabilities times drop_scale. round (null: none): applied where an
+// evaluation in a 16-bit dtype rounds: LayerNorm's output, q, k and v, the scores, the
+// probabilities, the attention output, the output product with its bias, and the residual sum.
 inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisData& w, bool along_w, double eps,
-                           const KeepFn* keep = nullptr, double drop_scale = 1.0) {
+                           const KeepFn* keep = nullptr, double drop_scale = 1.0, const RoundFn* round = nullptr) {
+  const auto r = [&](double v) { return round ? (*round)(v) : v; };
   const int64_t D = s.D, hd = D / s.heads, L = along_w ? s.W : s.H, other = along_w ? s.H : s.W;
   auto at = [&](int64_t b, int64_t o, int64_t l) {
     const int64_t h = along_w ? o : l, ww = along_w ? l : o;
@@ -141,11 +148,12 @@ inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisDat
         mean /= D;
         for (int64_t c = 0; c < D; ++c) var += (x[c] - mean) * (x[c] - mean);
         var /= D;
-        for (int64_t c = 0; c < D; ++c) xn[l * D + c] = (x[c] - mean) / std::sqrt(var + eps) * w.norm_w[c] + w.norm_b[c];
+        for (int64_t c = 0; c < D; ++c)
+          xn[l * D + c] = r((x[c] - mean) / std::sqrt(var + eps) * w.norm_w[c] + w.norm_b[c]);
         for (int64_t j = 0; j < 3 * D; ++j) {
           double acc = 0;
           for (int64_t c = 0; c < D; ++c) acc += xn[l * D + c] * w.qkv_w[j * D + c];
-          qkv[l * 3 * D + j] = acc;
+          qkv[l * 3 * D + j] = r(acc);
         }
       }
       for (int64_t h = 0; h < s.heads; ++h)
@@ -154,23 +162,27 @@ inline void reference_axis(std::vector<double>& y, const Shape& s, const AxisDat
           for (int64_t j = 0; j < L; ++j) {
             double dot = 0;
             for (int64_t c = 0; c < hd; ++c) dot += qkv[i * 3 * D + h * hd + c] * qkv[j * 3 * D + D + h * hd + c];
-            p[j] = dot / std::sqrt(static_cast<double>(hd));
+            p[j] = r(dot / std::sqrt(static_cast<double>(hd)));
             mx = std::max(mx, p[j]);
           }
           for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - mx));
+          if (round) {  // the probabilities themselves rounded, then p v
+            for (int64_t j = 0; j < L; ++j) p[j] = r(p[j] / sum);
+            sum = 1.0;
+          }
           if (keep)  // dropout after the softmax's sum: P o M / (1 - p)
             for (int64_t j = 0; j < L; ++j) p[j] *= (*keep)(along_w ? 0 : 1, b * other + o, h, i, j) ? drop_scale : 0.0;
           for (int64_t c = 0; c < hd; ++c) {
             double acc = 0;
             for (int64_t j = 0; j < L; ++j) acc += p[j] * qkv[j * 3 * D + 2 * D + h * hd + c];
-            att[i * D + h * hd + c] = acc / sum;
+            att[i * D + h * hd + c] = r(acc / sum);
           }
         }
       for (int64_t l = 0; l < L; ++l)
         for (int64_t j = 0; j < D; ++j) {
           double acc = w.out_b[j];
           for (int64_t c = 0; c < D; ++c) acc += att[l * D + c] * w.out_w[j * D + c];
-          y[at(b, o, l) + j] += acc;
+          y[at(b, o, l) + j] = r(y[at(b, o, l) + j] + r(acc));
         }
     }
 }
