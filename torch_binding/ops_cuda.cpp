@@ -89,14 +89,18 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
     return out.to(c.dtype);
   }
   p.products = products_for(c.dtype, c.x.numel());
+  // 16-bit products run on PyTorch's cuBLAS handle for this stream (capture-safe, its workspace
+  // PyTorch's), as the training calls' products do.
+  const bool blas16 = p.products != Products::kFp32;
   CudaPlan plan;
-  Status s = plan_cuda(p, &plan);
+  Status s = plan_cuda(p, &plan, blas16);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
   // Straight from the caching allocator (no tensor around it): returned to
   // the cache at the end of this call, reusable by work queued after it on
   // this stream, as a temporary tensor's memory would be.
   const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(plan.workspace_bytes);
-  s = forward_cuda(p, plan, workspace.get(), plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream());
+  s = forward_cuda(p, plan, workspace.get(), plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
+                   blas16 ? at::cuda::getCurrentCUDABlasHandle() : nullptr);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention (CUDA): ", s.message);
   return out.to(c.dtype);  // (out itself where the call is float32)
 }

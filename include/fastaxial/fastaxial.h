@@ -261,11 +261,13 @@ struct CudaPlan {
   size_t flash_partials_bytes = 0;
   // Passes on 16-bit products: an operand rounded to the type, T D 16-bit values (the LayerNorm
   // output, then the attention output); each such pass's weights rounded, 4 D^2 values (Wqkv,
-  // then Wout), the row pass's first; the workspace of the library's cuBLAS handle.
+  // then Wout), the row pass's first; the workspace of the library's cuBLAS handle (kNone where
+  // the caller gives its own: caller_blas).
   size_t operand16 = kNone;
   size_t weights16 = kNone;
   size_t blas = kNone;
   size_t blas_bytes = 0;
+  bool caller_blas = false;  // plan_cuda's caller_blas: forward_cuda takes the caller's cuBLAS handle
   size_t workspace_bytes = 0;           // the whole workspace
 
   // What the plan was made for; forward_cuda rejects another problem, products or device.
@@ -288,8 +290,11 @@ struct CudaPlan {
 // whose shape that family supports (an error where the device cannot run it),
 // and FASTAXIAL_FUSED_WGMMA=0|1 turns the fused kernel's wgmma projections off
 // or on (default on). Another value of either is an error.
-// kUnsupported in a build without CUDA or with no device.
-Status plan_cuda(const AxialParams& p, CudaPlan* plan);
+// kUnsupported in a build without CUDA or with no device. caller_blas: the 16-bit
+// products (AxialParams::products) will run on the caller's cuBLAS handle, given
+// to forward_cuda (as the training calls take one), so the plan reserves no
+// workspace for a handle of the library's own.
+Status plan_cuda(const AxialParams& p, CudaPlan* plan, bool caller_blas = false);
 
 // plan_cuda(p).workspace_bytes: the device scratch forward_cuda(p) needs on
 // the current device.
@@ -304,9 +309,13 @@ Status cuda_workspace_bytes(const AxialParams& p, size_t* bytes);
 // families run every product on the tensor cores, each fp32 operand split
 // into two TF32 parts (3xTF32): error against float64 within twice that of
 // plain fp32 arithmetic in the tests, though not bit-identical to it. The
-// generic family uses fp32 FMA. PyTorch's TF32 switches do not apply.
+// generic family uses fp32 FMA. PyTorch's TF32 switches do not apply. With
+// 16-bit products (AxialParams::products), their cuBLAS calls run on
+// blas_handle (a cublasHandle_t bound to `stream`) where the plan was made
+// with caller_blas, else on a handle of the library's own, created on a
+// thread's first such call (so make that call before any graph capture).
 Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace, size_t workspace_bytes,
-                    CUstream_st* stream);
+                    CUstream_st* stream, void* blas_handle = nullptr);
 
 // Plans p, then runs it: the same as plan_cuda followed by the call above.
 Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_bytes, CUstream_st* stream);

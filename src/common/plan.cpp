@@ -327,7 +327,8 @@ AttentionGradVariant attention_grad_variant(const AttentionGradProblem& a, const
   return v;
 }
 
-Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan) {
+Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan,
+                 bool caller_blas) {
   CudaPlan c;
   c.batch = p.batch, c.height = p.height, c.width = p.width, c.dim = p.dim, c.heads = p.heads;
   c.products = p.products;
@@ -387,8 +388,9 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
     if (fits && passes16 > 0) {
       fits = floats <= ~size_t{0} / 2 && append(&end, 2 * floats, &c.operand16) &&
              append(&end, (size_t)passes16 * 4 * D * D * 2, &c.weights16);
-      c.blas_bytes = backward_blas_bytes(dev);
-      fits = fits && append(&end, c.blas_bytes, &c.blas);
+      c.caller_blas = caller_blas;
+      c.blas_bytes = caller_blas ? 0 : backward_blas_bytes(dev);
+      if (!caller_blas) fits = fits && append(&end, c.blas_bytes, &c.blas);
     }
   }
   if (!fits) return invalid("the workspace size overflows size_t");

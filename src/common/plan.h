@@ -45,7 +45,8 @@ Status parse_plan_options(const char* cuda_path, const char* fused_wgmma, PlanOp
 Status env_plan_options(PlanOptions* options);
 
 // The plan of p on dev; p must have passed validate_sizes() (validate.h).
-Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan);
+Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions& options, CudaPlan* plan,
+                 bool caller_blas = false);
 
 // The plan of p's CUDA backward on dev (fastaxial.h's CudaBackwardPlan); p
 // must have passed validate_sizes().

@@ -14,11 +14,11 @@ Status no_cuda(const AxialParams& p, bool pointers = true) {
 
 bool cuda_compiled() { return false; }
 
-Status plan_cuda(const AxialParams& p, CudaPlan*) { return no_cuda(p, false); }
+Status plan_cuda(const AxialParams& p, CudaPlan*, bool) { return no_cuda(p, false); }
 
 Status cuda_workspace_bytes(const AxialParams& p, size_t*) { return no_cuda(p, false); }
 
-Status forward_cuda(const AxialParams& p, const CudaPlan&, void*, size_t, CUstream_st*) { return no_cuda(p); }
+Status forward_cuda(const AxialParams& p, const CudaPlan&, void*, size_t, CUstream_st*, void*) { return no_cuda(p); }
 
 Status forward_cuda(const AxialParams& p, void*, size_t, CUstream_st*) { return no_cuda(p); }
 

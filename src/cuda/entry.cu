@@ -63,13 +63,13 @@ using cuda::current_device;
 
 bool cuda_compiled() { return true; }
 
-Status plan_cuda(const AxialParams& p, CudaPlan* plan) {
+Status plan_cuda(const AxialParams& p, CudaPlan* plan, bool caller_blas) {
   if (Status s = validate_sizes(p); !s.ok()) return s;
   PlanOptions options;
   if (Status s = env_plan_options(&options); !s.ok()) return s;
   DeviceCaps dev;
   if (Status s = current_device(&dev); !s.ok()) return s;
-  return make_plan(p, dev, options, plan);
+  return make_plan(p, dev, options, plan, caller_blas);
 }
 
 Status cuda_workspace_bytes(const AxialParams& p, size_t* bytes) {
@@ -80,7 +80,7 @@ Status cuda_workspace_bytes(const AxialParams& p, size_t* bytes) {
 }
 
 Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace, size_t workspace_bytes,
-                    CUstream_st* stream) {
+                    CUstream_st* stream, void* blas_handle) {
   if (Status s = validate(p); !s.ok()) return s;
   DeviceCaps dev;
   if (Status s = current_device(&dev); !s.ok()) return s;
@@ -119,9 +119,19 @@ Status forward_cuda(const AxialParams& p, const CudaPlan& plan, void* workspace,
   if (staged32(plan.col)) cuda::add_weight_splits(&splits, p.col, col_split, (int)p.dim);
   // Passes on 16-bit products: the library's cuBLAS handle on the plan's workspace, and the
   // rounded weights, the row pass's first.
+  const bool any16 = plan.row.products != Products::kFp32 || plan.col.products != Products::kFp32;
+  if (any16 && plan.caller_blas != (blas_handle != nullptr))
+    return {StatusCode::kInvalidArgument, plan.caller_blas
+                                              ? "the plan was made for the caller's cuBLAS handle, and none was given"
+                                              : "a cuBLAS handle was given to a plan made without caller_blas"};
   cublasHandle_t blas = nullptr;
-  if (plan.blas != CudaPlan::kNone)
+  cuda::CallerBlas caller;  // the caller's handle bound to this stream, its math mode back at the end
+  if (any16 && blas_handle != nullptr) {
+    blas = static_cast<cublasHandle_t>(blas_handle);
+    if (Status s = caller.bind(blas, stream); !s.ok()) return s;
+  } else if (any16) {
     if (Status s = cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &blas); !s.ok()) return s;
+  }
   char* weights16 = plan.weights16 == CudaPlan::kNone ? nullptr : ws + plan.weights16;
   const size_t pass_weights16 = 4 * (size_t)p.dim * (size_t)p.dim * 2;  // bytes
 

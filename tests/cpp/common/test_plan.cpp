@@ -384,6 +384,13 @@ TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
       EXPECT_EQ(ptx.row.products, Products::kFp32) << ptx.describe();
       EXPECT_EQ(ptx.col.products, Products::kFp32) << ptx.describe();
       EXPECT_EQ(ptx.operand16, CudaPlan::kNone);
+      // On the caller's cuBLAS handle: no workspace for the library's.
+      CudaPlan callers;
+      ASSERT_TRUE(make_plan(p, h200(), {}, &callers, /*caller_blas=*/true).ok());
+      EXPECT_TRUE(callers.caller_blas);
+      EXPECT_EQ(callers.blas, CudaPlan::kNone);
+      EXPECT_EQ(callers.blas_bytes, 0u);
+      EXPECT_LE(callers.workspace_bytes + c.blas_bytes, c.workspace_bytes);
       // A forced fused or generic family keeps fp32 products (FASTAXIAL_CUDA_PATH).
       for (ForcedFamily f : {ForcedFamily::kFused, ForcedFamily::kGeneric}) {
         PlanOptions o;

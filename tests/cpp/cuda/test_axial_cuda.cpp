@@ -1,6 +1,7 @@
 // CUDA forward vs the double-precision reference, on the GPU present
 // (skipped where there is none). Outputs are poisoned with NaN first; each
 // forward gets exactly the workspace its plan asks for.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -390,18 +391,20 @@ double round16(double v, Products type) {
   return from_bits((u + 0xfffu + ((u >> 13) & 1u)) & 0xffffe000u);
 }
 
-// p's forward on the device with `products`: *out, and the plan it ran.
-void run_forward(const Problem& p, Products products, std::vector<float>* out, CudaPlan* plan) {
+// p's forward on the device with `products`: *out, and the plan it ran; on the caller's cuBLAS
+// handle `blas` (bound to the default stream) where given.
+void run_forward(const Problem& p, Products products, std::vector<float>* out, CudaPlan* plan,
+                 cublasHandle_t blas = nullptr) {
   DeviceBuffer dout(p.x.size());
   DeviceProblem dp(p, dout.ptr);
   ASSERT_TRUE(dp.ok() && dout.ptr != nullptr);
   CUDA_OK(cudaMemset(dout.ptr, 0xff, dout.n * sizeof(float)));  // NaN
   dp.a.products = products;
-  const Status sp = plan_cuda(dp.a, plan);
+  const Status sp = plan_cuda(dp.a, plan, blas != nullptr);
   ASSERT_TRUE(sp.ok()) << sp.message;
   Workspace ws(plan->workspace_bytes);
   ASSERT_NE(ws.ptr, nullptr);
-  const Status st = forward_cuda(dp.a, *plan, ws.ptr, ws.bytes, nullptr);
+  const Status st = forward_cuda(dp.a, *plan, ws.ptr, ws.bytes, nullptr, blas);
   ASSERT_TRUE(st.ok()) << st.message << " (" << plan->describe() << ")";
   CUDA_OK(cudaDeviceSynchronize());
   out->resize(p.x.size());
@@ -475,6 +478,44 @@ std::vector<Case16> cases16() {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaForward16, ::testing::ValuesIn(cases16()), [](const auto& info) {
   return shape_name(info.param.s) + (info.param.type == Products::kBf16 ? "_bf16" : "_fp16");
 });
+
+// On the caller's cuBLAS handle (plan_cuda's caller_blas; as the torch binding runs it): the same
+// products to fp32 rounding (cuBLAS may sum in another order on another handle), and no workspace
+// for the library's handle; a plan made for the caller's handle and none given, or the other way
+// round, is refused.
+TEST(CudaForward16, RunsOnTheCallersHandle) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!device_caps().sm90a) GTEST_SKIP() << "no staged path on this device or build";
+  if (env("FASTAXIAL_CUDA_PATH") == "fused" || env("FASTAXIAL_CUDA_PATH") == "generic")
+    GTEST_SKIP() << "FASTAXIAL_CUDA_PATH forces a family without 16-bit products";
+  const Problem p = random_problem({2, 16, 16, 96, 4}, 11u);
+  cublasHandle_t h = nullptr;
+  ASSERT_EQ(cublasCreate(&h), CUBLAS_STATUS_SUCCESS);
+  std::unique_ptr<cublasContext, void (*)(cublasHandle_t)> owned(h, [](cublasHandle_t x) { cublasDestroy(x); });
+  std::vector<float> own, callers;
+  CudaPlan plan_own, plan_callers;
+  run_forward(p, Products::kBf16, &own, &plan_own);
+  if (HasFatalFailure()) return;
+  run_forward(p, Products::kBf16, &callers, &plan_callers, h);
+  if (HasFatalFailure()) return;
+  EXPECT_TRUE(plan_callers.caller_blas);
+  EXPECT_EQ(plan_callers.blas, CudaPlan::kNone);
+  EXPECT_GE(plan_own.workspace_bytes, plan_callers.workspace_bytes + plan_own.blas_bytes);
+  double diff = 0.0, mag = 0.0;
+  for (size_t i = 0; i < own.size(); ++i) {
+    diff = std::max(diff, std::isnan(callers[i]) ? INFINITY : (double)std::fabs(callers[i] - own[i]));
+    mag = std::max(mag, (double)std::fabs(own[i]));
+  }
+  EXPECT_LE(diff, 1e-4 * mag) << "the caller's handle gave other products (a 16-bit rounding is 4e-3)";
+  // Mismatched handle and plan.
+  DeviceBuffer dout(p.x.size());
+  DeviceProblem dp(p, dout.ptr);
+  ASSERT_TRUE(dp.ok() && dout.ptr != nullptr);
+  dp.a.products = Products::kBf16;
+  Workspace ws(plan_own.workspace_bytes);
+  EXPECT_EQ(forward_cuda(dp.a, plan_callers, ws.ptr, ws.bytes, nullptr).code, StatusCode::kInvalidArgument);
+  EXPECT_EQ(forward_cuda(dp.a, plan_own, ws.ptr, ws.bytes, nullptr, h).code, StatusCode::kInvalidArgument);
+}
 
 // A plan made for other products is refused, not run on the wrong path.
 TEST(CudaForward16, RejectsAPlanForOtherProducts) {
