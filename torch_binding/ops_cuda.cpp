@@ -56,11 +56,9 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 }
 
 // The products a call without grad asks for (AxialParams::products): its 16-bit dtype's where the
-// problem is large enough for the 16-bit path to win, else fp32. Measured on an H100 (perf notes
-// v89, synchronized, 6 shapes): 1.26x to 1.45x faster than fp32 products at B H W D = 2^23, slower
-// at 2^20 and below, where the 16-bit pass's nine launches a pass and a long row's attention on the
-// mma.sync kernel weigh more than the projections. (With grad: the training forward's fp32
-// products; its backward has no 16-bit products yet.)
+// problem is large enough for the 16-bit path to win (its nine launches a pass and its unsplit
+// attention cost more than the projections save below that; perf notes v89), else fp32. (With
+// grad: the training forward's fp32 products; its backward has no 16-bit products yet.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
 Products products_for(at::ScalarType dtype, int64_t elements) {
   if (elements < kMin16BitElements) return Products::kFp32;
