@@ -19,35 +19,13 @@
 #include "src/common/axis.h"
 #include "src/common/plan.h"
 #include "src/cuda/attention/flash_attention.h"
+#include "util/attention_case.h"  // Case, case_name, kPoison, is_poison
 #include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
 
-constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
 constexpr int64_t kGuardRows = 3;          // rows of o past the T the views address
 constexpr int64_t kGuardLse = 67;          // lse elements past (2, num_seq, heads, L): hi, lo
-
-inline bool is_poison(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u == kPoison;
-}
-
-struct Case {
-  int L, hd, heads;
-  bool col;      // the column pass's view of a (B, L, other) grid, else the row pass's of (B, other, L)
-  int B, other;  // batch, and the grid's extent along the other axis
-  int used;      // sequences the view covers (0: all of B * other); the other rows must stay untouched
-  int misalign;  // qkv passed this many floats past a 16-byte boundary (the kernel's 4-byte copies)
-};
-
-inline std::string case_name(const Case& c) {
-  return "L" + std::to_string(c.L) + "_hd" + std::to_string(c.hd) + "_heads" + std::to_string(c.heads) +
-         (c.col ? "_col" : "_row") + "_B" + std::to_string(c.B) + "x" + std::to_string(c.other) +
-         (c.used ? "_used" + std::to_string(c.used) : "") + (c.misalign ? "_misalign" + std::to_string(c.misalign) : "");
-}
-
-inline void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
 // max |x - ref| over a row, NaN counting as infinite.
 inline double worst_abs(double worst, float x, double ref) {

@@ -35,40 +35,17 @@
 #include "src/common/smem_layout.h"
 #include "src/cuda/attention/attention_backward.h"
 #include "src/cuda/attention/flash_attention.h"
+#include "util/attention_case.h"  // Case, case_name, kPoison, is_poison
 #include "util/cuda_test_util.h"
 
 namespace fastaxial::test {
 namespace {
 
-constexpr uint32_t kPoison = 0xffffffffu;  // a NaN: cudaMemset(0xff)
 constexpr int64_t kGuardRows = 3;          // rows of dqkv past the T the views address
 constexpr int64_t kGuardDelta = 67;        // delta elements past (num_seq, heads, L)
 constexpr int64_t kGuardScores = 61;       // dS^T scratch elements past (num_seq, heads, L, Lp)
 constexpr int64_t kGuardPartials = 53;     // split partials' elements past those of the splits taken
 constexpr int kHookSplits = 3;             // the splits Path::kSplit and kScoresSplit ask for
-
-bool is_poison(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u == kPoison;
-}
-
-struct Case {
-  int L, hd, heads;
-  bool col;      // the column pass's view of a (B, L, other) grid, else the row pass's of (B, other, L)
-  int B, other;  // batch, and the grid's extent along the other axis
-  int used;      // sequences the view covers (0: all of B * other); the other rows must stay untouched
-  int misalign;  // qkv, d_o and dqkv passed this many floats past a 16-byte boundary (the 4-byte copies)
-};
-
-std::string case_name(const Case& c) {
-  return "L" + std::to_string(c.L) + "_hd" + std::to_string(c.hd) + "_heads" + std::to_string(c.heads) +
-         (c.col ? "_col" : "_row") + "_B" + std::to_string(c.B) + "x" + std::to_string(c.other) +
-         (c.used ? "_used" + std::to_string(c.used) : "") +
-         (c.misalign ? "_misalign" + std::to_string(c.misalign) : "");
-}
-
-void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
 // The kernels a case runs on: the tensor cores (the default; dq on wgmma
 // where query_grads_wgmma_can_run), the tensor cores with dq on mma.sync
