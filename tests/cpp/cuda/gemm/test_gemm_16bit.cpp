@@ -62,7 +62,7 @@ struct Case {
 
 std::string name_of(const Case& c) {
   return "M" + std::to_string(c.d.M) + "_N" + std::to_string(c.d.N) + "_K" + std::to_string(c.d.K) +
-         (c.d.trans_a ? "_At" : "") + (c.d.trans_b ? "_Bt" : "") + (c.d.ldc_pad ? "_ldc+" + std::to_string(c.d.ldc_pad) : "") +
+         (c.d.trans_a ? "_At" : "") + (c.d.trans_b ? "_Bt" : "") + (c.d.ldc_pad ? "_ldcpad" + std::to_string(c.d.ldc_pad) : "") +
          (c.type == Products::kBf16 ? "_bf16" : "_fp16");
 }
 
