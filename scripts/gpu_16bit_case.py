@@ -1,7 +1,9 @@
 """The 16-bit and autocast calls of the operator on CUDA, for compute-sanitizer (scripts/gpu-check):
 bfloat16 and float16 modules, forward and backward, with and without attention dropout, at the
-default problem and a long row; the same modules' forward without grad (the 16-bit products:
-AxialParams::products); a float32 module under bfloat16 autocast with a bfloat16 x. Run with
+default problem and a long row; the same modules' forward without grad (fp32 products below 2^21
+elements); the forward without grad at 2^21 elements or more (the 16-bit products,
+AxialParams::products), in each dtype and under each autocast with float32 weights; a float32
+module under bfloat16 autocast with a bfloat16 x. Run with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that each tensor is an allocation of its own and an access past
 one is seen. Checks dtypes and finiteness; the accuracy checks are pytest's (test_low_precision.py)."""
 
@@ -30,6 +32,18 @@ def main():
             with torch.no_grad():
                 out = m.eval()(torch.randn(B, H, W, D, device="cuda").to(dtype))
             assert out.dtype is dtype and torch.isfinite(out).all()
+    B, H, W, D, heads = 1, 96, 176, 128, 2  # 2^21 elements and more, lengths not multiples of the tiles
+    big = fastaxial.AxialAttention(D, heads, H, W).cuda().eval()
+    x = torch.randn(B, H, W, D, device="cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        name = "bf16" if dtype is torch.bfloat16 else "fp16"
+        assert f"on {name} products" in fastaxial.ops.describe_cuda_plan(x, heads, dtype)
+        with torch.no_grad():
+            out = big.to(dtype)(x.to(dtype))
+            assert out.dtype is dtype and torch.isfinite(out).all()
+            with torch.autocast("cuda", dtype):
+                out = big.float()(x)
+            assert out.dtype is torch.float32 and torch.isfinite(out).all()
     m = fastaxial.AxialAttention(64, 4, 32, 32).cuda()
     with torch.autocast("cuda", torch.bfloat16):
         out, grads = step(m, torch.randn(4, 32, 32, 64, device="cuda").bfloat16())

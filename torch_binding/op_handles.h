@@ -14,11 +14,11 @@
 
 namespace fastaxial::torch_binding {
 
-// axial_attention(x, the ten weights, num_heads, eps, dropout, rng_state)
+// axial_attention(x, the ten weights, num_heads, eps, dropout, rng_state, products)
 using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
-                               const std::optional<at::Tensor>&);
+                               const std::optional<at::Tensor>&, std::optional<at::ScalarType>);
 
 // axial_attention_backward(grad_out, x, the ten weights, num_heads, eps, output_mask, saved, dropout)
 using BackwardSignature = std::vector<at::Tensor>(

@@ -16,16 +16,8 @@ namespace {
 
 const char* const kWeightNames[5] = {"norm_weight", "norm_bias", "qkv_weight", "out_weight", "out_bias"};
 
-// A dtype as Python spells it, for messages.
-const char* dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    default: return c10::toString(t);
-  }
-}
+// A dtype as Python spells it, for messages ("torch.float32", "torch.int32").
+std::string dtype_name(at::ScalarType t) { return "torch." + c10::getDtypeNames(t).first; }
 
 // The weight's name is `axis` + kWeightNames[i] ("row_", "col_"); the checks'
 // messages are built only when one fails, as every call checks ten weights.
@@ -51,6 +43,11 @@ void check_rng_state(const std::optional<at::Tensor>& rng_state, const at::Tenso
 }
 
 }  // namespace
+
+void check_products(const std::optional<at::ScalarType>& products, const char* op) {
+  TORCH_CHECK_TYPE(!products || *products == at::kFloat || low_precision(*products), op, ": products must be None, ",
+                   "torch.float32, torch.bfloat16 or torch.float16, got ", dtype_name(*products));
+}
 
 Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_weight,
                 const at::Tensor& row_norm_bias, const at::Tensor& row_qkv_weight, const at::Tensor& row_out_weight,
@@ -202,7 +199,13 @@ TORCH_LIBRARY(fastaxial, m) {
       "axial_attention(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps=1e-05, "
-      "float dropout=0.0, Tensor? rng_state=None) -> Tensor");
+      "float dropout=0.0, Tensor? rng_state=None, ScalarType? products=None) -> Tensor");
+  // `products`: the precision of the products the call may run on (fastaxial.h, AxialParams::products).
+  // None: x's dtype. float32: 3xTF32 products, whatever x's dtype. bfloat16 or float16: that type's
+  // products with fp32 accumulation, where they are served and faster (CUDA calls without grad of
+  // 2^21 elements or more, ops_cuda.cpp, products_for); 3xTF32 elsewhere, and always on the CPU,
+  // whose kernels run fp32 math. The autocast kernels pass the autocast dtype (ops_autocast.cpp).
+  //
   // `dropout` > 0: attention dropout with that rate (the module passes it in training mode), its
   // mask drawn from PyTorch's default generator of x's device (fastaxial.h, AxialParams::dropout),
   // or, where `rng_state` is given, from that int64 (seed, offset) pair on x's device, the
@@ -231,7 +234,7 @@ TORCH_LIBRARY(fastaxial, m) {
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps, "
       "float dropout=0.0, Tensor? rng_state=None) -> (Tensor, Tensor)");
-  m.def("describe_cuda_plan(Tensor x, int num_heads) -> str");
+  m.def("describe_cuda_plan(Tensor x, int num_heads, ScalarType? products=None) -> str");
   // Whether this build applies attention dropout (built with Random123); the module falls back
   // to the reference math for dropout where it does not.
   m.def("dropout_available() -> bool", []() { return fastaxial::dropout_compiled(); });

@@ -52,6 +52,10 @@ inline bool low_precision(at::ScalarType t) { return t == at::kHalf || t == at::
 // float32 copies and the gradients they return (Call::dtype).
 std::vector<at::Tensor> converted(std::vector<at::Tensor> tensors, at::ScalarType dtype);
 
+// Checks the `products` argument (axial_attention, describe_cuda_plan): none, float32, bfloat16 or
+// float16.
+void check_products(const std::optional<at::ScalarType>& products, const char* op);
+
 // Checks an attention dropout rate argument: in [0, 1].
 void check_dropout(double dropout, const char* op);
 

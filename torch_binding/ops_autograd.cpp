@@ -82,9 +82,11 @@ at::Tensor call_below_autograd(const at::Tensor& x, const at::Tensor& rnw, const
                                const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
-                               double dropout, const std::optional<at::Tensor>& rng_state) {
+                               double dropout, const std::optional<at::Tensor>& rng_state,
+                               std::optional<at::ScalarType> products) {
   const at::AutoDispatchBelowADInplaceOrView below;
-  return op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state);
+  return op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state,
+                   products);
 }
 
 class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFunction> {
@@ -93,7 +95,10 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
                             const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                             const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                             const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
-                            double dropout, const std::optional<at::Tensor>& rng_state) {
+                            double dropout, const std::optional<at::Tensor>& rng_state,
+                            std::optional<at::ScalarType> /*products*/) {
+    // A call that records gradients runs 3xTF32 products whatever `products` asks: the backward
+    // recomputes the forward's probabilities on them (AxialParams::products).
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["dropout"] = dropout;
@@ -107,7 +112,8 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       return out;
     }
     ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob});
-    return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, 0.0, std::nullopt);
+    return call_below_autograd(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, 0.0, std::nullopt,
+                               at::kFloat);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -128,7 +134,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       const std::vector<at::Tensor> grads =
           backward_op().call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
                              saved[7], saved[8], saved[9], saved[10], heads, eps, mask, kept, dropout);
-      variable_list result(kTensors + 4);  // undefined: no gradient (none for heads, eps, dropout, rng_state)
+      variable_list result(kTensors + 5);  // undefined: no gradient (none for heads, eps, dropout, rng_state, products)
       for (int i = 0, j = 0; i < kTensors; ++i)
         if (mask[i]) result[i] = grads[j++];
       return result;
@@ -144,7 +150,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       const at::Tensor out = reference_forward(leaves, heads, eps);
       grads = torch::autograd::grad({out}, wanted, {grad_outputs[0]});
     }
-    variable_list result(kTensors + 4);  // undefined: no gradient (none for heads, eps, dropout, rng_state)
+    variable_list result(kTensors + 5);  // undefined: no gradient (none for heads, eps, dropout, rng_state, products)
     for (int i = 0, j = 0; i < kTensors; ++i)
       if (ctx->needs_input_grad(i)) result[i] = grads[j++];
     return result;
@@ -155,16 +161,18 @@ at::Tensor axial_attention_autograd(c10::DispatchKeySet keys, const at::Tensor& 
                                     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                     const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                     const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
-                                    double dropout, const std::optional<at::Tensor>& rng_state) {
+                                    double dropout, const std::optional<at::Tensor>& rng_state,
+                                    std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention");  // (a call with grad does not reach the kernels' check)
   const bool record = at::GradMode::is_enabled() &&
                       (x.requires_grad() || rnw.requires_grad() || rnb.requires_grad() || rqkv.requires_grad() ||
                        rout.requires_grad() || rob.requires_grad() || cnw.requires_grad() || cnb.requires_grad() ||
                        cqkv.requires_grad() || cout.requires_grad() || cob.requires_grad());
   if (!record)  // straight to the device kernel, with the dispatch keys already computed
     return op().redispatch(keys & c10::after_autograd_keyset, x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout,
-                           cob, heads, eps, dropout, rng_state);
+                           cob, heads, eps, dropout, rng_state, products);
   return AxialAttentionFunction::apply(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout,
-                                       rng_state);
+                                       rng_state, products);
 }
 
 }  // namespace

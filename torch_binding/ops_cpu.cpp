@@ -210,7 +210,9 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
                                const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
-                               double dropout, const std::optional<at::Tensor>& rng_state) {
+                               double dropout, const std::optional<at::Tensor>& rng_state,
+                               std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention");  // (the CPU kernels' products are fp32 whatever it asks)
   Call c = check_call("fastaxial.axial_attention", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads,
                       eps, dropout, rng_state);
   AxialParams p;

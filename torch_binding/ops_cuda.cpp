@@ -55,10 +55,11 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
   }
 }
 
-// The products a call without grad asks for (AxialParams::products): its 16-bit dtype's where the
-// problem is large enough for the 16-bit path to win (its nine launches a pass and its unsplit
-// attention cost more than the projections save below that; perf notes v89), else fp32. (With
-// grad: the training forward's fp32 products; its backward has no 16-bit products yet.)
+// The products a call without grad runs on (AxialParams::products), for the dtype it asks for (the
+// `products` argument, else x's): that 16-bit dtype's where the problem is large enough for the
+// 16-bit path to win (its nine launches a pass and its unsplit attention cost more than the
+// projections save below that; perf notes v89), else fp32. (With grad: the training forward's
+// fp32 products; its backward has no 16-bit products yet.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
 Products products_for(at::ScalarType dtype, int64_t elements) {
   if (elements < kMin16BitElements) return Products::kFp32;
@@ -73,7 +74,9 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
                                 const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob,
                                 const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                                 const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps,
-                                double dropout, const std::optional<at::Tensor>& rng_state) {
+                                double dropout, const std::optional<at::Tensor>& rng_state,
+                                std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention");
   Call c = check_call("fastaxial.axial_attention", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, num_heads,
                       eps, dropout, rng_state);
   const c10::cuda::CUDAGuard guard(c.x.device());
@@ -86,7 +89,7 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
     run_training_forward(p, plan, empty_saved(plan, c.x));
     return out.to(c.dtype);
   }
-  p.products = products_for(c.dtype, c.x.numel());
+  p.products = products_for(products.value_or(c.dtype), c.x.numel());
   // 16-bit products run on PyTorch's cuBLAS handle for this stream (capture-safe, its workspace
   // PyTorch's), as the training calls' products do.
   const bool blas16 = p.products != Products::kFp32;
@@ -194,13 +197,14 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
 
 // The plan of a forward of x with num_heads heads on x's device, assuming
 // 16-byte aligned weights (as PyTorch allocates them).
-std::string describe_cuda_plan(const at::Tensor& x, int64_t num_heads) {
+std::string describe_cuda_plan(const at::Tensor& x, int64_t num_heads, std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.describe_cuda_plan");
   TORCH_CHECK_VALUE(x.dim() == 4, "fastaxial.describe_cuda_plan: x must have 4 dimensions (B, H, W, D), got ",
                     x.dim());
   const c10::cuda::CUDAGuard guard(x.device());
   AxialParams p;
   p.batch = x.size(0), p.height = x.size(1), p.width = x.size(2), p.dim = x.size(3), p.heads = num_heads;
-  p.products = products_for(x.scalar_type(), x.numel());  // as axial_attention_cuda plans a call without grad
+  p.products = products_for(products.value_or(x.scalar_type()), x.numel());  // as axial_attention_cuda plans it
   CudaPlan plan;
   const Status s = plan_cuda(p, &plan);
   TORCH_CHECK(s.ok(), "fastaxial.describe_cuda_plan: ", s.message);

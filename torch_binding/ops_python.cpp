@@ -115,7 +115,7 @@ PyObject* axial_attention(PyObject* fallback, PyObject* const* args, Py_ssize_t 
     {
       const ReleaseGil no_gil;
       out = op().call(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10], heads, eps,
-                             dropout, std::nullopt);
+                             dropout, std::nullopt, std::nullopt);
     }
     return THPVariable_Wrap(std::move(out));
   } catch (...) {

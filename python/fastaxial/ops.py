@@ -159,7 +159,7 @@ def has_kernel(device_type):
 
 def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
                     col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias,
-                    num_heads, eps=1e-5, dropout=0.0, rng_state=None):
+                    num_heads, eps=1e-5, dropout=0.0, rng_state=None, products=None):
     """Fused axial attention on x (B, H, W, D), float32, bfloat16 or float16 (16-bit inputs run as
     fp32 math on their storage; the weights of x's dtype; under torch.autocast, any of these, the
     output in the dtype the reference gives); the arguments of reference.axial_attention,
@@ -167,23 +167,34 @@ def axial_attention(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_w
     default generator of x's device, or from rng_state where given: an int64 tensor (seed, offset)
     on x's device). Under torch.compile a call with dropout and no rng_state takes one drawn by a
     random op of the compiled graph, as the module's calls do, so that the compiler never merges
-    two calls on equal tensors into one mask."""
+    two calls on equal tensors into one mask.
+
+    products: the precision of the products (None: x's dtype; torch.float32: 3xTF32, whatever x's
+    dtype; torch.bfloat16 or torch.float16: that type's products with fp32 accumulation where
+    fastaxial runs them and they win, on CUDA without grad at 2^21 elements or more, 3xTF32
+    elsewhere). Under autocast it defaults to the autocast dtype."""
     if rng_state is None and dropout > 0 and torch.compiler.is_compiling():
         rng_state = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=x.device)
     return torch.ops.fastaxial.axial_attention(
         x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias,
         col_norm_weight, col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps, dropout,
-        rng_state)
+        rng_state, products)
 
 
 @torch.library.register_fake(_OP)
-def _(x, *args):
+def _(x, row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias, col_norm_weight,
+      col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias, num_heads, eps=1e-5, dropout=0.0, rng_state=None,
+      products=None):
     torch._check(x.dim() == 4, lambda: f"fastaxial.axial_attention: x must have 4 dimensions, got {x.dim()}")
     torch._check(x.dtype in (torch.float32, torch.bfloat16, torch.float16),
                  lambda: f"fastaxial.axial_attention: x must be float32, bfloat16 or float16, got {x.dtype}")
-    for w in args[:10]:
+    for w in (row_norm_weight, row_norm_bias, row_qkv_weight, row_out_weight, row_out_bias, col_norm_weight,
+              col_norm_bias, col_qkv_weight, col_out_weight, col_out_bias):
         torch._check(w.dtype == x.dtype, lambda: f"fastaxial.axial_attention: the weights must be {x.dtype} like x, "
                      f"got {w.dtype}")
+    if products not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError("fastaxial.axial_attention: products must be None, torch.float32, torch.bfloat16 or "
+                        f"torch.float16, got {products}")
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -271,10 +282,11 @@ def _(grad_out, x, *rest):
             for t, wanted in zip((x, *weights), output_mask) if wanted]
 
 
-def describe_cuda_plan(x, num_heads):
-    """Which CUDA kernels a forward of x (B, H, W, D) on x's device runs, and its workspace, as one line:
-    e.g. 'row: fused (wgmma), col: fused (wgmma); workspace 1048576 B: ...'. FASTAXIAL_CUDA_PATH and
-    FASTAXIAL_FUSED_WGMMA apply as in the forward. x must be a CUDA tensor, in a build with the
+def describe_cuda_plan(x, num_heads, products=None):
+    """Which CUDA kernels a forward of x (B, H, W, D) on x's device runs without grad, and its
+    workspace, as one line: e.g. 'row: fused (wgmma), col: fused (wgmma); workspace 1048576 B: ...',
+    for the products the call asks for (axial_attention's `products`; None: x's dtype).
+    FASTAXIAL_CUDA_PATH and FASTAXIAL_FUSED_WGMMA apply as in the forward. x must be a CUDA tensor, in a build with the
     CUDA kernels: anything else is a ValueError that says so."""
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         where = f"x is on {x.device}" if isinstance(x, torch.Tensor) else f"x is a {type(x).__name__}"
@@ -285,4 +297,4 @@ def describe_cuda_plan(x, num_heads):
         raise ValueError("fastaxial.ops.describe_cuda_plan: this build of fastaxial has no CUDA kernels "
                          "(built where no GPU was found, or with FASTAXIAL_CUDA=OFF); rebuild with "
                          "FASTAXIAL_CUDA=ON (docs/install.md)")
-    return torch.ops.fastaxial.describe_cuda_plan(x, num_heads)
+    return torch.ops.fastaxial.describe_cuda_plan(x, num_heads, products)

@@ -310,3 +310,87 @@ def test_16bit_forward_below_the_size_keeps_fp32_products(dtype):
         got = m(x)
         want = fastaxial.ops.axial_attention(x.float(), *[w.float() for w in m.weights()], 4, 1e-5).to(dtype)
     assert torch.equal(got, want)
+
+
+def test_products_argument_on_the_cpu(device):
+    """`products` takes None, float32, bfloat16 or float16 (a TypeError names anything else, from the
+    kernel and from the fake kernel under compile); on the CPU, whose kernels run fp32 math, each
+    gives the bits of the call without it; opcheck covers the argument (schema, fake kernel)."""
+    if device.type != "cpu":
+        pytest.skip("the CPU kernels' products; CUDA's: the cases below")
+    torch.manual_seed(3)
+    m = fastaxial.AxialAttention(32, 4, 6, 7)
+    x, w = torch.randn(2, 6, 7, 32), list(m.weights())
+    plain = fastaxial.ops.axial_attention(x, *w, 4, 1e-5)
+    for products in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(fastaxial.ops.axial_attention(x, *w, 4, 1e-5, products=products), plain), products
+    message = "products must be None, torch.float32, torch.bfloat16 or torch.float16, got torch.{}"
+    with pytest.raises(TypeError, match=message.format("float64")):
+        fastaxial.ops.axial_attention(x, *w, 4, 1e-5, products=torch.float64)
+    with torch.inference_mode(), pytest.raises(TypeError, match=message.format("float64")):  # the CPU kernel's check
+        fastaxial.ops.axial_attention(x, *w, 4, 1e-5, products=torch.float64)
+    with pytest.raises(RuntimeError, match=message.format("int32")):  # (dynamo wraps the TypeError)
+        torch.compile(fastaxial.ops.axial_attention, fullgraph=True)(x, *w, 4, 1e-5, products=torch.int32)
+    torch.library.opcheck(torch.ops.fastaxial.axial_attention.default, (x, *w, 4, 1e-5, 0.0, None, torch.bfloat16))
+
+
+CUDA_16BIT = pytest.mark.skipif(
+    not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda")
+    or torch.cuda.get_device_capability() != (9, 0),
+    reason="16-bit products take the staged path: a GPU of compute capability 9.0 (sm_90a code)")
+
+
+@CUDA_16BIT
+@pytest.mark.parametrize("autocast", DTYPES, ids=str)
+def test_autocast_without_grad_on_the_autocast_products(autocast):
+    """Under autocast with float32 weights and x, a call without grad of 2^21 elements or more runs
+    its products in the autocast dtype (the autocast kernel passes it as `products`): the plan
+    names them, the bits differ from the fp32 products' (the same call outside autocast), the
+    output is float32 as the reference's, and the rule holds against the reference under the same
+    autocast. With grad the same call keeps the fp32 products: the bits of the call outside autocast."""
+    B, H, W, D, heads = 1, 128, 128, 128, 2  # 2^21 elements
+    device = torch.device("cuda")
+    name = "bf16" if autocast is torch.bfloat16 else "fp16"
+    plan = fastaxial.ops.describe_cuda_plan(torch.empty(B, H, W, D, device=device), heads, products=autocast)
+    assert f"row: staged (flash mma.sync) on {name} products" in plan, plan
+    worst_new = worst_ref = 0.0
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        ref = randomize_(fastaxial.AxialAttentionReference(D, heads, H, W), seed).to(device)
+        exact = fastaxial.AxialAttentionReference(D, heads, H, W).to(device, torch.float64)
+        exact.load_state_dict(ref.state_dict())
+        x = torch.randn(B, H, W, D, generator=torch.Generator().manual_seed(100 + seed)).to(device)
+        weights = list(ref.weights())
+        with torch.no_grad():
+            fp32_products = fastaxial.ops.axial_attention(x, *weights, heads, 1e-5)
+            truth = exact(x.double())
+            with torch.autocast("cuda", autocast):
+                got = fastaxial.ops.axial_attention(x, *weights, heads, 1e-5)
+                want = ref(x)
+        assert got.dtype is want.dtype is torch.float32 and torch.isfinite(got).all()
+        assert not torch.equal(got, fp32_products), "the autocast call gave the fp32 products' bits"
+        worst_new = max(worst_new, max_rel_err(got, truth))
+        worst_ref = max(worst_ref, max_rel_err(want, truth))
+        if seed == 0:
+            with torch.autocast("cuda", autocast):
+                trained = fastaxial.ops.axial_attention(x.requires_grad_(), *weights, heads, 1e-5)
+            assert torch.equal(trained.detach(), fp32_products), "the call with grad left the fp32 products"
+            x.requires_grad_(False)
+    assert worst_new <= K * worst_ref, f"{worst_new:.3g} against the reference's {worst_ref:.3g} under autocast"
+
+
+@CUDA_16BIT
+def test_products_float32_keeps_a_16bit_call_on_fp32_products():
+    """products=torch.float32 on a bfloat16 call of 2^21 elements: the bits of the call on float32
+    copies, as a 16-bit call below the size gives; products=torch.float16 there runs float16's."""
+    B, H, W, D, heads = 1, 128, 128, 128, 2
+    torch.manual_seed(4)
+    m = fastaxial.AxialAttention(D, heads, H, W).cuda().to(torch.bfloat16)
+    x = torch.randn(B, H, W, D, device="cuda").to(torch.bfloat16)
+    w = list(m.weights())
+    assert "products" not in fastaxial.ops.describe_cuda_plan(x, heads, products=torch.float32)
+    assert "on fp16 products" in fastaxial.ops.describe_cuda_plan(x, heads, products=torch.float16)
+    with torch.no_grad():
+        fp32 = fastaxial.ops.axial_attention(x.float(), *[t.float() for t in w], heads, 1e-5).to(torch.bfloat16)
+        assert torch.equal(fastaxial.ops.axial_attention(x, *w, heads, 1e-5, products=torch.float32), fp32)
+        assert not torch.equal(fastaxial.ops.axial_attention(x, *w, heads, 1e-5), fp32)
