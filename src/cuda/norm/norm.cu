@@ -26,6 +26,9 @@
 // results may differ in the last bits. Each is deterministic.
 #include "norm.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
@@ -61,6 +64,40 @@ __global__ void layer_norm_and_split_kernel(const float* __restrict__ x, const f
   if (pos >= T) return;
   float* out = xs + pos * D;
   layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
+}
+
+// float to T (bf16 or fp16), nearest, ties to even: round_to_16bit's conversion (gemm/blas.cu).
+template <class T>
+__device__ __forceinline__ T round_to(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(v);
+  else
+    return __float2half_rn(v);
+}
+
+// layer_norm_and_split_kernel with the output rounded to T and, in the blocks after the
+// LayerNorm's, the rounding jobs (one flat list of `total` = rounds.elements()) in place of the splits.
+template <class T>
+__global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
+                                        const float* __restrict__ beta, float eps, int64_t T_, int D,
+                                        T* __restrict__ xs, int64_t ln_blocks, const RoundJobs rounds,
+                                        int64_t total) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  if (blockIdx.x >= ln_blocks) {
+    const int64_t stride = (gridDim.x - ln_blocks) * (int64_t)blockDim.x;
+    for (int64_t i = (blockIdx.x - ln_blocks) * (int64_t)blockDim.x + threadIdx.x; i < total; i += stride) {
+      const bool first = i < rounds.job[0].n;
+      const RoundJobs::Job& job = rounds.job[first ? 0 : 1];
+      const int64_t k = first ? i : i - rounds.job[0].n;
+      static_cast<T*>(job.y)[k] = round_to<T>(job.x[k]);
+    }
+    return;
+  }
+  const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
+  if (pos >= T_) return;
+  T* out = xs + pos * D;
+  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = round_to<T>(v); });
 }
 
 // out = LayerNorm(src), its (mean, rstd) in stats.
@@ -300,6 +337,23 @@ cudaError_t layer_norm_forward(const float* src, const float* gamma, const float
         reinterpret_cast<const float4*>(beta), eps, T, D, reinterpret_cast<float4*>(out), stats2);
   };
   return with_float4s_per_lane(width, launch);
+}
+
+cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const float* beta, float eps, int64_t T,
+                                     int D, void* out, Products type, const RoundJobs& rounds, const DeviceCaps& dev,
+                                     cudaStream_t stream) {
+  if (type != Products::kBf16 && type != Products::kFp16) return cudaErrorInvalidValue;
+  const int64_t ln_blocks = (T + kWarps - 1) / kWarps, total = rounds.elements();
+  // As many rounding blocks as the jobs take at 256 elements a block, at most 4 an SM.
+  const int64_t round_blocks = total > 0 ? std::min<int64_t>((total + 255) / 256, 4 * (int64_t)dev.sms) : 0;
+  if (ln_blocks + round_blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  if (ln_blocks + round_blocks == 0) return cudaSuccess;
+  const auto launch = [&](auto* typed_out) {
+    return launch_kernel<layer_norm_16bit_kernel<std::remove_pointer_t<decltype(typed_out)>>>(
+        (unsigned)(ln_blocks + round_blocks), 32 * kWarps, 0, stream, dev, src, gamma, beta, eps, T, D, typed_out,
+        ln_blocks, rounds, total);
+  };
+  return type == Products::kBf16 ? launch(static_cast<__nv_bfloat16*>(out)) : launch(static_cast<__half*>(out));
 }
 
 cudaError_t add_bias(const float* x, const float* bias, int64_t T, int D, float* out, const DeviceCaps& dev,

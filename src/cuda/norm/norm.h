@@ -27,6 +27,28 @@ cudaError_t layer_norm_forward(const float* src, const float* gamma, const float
                                float* out, float* stats, const DeviceCaps& dev, cudaStream_t stream,
                                const PlaneJobs& splits = {});
 
+// A pass's fp32 weights to round for its 16-bit products, in layer_norm_forward_16bit's launch:
+// job[j].y (n) = job[j].x (n) rounded, for j < count.
+struct RoundJobs {
+  struct Job {
+    const float* x;
+    void* y;
+    int64_t n;
+  } job[2];
+  int count = 0;
+  int64_t elements() const { return count < 1 ? 0 : count < 2 ? job[0].n : job[0].n + job[1].n; }
+};
+
+// The 16-bit staged pass's LayerNorm: out (T, D) = LayerNorm(src (T, D)) with gamma and beta,
+// rounded to `type` (bf16 or fp16: nearest, ties to even), the bits of layer_norm_forward without
+// statistics followed by round_to_16bit (gemm/blas.h), and the jobs of `rounds` as round_to_16bit
+// gives them, in one launch: a warp per position, then blocks that round the jobs.
+// cudaErrorInvalidValue for another type; cudaErrorInvalidConfiguration, and nothing launched,
+// where the grid passes 2^31 - 1 blocks.
+cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const float* beta, float eps, int64_t T,
+                                     int D, void* out, Products type, const RoundJobs& rounds, const DeviceCaps& dev,
+                                     cudaStream_t stream);
+
 // out (T, D) = x (T, D) + bias (D) on every row: the residual and bias that an output
 // product (beta = 1) then adds to.
 cudaError_t add_bias(const float* x, const float* bias, int64_t T, int D, float* out, const DeviceCaps& dev,

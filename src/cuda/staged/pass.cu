@@ -100,36 +100,32 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
                            Products type, const DeviceCaps& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len, DD = (int64_t)D * D;
-  float* norm = scratch;                   // (T, D): LayerNorm output, then attention output
+  float* o = scratch;                   // (T, D): the attention output
   float* qkv = scratch + T * (int64_t)D;  // (T, 3D)
   auto* wqkv16 = static_cast<uint16_t*>(weights16);  // (3D, D) rounded, then Wout (D, D)
   uint16_t* wout16 = wqkv16 + 3 * DD;
   const auto check = [](cudaError_t e, const char* what) { return e == cudaSuccess ? Status::Ok() : cuda_error(e, what); };
-  if (cudaError_t e = layer_norm_forward(src, w.norm_weight, w.norm_bias, p.eps, T, D, norm, nullptr, dev, stream);
-      e != cudaSuccess) {
-    // Without statistics the launch takes a block per 8 positions (norm.h).
-    if (e == cudaErrorInvalidConfiguration) return {StatusCode::kUnsupported, "too many positions for one pass"};
-    return cuda_error(e, "layer_norm_forward launch");
-  }
   // The positions are in memory order here: LayerNorm and the products act on each alone.
-  if (Status s = check(round_to_16bit(norm, operand16, T * D, type, dev, stream), "rounding the LayerNorm output");
-      !s.ok())
-    return s;
-  if (Status s = check(round_to_16bit(w.qkv_weight, wqkv16, 3 * DD, type, dev, stream), "rounding Wqkv"); !s.ok())
-    return s;
-  if (Status s = check(round_to_16bit(w.out_weight, wout16, DD, type, dev, stream), "rounding Wout"); !s.ok())
-    return s;
+  // LayerNorm straight into the rounded operand, the weights rounded in the same launch.
+  RoundJobs rounds;
+  rounds.job[0] = {w.qkv_weight, wqkv16, 3 * DD}, rounds.job[1] = {w.out_weight, wout16, DD}, rounds.count = 2;
+  if (cudaError_t e = layer_norm_forward_16bit(src, w.norm_weight, w.norm_bias, p.eps, T, D, operand16, type, rounds,
+                                               dev, stream);
+      e != cudaSuccess) {
+    if (e == cudaErrorInvalidConfiguration) return {StatusCode::kUnsupported, "too many positions for one pass"};
+    return cuda_error(e, "layer_norm_forward_16bit launch");
+  }
   if (Status s = gemm_16bit(h, type, false, true, T, 3 * D, D, operand16, D, wqkv16, D, 0.0f, qkv, 3 * D,
                             "QKV product (16-bit)");
       !s.ok())
     return s;
   FlashArgs f;
   f.pos = row_indices(view, D);
-  f.qkv = qkv, f.o = norm;  // the LayerNorm output is read (rounded) by now
+  f.qkv = qkv, f.o = o;
   f.D = D, f.heads = (int)p.heads;
   f.products = type;
   if (Status s = check(flash_attention(f, dev, stream), "flash_attention launch (16-bit products)"); !s.ok()) return s;
-  if (Status s = check(round_to_16bit(norm, operand16, T * D, type, dev, stream), "rounding the attention output");
+  if (Status s = check(round_to_16bit(o, operand16, T * D, type, dev, stream), "rounding the attention output");
       !s.ok())
     return s;
   if (Status s = check(add_bias(src, w.out_bias, T, D, dst, dev, stream), "add_bias launch"); !s.ok()) return s;

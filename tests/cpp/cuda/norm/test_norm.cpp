@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "src/cuda/gemm/blas.h"  // round_to_16bit
 #include "src/cuda/norm/norm.h"
 #include "util/backward_util.h"  // same_bits
 #include "util/cuda_test_util.h"
@@ -145,6 +147,83 @@ TEST(CudaLayerNorm, BothPathsMatchDoubleReference) {
       EXPECT_TRUE(same_bits(got_nx_alone, got_nx)) << "d_norm_xhat without d_src";
     }
   }
+}
+
+// The 16-bit pass's LayerNorm (layer_norm_forward_16bit) gives the bits of the two launches it
+// replaces: layer_norm_forward without statistics, then round_to_16bit, and of round_to_16bit on
+// each weight it rounds in the same launch (none, one and two jobs; jobs of odd sizes). Outputs
+// are poisoned (NaN in both types) one element past their end, which stays poison. Both types,
+// odd D, D above a warp's 32 lanes and above 1024, T that leaves the last block part-full.
+TEST(CudaLayerNorm, SixteenBitOutputIsTheRoundedFp32Output) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DeviceCaps dev;
+  ASSERT_TRUE(read_device_caps(&dev));
+  const int64_t T = 1001;
+  const float eps = 1e-5f;
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (Products type : {Products::kBf16, Products::kFp16})
+    for (int D : {9, 64, 130, 1152})
+      for (int jobs : {0, 1, 2}) {
+        SCOPED_TRACE(std::string(type == Products::kBf16 ? "bf16" : "fp16") + ", D " + std::to_string(D) + ", " +
+                     std::to_string(jobs) + " jobs");
+        const size_t n = (size_t)T * D, n1 = 3 * (size_t)D * D + 1, n2 = (size_t)D * D + 3;
+        std::vector<float> x(n), gamma(D), beta(D), w1(n1), w2(n2);
+        for (size_t i = 0; i < n; ++i) x[i] = 3.0f * u(rng) + (float)(i / D % 7);
+        for (int c = 0; c < D; ++c) gamma[c] = 1.0f + 0.5f * u(rng), beta[c] = 0.5f * u(rng);
+        for (float& v : w1) v = u(rng);
+        for (float& v : w2) v = 100.0f * u(rng);
+        std::vector<DevicePtr> bufs;
+        bool ok = true;
+        auto put = [&](const std::vector<float>& h) {
+          bufs.push_back(device_alloc(h.size()));
+          float* d = bufs.back().get();
+          ok = ok && d != nullptr &&
+               cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess;
+          return d;
+        };
+        auto out16 = [&](size_t count) {  // count + 1 16-bit values, poisoned
+          bufs.push_back(device_alloc(count / 2 + 1));
+          void* d = bufs.back().get();
+          ok = ok && d != nullptr && cudaMemset(d, 0xff, (count + 1) * sizeof(uint16_t)) == cudaSuccess;
+          return d;
+        };
+        auto get16 = [&](const void* d, size_t count) {  // count + 1 values: the last one past the end
+          std::vector<uint16_t> h(count + 1);
+          ok = ok && cudaMemcpy(h.data(), d, h.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost) == cudaSuccess;
+          return h;
+        };
+        const float *d_x = put(x), *d_gamma = put(gamma), *d_beta = put(beta), *d_w1 = put(w1), *d_w2 = put(w2);
+        bufs.push_back(device_alloc(n));
+        float* d_norm = bufs.back().get();
+        void *want_x = out16(n), *want_w1 = out16(n1), *want_w2 = out16(n2);
+        void *got_x = out16(n), *got_w1 = out16(n1), *got_w2 = out16(n2);
+        ASSERT_TRUE(ok && d_norm != nullptr) << "allocating and filling the buffers";
+
+        CUDA_OK(cuda::layer_norm_forward(d_x, d_gamma, d_beta, eps, T, D, d_norm, nullptr, dev, nullptr));
+        CUDA_OK(cuda::round_to_16bit(d_norm, want_x, (int64_t)n, type, dev, nullptr));
+        CUDA_OK(cuda::round_to_16bit(d_w1, want_w1, (int64_t)n1, type, dev, nullptr));
+        CUDA_OK(cuda::round_to_16bit(d_w2, want_w2, (int64_t)n2, type, dev, nullptr));
+        cuda::RoundJobs rounds;
+        rounds.job[0] = {d_w1, got_w1, (int64_t)n1}, rounds.job[1] = {d_w2, got_w2, (int64_t)n2};
+        rounds.count = jobs;
+        CUDA_OK(cuda::layer_norm_forward_16bit(d_x, d_gamma, d_beta, eps, T, D, got_x, type, rounds, dev, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+
+        const std::vector<uint16_t> want = get16(want_x, n), got = get16(got_x, n);
+        const std::vector<uint16_t> want1 = get16(want_w1, n1), got1 = get16(got_w1, n1);
+        const std::vector<uint16_t> want2 = get16(want_w2, n2), got2 = get16(got_w2, n2);
+        ASSERT_TRUE(ok) << "copying the results back";
+        EXPECT_EQ(want.back(), 0xffffu) << "(round_to_16bit wrote past its end)";
+        EXPECT_TRUE(got == want) << "LayerNorm's output";
+        const std::vector<uint16_t> poison1(n1 + 1, 0xffffu), poison2(n2 + 1, 0xffffu);
+        EXPECT_TRUE(got1 == (jobs >= 1 ? want1 : poison1)) << "the first job";
+        EXPECT_TRUE(got2 == (jobs >= 2 ? want2 : poison2)) << "the second job";
+      }
+  // Only the 16-bit types.
+  EXPECT_EQ(cuda::layer_norm_forward_16bit(nullptr, nullptr, nullptr, eps, 4, 8, nullptr, Products::kFp32, {}, dev,
+                                           nullptr),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace
