@@ -206,7 +206,7 @@ std::string describe_cuda_plan(const at::Tensor& x, int64_t num_heads, std::opti
   p.batch = x.size(0), p.height = x.size(1), p.width = x.size(2), p.dim = x.size(3), p.heads = num_heads;
   p.products = products_for(products.value_or(x.scalar_type()), x.numel());  // as axial_attention_cuda plans it
   CudaPlan plan;
-  const Status s = plan_cuda(p, &plan);
+  const Status s = plan_cuda(p, &plan, /*caller_blas=*/p.products != Products::kFp32);  // as the call plans it
   TORCH_CHECK(s.ok(), "fastaxial.describe_cuda_plan: ", s.message);
   return plan.describe();
 }

@@ -87,10 +87,11 @@ __global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float
   if (blockIdx.x >= ln_blocks) {
     const int64_t stride = (gridDim.x - ln_blocks) * (int64_t)blockDim.x;
     for (int64_t i = (blockIdx.x - ln_blocks) * (int64_t)blockDim.x + threadIdx.x; i < total; i += stride) {
-      const bool first = i < rounds.job[0].n;
-      const RoundJobs::Job& job = rounds.job[first ? 0 : 1];
+      const bool first = i < rounds.job[0].n;  // (fields selected, not the array indexed: no local copy)
+      const float* x_job = first ? rounds.job[0].x : rounds.job[1].x;
+      T* y_job = static_cast<T*>(first ? rounds.job[0].y : rounds.job[1].y);
       const int64_t k = first ? i : i - rounds.job[0].n;
-      static_cast<T*>(job.y)[k] = round_to<T>(job.x[k]);
+      y_job[k] = round_to<T>(x_job[k]);
     }
     return;
   }
