@@ -110,6 +110,8 @@ struct Mma16 {
 
   // c += a0 b0 + a1 b1: one m16n8k16 straight into c. The tensor core accumulates in fp32; with
   // 16-bit operands the products' rounding is far above an fp32 add's, so no fresh accumulator.
+  // (kSmallFirst orders Tf32x3's split terms; one instruction has none to order.)
+  template <bool kSmallFirst = false>
   __device__ static __forceinline__ void run(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
                                              const FragB& b1) {
     if constexpr (kBf16)
@@ -120,6 +122,13 @@ struct Mma16 {
       asm volatile(FASTAXIAL_MMA16_K16("f16")
                    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                    : "r"(a0.r[0]), "r"(a0.r[1]), "r"(a1.r[0]), "r"(a1.r[1]), "r"(b0.r), "r"(b1.r));
+  }
+  // t = a0 b0 + a1 b1, t's earlier values dropped.
+  __device__ static __forceinline__ void run_fresh(float (&t)[4], const FragA& a0, const FragB& b0, const FragA& a1,
+                                                   const FragB& b1) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t[e] = 0.0f;
+    run(t, a0, b0, a1, b1);
   }
 };
 
