@@ -313,13 +313,17 @@ AttentionGradVariant attention_grad_variant(const AttentionGradProblem& a, const
   if (hdp == 0 || a.num_seq < 1 || a.len < 1 || a.heads < 1) return {};
   if (a.len == 1) return {AttentionGradKernel::kSingleKey, QueryGradKernel::kNone, 1};
   const size_t smem = (size_t)std::max(dev.smem_optin, 0);
-  if (a.ffma || attention_grad_smem_bytes(hdp) > smem) return {AttentionGradKernel::kFfma, QueryGradKernel::kFfma, 1};
+  const bool fp32 = a.products == Products::kFp32;
+  if (a.ffma || attention_grad_smem_bytes(hdp) > smem) {
+    if (!fp32) return {};  // the FFMA kernels' math is fp32
+    return {AttentionGradKernel::kFfma, QueryGradKernel::kFfma, 1};
+  }
   AttentionGradVariant v;
   v.kernel = AttentionGradKernel::kTensorCores;
   v.splits = attention_grad_split(a, hdp, dev);
   if (a.scores && query_grads_from_scores_smem_bytes(hdp) <= smem)
     v.dq = QueryGradKernel::kFromScores;
-  else if (hdp == 32 && !a.mma_sync && dev.sm90a && a.len > kQueryGradsWgmmaMinLen &&
+  else if (fp32 && hdp == 32 && !a.mma_sync && dev.sm90a && a.len > kQueryGradsWgmmaMinLen &&
            kQueryGradsWgmmaSmemBytes <= smem && v.splits == 1)
     v.dq = QueryGradKernel::kWgmma;
   else

@@ -72,6 +72,11 @@ struct AttentionBackwardArgs {
   // Device memory {seed, offset}; read (after the kernel's grid-dependency wait) where
   // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
   const uint64_t* philox = nullptr;
+  // The products' element type (plan.h): bf16 or fp16 runs the tensor-core kernels' products on
+  // that type with fp32 accumulation (q, k, v, d_o, P and dS rounded as fragments are made), dq
+  // on mma.sync; the lse must be the flash kernel's on the same products. No FFMA kernels
+  // there: where the tensor-core ones do not fit, the launch fails (cudaErrorInvalidValue).
+  Products products = Products::kFp32;
 };
 
 // Whether it serves a pass, and the split partials it takes: plan.h's can_run and

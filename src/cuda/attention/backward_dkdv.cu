@@ -120,15 +120,17 @@ cudaError_t launch_key_grads_tc(const BackwardLaunch& s, const AttentionBackward
   const bool short_tiles = s.k.pos.len <= kShortGradLen;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
     constexpr int H = decltype(hdp)::value;
-    const auto launch = [&](auto tiling) {
-      using Kv = decltype(tiling);
-      return launch_grid<key_grads_kernel<Tf32x3, Kv, decltype(vec)::value, decltype(dropout)::value>>(
-          s.items * b.tiles * b.sp.splits, 32 * Kv::FW * b.warps, Kv::bytes(16 * b.warps), dev, stream, k, s.scale,
-          s.scale * kLog2e, b.tiles, b.sp, s.dpass);
-    };
-    if constexpr (KvTc<H>::BM > KvTcShort<H>::BM)
-      if (short_tiles) return launch(KvTcShort<H>());
-    return launch(KvTc<H>());
+    return with_elem(s.products, [&](auto elem) {
+      const auto launch = [&](auto tiling) {
+        using Kv = decltype(tiling);
+        return launch_grid<key_grads_kernel<decltype(elem), Kv, decltype(vec)::value, decltype(dropout)::value>>(
+            s.items * b.tiles * b.sp.splits, 32 * Kv::FW * b.warps, Kv::bytes(16 * b.warps), dev, stream, k, s.scale,
+            s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+      };
+      if constexpr (KvTc<H>::BM > KvTcShort<H>::BM)
+        if (short_tiles) return launch(KvTcShort<H>());
+      return launch(KvTc<H>());
+    });
   });
 }
 

@@ -186,15 +186,17 @@ cudaError_t launch_query_grads_tc(const BackwardLaunch& s, const TcBlocks& b, co
   const bool short_tiles = s.k.pos.len <= kShortGradLen;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
     constexpr int H = decltype(hdp)::value;
-    const auto launch = [&](auto tiling) {
-      using Q = decltype(tiling);
-      return launch_grid<query_grads_kernel<Tf32x3, Q, decltype(vec)::value, decltype(dropout)::value>>(
-          s.items * b.tiles * b.sp.splits, 32 * b.warps, Q::bytes(16 * b.warps), dev, stream, s.k, s.scale,
-          s.scale * kLog2e, b.tiles, b.sp, s.dpass);
-    };
-    if constexpr (QTc<H>::BN > QTcShort<H>::BN)
-      if (short_tiles) return launch(QTcShort<H>());
-    return launch(QTc<H>());
+    return with_elem(s.products, [&](auto elem) {
+      const auto launch = [&](auto tiling) {
+        using Q = decltype(tiling);
+        return launch_grid<query_grads_kernel<decltype(elem), Q, decltype(vec)::value, decltype(dropout)::value>>(
+            s.items * b.tiles * b.sp.splits, 32 * b.warps, Q::bytes(16 * b.warps), dev, stream, s.k, s.scale,
+            s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+      };
+      if constexpr (QTc<H>::BN > QTcShort<H>::BN)
+        if (short_tiles) return launch(QTcShort<H>());
+      return launch(QTc<H>());
+    });
   });
 }
 
@@ -203,8 +205,10 @@ cudaError_t launch_query_grads_ds(const BackwardLaunch& s, const AttentionBackwa
                                   const DeviceCaps& dev, cudaStream_t stream) {
   return with_kernel_params(s, [&](auto hdp, auto vec, auto) {
     using Ds = DsTc<decltype(hdp)::value>;
-    return launch_grid<query_grads_ds_kernel<Tf32x3, Ds::HDP, decltype(vec)::value>>(
-        s.items * b.tiles * b.sp.splits, 32 * b.warps, Ds::bytes, dev, stream, k, s.scale, b.tiles, b.sp);
+    return with_elem(s.products, [&](auto elem) {
+      return launch_grid<query_grads_ds_kernel<decltype(elem), Ds::HDP, decltype(vec)::value>>(
+          s.items * b.tiles * b.sp.splits, 32 * b.warps, Ds::bytes, dev, stream, k, s.scale, b.tiles, b.sp);
+    });
   });
 }
 
