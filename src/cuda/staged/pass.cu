@@ -106,11 +106,12 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
   uint16_t* wout16 = wqkv16 + 3 * DD;
   const auto check = [](cudaError_t e, const char* what) { return e == cudaSuccess ? Status::Ok() : cuda_error(e, what); };
   // The positions are in memory order here: LayerNorm and the products act on each alone.
-  // LayerNorm straight into the rounded operand, the weights rounded in the same launch.
+  // LayerNorm straight into the rounded operand, dst = src + bout (the output product adds to it)
+  // and the weights rounded, in one launch.
   RoundJobs rounds;
   rounds.job[0] = {w.qkv_weight, wqkv16, 3 * DD}, rounds.job[1] = {w.out_weight, wout16, DD}, rounds.count = 2;
   if (cudaError_t e = layer_norm_forward_16bit(src, w.norm_weight, w.norm_bias, p.eps, T, D, operand16, type, rounds,
-                                               dev, stream);
+                                               w.out_bias, dst, dev, stream);
       e != cudaSuccess) {
     if (e == cudaErrorInvalidConfiguration) return {StatusCode::kUnsupported, "too many positions for one pass"};
     return cuda_error(e, "layer_norm_forward_16bit launch");
@@ -126,7 +127,6 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
   f.D = D, f.heads = (int)p.heads;
   f.products = type;
   if (Status s = check(flash_attention(f, dev, stream), "flash_attention launch (16-bit products)"); !s.ok()) return s;
-  if (Status s = check(add_bias(src, w.out_bias, T, D, dst, dev, stream), "add_bias launch"); !s.ok()) return s;
   return gemm_16bit(h, type, false, true, T, D, D, operand16, D, wout16, D, 1.0f, dst, D, "output product (16-bit)");
 }
 
