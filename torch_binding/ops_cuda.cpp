@@ -57,9 +57,10 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 
 // The products a call without grad runs on (AxialParams::products), for the dtype it asks for (the
 // `products` argument, else x's): that 16-bit dtype's where the problem is large enough for the
-// 16-bit path to win (its six launches a pass and its unsplit attention cost more than the
-// projections save below that; perf notes v89), else fp32. (With grad: the training forward's
-// fp32 products; its backward has no 16-bit products yet.)
+// 16-bit path to win (below 2^21 elements its launches and its unsplit attention cost more than the
+// projections save: measured in perf notes v89, when a pass had nine launches; it has four since
+// v93), else fp32. (With grad: the training forward's fp32 products; its backward has no 16-bit
+// products yet.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
 Products products_for(at::ScalarType dtype, int64_t elements) {
   if (elements < kMin16BitElements) return Products::kFp32;

@@ -41,13 +41,15 @@ struct RoundJobs {
 
 // The 16-bit staged pass's LayerNorm: out (T, D) = LayerNorm(src (T, D)) with gamma and beta,
 // rounded to `type` (bf16 or fp16: nearest, ties to even), the bits of layer_norm_forward without
-// statistics followed by round_to_16bit (gemm/blas.h), and the jobs of `rounds` as round_to_16bit
-// gives them, in one launch: a warp per position, then blocks that round the jobs.
-// cudaErrorInvalidValue for another type; cudaErrorInvalidConfiguration, and nothing launched,
-// where the grid passes 2^31 - 1 blocks.
+// statistics followed by round_to_16bit (gemm/blas.h); where res is not null, res (T, D) = src +
+// res_bias (D) on every row, add_bias's bits (the start of the pass's output product; res must not
+// overlap src or out); and the jobs of `rounds` as round_to_16bit gives them; in one launch: a warp per
+// position, then blocks that round the jobs. cudaErrorInvalidValue for another type or res
+// without res_bias; cudaErrorInvalidConfiguration, and nothing launched, where the grid passes
+// 2^31 - 1 blocks.
 cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const float* beta, float eps, int64_t T,
-                                     int D, void* out, Products type, const RoundJobs& rounds, const DeviceCaps& dev,
-                                     cudaStream_t stream);
+                                     int D, void* out, Products type, const RoundJobs& rounds, const float* res_bias,
+                                     float* res, const DeviceCaps& dev, cudaStream_t stream);
 
 // out (T, D) = x (T, D) + bias (D) on every row: the residual and bias that an output
 // product (beta = 1) then adds to.
