@@ -37,7 +37,7 @@ struct BackwardLaunch {
   bool vec;       // 16-byte copies and stores
   bool dropout;   // dpass applies: threshold != 0 in a build that draws the mask
   float scale;    // 1 / sqrt(hd)
-  Products products;  // the tensor-core kernels' element traits (with_elem)
+  Products products = Products::kFp32;  // the tensor-core kernels' element traits (with_elem)
   AttentionBackwardKernelArgs k;
   DropoutPass dpass;
 };
@@ -87,8 +87,6 @@ cudaError_t with_kernel_params(const BackwardLaunch& s, F&& f) {
       cudaErrorInvalidValue);
 }
 
-// The tile counts of the launch's two gradient kernels; false where a grid would pass
-// gridDim.x's 2^31 - 1.
 // f(Elem()) for the element traits of `products`: Tf32x3, Bf16Mma or Fp16Mma.
 template <class F>
 cudaError_t with_elem(Products products, F&& f) {
@@ -102,6 +100,8 @@ cudaError_t with_elem(Products products, F&& f) {
   }
 }
 
+// The tile counts of the launch's two gradient kernels; false where a grid would pass
+// gridDim.x's 2^31 - 1.
 bool tile_counts(int64_t num_seq, int64_t heads, int64_t L, int key_rows, int query_rows, int* key_tiles,
                  int* query_tiles);
 
