@@ -395,3 +395,37 @@ def test_products_float32_keeps_a_16bit_call_on_fp32_products():
         fp32 = fastaxial.ops.axial_attention(x.float(), *[t.float() for t in w], heads, 1e-5).to(torch.bfloat16)
         assert torch.equal(fastaxial.ops.axial_attention(x, *w, heads, 1e-5, products=torch.float32), fp32)
         assert not torch.equal(fastaxial.ops.axial_attention(x, *w, heads, 1e-5), fp32)
+
+
+@CUDA_16BIT
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-module", "autocast"])
+def test_16bit_products_in_a_cuda_graph(autocast):
+    """The 16-bit products' forward captured in a CUDA graph (its products on PyTorch's cuBLAS
+    handle for the capturing stream, its workspace from the caching allocator): a replay on new x
+    gives the bits of the same call made eagerly on that x, a bf16 module's and a float32 module's
+    under bf16 autocast."""
+    B, H, W, D, heads = 1, 128, 128, 128, 2  # 2^21 elements: the 16-bit path
+    torch.manual_seed(5)
+    m = fastaxial.AxialAttention(D, heads, H, W).cuda().eval()
+    dtype = torch.float32 if autocast else torch.bfloat16
+    m = m.to(dtype)
+    x = torch.randn(B, H, W, D, device="cuda").to(dtype)
+
+    def call(t):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            return m(t)
+
+    with torch.no_grad():
+        plan = fastaxial.ops.describe_cuda_plan(x, heads, torch.bfloat16)
+        assert "on bf16 products" in plan, plan
+        call(x)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = call(x)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, want), "the replay's output differs from the eager call's on the same x"
