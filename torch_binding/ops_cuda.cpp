@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -62,8 +63,22 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 // v93), else fp32. (With grad: the training forward's fp32 products; its backward has no 16-bit
 // products yet.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
+// The threshold: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides it,
+// for benchmarks that sweep it; anything else there is an error.
+int64_t min_16bit_elements() {
+  static const int64_t value = [] {
+    const char* s = std::getenv("FASTAXIAL_16BIT_MIN_ELEMENTS");
+    if (s == nullptr) return kMin16BitElements;
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    TORCH_CHECK_VALUE(end != s && *end == '\0' && v >= 0, "FASTAXIAL_16BIT_MIN_ELEMENTS='", s,
+                      "': expected a count of elements, 0 or more");
+    return (int64_t)v;
+  }();
+  return value;
+}
 Products products_for(at::ScalarType dtype, int64_t elements) {
-  if (elements < kMin16BitElements) return Products::kFp32;
+  if (elements < min_16bit_elements()) return Products::kFp32;
   return dtype == at::kBFloat16 ? Products::kBf16 : dtype == at::kHalf ? Products::kFp16 : Products::kFp32;
 }
 
