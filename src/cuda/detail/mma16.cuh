@@ -25,24 +25,16 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "round16.cuh"
+
 namespace fastaxial::cuda {
 
+// lo and hi rounded to T (detail/round16.cuh) in one register, lo in the lower half.
 template <class T>
-struct Mma16Type;
-template <>
-struct Mma16Type<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the lower half
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-template <>
-struct Mma16Type<__half> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
+__device__ __forceinline__ uint32_t pack16(float lo, float hi) {
+  const Pair16<T> v = round16x2<T>(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 // The PTX type name of each, spliced into the instructions below.
 #define FASTAXIAL_MMA16_K8(TYPE)                                                                              \
@@ -66,9 +58,9 @@ struct Mma16 {
   // kRoundLo is Tf32x3's (lo rounded too); with no split it has nothing to do.
   template <bool kRoundLo = false>
   __device__ static __forceinline__ FragA a(float a0, float a1, float a2, float a3) {
-    return {{Mma16Type<T>::pack(a0, a2), Mma16Type<T>::pack(a1, a3)}};
+    return {{pack16<T>(a0, a2), pack16<T>(a1, a3)}};
   }
-  __device__ static __forceinline__ FragB b(float b0, float b1) { return {Mma16Type<T>::pack(b0, b1)}; }
+  __device__ static __forceinline__ FragB b(float b0, float b1) { return {pack16<T>(b0, b1)}; }
 
   // t = a b (kFresh) or t += a b, one 8-deep step.
   template <bool kFresh>

@@ -9,15 +9,13 @@
 // float&, so that both stay in registers.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "../../common/dropout.h"
 #include "lse.cuh"
+#include "round16.cuh"
 
 namespace fastaxial::cuda {
 
@@ -30,16 +28,13 @@ struct FlashPartials {
   int splits;    // S >= 1
 };
 
-// An output value as the element type Out stores it: float as it is, bf16 or fp16 rounded to
-// nearest, ties to even (round_to_16bit's conversion, gemm/blas.cu).
+// An output value as the element type Out stores it: float as it is, bf16 or fp16 rounded (round16).
 template <class Out>
 __device__ __forceinline__ Out output_value(float v) {
-  if constexpr (std::is_same_v<Out, __nv_bfloat16>)
-    return __float2bfloat16_rn(v);
-  else if constexpr (std::is_same_v<Out, __half>)
-    return __float2half_rn(v);
-  else
+  if constexpr (std::is_same_v<Out, float>)
     return v;
+  else
+    return round16<Out>(v);
 }
 
 // o's rows g and g + 8 (times inv0 and inv1 unless kRaw) into p0[c] and

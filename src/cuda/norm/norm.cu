@@ -36,6 +36,7 @@
 
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/round16.cuh"
 #include "../detail/warp_ops.cuh"
 #include "../gemm/weight_planes.cuh"
 
@@ -66,15 +67,6 @@ __global__ void layer_norm_and_split_kernel(const float* __restrict__ x, const f
   layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
 }
 
-// float to T (bf16 or fp16), nearest, ties to even: round_to_16bit's conversion (gemm/blas.cu).
-template <class T>
-__device__ __forceinline__ T round_to(float v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __float2bfloat16_rn(v);
-  else
-    return __float2half_rn(v);
-}
-
 // layer_norm_and_split_kernel with the output rounded to T and, in the blocks after the
 // LayerNorm's, the rounding jobs (one flat list of `total` = rounds.elements()) in place of the splits.
 template <class T>
@@ -92,7 +84,7 @@ __global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float
       const float* x_job = first ? rounds.job[0].x : rounds.job[1].x;
       T* y_job = static_cast<T*>(first ? rounds.job[0].y : rounds.job[1].y);
       const int64_t k = first ? i : i - rounds.job[0].n;
-      y_job[k] = round_to<T>(x_job[k]);
+      y_job[k] = round16<T>(x_job[k]);
     }
     return;
   }
@@ -102,7 +94,7 @@ __global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float
   const float* row = x + pos * D;
   float* res_row = res != nullptr ? res + pos * D : nullptr;
   layer_norm_row(row, D, gamma, beta, eps, [&](int c, float v) {
-    out[c] = round_to<T>(v);
+    out[c] = round16<T>(v);
     if (res_row != nullptr) res_row[c] = row[c] + res_bias[c];  // add_bias's sum
   });
 }

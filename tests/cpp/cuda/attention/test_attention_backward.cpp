@@ -37,6 +37,7 @@
 #include "src/cuda/attention/flash_attention.h"
 #include "util/attention_case.h"  // Case, case_name, kPoison, is_poison
 #include "util/cuda_test_util.h"
+#include "util/round16.h"  // round16
 
 namespace fastaxial::test {
 namespace {
@@ -695,13 +696,6 @@ TEST(AttentionBackwardDropoutOff, ThresholdZeroBitwiseNoDropout) {
 #endif  // FASTAXIAL_NO_RANDOM123
 
 // ---- 16-bit products (AttentionBackwardArgs::products) ----------------------------------------
-
-// x rounded to bf16 or fp16 (nearest, ties to even; fp16's subnormals too).
-float round16(float x, Products type) {
-  if (type == Products::kBf16) return from_bits((bits(x) + 0x7fffu + ((bits(x) >> 16) & 1u)) & 0xffff0000u);
-  if (std::fabs(x) < 0x1p-14f) return std::nearbyint(x * 0x1p24f) * 0x1p-24f;
-  return from_bits((bits(x) + 0xfffu + ((bits(x) >> 13) & 1u)) & 0xffffe000u);
-}
 
 // dq, dk, dv (L, hd each) of one (sequence, head) as PyTorch's attention math computes them in the
 // 16-bit type: q, k, v and g rounded; each product's output rounded (S, P V, dP, dS k, dS^T q,

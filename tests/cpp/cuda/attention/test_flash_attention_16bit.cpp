@@ -15,17 +15,10 @@
 #include "src/common/plan.h"
 #include "src/cuda/attention/flash_attention.h"
 #include "util/cuda_test_util.h"
+#include "util/round16.h"  // round16
 
 namespace fastaxial::test {
 namespace {
-
-// x rounded to bf16 or fp16 (nearest, ties to even; fp16's subnormals too), as the 16-bit products'
-// fragments and PyTorch's conversions round.
-float round16(float x, Products type) {
-  if (type == Products::kBf16) return from_bits((bits(x) + 0x7fffu + ((bits(x) >> 16) & 1u)) & 0xffff0000u);
-  if (std::fabs(x) < 0x1p-14f) return std::nearbyint(x * 0x1p24f) * 0x1p-24f;  // fp16 subnormals: steps of 2^-24
-  return from_bits((bits(x) + 0xfffu + ((bits(x) >> 13) & 1u)) & 0xffffe000u);
-}
 
 struct Case16 {
   Case shape;
