@@ -97,8 +97,9 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
                             const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
                             double dropout, const std::optional<at::Tensor>& rng_state,
                             std::optional<at::ScalarType> /*products*/) {
-    // A call that records gradients runs 3xTF32 products whatever `products` asks: the backward
-    // recomputes the forward's probabilities on them (AxialParams::products).
+    // A call that records gradients runs the products of x's dtype by the training operators' rule
+    // (ops_cuda.cpp: training_products), whatever `products` asks: the training operators do not take
+    // it (so under autocast, with float32 x, 3xTF32).
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["dropout"] = dropout;

@@ -60,8 +60,7 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 // `products` argument, else x's): that 16-bit dtype's where the problem is large enough for the
 // 16-bit path to win (below 2^21 elements its launches and its unsplit attention cost more than the
 // projections save: measured in perf notes v89, when a pass had nine launches; it has four since
-// v93), else fp32. (With grad: the training forward's fp32 products; its backward has no 16-bit
-// products yet.)
+// v93), else fp32. (With grad: training_products.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
 // The threshold: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides it,
 // for benchmarks that sweep it; anything else there is an error.
@@ -80,6 +79,18 @@ int64_t min_16bit_elements() {
 Products products_for(at::ScalarType dtype, int64_t elements) {
   if (elements < min_16bit_elements()) return Products::kFp32;
   return dtype == at::kBFloat16 ? Products::kBf16 : dtype == at::kHalf ? Products::kFp16 : Products::kFp32;
+}
+
+// The products of a training call, by the same rule from x's dtype (its two operators decide
+// alike, so the backward plans the forward's): 16-bit where the rule says so and the backward
+// serves them on this device (plan_backward_cuda: the tensor-core attention backward), else fp32.
+// (Under autocast the training calls take float32 x: fp32 products.)
+Products training_products(const Call& c, AxialParams p) {
+  p.products = products_for(c.dtype, c.x.numel());
+  if (p.products == Products::kFp32) return p.products;
+  CudaBackwardPlan plan;
+  if (plan_backward_cuda(p, &plan, /*caller_blas=*/true).code == StatusCode::kUnsupported) return Products::kFp32;
+  return p.products;
 }
 
 CudaBackwardPlan training_plan(const AxialParams& p);
@@ -160,6 +171,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   AxialParams p = c.params(out);
+  p.products = training_products(c, p);
   const CudaBackwardPlan plan = training_plan(p);
   at::Tensor saved = empty_saved(plan, c.x);
   if (out.numel() != 0) {
@@ -186,6 +198,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   AxialParams p = c.params();
+  p.products = training_products(c, p);  // the training forward's (its `saved` is laid out for them)
   const CudaBackwardPlan plan = training_plan(p);
   const bool empty = c.x.numel() == 0;
   at::Tensor saved;
@@ -199,7 +212,9 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   } else if (!empty) {  // nothing kept: the training forward first, into a scratch output
     saved = empty_saved(plan, c.x);
     at::Tensor scratch_out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
-    run_training_forward(c.params(scratch_out), plan, saved);
+    AxialParams forward = c.params(scratch_out);
+    forward.products = p.products;
+    run_training_forward(forward, plan, saved);
   }
   const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(empty ? 0 : plan.workspace_bytes);
   const Status s = backward_cuda(p, b.grads, plan, empty ? nullptr : saved.data_ptr(),

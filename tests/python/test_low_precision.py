@@ -312,6 +312,32 @@ def test_16bit_forward_below_the_size_keeps_fp32_products(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
+                    reason="no CUDA kernel or no GPU")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 128, 128, 128, 4), (2, 64, 64, 256, 4)], ids=str)
+def test_16bit_training_on_16bit_products(shape, dtype):
+    """In grad mode a 16-bit call of 2^21 elements or more trains on its dtype's products (the
+    training operators' rule, ops_cuda.cpp: training_products): the output and every gradient by
+    the rule against the reference in the same dtype (head dims 32 and 64), and gradients whose
+    bits differ from those of the same call on float32 copies (what a call that fell back to fp32
+    products would return)."""
+    device = torch.device("cuda")
+    worst_new, worst_ref, (got, want) = worst_errors(shape, device, dtype, dtype)
+    assert got == want == [dtype] * 12, (got, want)
+    check_rule(worst_new, worst_ref, str(dtype))
+    B, H, W, D, heads = shape
+    torch.manual_seed(0)
+    m = randomize_(fastaxial.AxialAttention(D, heads, H, W), 0).to(device, dtype)
+    x = torch.randn(B, H, W, D, device=device).to(dtype)
+    g = torch.randn(B, H, W, D, device=device).to(dtype)
+    grads = run(m, x, g, fused=True)[1:]
+    fp32 = [t.to(dtype) for t in run(m.float(), x.float(), g.float(), fused=True)[1:]]
+    same = [n for n, a, b in zip(GRAD_NAMES, grads, fp32, strict=True) if torch.equal(a, b)]
+    # (the column pass's output bias is grad_out's column sums on any products)
+    assert set(same) <= {"col_out.bias"}, f"the fp32 products' bits: {same}"
+
+
 def test_products_argument_on_the_cpu(device):
     """`products` takes None, float32, bfloat16 or float16 (a TypeError names anything else, from the
     kernel and from the fake kernel under compile); on the CPU, whose kernels run fp32 math, each

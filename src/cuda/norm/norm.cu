@@ -73,8 +73,8 @@ template <class T>
 __global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
                                         const float* __restrict__ beta, float eps, int64_t T_, int D,
                                         T* __restrict__ xs, const float* __restrict__ res_bias,
-                                        float* __restrict__ res, int64_t ln_blocks, const RoundJobs rounds,
-                                        int64_t total) {
+                                        float* __restrict__ res, float2* __restrict__ stats, int64_t ln_blocks,
+                                        const RoundJobs rounds, int64_t total) {
   grid_dependency_wait();
   allow_dependent_launch();
   if (blockIdx.x >= ln_blocks) {
@@ -93,10 +93,11 @@ __global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float
   T* out = xs + pos * D;
   const float* row = x + pos * D;
   float* res_row = res != nullptr ? res + pos * D : nullptr;
-  layer_norm_row(row, D, gamma, beta, eps, [&](int c, float v) {
+  const float2 s = layer_norm_row(row, D, gamma, beta, eps, [&](int c, float v) {
     out[c] = round16<T>(v);
     if (res_row != nullptr) res_row[c] = row[c] + res_bias[c];  // add_bias's sum
   });
+  if (stats != nullptr && threadIdx.x % 32 == 0) stats[pos] = s;
 }
 
 // out = LayerNorm(src), its (mean, rstd) in stats.
@@ -340,7 +341,7 @@ cudaError_t layer_norm_forward(const float* src, const float* gamma, const float
 
 cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const float* beta, float eps, int64_t T,
                                      int D, void* out, Products type, const RoundJobs& rounds, const float* res_bias,
-                                     float* res, const DeviceCaps& dev, cudaStream_t stream) {
+                                     float* res, float* stats, const DeviceCaps& dev, cudaStream_t stream) {
   if (res != nullptr && res_bias == nullptr) return cudaErrorInvalidValue;
   if (type != Products::kBf16 && type != Products::kFp16) return cudaErrorInvalidValue;
   const int64_t ln_blocks = (T + kWarps - 1) / kWarps, total = rounds.elements();
@@ -351,7 +352,7 @@ cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const
   const auto launch = [&](auto* typed_out) {
     return launch_kernel<layer_norm_16bit_kernel<std::remove_pointer_t<decltype(typed_out)>>>(
         (unsigned)(ln_blocks + round_blocks), 32 * kWarps, 0, stream, dev, src, gamma, beta, eps, T, D, typed_out,
-        res_bias, res, ln_blocks, rounds, total);
+        res_bias, res, reinterpret_cast<float2*>(stats), ln_blocks, rounds, total);
   };
   return type == Products::kBf16 ? launch(static_cast<__nv_bfloat16*>(out)) : launch(static_cast<__half*>(out));
 }

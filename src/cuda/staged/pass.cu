@@ -111,7 +111,7 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
   RoundJobs rounds;
   rounds.job[0] = {w.qkv_weight, wqkv16, 3 * DD}, rounds.job[1] = {w.out_weight, wout16, DD}, rounds.count = 2;
   if (cudaError_t e = layer_norm_forward_16bit(src, w.norm_weight, w.norm_bias, p.eps, T, D, operand16, type, rounds,
-                                               w.out_bias, dst, dev, stream);
+                                               w.out_bias, dst, /*stats=*/nullptr, dev, stream);
       e != cudaSuccess) {
     if (e == cudaErrorInvalidConfiguration) return {StatusCode::kUnsupported, "too many positions for one pass"};
     return cuda_error(e, "layer_norm_forward_16bit launch");
