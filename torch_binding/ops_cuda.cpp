@@ -84,9 +84,9 @@ Products products_for(at::ScalarType dtype, int64_t elements) {
 // The products of a training call, by the same rule from x's dtype (its two operators decide
 // alike, so the backward plans the forward's): 16-bit where the rule says so and the backward
 // serves them on this device (plan_backward_cuda: the tensor-core attention backward), else fp32.
-// (Under autocast the training calls take float32 x: fp32 products.)
-Products training_products(const Call& c, AxialParams p) {
-  p.products = products_for(c.dtype, c.x.numel());
+// `products` as the forward's argument (None: x's dtype; the autograd kernel passes autocast's on).
+Products training_products(const Call& c, AxialParams p, std::optional<at::ScalarType> products) {
+  p.products = products_for(products.value_or(c.dtype), c.x.numel());
   if (p.products == Products::kFp32) return p.products;
   CudaBackwardPlan plan;
   if (plan_backward_cuda(p, &plan, /*caller_blas=*/true).code == StatusCode::kUnsupported) return Products::kFp32;
@@ -165,13 +165,14 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
     const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention_training");
   Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout, rng_state);
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   AxialParams p = c.params(out);
-  p.products = training_products(c, p);
+  p.products = training_products(c, p, products);
   const CudaBackwardPlan plan = training_plan(p);
   at::Tensor saved = empty_saved(plan, c.x);
   if (out.numel() != 0) {
@@ -189,7 +190,9 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
-    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg, double dropout) {
+    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg, double dropout,
+    std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention_backward");
   Call c = check_call("fastaxial.axial_attention_backward", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout);
   TORCH_CHECK_VALUE(dropout == 0 || saved_arg.has_value() || c.x.numel() == 0,
@@ -198,7 +201,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   AxialParams p = c.params();
-  p.products = training_products(c, p);  // the training forward's (its `saved` is laid out for them)
+  p.products = training_products(c, p, products);  // the training forward's (its `saved` is laid out for them)
   const CudaBackwardPlan plan = training_plan(p);
   const bool empty = c.x.numel() == 0;
   at::Tensor saved;

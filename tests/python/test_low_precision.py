@@ -314,25 +314,30 @@ def test_16bit_forward_below_the_size_keeps_fp32_products(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
                     reason="no CUDA kernel or no GPU")
+@pytest.mark.parametrize("autocast", [False, True], ids=["dtype", "autocast"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 128, 128, 128, 4), (2, 64, 64, 256, 4)], ids=str)
-def test_16bit_training_on_16bit_products(shape, dtype):
-    """In grad mode a 16-bit call of 2^21 elements or more trains on its dtype's products (the
-    training operators' rule, ops_cuda.cpp: training_products): the output and every gradient by
-    the rule against the reference in the same dtype (head dims 32 and 64), and gradients whose
-    bits differ from those of the same call on float32 copies (what a call that fell back to fp32
-    products would return)."""
+def test_16bit_training_on_16bit_products(shape, dtype, autocast):
+    """In grad mode a call of 2^21 elements or more trains on the 16-bit products it asks for (the
+    training operators' rule, ops_cuda.cpp: training_products): a module and x of the dtype, or
+    float32 ones under autocast to it. The output and every gradient by the rule against the
+    reference in the same dtype or under the same autocast (head dims 32 and 64), and gradients whose
+    bits differ from those of the same call on fp32 products (float32 copies, outside autocast:
+    what a call that fell back to them would return)."""
     device = torch.device("cuda")
-    worst_new, worst_ref, (got, want) = worst_errors(shape, device, dtype, dtype)
-    assert got == want == [dtype] * 12, (got, want)
-    check_rule(worst_new, worst_ref, str(dtype))
+    storage = torch.float32 if autocast else dtype
+    worst_new, worst_ref, (got, want) = worst_errors(shape, device, storage, storage,
+                                                     autocast=dtype if autocast else None)
+    assert got == want, (got, want)
+    check_rule(worst_new, worst_ref, f"{dtype} autocast" if autocast else str(dtype))
     B, H, W, D, heads = shape
     torch.manual_seed(0)
-    m = randomize_(fastaxial.AxialAttention(D, heads, H, W), 0).to(device, dtype)
-    x = torch.randn(B, H, W, D, device=device).to(dtype)
-    g = torch.randn(B, H, W, D, device=device).to(dtype)
-    grads = run(m, x, g, fused=True)[1:]
-    fp32 = [t.to(dtype) for t in run(m.float(), x.float(), g.float(), fused=True)[1:]]
+    m = randomize_(fastaxial.AxialAttention(D, heads, H, W), 0).to(device, storage)
+    x = torch.randn(B, H, W, D, device=device).to(storage)
+    g = torch.randn(B, H, W, D, device=device).to(storage)
+    with torch.autocast("cuda", dtype, enabled=autocast):
+        grads = run(m, x, g, fused=True)[1:]
+    fp32 = [t.to(storage) for t in run(m.float(), x.float(), g.float(), fused=True)[1:]]
     same = [n for n, a, b in zip(GRAD_NAMES, grads, fp32, strict=True) if torch.equal(a, b)]
     # (the column pass's output bias is grad_out's column sums on any products)
     assert set(same) <= {"col_out.bias"}, f"the fp32 products' bits: {same}"
@@ -373,7 +378,8 @@ def test_autocast_without_grad_on_the_autocast_products(autocast):
     its products in the autocast dtype (the autocast kernel passes it as `products`): the plan
     names them, the bits differ from the fp32 products' (the same call outside autocast), the
     output is float32 as the reference's, and the rule holds against the reference under the same
-    autocast. With grad the same call keeps the fp32 products: the bits of the call outside autocast."""
+    autocast. With grad the same call trains on them: the training forward's output has the bits of
+    the call without grad (the same launches, test_backward_cuda.cpp: SixteenBitProducts)."""
     B, H, W, D, heads = 1, 128, 128, 128, 2  # 2^21 elements
     device = torch.device("cuda")
     name = "bf16" if autocast is torch.bfloat16 else "fp16"
@@ -397,12 +403,11 @@ def test_autocast_without_grad_on_the_autocast_products(autocast):
         assert not torch.equal(got, fp32_products), "the autocast call gave the fp32 products' bits"
         worst_new = max(worst_new, max_rel_err(got, truth))
         worst_ref = max(worst_ref, max_rel_err(want, truth))
-        if seed == 0:  # with grad: the training forward, the bits of the same call outside autocast
-            plain = fastaxial.ops.axial_attention(x, *weights, heads, 1e-5)
+        if seed == 0:  # with grad: the training forward on the autocast products
             with torch.autocast("cuda", autocast):
                 trained = fastaxial.ops.axial_attention(x, *weights, heads, 1e-5)
-            assert plain.requires_grad and trained.requires_grad
-            assert torch.equal(trained.detach(), plain.detach()), "the call with grad left the fp32 products"
+            assert trained.requires_grad
+            assert torch.equal(trained.detach(), got), "the call with grad left the autocast products"
     assert worst_new <= K * worst_ref, f"{worst_new:.3g} against the reference's {worst_ref:.3g} under autocast"
 
 
