@@ -539,7 +539,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   for (CudaBackwardPlan::Pass* pass : {&c.row, &c.col}) {
     fits = fits && append(&end, td, &pass->norm) && append(&end, 2 * T * sizeof(float), &pass->stats) &&
            append(&end, 3 * td, &pass->qkv) && append(&end, td, &pass->attn) && append(&end, 2 * th, &pass->lse);
-    if (!fp32) pass->attn16 = pass->norm + td / 2;
+    if (!fp32) pass->attn16 = pass->norm + td / 2;  // 16-byte aligned where T D % 8 == 0 (D % 8 == 0)
   }
   fits = fits && append(&end, td, &c.row_output) && append(&end, 2 * sizeof(uint64_t), &c.dropout_state);
   c.saved_bytes = end;

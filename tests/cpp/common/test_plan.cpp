@@ -347,7 +347,7 @@ TEST(Plan, FlashKernelVariant) {
 // flash kernel's mma.sync instance, unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
 // weights a pass, cuBLAS's workspace) and without the TF32 planes or split partials; where the
 // staged path cannot run (no sm_90a code), the passes keep their fp32 plan and no region is added.
-// The training plan refuses them. An out-of-range value is an invalid argument.
+// The training plan takes them too. An out-of-range value is an invalid argument.
 TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
   for (Products type : {Products::kBf16, Products::kFp16}) {
     for (const auto& shape : {std::array<int64_t, 5>{4, 32, 32, 64, 4}, std::array<int64_t, 5>{1, 2, 4096, 128, 1},
@@ -400,7 +400,8 @@ TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
         EXPECT_EQ(forced.col.products, Products::kFp32) << forced.describe();
         EXPECT_EQ(forced.operand16, CudaPlan::kNone);
       }
-      // The training calls on the same products (BackwardPlan.SixteenBitProducts has their layout).
+      // The training calls on the same products (BackwardPlan.RegionsAreAlignedDisjointAndCovered has
+      // their layout).
       CudaBackwardPlan b;
       const Status st = make_backward_plan(p, h200(), &b);
       ASSERT_TRUE(st.ok()) << st.message;
