@@ -62,22 +62,27 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 // projections save: measured in perf notes v89, when a pass had nine launches; it has four since
 // v93), else fp32. (With grad: training_products.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
-// The threshold: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides it,
-// for benchmarks that sweep it; anything else there is an error.
-int64_t min_16bit_elements() {
+// With grad (training_products) from a size of its own: the training calls' 16-bit products run
+// on cuBLAS, which the library's graph replays leave out (training.cu), so their host time stays
+// that of every launch issued one by one (perf notes v96).
+constexpr int64_t kMin16BitTrainingElements = int64_t{1} << 22;
+// The thresholds: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides
+// both, for benchmarks that sweep them; anything else there is an error.
+int64_t min_16bit_elements(bool training) {
   static const int64_t value = [] {
     const char* s = std::getenv("FASTAXIAL_16BIT_MIN_ELEMENTS");
-    if (s == nullptr) return kMin16BitElements;
+    if (s == nullptr) return int64_t{-1};
     char* end = nullptr;
     const long long v = std::strtoll(s, &end, 10);
     TORCH_CHECK_VALUE(end != s && *end == '\0' && v >= 0, "FASTAXIAL_16BIT_MIN_ELEMENTS='", s,
                       "': expected a count of elements, 0 or more");
     return (int64_t)v;
   }();
-  return value;
+  if (value >= 0) return value;
+  return training ? kMin16BitTrainingElements : kMin16BitElements;
 }
-Products products_for(at::ScalarType dtype, int64_t elements) {
-  if (elements < min_16bit_elements()) return Products::kFp32;
+Products products_for(at::ScalarType dtype, int64_t elements, bool training = false) {
+  if (elements < min_16bit_elements(training)) return Products::kFp32;
   return dtype == at::kBFloat16 ? Products::kBf16 : dtype == at::kHalf ? Products::kFp16 : Products::kFp32;
 }
 
@@ -86,7 +91,7 @@ Products products_for(at::ScalarType dtype, int64_t elements) {
 // serves them on this device (plan_backward_cuda: the tensor-core attention backward), else fp32.
 // `products` as the forward's argument (None: x's dtype; the autograd kernel passes autocast's on).
 Products training_products(const Call& c, AxialParams p, std::optional<at::ScalarType> products) {
-  p.products = products_for(products.value_or(c.dtype), c.x.numel());
+  p.products = products_for(products.value_or(c.dtype), c.x.numel(), /*training=*/true);
   if (p.products == Products::kFp32) return p.products;
   CudaBackwardPlan plan;
   if (plan_backward_cuda(p, &plan, /*caller_blas=*/true).code == StatusCode::kUnsupported) return Products::kFp32;
