@@ -20,17 +20,18 @@ using OpSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::T
                                const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double, double,
                                const std::optional<at::Tensor>&, std::optional<at::ScalarType>);
 
-// axial_attention_backward(grad_out, x, the ten weights, num_heads, eps, output_mask, saved, dropout)
+// axial_attention_backward(grad_out, x, the ten weights, num_heads, eps, output_mask, saved, dropout,
+// products)
 using BackwardSignature = std::vector<at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    int64_t, double, std::array<bool, 11>, const std::optional<at::Tensor>&, double);
+    int64_t, double, std::array<bool, 11>, const std::optional<at::Tensor>&, double, std::optional<at::ScalarType>);
 
-// axial_attention_training(x, the ten weights, num_heads, eps, dropout, rng_state) -> (out, saved)
+// axial_attention_training(x, the ten weights, num_heads, eps, dropout, rng_state, products) -> (out, saved)
 using TrainingSignature = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-    double, const std::optional<at::Tensor>&);
+    double, const std::optional<at::Tensor>&, std::optional<at::ScalarType>);
 
 // A handle looked up once, on first use (after the library registered the schema). A function-local
 // static: a throw leaves it unset and the next call tries again; concurrent first calls are safe.

@@ -203,8 +203,10 @@ TORCH_LIBRARY(fastaxial, m) {
   // `products`: the precision of the products the call may run on (fastaxial.h, AxialParams::products).
   // None: x's dtype. float32: 3xTF32 products, whatever x's dtype. bfloat16 or float16: that type's
   // products with fp32 accumulation, where they are served and faster (CUDA calls without grad of
-  // 2^21 elements or more, ops_cuda.cpp, products_for); 3xTF32 elsewhere, and always on the CPU,
-  // whose kernels run fp32 math. The autocast kernels pass the autocast dtype (ops_autocast.cpp).
+  // 2^21 elements or more, ops_cuda.cpp, products_for, with grad too: training_products);
+  // 3xTF32 elsewhere, and always on the CPU, whose kernels run fp32 math. The autocast kernels
+  // pass the autocast dtype (ops_autocast.cpp); the autograd kernel passes it on to the training
+  // operators below, which take it alike.
   //
   // `dropout` > 0: attention dropout with that rate (the module passes it in training mode), its
   // mask drawn from PyTorch's default generator of x's device (fastaxial.h, AxialParams::dropout),
@@ -215,13 +217,14 @@ TORCH_LIBRARY(fastaxial, m) {
   //
   // The gradients of axial_attention for the inputs output_mask selects (x, then the ten weights),
   // in that order; `saved`, where given, is axial_attention_training's (required with dropout: it
-  // holds the mask's seed and offset). CPU and CUDA kernels in ops_cpu.cpp and ops_cuda.cpp; the
-  // forward's autograd kernel calls it and refuses double backward.
+  // holds the mask's seed and offset; `products` must be the training forward's, which laid it
+  // out). CPU and CUDA kernels in ops_cpu.cpp and ops_cuda.cpp; the forward's autograd kernel
+  // calls it and refuses double backward.
   m.def(
       "axial_attention_backward(Tensor grad_out, Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, "
       "Tensor row_qkv_weight, Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, "
       "Tensor col_norm_bias, Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, "
-      "float eps, bool[11] output_mask, Tensor? saved=None, float dropout=0.0) -> Tensor[]");
+      "float eps, bool[11] output_mask, Tensor? saved=None, float dropout=0.0, ScalarType? products=None) -> Tensor[]");
   // The forward for training: axial_attention's output, and what the backward reads (`saved`, one
   // float32 buffer ending with the dropout mask's seed and offset, 16 bytes). On CUDA,
   // forward_cuda_training's: each pass's LayerNorm output and statistics, q, k, v, attention
@@ -233,7 +236,7 @@ TORCH_LIBRARY(fastaxial, m) {
       "axial_attention_training(Tensor x, Tensor row_norm_weight, Tensor row_norm_bias, Tensor row_qkv_weight, "
       "Tensor row_out_weight, Tensor row_out_bias, Tensor col_norm_weight, Tensor col_norm_bias, "
       "Tensor col_qkv_weight, Tensor col_out_weight, Tensor col_out_bias, int num_heads, float eps, "
-      "float dropout=0.0, Tensor? rng_state=None) -> (Tensor, Tensor)");
+      "float dropout=0.0, Tensor? rng_state=None, ScalarType? products=None) -> (Tensor, Tensor)");
   m.def("describe_cuda_plan(Tensor x, int num_heads, ScalarType? products=None) -> str");
   // Whether this build applies attention dropout (built with Random123); the module falls back
   // to the reference math for dropout where it does not.

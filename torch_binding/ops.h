@@ -22,8 +22,8 @@ struct Call {
   double dropout = 0.0;  // attention dropout rate (checked by check_dropout); params() passes it
   // The caller's dtype. bfloat16 and float16: x and the weights above are float32 copies, and the
   // device kernels convert what they return back to this dtype; the math is fp32 but for a CUDA
-  // call without grad of 2^21 elements or more, whose products run in this dtype
-  // (AxialParams::products; ops_cuda.cpp: products_for).
+  // call of 2^21 elements or more, whose products run in this dtype (AxialParams::products;
+  // ops_cuda.cpp: products_for, training_products).
   at::ScalarType dtype = at::kFloat;
 
   // Params for writing into `out`, a contiguous tensor shaped like x.

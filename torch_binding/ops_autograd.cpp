@@ -96,9 +96,10 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
                             const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
                             const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
                             double dropout, const std::optional<at::Tensor>& rng_state,
-                            std::optional<at::ScalarType> /*products*/) {
-    // A call that records gradients runs 3xTF32 products whatever `products` asks: the backward
-    // recomputes the forward's probabilities on them (AxialParams::products).
+                            std::optional<at::ScalarType> products) {
+    // `products` goes on to the training operators (ops_cuda.cpp: training_products), the backward's
+    // as the forward's, which laid out `saved` for them.
+    ctx->saved_data["products"] = products ? static_cast<int64_t>(*products) : int64_t{-1};
     ctx->saved_data["heads"] = heads;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["dropout"] = dropout;
@@ -107,7 +108,8 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
       // the row pass's output, q, k, v and o on the CPU, the dropout mask's seed and offset).
       const at::AutoDispatchBelowADInplaceOrView below;
       auto [out, saved] =
-          training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state);
+          training_op().call(x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, heads, eps, dropout, rng_state,
+                             products);
       ctx->save_for_backward({x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob, saved});
       return out;
     }
@@ -121,6 +123,9 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
     const int64_t heads = ctx->saved_data["heads"].toInt();
     const double eps = ctx->saved_data["eps"].toDouble();
     const double dropout = ctx->saved_data["dropout"].toDouble();
+    const int64_t products_code = ctx->saved_data["products"].toInt();
+    const std::optional<at::ScalarType> products =
+        products_code < 0 ? std::nullopt : std::optional<at::ScalarType>(static_cast<at::ScalarType>(products_code));
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "fastaxial::axial_attention: double backward (create_graph=True) is not supported");
     // The fused backward: on the CPU, or on CUDA where its kernels serve the head dim (from the
@@ -133,7 +138,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
           saved.size() > kTensors ? std::optional<at::Tensor>(saved[kTensors]) : std::nullopt;
       const std::vector<at::Tensor> grads =
           backward_op().call(grad_outputs[0], saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[6],
-                             saved[7], saved[8], saved[9], saved[10], heads, eps, mask, kept, dropout);
+                             saved[7], saved[8], saved[9], saved[10], heads, eps, mask, kept, dropout, products);
       variable_list result(kTensors + 5);  // undefined: no gradient (none for heads, eps, dropout, rng_state, products)
       for (int i = 0, j = 0; i < kTensors; ++i)
         if (mask[i]) result[i] = grads[j++];

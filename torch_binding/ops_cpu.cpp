@@ -226,7 +226,8 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
     const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention_training");  // (fp32 math whatever it asks)
   Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout, rng_state);
   const CpuSaved layout = cpu_saved(c.params());
@@ -245,7 +246,9 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
-    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved, double dropout) {
+    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved, double dropout,
+    std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention_backward");  // (fp32 math whatever it asks)
   Call c = check_call("fastaxial.axial_attention_backward", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout);
   AxialParams p = c.params();

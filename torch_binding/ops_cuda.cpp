@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <tuple>
@@ -57,13 +58,44 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 
 // The products a call without grad runs on (AxialParams::products), for the dtype it asks for (the
 // `products` argument, else x's): that 16-bit dtype's where the problem is large enough for the
-// 16-bit path to win (its six launches a pass and its unsplit attention cost more than the
-// projections save below that; perf notes v89), else fp32. (With grad: the training forward's
-// fp32 products; its backward has no 16-bit products yet.)
+// 16-bit path to win (below 2^21 elements its launches and its unsplit attention cost more than the
+// projections save: measured in perf notes v89, when a pass had nine launches; it has four since
+// v93), else fp32. (With grad: training_products.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
-Products products_for(at::ScalarType dtype, int64_t elements) {
-  if (elements < kMin16BitElements) return Products::kFp32;
+// With grad (training_products) from a size of its own: the training calls' 16-bit products run
+// on cuBLAS, which the library's graph replays leave out (training.cu), so their host time stays
+// that of every launch issued one by one (perf notes v96).
+constexpr int64_t kMin16BitTrainingElements = int64_t{1} << 22;
+// The thresholds: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides
+// both, for benchmarks that sweep them; anything else there is an error.
+int64_t min_16bit_elements(bool training) {
+  static const int64_t value = [] {
+    const char* s = std::getenv("FASTAXIAL_16BIT_MIN_ELEMENTS");
+    if (s == nullptr) return int64_t{-1};
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    TORCH_CHECK_VALUE(end != s && *end == '\0' && v >= 0, "FASTAXIAL_16BIT_MIN_ELEMENTS='", s,
+                      "': expected a count of elements, 0 or more");
+    return (int64_t)v;
+  }();
+  if (value >= 0) return value;
+  return training ? kMin16BitTrainingElements : kMin16BitElements;
+}
+Products products_for(at::ScalarType dtype, int64_t elements, bool training = false) {
+  if (elements < min_16bit_elements(training)) return Products::kFp32;
   return dtype == at::kBFloat16 ? Products::kBf16 : dtype == at::kHalf ? Products::kFp16 : Products::kFp32;
+}
+
+// The products of a training call, by the same rule from x's dtype (its two operators decide
+// alike, so the backward plans the forward's): 16-bit where the rule says so and the backward
+// serves them on this device (plan_backward_cuda: the tensor-core attention backward), else fp32.
+// `products` as the forward's argument (None: x's dtype; the autograd kernel passes autocast's on).
+Products training_products(const Call& c, AxialParams p, std::optional<at::ScalarType> products) {
+  p.products = products_for(products.value_or(c.dtype), c.x.numel(), /*training=*/true);
+  if (p.products == Products::kFp32) return p.products;
+  CudaBackwardPlan plan;
+  if (plan_backward_cuda(p, &plan, /*caller_blas=*/true).code == StatusCode::kUnsupported) return Products::kFp32;
+  return p.products;
 }
 
 CudaBackwardPlan training_plan(const AxialParams& p);
@@ -138,12 +170,14 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
     const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads, double eps, double dropout,
-    const std::optional<at::Tensor>& rng_state) {
+    const std::optional<at::Tensor>& rng_state, std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention_training");
   Call c = check_call("fastaxial.axial_attention_training", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout, rng_state);
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   AxialParams p = c.params(out);
+  p.products = training_products(c, p, products);
   const CudaBackwardPlan plan = training_plan(p);
   at::Tensor saved = empty_saved(plan, c.x);
   if (out.numel() != 0) {
@@ -161,7 +195,9 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb,
     const at::Tensor& rqkv, const at::Tensor& rout, const at::Tensor& rob, const at::Tensor& cnw,
     const at::Tensor& cnb, const at::Tensor& cqkv, const at::Tensor& cout, const at::Tensor& cob, int64_t num_heads,
-    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg, double dropout) {
+    double eps, std::array<bool, 11> output_mask, const std::optional<at::Tensor>& saved_arg, double dropout,
+    std::optional<at::ScalarType> products) {
+  check_products(products, "fastaxial.axial_attention_backward");
   Call c = check_call("fastaxial.axial_attention_backward", x, rnw, rnb, rqkv, rout, rob, cnw, cnb, cqkv, cout, cob,
                       num_heads, eps, dropout);
   TORCH_CHECK_VALUE(dropout == 0 || saved_arg.has_value() || c.x.numel() == 0,
@@ -170,6 +206,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   AxialParams p = c.params();
+  p.products = training_products(c, p, products);  // the training forward's (its `saved` is laid out for them)
   const CudaBackwardPlan plan = training_plan(p);
   const bool empty = c.x.numel() == 0;
   at::Tensor saved;
@@ -183,7 +220,9 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   } else if (!empty) {  // nothing kept: the training forward first, into a scratch output
     saved = empty_saved(plan, c.x);
     at::Tensor scratch_out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
-    run_training_forward(c.params(scratch_out), plan, saved);
+    AxialParams forward = c.params(scratch_out);
+    forward.products = p.products;
+    run_training_forward(forward, plan, saved);
   }
   const c10::DataPtr workspace = c10::cuda::CUDACachingAllocator::get()->allocate(empty ? 0 : plan.workspace_bytes);
   const Status s = backward_cuda(p, b.grads, plan, empty ? nullptr : saved.data_ptr(),

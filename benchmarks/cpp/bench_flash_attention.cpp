@@ -14,7 +14,9 @@
 // picked (wgmma where it applies) and with AttentionBackwardArgs::mma_sync, then with dq from
 // the dS^T the dk, dv kernel stores (AttentionBackwardArgs::ds, as the training path's plan gives
 // it where it fits); rate: 14 N heads L^2 hd (the seven products of the recomputing kernels) for
-// all three, and each one's largest difference of dqkv from the first relative to max |dqkv|.
+// all three, and each one's largest difference of dqkv from the first relative to max |dqkv|;
+// then on bf16 and fp16 products (AttentionBackwardArgs::products, from the same products'
+// forward: its o and lse; dq from dS^T), each one's difference from the first likewise.
 // Not a test: built on request (ninja bench_flash_attention), run on a GPU.
 //   build/benchmarks/cpp/bench_flash_attention [reps] [N L hd heads]...
 #include <cuda_runtime.h>
@@ -85,11 +87,12 @@ int main(int argc, char** argv) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> hqkv((size_t)(T * 3 * D));
     for (float& x : hqkv) x = normal(rng);
-    float *qkv, *o[4], *lse, *lse16;
+    float *qkv, *o[4], *lse, *lse16[2];
     BENCH_CHECK(cudaMalloc(&qkv, hqkv.size() * 4));
     for (float*& oi : o) BENCH_CHECK(cudaMalloc(&oi, (size_t)(T * D) * 4));
     BENCH_CHECK(cudaMalloc(&lse, (size_t)(2 * s.N * s.heads * s.L) * 4));  // hi, lo
-    BENCH_CHECK(cudaMalloc(&lse16, (size_t)(2 * s.N * s.heads * s.L) * 4));  // the 16-bit runs' (the backward reads lse)
+    for (float*& l : lse16)  // the 16-bit runs' own, bf16 then fp16 (their backward reads them)
+      BENCH_CHECK(cudaMalloc(&l, (size_t)(2 * s.N * s.heads * s.L) * 4));
     BENCH_CHECK(cudaMemcpy(qkv, hqkv.data(), hqkv.size() * 4, cudaMemcpyHostToDevice));
 
     cuda::FlashArgs a;
@@ -99,7 +102,8 @@ int main(int argc, char** argv) {
     const auto time = [&](int variant) {
       cuda::FlashArgs av = a;
       av.o = o[variant], av.mma_sync = variant == 1;
-      if (variant >= 2) av.products = variant == 2 ? fastaxial::Products::kBf16 : fastaxial::Products::kFp16, av.lse = lse16;
+      if (variant >= 2)
+        av.products = variant == 2 ? fastaxial::Products::kBf16 : fastaxial::Products::kFp16, av.lse = lse16[variant - 2];
       return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::flash_attention(av, dev, nullptr)); });
     };
     double ms[4];
@@ -115,7 +119,7 @@ int main(int argc, char** argv) {
     // The backward from variant 0's o and lse.
     std::vector<float> hdo((size_t)(T * D));
     for (float& x : hdo) x = normal(rng);
-    float *d_o, *delta, *dqkv[3], *ds;
+    float *d_o, *delta, *dqkv[5], *ds;
     BENCH_CHECK(cudaMalloc(&ds, (size_t)(s.N * s.heads * s.L * fastaxial::attention_scores_stride(s.L)) * 4));
     BENCH_CHECK(cudaMalloc(&d_o, hdo.size() * 4));
     BENCH_CHECK(cudaMalloc(&delta, (size_t)(s.N * s.heads * s.L) * 4));
@@ -124,13 +128,19 @@ int main(int argc, char** argv) {
     cuda::AttentionBackwardArgs b;
     b.pos = view, b.qkv = qkv, b.o = o[0], b.d_o = d_o, b.lse = lse, b.delta = delta, b.D = (int)D;
     b.heads = s.heads;
+    // variant 0: as picked; 1: mma.sync; 2: dq from dS^T; 3 and 4: bf16 and fp16 products from their
+    // forward's o and lse, dq from dS^T.
     const auto time_backward = [&](int variant) {
       cuda::AttentionBackwardArgs bv = b;
-      bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1, bv.ds = variant == 2 ? ds : nullptr;
+      bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1, bv.ds = variant >= 2 ? ds : nullptr;
+      if (variant >= 3) {
+        bv.products = variant == 3 ? fastaxial::Products::kBf16 : fastaxial::Products::kFp16;
+        bv.o = o[variant - 1], bv.lse = lse16[variant - 3];
+      }
       return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::attention_backward(bv, dev, nullptr)); });
     };
-    double bms[3];
-    for (int v = 0; v < 3; ++v) bms[v] = time_backward(v);
+    double bms[5];
+    for (int v = 0; v < 5; ++v) bms[v] = time_backward(v);
     const double bflop = 3.5 * flop;
     std::printf("%6s %5s %4s %5s | backward %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e | from dS^T %8.1f us "
                 "%5.1f TF | %.1e\n",
@@ -138,6 +148,11 @@ int main(int argc, char** argv) {
                 cuda::query_grads_wgmma_can_run(b, dev) ? "wgmma" : "mma", 1e3 * bms[1], bflop / bms[1] * 1e-9,
                 relative_difference(dqkv[0], dqkv[1], (size_t)(T * 3 * D)), 1e3 * bms[2], bflop / bms[2] * 1e-9,
                 relative_difference(dqkv[0], dqkv[2], (size_t)(T * 3 * D)));
+    std::printf("%6s %5s %4s %5s | backward on bf16 products %8.1f us %5.1f TF %.1e | on fp16 products %8.1f us "
+                "%5.1f TF %.1e\n",
+                "", "", "", "", 1e3 * bms[3], bflop / bms[3] * 1e-9,
+                relative_difference(dqkv[0], dqkv[3], (size_t)(T * 3 * D)), 1e3 * bms[4], bflop / bms[4] * 1e-9,
+                relative_difference(dqkv[0], dqkv[4], (size_t)(T * 3 * D)));
     BENCH_CHECK(cudaFree(ds));
     BENCH_CHECK(cudaFree(d_o));
     BENCH_CHECK(cudaFree(delta));
@@ -145,7 +160,7 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(qkv));
     for (float* oi : o) BENCH_CHECK(cudaFree(oi));
     BENCH_CHECK(cudaFree(lse));
-    BENCH_CHECK(cudaFree(lse16));
+    for (float* l : lse16) BENCH_CHECK(cudaFree(l));
   }
   return 0;
 }

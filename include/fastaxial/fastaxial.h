@@ -85,8 +85,7 @@ struct AxialParams {
   // LayerNorm's output rounded to the type, the projections on cuBLAS's 16-bit products, the flash
   // attention kernel's 16-bit products, and LayerNorm's statistics and the softmax in fp32; the
   // other passes keep fp32 products (CudaPlan's PassPlan::products says which). The CPU calls
-  // compute in fp32 whatever it is; the CUDA training calls take kFp32 only (kUnsupported
-  // otherwise: their backward has no 16-bit products yet).
+  // compute in fp32 whatever it is; the CUDA training calls run both passes on them (below).
   Products products = Products::kFp32;
   // CUDA graphs: where set, forward_cuda_training reads the seed and the offset from device
   // memory when the kernels run, seed = *seed_device and offset = *offset_device + offset, so
@@ -340,6 +339,14 @@ Status forward_cuda(const AxialParams& p, void* workspace, size_t workspace_byte
 // does not fit the device); the bias and LayerNorm gradients are column sums in a fixed order; the attention is
 // fp32 arithmetic. Deterministic: no floating-point atomics anywhere, so the same inputs on
 // the same GPU give bitwise identical gradients.
+// On 16-bit products (p.products bf16 or fp16, the plan made for them): every product takes its
+// operands rounded to the type and accumulates in fp32, as PyTorch's Linear layers and attention
+// under autocast: the projections, the activations' gradients through them and the weight
+// gradients on cuBLAS's 16-bit products, the attention forward and backward on the tensor-core
+// kernels' 16-bit instances; LayerNorm, its statistics, the softmax, the log-sum-exp and the column
+// sums as on fp32 products. Deterministic as those. kUnsupported where a pass's attention backward has
+// no tensor-core kernel (head dims whose tiles do not fit the device's shared memory). These calls
+// stay out of the library's own graph replays (graph_replay.h: cuBLAS runs outside them).
 
 // Largest head dim the CUDA training path serves (PyTorch's binding differentiates the
 // reference math for wider heads).
@@ -355,6 +362,11 @@ struct CudaBackwardPlan {
     size_t qkv = 0;    // (T, 3D)
     size_t attn = 0;   // (T, D)  attention output before the output projection
     size_t lse = 0;    // 2 T heads floats: softmax log-sum-exp per (sequence, head, query), log2 units, hi then lo
+    // On 16-bit products (`products` below): norm's region holds the LayerNorm output rounded to
+    // the type (T D 16-bit values) and from attn16 on (its second half) the attention output rounded
+    // (T, D): the backward's 16-bit operands. kNone on fp32 products. (saved_bytes is the same for
+    // any products.)
+    size_t attn16 = kNone;
   };
   Pass row, col;
   size_t row_output = 0;   // (T, D) the row pass's output: the column pass's input
@@ -404,6 +416,11 @@ struct CudaBackwardPlan {
   // flash_partials where both are there (one call uses each).
   size_t attention_partials = kNone;
   size_t attention_partials_bytes = 0;
+  // On 16-bit products: a pass's projection weights rounded to the type, Wqkv (3D, D) then Wout
+  // (D, D), 16-bit values (each pass of each call rounds them in turn); and 3 T D 16-bit values, the
+  // backward's rounded operands (a pass's output gradient, then its qkv gradient). Else kNone.
+  size_t weights16 = kNone;
+  size_t operand16 = kNone;
   size_t workspace_bytes = 0;  // the whole workspace
 
   // The kernels each pass runs, by the rules the two calls follow (src/common/plan.h): the
@@ -418,8 +435,9 @@ struct CudaBackwardPlan {
   };
   PassKernels row_kernels, col_kernels;
 
-  // What the plan was made for; the two calls reject another problem or device.
+  // What the plan was made for; the two calls reject another problem, products or device.
   int64_t batch = 0, height = 0, width = 0, dim = 0, heads = 0;
+  Products products = Products::kFp32;
   int device = -1;
 
   std::string describe() const;

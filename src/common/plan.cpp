@@ -313,13 +313,17 @@ AttentionGradVariant attention_grad_variant(const AttentionGradProblem& a, const
   if (hdp == 0 || a.num_seq < 1 || a.len < 1 || a.heads < 1) return {};
   if (a.len == 1) return {AttentionGradKernel::kSingleKey, QueryGradKernel::kNone, 1};
   const size_t smem = (size_t)std::max(dev.smem_optin, 0);
-  if (a.ffma || attention_grad_smem_bytes(hdp) > smem) return {AttentionGradKernel::kFfma, QueryGradKernel::kFfma, 1};
+  const bool fp32 = a.products == Products::kFp32;
+  if (a.ffma || attention_grad_smem_bytes(hdp) > smem) {
+    if (!fp32) return {};  // the FFMA kernels' math is fp32
+    return {AttentionGradKernel::kFfma, QueryGradKernel::kFfma, 1};
+  }
   AttentionGradVariant v;
   v.kernel = AttentionGradKernel::kTensorCores;
   v.splits = attention_grad_split(a, hdp, dev);
   if (a.scores && query_grads_from_scores_smem_bytes(hdp) <= smem)
     v.dq = QueryGradKernel::kFromScores;
-  else if (hdp == 32 && !a.mma_sync && dev.sm90a && a.len > kQueryGradsWgmmaMinLen &&
+  else if (fp32 && hdp == 32 && !a.mma_sync && dev.sm90a && a.len > kQueryGradsWgmmaMinLen &&
            kQueryGradsWgmmaSmemBytes <= smem && v.splits == 1)
     v.dq = QueryGradKernel::kWgmma;
   else
@@ -510,10 +514,6 @@ size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCa
 }
 
 Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackwardPlan* plan, bool caller_blas) {
-  if (p.products != Products::kFp32)
-    return {StatusCode::kUnsupported,
-            "the CUDA training calls run fp32 products only (AxialParams::products = kFp32): their backward has no "
-            "16-bit products yet"};
   const int64_t hd = p.dim / p.heads;
   if (hd > kCudaBackwardMaxHeadDim)
     return {StatusCode::kUnsupported, "the CUDA backward serves head dims up to " +
@@ -523,18 +523,23 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
                                           std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor)};
   CudaBackwardPlan c;
   c.batch = p.batch, c.height = p.height, c.width = p.width, c.dim = p.dim, c.heads = p.heads;
+  c.products = p.products;
   c.device = dev.device;
+  const bool fp32 = p.products == Products::kFp32;
   // Sizes in floats; validate_sizes bounds T D by int64, so only the byte counts can overflow.
   const size_t T = (size_t)(p.batch * p.height * p.width), D = (size_t)p.dim, heads = (size_t)p.heads;
   const size_t limit = ~size_t{0} / (4 * sizeof(float));
   if (T > limit / std::max<size_t>(D, 1) || T > limit / heads) return invalid("the workspace size overflows size_t");
   const size_t td = T * D * sizeof(float), th = T * heads * sizeof(float);
-  // The saved forward: the same layout whatever the device (cuda_saved_bytes).
+  // The saved forward: the same layout whatever the device and the products (cuda_saved_bytes; the
+  // fake kernel's size knows neither). On 16-bit products the LayerNorm output's region holds it
+  // rounded (T D 16-bit values) and then the attention output rounded.
   size_t end = 0;
   bool fits = true;
   for (CudaBackwardPlan::Pass* pass : {&c.row, &c.col}) {
     fits = fits && append(&end, td, &pass->norm) && append(&end, 2 * T * sizeof(float), &pass->stats) &&
            append(&end, 3 * td, &pass->qkv) && append(&end, td, &pass->attn) && append(&end, 2 * th, &pass->lse);
+    if (!fp32) pass->attn16 = pass->norm + td / 2;  // 16-byte aligned where T D % 8 == 0 (D % 8 == 0)
   }
   fits = fits && append(&end, td, &c.row_output) && append(&end, 2 * sizeof(uint64_t), &c.dropout_state);
   c.saved_bytes = end;
@@ -561,6 +566,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   for (int i = 0; i < 2; ++i) {
     flash[i] = {views[i].num_seq, views[i].len, hd, p.heads};
     grad[i] = {views[i].num_seq, views[i].len, hd, p.heads};
+    flash[i].products = grad[i].products = p.products;
   }
   const size_t flash_partials = std::max(workspace_bytes(flash[0], dev), workspace_bytes(flash[1], dev));
   const size_t attention_partials = std::max(workspace_bytes(grad[0], dev), workspace_bytes(grad[1], dev));
@@ -576,8 +582,15 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
     c.blas = CudaBackwardPlan::kNone;
   else
     fits = fits && append(&end, c.blas_bytes, &c.blas);
-  // The staged path's product (gemm/gemm.cu) where the device runs it and its N and K fit.
-  c.tensor_core_products = can_run(GemmProblem{(int64_t)T, 3 * (int64_t)D, (int64_t)D}, dev);
+  // 16-bit products: a pass's weights rounded (each call rounds them again: the workspace is scratch)
+  // and the backward's rounded operands (cuBLAS's 16-bit products take no fp32).
+  if (!fp32) {
+    if (D > limit / D / 8) return invalid("the workspace size overflows size_t");
+    fits = fits && append(&end, 4 * D * D * sizeof(uint16_t), &c.weights16) && append(&end, 3 * td / 2, &c.operand16);
+  }
+  // The staged path's product (gemm/gemm.cu) where the device runs it and its N and K fit: fp32
+  // products only (the 16-bit ones are cuBLAS's).
+  c.tensor_core_products = fp32 && can_run(GemmProblem{(int64_t)T, 3 * (int64_t)D, (int64_t)D}, dev);
   if (c.tensor_core_products) {
     if (D > limit / D / 8) return invalid("the workspace size overflows size_t");  // 128 D^2 bytes
     fits = fits && append(&end, 2 * 16 * D * D * sizeof(float), &c.weight_planes);
@@ -585,7 +598,7 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
   // The weight gradients on the tensor cores (gemm/weight_gradient.cu) where the device runs
   // them; their partial tiles where the rows are split, sized for the larger product of a pass
   // (d_Wqkv, then d_Wo, then the other pass's: one after another on the stream, so one region).
-  c.tensor_core_weight_grads = can_run(WeightGradProblem{}, dev);
+  c.tensor_core_weight_grads = fp32 && can_run(WeightGradProblem{}, dev);
   if (c.tensor_core_weight_grads) {
     // S N K <= 2 resident blocks' tiles of 128 x 64 floats (mma.sync), one wave's tiles of 128 x
     // 128 (wgmma), or kWeightGradWgmmaMaxWaveSplits N K = 12 D^2 (wgmma, where the tiles alone
@@ -604,27 +617,36 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
     CudaBackwardPlan::PassKernels k;
     FlashProblem f = flash[pass];
     f.dropout = dropout_threshold(p.dropout) != 0, f.partials_bytes = c.flash_partials_bytes;
+    f.products = p.products;
     const FlashVariant fv = flash_variant(f, dev);
     k.flash = fv.kernel, k.flash_splits = fv.splits;
     AttentionGradProblem a = grad[pass];
     a.scores = scores, a.partials = c.attention_partials != CudaBackwardPlan::kNone;
     a.partials_bytes = c.attention_partials_bytes;
+    a.products = p.products;
     const AttentionGradVariant gv = attention_grad_variant(a, dev);
     k.grad = gv.kernel, k.dq = gv.dq, k.grad_splits = gv.splits;
     return k;
   };
   c.row_kernels = kernels(0, c.row_scores);
   c.col_kernels = kernels(1, c.col_scores);
+  // 16-bit products run the tensor-core attention backward only (attention_grad_variant).
+  if (!fp32 && (c.row_kernels.grad == AttentionGradKernel::kNone || c.col_kernels.grad == AttentionGradKernel::kNone))
+    return {StatusCode::kUnsupported, "the CUDA backward on 16-bit products needs the tensor-core attention backward, "
+                                      "whose tiles do not fit this device's shared memory at head dim " +
+                                          std::to_string(hd)};
   *plan = c;
   return Status::Ok();
 }
 
 Status cuda_saved_bytes(const AxialParams& p, size_t* bytes) {
   if (Status s = validate_sizes(p); !s.ok()) return s;
-  DeviceCaps any;  // the saved layout does not depend on the device
+  DeviceCaps any;  // the saved layout depends on neither the device nor the products
   any.cc_major = 9;
+  AxialParams fp32 = p;
+  fp32.products = Products::kFp32;
   CudaBackwardPlan plan;
-  if (Status s = make_backward_plan(p, any, &plan); !s.ok()) return s;
+  if (Status s = make_backward_plan(fp32, any, &plan); !s.ok()) return s;
   *bytes = plan.saved_bytes;
   return Status::Ok();
 }
@@ -674,9 +696,17 @@ size_t workspace_bytes(const WeightGradProblem& g, const DeviceCaps& dev) {
 
 std::string CudaBackwardPlan::describe() const {
   std::ostringstream s;
-  s << "training: the forward with its intermediates saved (" << (tensor_core_products ? "3xTF32 wgmma" : "cuBLAS fp32")
+  const char* type16 = products == Products::kBf16 ? "bf16" : "fp16";
+  s << "training";
+  if (products != Products::kFp32) s << " on " << type16 << " products";
+  s << ": the forward with its intermediates saved ("
+    << (products != Products::kFp32 ? std::string("cuBLAS ") + type16
+        : tensor_core_products      ? std::string("3xTF32 wgmma")
+                                    : std::string("cuBLAS fp32"))
     << " projections, flash attention with log-sum-exp), then column and row passes back (weight gradients as "
-    << (tensor_core_weight_grads ? "3xTF32 tensor-core" : "cuBLAS fp32")
+    << (products != Products::kFp32 ? std::string("cuBLAS ") + type16
+        : tensor_core_weight_grads  ? std::string("3xTF32 tensor-core")
+                                    : std::string("cuBLAS fp32"))
     << " products, flash-style attention backward); saved " << saved_bytes << " B, workspace " << workspace_bytes
     << " B, "
     << (caller_blas ? std::string("cuBLAS on the caller's handle")

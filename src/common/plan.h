@@ -189,6 +189,7 @@ struct AttentionGradProblem {
   int splits = 0;              // test hook: S instead of the rule's (0: the rule)
   bool ffma = false;           // test hook: the FFMA kernels
   bool mma_sync = false;       // test hook: dq on mma.sync where wgmma would run
+  Products products = Products::kFp32;  // 16-bit: the tensor-core kernels only, dq on mma.sync or from dS^T
 };
 
 struct AttentionGradVariant {

@@ -30,6 +30,14 @@
 // fixed order, the column sums (norm/column_sums.cu) and the attention
 // backward add in a fixed order, and cuBLAS's results are bitwise
 // reproducible, so the whole backward is deterministic.
+// On 16-bit products (plan.products bf16 or fp16) each pass runs the same steps with every
+// product's operands rounded to the type, fp32 accumulation (forward_pass16, backward_pass16):
+// the projections and the backward's products through them and into the weights on cuBLAS's
+// 16-bit products (gemm_16bit), the flash forward and the attention backward on their kernels'
+// 16-bit instances. The forward keeps the LayerNorm output and the attention output rounded (the
+// weight gradients' operands) beside the fp32 ones the attention backward reads (qkv, o, lse);
+// LayerNorm's statistics, its backward and the column sums stay fp32. Each call rounds a pass's
+// weights again, into its workspace.
 // Attention dropout (p.dropout > 0): the flash forward and the attention
 // backward draw the mask of common/dropout.h from the seed and offset the
 // forward writes into `saved` (dropout_state.cu), so the backward draws the
@@ -48,6 +56,7 @@
 #include "graph_replay.h"
 #include "kernels.h"
 #include "attention/attention_backward.h"
+#include "attention/flash_attention.h"
 #include "dropout_state.h"
 #include "gemm/blas.h"
 #include "gemm/gemm.h"
@@ -71,6 +80,8 @@ struct PassBuffers {
   float* qkv;    // (T, 3D)
   float* attn;   // (T, D)
   float* lse;    // (2, num_seq, heads, L): lse2 hi, then lo (detail/lse.cuh)
+  void* norm16 = nullptr;  // 16-bit products: (T, D) the LayerNorm output rounded (norm's region)
+  void* attn16 = nullptr;  // and the attention output rounded
 };
 
 class Training {
@@ -87,7 +98,9 @@ class Training {
         dropout_state_(reinterpret_cast<uint64_t*>(saved + plan.dropout_state)) {
     const auto in = [](char* base, size_t offset) { return reinterpret_cast<float*>(base + offset); };
     const auto pass = [&](const CudaBackwardPlan::Pass& b) {
-      return PassBuffers{in(saved, b.norm), in(saved, b.stats), in(saved, b.qkv), in(saved, b.attn), in(saved, b.lse)};
+      PassBuffers buf{in(saved, b.norm), in(saved, b.stats), in(saved, b.qkv), in(saved, b.attn), in(saved, b.lse)};
+      if (b.attn16 != CudaBackwardPlan::kNone) buf.norm16 = saved + b.norm, buf.attn16 = saved + b.attn16;
+      return buf;
     };
     row_ = pass(plan.row), col_ = pass(plan.col), x1_ = in(saved, plan.row_output);
     d_x1_ = in(ws, plan.grad_row_output), d_attn_ = in(ws, plan.grad_attn), d_qkv_ = in(ws, plan.grad_qkv);
@@ -110,6 +123,11 @@ class Training {
       float* scores = in(ws, plan.attention_scores);
       scores_[0] = plan.row_scores ? scores : nullptr, scores_[1] = plan.col_scores ? scores : nullptr;
     }
+    products_ = plan.products;
+    if (products_ != Products::kFp32) {
+      weights16_ = reinterpret_cast<uint16_t*>(ws + plan.weights16);
+      operand16_ = ws + plan.operand16;
+    }
     if (plan.tensor_core_products) {
       const int64_t dd = (int64_t)D_ * D_;
       for (int i = 0; i < 2; ++i) {
@@ -123,12 +141,19 @@ class Training {
   // saved (forward_cuda_training writes them).
   // The row pass's LayerNorm launch splits both passes' weights first.
   Status forward(float* out) {
+    if (products_ != Products::kFp32) {
+      if (Status s = needs_blas(); !s.ok()) return s;
+      if (Status s = forward_pass16(0, row_view(p_), p_.row, p_.x, row_, x1_); !s.ok()) return s;
+      return forward_pass16(1, col_view(p_), p_.col, x1_, col_, out);
+    }
     if (Status s = forward_pass(0, row_view(p_), p_.row, p_.x, row_, planes_[0], x1_, plane_jobs(false)); !s.ok())
       return s;
     return forward_pass(1, col_view(p_), p_.col, x1_, col_, planes_[1], out, cuda::PlaneJobs{});
   }
 
   Status backward(const AxialGrads& g) {
+    if (products_ != Products::kFp32)
+      if (Status s = needs_blas(); !s.ok()) return s;
     if (cudaError_t e = cuda::split_weight_planes(plane_jobs(true), dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "split_weight_planes launch");
     const bool want_row = g.grad_x != nullptr || any(g.row);
@@ -184,6 +209,27 @@ class Training {
     return blas_gemm(false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
   }
 
+  // 16-bit products run on cuBLAS alone: a call being captured (no handle) runs directly instead.
+  Status needs_blas() const {
+    if (blas_ == nullptr) return {StatusCode::kUnsupported, "16-bit products: cuBLAS is not captured"};
+    return Status::Ok();
+  }
+
+  // gemm_16bit (blas.h) on the call's products and handle.
+  Status product16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
+                   const void* B, int64_t ldb, float beta, float* C, int64_t ldc, const char* what) {
+    return cuda::gemm_16bit(blas_, products_, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, what);
+  }
+
+  // The pass's projection weights rounded into the workspace: Wqkv (3D, D) at weights16_, then Wout
+  // (D, D).
+  cuda::RoundJobs weight_rounds(const AxisWeights& w) const {
+    const int64_t dd = (int64_t)D_ * D_;
+    cuda::RoundJobs r;
+    r.job[0] = {w.qkv_weight, weights16_, 3 * dd}, r.job[1] = {w.out_weight, weights16_ + 3 * dd, dd}, r.count = 2;
+    return r;
+  }
+
   // cuBLAS's product (blas.h), where the call has a handle: a call being captured into a graph has
   // none (graph_replay.h), and is then run directly instead.
   Status blas_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
@@ -232,10 +278,113 @@ class Training {
     return cuda::run_staged_pass(s, dev_, stream_);
   }
 
+  // forward_pass on 16-bit products (pass.h's launch_staged_16bit, keeping what the backward reads):
+  //   norm16 = LayerNorm(src) rounded, its statistics, dst = src + bo, the weights rounded   one launch
+  //   qkv    = norm16 Wqkv16^T                                                              (T, 3D) fp32
+  //   attn, lse = the flash kernel on 16-bit products; attn16 = attn rounded
+  //   dst   += attn16 Wo16^T
+  Status forward_pass16(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
+                        float* dst) {
+    const uint16_t *wqkv16 = weights16_, *wout16 = weights16_ + 3 * (int64_t)D_ * D_;
+    if (cudaError_t e = cuda::layer_norm_forward_16bit(src, w.norm_weight, w.norm_bias, p_.eps, T_, D_, b.norm16,
+                                                       products_, weight_rounds(w), w.out_bias, dst, b.stats, dev_,
+                                                       stream_);
+        e != cudaSuccess)
+      return cuda_error(e, "layer_norm_forward_16bit launch");
+    if (Status s = product16(false, true, T_, 3 * D_, D_, b.norm16, D_, wqkv16, D_, 0.0f, b.qkv, 3 * D_,
+                             "QKV product (16-bit)");
+        !s.ok())
+      return s;
+    cuda::FlashArgs f;
+    f.pos = row_indices(view, D_);
+    f.qkv = b.qkv, f.o = b.attn, f.lse = b.lse;
+    f.D = D_, f.heads = (int)p_.heads;
+    f.dropout = dropout_, f.pass = pass, f.philox = dropout_state_;
+    f.products = products_;
+    if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "flash_attention launch (16-bit products)");
+    if (cudaError_t e = cuda::round_to_16bit(b.attn, b.attn16, T_ * D_, products_, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "round_to_16bit launch");
+    return product16(false, true, T_, D_, D_, b.attn16, D_, wout16, D_, 1.0f, dst, D_, "output product (16-bit)");
+  }
+
+  // backward_pass on 16-bit products: the same gradients, each product's operands rounded (dy and
+  // dqkv into operand16_, one after the other; the weights again into weights16_).
+  Status backward_pass16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
+                         const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads) {
+    cuda::ColumnSumJobs sums;
+    if (grads.out_bias) sums.add(dy, D_, grads.out_bias);
+    if (Status s = gradients_through16(pass, view, w, src, b, dy, d_src, grads, &sums); !s.ok()) return s;
+    if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "column_sums launch");
+    return Status::Ok();
+  }
+
+  Status gradients_through16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
+                             const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads,
+                             cuda::ColumnSumJobs* sums) {
+    const bool through = d_src != nullptr || grads.qkv_weight || grads.norm_weight || grads.norm_bias;
+    if (!through && !grads.out_weight) return Status::Ok();
+    const uint16_t *wqkv16 = weights16_, *wout16 = weights16_ + 3 * (int64_t)D_ * D_;
+    void* dy16 = operand16_;  // (T, D), until the attention backward
+    if (through)
+      if (cudaError_t e = cuda::round_jobs_to_16bit(weight_rounds(w), products_, dev_, stream_); e != cudaSuccess)
+        return cuda_error(e, "round_jobs_to_16bit launch");
+    if (cudaError_t e = cuda::round_to_16bit(dy, dy16, T_ * D_, products_, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "round_to_16bit launch");
+    if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
+      if (Status s = product16(true, false, D_, D_, T_, dy16, D_, b.attn16, D_, 0.0f, grads.out_weight, D_,
+                               "out_weight gradient (16-bit)");
+          !s.ok())
+        return s;
+    if (!through) return Status::Ok();
+
+    // d_o (T, D) = dy Wo, then the attention backward into dqkv (T, 3D).
+    if (Status s = product16(false, false, T_, D_, D_, dy16, D_, wout16, D_, 0.0f, d_attn_, D_,
+                             "attention output gradient (16-bit)");
+        !s.ok())
+      return s;
+    cuda::AttentionBackwardArgs a;
+    a.pos = row_indices(view, D_);
+    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
+    a.D = D_, a.heads = (int)p_.heads;
+    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
+    a.ds = scores_[pass];
+    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
+    a.products = products_;
+    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "attention_backward launch (16-bit products)");
+    if (grads.norm_bias) sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias);
+    if (!grads.qkv_weight && d_src == nullptr && !grads.norm_weight) return Status::Ok();
+    void* dqkv16 = operand16_;  // (T, 3D)
+    if (cudaError_t e = cuda::round_to_16bit(d_qkv_, dqkv16, 3 * T_ * D_, products_, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, "round_to_16bit launch");
+    if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
+      if (Status s = product16(true, false, 3 * D_, D_, T_, dqkv16, 3 * D_, b.norm16, D_, 0.0f, grads.qkv_weight, D_,
+                               "qkv_weight gradient (16-bit)");
+          !s.ok())
+        return s;
+    if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
+
+    // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward as on fp32 products.
+    if (Status s = product16(false, false, T_, D_, 3 * D_, dqkv16, 3 * D_, wqkv16, D_, 0.0f, d_norm_, D_,
+                             "LayerNorm output gradient (16-bit)");
+        !s.ok())
+      return s;
+    float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
+    if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
+                                                  d_norm_xhat, dev_, stream_);
+        e != cudaSuccess)
+      return cuda_error(e, "layer_norm_backward launch");
+    if (grads.norm_weight) sums->add(d_norm_xhat, D_, grads.norm_weight);
+    return Status::Ok();
+  }
+
   // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight
   // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
   Status backward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                        const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
+    if (products_ != Products::kFp32) return backward_pass16(pass, view, w, src, b, dy, d_src, grads);
     // The pass's column sums (d_bo, d_beta, d_gamma) in one set of launches at the end: their
     // inputs (dy, dqkv, d_xn * xhat) all stay until then. dy's and dqkv's are taken by the weight
     // gradients that read them, where those run (weight_gradient).
@@ -307,6 +456,9 @@ class Training {
   float *x1_, *d_x1_, *d_attn_, *d_qkv_, *d_norm_, *delta_;
   double* partials_;  // the column sums' chunk partials
   float* scores_[2] = {nullptr, nullptr};  // dS^T scratch of the row and column pass, where the plan has it
+  Products products_ = Products::kFp32;   // the plan's products
+  uint16_t* weights16_ = nullptr;         // 16-bit products: a pass's weights rounded (plan.weights16)
+  void* operand16_ = nullptr;             // and the backward's rounded operands (plan.operand16)
   bool tensor_core_weight_grads_ = false;  // the weight gradients on weight_gradient.cu, else cuBLAS
   float* weight_partials_ = nullptr;       // their partial tiles where the positions are split
   size_t weight_partials_bytes_ = 0;
@@ -334,11 +486,10 @@ Status zero_weight_grads(const AxialParams& p, const AxialGrads& g, cudaStream_t
 Status check_call(const AxialParams& p, const CudaBackwardPlan& plan, const void* saved, size_t saved_bytes,
                   const void* workspace, size_t workspace_bytes, DeviceCaps* dev) {
   if (Status s = validate_inputs(p); !s.ok()) return s;
-  if (p.products != Products::kFp32)
-    return {StatusCode::kUnsupported, "the CUDA training calls run fp32 products only (AxialParams::products = "
-                                      "kFp32): their backward has no 16-bit products yet"};
   if (Status s = cuda::current_device(dev); !s.ok()) return s;
   if (Status s = check_plan_matches(p, plan, dev->device, "the backward plan"); !s.ok()) return s;
+  if (plan.products != p.products)
+    return invalid("the backward plan was made for other products (AxialParams::products): " + plan.describe());
   if ((p.seed_device == nullptr) != (p.offset_device == nullptr))
     return invalid("seed_device and offset_device must be given together");
   if (p.batch * p.height * p.width == 0) return Status::Ok();
@@ -417,7 +568,9 @@ static cuda::CallKey call_key(int kind, const AxialParams& p, const AxialGrads* 
       for (const float* ptr : {a->norm_weight, a->norm_bias, a->qkv_weight, a->out_weight, a->out_bias}) k.add(ptr);
   }
   for (const CudaBackwardPlan::Pass* b : {&plan.row, &plan.col})
-    for (size_t v : {b->norm, b->stats, b->qkv, b->attn, b->lse}) k.add(static_cast<uint64_t>(v));
+    for (size_t v : {b->norm, b->stats, b->qkv, b->attn, b->lse, b->attn16}) k.add(static_cast<uint64_t>(v));
+  k.add(static_cast<int>(plan.products));
+  k.add(static_cast<uint64_t>(plan.weights16)), k.add(static_cast<uint64_t>(plan.operand16));
   for (size_t v : {plan.row_output, plan.dropout_state, plan.saved_bytes, plan.grad_row_output, plan.grad_attn,
                    plan.grad_qkv, plan.grad_norm, plan.delta, plan.column_partials, plan.blas, plan.blas_bytes,
                    plan.weight_planes, plan.weight_grad_partials, plan.weight_grad_partials_bytes,

@@ -312,6 +312,37 @@ def test_16bit_forward_below_the_size_keeps_fp32_products(dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
+                    reason="no CUDA kernel or no GPU")
+@pytest.mark.parametrize("autocast", [False, True], ids=["dtype", "autocast"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(2, 128, 128, 128, 4), (4, 64, 64, 256, 4)], ids=str)
+def test_16bit_training_on_16bit_products(shape, dtype, autocast):
+    """In grad mode a call of 2^22 elements or more trains on the 16-bit products it asks for (the
+    training operators' rule, ops_cuda.cpp: training_products): a module and x of the dtype, or
+    float32 ones under autocast to it. The output and every gradient by the rule against the
+    reference in the same dtype or under the same autocast (head dims 32 and 64), and gradients whose
+    bits differ from those of the same call on fp32 products (float32 copies, outside autocast:
+    what a call that fell back to them would return)."""
+    device = torch.device("cuda")
+    storage = torch.float32 if autocast else dtype
+    worst_new, worst_ref, (got, want) = worst_errors(shape, device, storage, storage,
+                                                     autocast=dtype if autocast else None)
+    assert got == want, (got, want)
+    check_rule(worst_new, worst_ref, f"{dtype} autocast" if autocast else str(dtype))
+    B, H, W, D, heads = shape
+    torch.manual_seed(0)
+    m = randomize_(fastaxial.AxialAttention(D, heads, H, W), 0).to(device, storage)
+    x = torch.randn(B, H, W, D, device=device).to(storage)
+    g = torch.randn(B, H, W, D, device=device).to(storage)
+    with torch.autocast("cuda", dtype, enabled=autocast):
+        grads = run(m, x, g, fused=True)[1:]
+    fp32 = [t.to(storage) for t in run(m.float(), x.float(), g.float(), fused=True)[1:]]
+    same = [n for n, a, b in zip(GRAD_NAMES, grads, fp32, strict=True) if torch.equal(a, b)]
+    # (the column pass's output bias is grad_out's column sums on any products)
+    assert set(same) <= {"col_out.bias"}, f"the fp32 products' bits: {same}"
+
+
 def test_products_argument_on_the_cpu(device):
     """`products` takes None, float32, bfloat16 or float16 (a TypeError names anything else, from the
     kernel and from the fake kernel under compile); on the CPU, whose kernels run fp32 math, each
@@ -347,7 +378,8 @@ def test_autocast_without_grad_on_the_autocast_products(autocast):
     its products in the autocast dtype (the autocast kernel passes it as `products`): the plan
     names them, the bits differ from the fp32 products' (the same call outside autocast), the
     output is float32 as the reference's, and the rule holds against the reference under the same
-    autocast. With grad the same call keeps the fp32 products: the bits of the call outside autocast."""
+    autocast. With grad, below the training calls' own size (2^22 elements), the same call keeps the
+    fp32 products: the bits of the call outside autocast."""
     B, H, W, D, heads = 1, 128, 128, 128, 2  # 2^21 elements
     device = torch.device("cuda")
     name = "bf16" if autocast is torch.bfloat16 else "fp16"
@@ -395,3 +427,37 @@ def test_products_float32_keeps_a_16bit_call_on_fp32_products():
         fp32 = fastaxial.ops.axial_attention(x.float(), *[t.float() for t in w], heads, 1e-5).to(torch.bfloat16)
         assert torch.equal(fastaxial.ops.axial_attention(x, *w, heads, 1e-5, products=torch.float32), fp32)
         assert not torch.equal(fastaxial.ops.axial_attention(x, *w, heads, 1e-5), fp32)
+
+
+@CUDA_16BIT
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-module", "autocast"])
+def test_16bit_products_in_a_cuda_graph(autocast):
+    """The 16-bit products' forward captured in a CUDA graph (its products on PyTorch's cuBLAS
+    handle for the capturing stream, its workspace from the caching allocator): a replay on new x
+    gives the bits of the same call made eagerly on that x, a bf16 module's and a float32 module's
+    under bf16 autocast."""
+    B, H, W, D, heads = 1, 128, 128, 128, 2  # 2^21 elements: the 16-bit path
+    torch.manual_seed(5)
+    m = fastaxial.AxialAttention(D, heads, H, W).cuda().eval()
+    dtype = torch.float32 if autocast else torch.bfloat16
+    m = m.to(dtype)
+    x = torch.randn(B, H, W, D, device="cuda").to(dtype)
+
+    def call(t):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            return m(t)
+
+    with torch.no_grad():
+        plan = fastaxial.ops.describe_cuda_plan(x, heads, torch.bfloat16)
+        assert "on bf16 products" in plan, plan
+        call(x)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call(x)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = call(x)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, want), "the replay's output differs from the eager call's on the same x"

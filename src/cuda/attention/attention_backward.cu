@@ -292,6 +292,7 @@ cudaError_t launch_backward(const AttentionBackwardArgs& a, const AttentionGradV
   s.vec = s.hd % 4 == 0 && aligned16(a.qkv) && aligned16(a.d_o) && aligned16(a.dqkv);
   s.dropout = kDropoutAvailable && a.dropout.threshold != 0;
   s.scale = 1.0f / sqrtf((float)s.hd);
+  s.products = a.products;
   s.k = {a.pos, a.qkv, a.o, a.d_o, a.lse, a.delta, a.dqkv, a.D, a.heads, nullptr};
   if (s.dropout) s.dpass = dropout_pass(a.dropout, a.pass, a.philox);
   return ffma ? launch_ffma(a, s, dev, stream) : launch_tc<HDP>(a, v, s, dev, stream);
@@ -340,6 +341,7 @@ AttentionGradVariant attention_backward_variant(const AttentionBackwardArgs& a, 
   // The partials take float2 stores (16-byte aligned, as the plan's regions are).
   g.partials = a.partials != nullptr && reinterpret_cast<uintptr_t>(a.partials) % 16 == 0;
   g.partials_bytes = a.partials_bytes, g.splits = a.splits, g.ffma = a.ffma, g.mma_sync = a.mma_sync;
+  g.products = a.products;
   return attention_grad_variant(g, d);
 }
 
@@ -365,7 +367,7 @@ cudaError_t attention_backward(const AttentionBackwardArgs& a, const DeviceCaps&
   if (hdp == 0 || !dropout_pass_args_ok(a.dropout, a.pass, a.philox, a.pos.len, a.heads)) return cudaErrorInvalidValue;
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
   const AttentionGradVariant v = attention_backward_variant(a, dev);
-  if (v.kernel == AttentionGradKernel::kNone) return cudaErrorInvalidValue;  // not reached: checked above
+  if (v.kernel == AttentionGradKernel::kNone) return cudaErrorInvalidValue;  // 16-bit products beyond the tc kernels
   if (v.kernel == AttentionGradKernel::kSingleKey) return launch_single_key(a, dev, stream);
   return with_padded_head_dim(
       hdp, [&](auto h) { return launch_backward<decltype(h)::value>(a, v, dev, stream); }, cudaErrorInvalidValue);

@@ -7,9 +7,10 @@
 // from the forward's qkv rows, its output o and its log-sum-exp
 // (flash_attention with FlashArgs::lse), P recomputed tile by tile and never
 // stored. Products on the tensor cores with the 3xTF32 split (fp32
-// accuracy, as the forward), plain fp32 FFMA kernels as the fallback; both
-// deterministic: every output element is summed in a fixed order (no
-// atomics), so two calls give bitwise identical results.
+// accuracy, as the forward), plain fp32 FFMA kernels as the fallback, or
+// on 16-bit products (AttentionBackwardArgs::products, the tensor-core
+// kernels only); all deterministic: every output element is summed in a
+// fixed order (no atomics), so two calls give bitwise identical results.
 //
 // With attention dropout (AttentionBackwardArgs::dropout; the forward's mask,
 // M, drawn again, scale = 1 / (1 - p)): dv_h = (P o M scale)^T d_o_h and
@@ -72,6 +73,11 @@ struct AttentionBackwardArgs {
   // Device memory {seed, offset}; read (after the kernel's grid-dependency wait) where
   // dropout.threshold != 0, overriding dropout.seed/offset; must be non-null then.
   const uint64_t* philox = nullptr;
+  // The products' element type (plan.h): bf16 or fp16 runs the tensor-core kernels' products on
+  // that type with fp32 accumulation (q, k, v, d_o, P and dS rounded as fragments are made), dq
+  // on mma.sync; the lse must be the flash kernel's on the same products. No FFMA kernels
+  // there: where the tensor-core ones do not fit, the launch fails (cudaErrorInvalidValue).
+  Products products = Products::kFp32;
 };
 
 // Whether it serves a pass, and the split partials it takes: plan.h's can_run and
@@ -98,7 +104,8 @@ int attention_backward_splits(const AttentionBackwardArgs& a, const DeviceCaps& 
 // cudaErrorInvalidValue for sizes it does not serve (heads not dividing D,
 // head_dim outside 1..256, L >= 2^30, more than 2^31 - 1 blocks; with
 // dropout.threshold != 0: a null philox, pass not 0 or 1, dropout.len[pass]
-// != L or dropout.heads != heads, or a build without Random123),
+// != L or dropout.heads != heads, or a build without Random123; 16-bit
+// products where the tensor-core kernels do not fit the device),
 // cudaErrorInvalidConfiguration where the device gives a block less shared
 // memory than the chosen path needs, else the launches' errors. An empty
 // problem (no sequences or L = 0) launches nothing.

@@ -39,8 +39,9 @@ __device__ __forceinline__ void store_key_grads(const AttentionBackwardKernelArg
 // 16 (w / FW) .. + 15 of the tile and features FP (w % FW) .. + FP - 1 of
 // their gradients. Shared memory as KvTiling lays it out for KW groups.
 // T: the tiling, KvTc<HDP> or, for sequences of at most kShortGradLen
-// positions, KvTcShort<HDP>. kDropout: dpass applies (threshold != 0).
-template <class T, bool kVec, bool kDropout>
+// positions, KvTcShort<HDP>. kDropout: dpass applies (threshold != 0). Elem: the products'
+// element traits (backward_parts.cuh).
+template <class Elem, class T, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(T::threads, T::min_blocks)
     key_grads_kernel(const AttentionBackwardKernelArgs a, float scale, float scale_log2, int key_tiles, const Split sp,
                      const DropoutPass dpass) {
@@ -97,15 +98,15 @@ __global__ void __launch_bounds__(T::threads, T::min_blocks)
     uint32_t keep[NQ / 2];
     drop.template keep_bits<NQ>(keep, q0, hp.L, g, t);
     float s[NQ][4], dp[NQ][4];
-    score_tiles<HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
-    score_tiles<HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
+    score_tiles<Elem, HDP, NQ, LD>(s, ks, q, g, t);     // S^T = k q^T
+    score_tiles<Elem, HDP, NQ, LD>(dp, vs, d_o, g, t);  // dP^T = v d_o^T
     tile_softmax_grad_cols<NQ, kDropout>(s, dp, lse_s, lse_s + BM, lse_s + 2 * BM,
                                          scale_log2, key0, q0, hp.L, g, t, keep, dpass.scale);
     // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
     if (a.ds != nullptr && f0 == 0)
       store_scores_t<NQ>(a.ds + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
-    grad_tiles<NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
-    grad_tiles<NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
+    grad_tiles<Elem, NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
+    grad_tiles<Elem, NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
   });
   if (active) store_key_grads<NF, kVec>(a, sp, hp, dk, dv, scale, key0, f0, g, t);
 }
@@ -119,15 +120,17 @@ cudaError_t launch_key_grads_tc(const BackwardLaunch& s, const AttentionBackward
   const bool short_tiles = s.k.pos.len <= kShortGradLen;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
     constexpr int H = decltype(hdp)::value;
-    const auto launch = [&](auto tiling) {
-      using Kv = decltype(tiling);
-      return launch_grid<key_grads_kernel<Kv, decltype(vec)::value, decltype(dropout)::value>>(
-          s.items * b.tiles * b.sp.splits, 32 * Kv::FW * b.warps, Kv::bytes(16 * b.warps), dev, stream, k, s.scale,
-          s.scale * kLog2e, b.tiles, b.sp, s.dpass);
-    };
-    if constexpr (KvTc<H>::BM > KvTcShort<H>::BM)
-      if (short_tiles) return launch(KvTcShort<H>());
-    return launch(KvTc<H>());
+    return with_elem(s.products, [&](auto elem) {
+      const auto launch = [&](auto tiling) {
+        using Kv = decltype(tiling);
+        return launch_grid<key_grads_kernel<decltype(elem), Kv, decltype(vec)::value, decltype(dropout)::value>>(
+            s.items * b.tiles * b.sp.splits, 32 * Kv::FW * b.warps, Kv::bytes(16 * b.warps), dev, stream, k, s.scale,
+            s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+      };
+      if constexpr (KvTc<H>::BM > KvTcShort<H>::BM)
+        if (short_tiles) return launch(KvTcShort<H>());
+      return launch(KvTc<H>());
+    });
   });
 }
 

@@ -21,8 +21,9 @@ using namespace tc;
 // for short sequences and small grids); warp w owns queries 16 w .. 16 w +
 // 15 of the tile. Shared memory as QTiling lays it out for QW warps.
 // T: the tiling, QTc<HDP> or, for sequences of at most kShortGradLen
-// positions, QTcShort<HDP>. kDropout: dpass applies (threshold != 0).
-template <class T, bool kVec, bool kDropout>
+// positions, QTcShort<HDP>. kDropout: dpass applies (threshold != 0). Elem: the products'
+// element traits (backward_parts.cuh).
+template <class Elem, class T, bool kVec, bool kDropout>
 __global__ void __launch_bounds__(T::threads, T::min_blocks)
     query_grads_kernel(const AttentionBackwardKernelArgs a, float scale, float scale_log2, int query_tiles,
                        const Split sp, const DropoutPass dpass) {
@@ -73,10 +74,10 @@ __global__ void __launch_bounds__(T::threads, T::min_blocks)
       uint32_t keep[NK / 2];  // dropout's keep bits, drawn before s and dp are live
       drop.template keep_bits<NK>(keep, k0, hp.L, g, t);
       float s[NK][4], dp[NK][4];
-      score_tiles<HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
-      score_tiles<HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
+      score_tiles<Elem, HDP, NK, LD>(s, qs, k, g, t);    // S = q k^T
+      score_tiles<Elem, HDP, NK, LD>(dp, dos, v, g, t);  // dP = d_o v^T
       tile_softmax_grad_rows<NK, kDropout>(s, dp, hi, lo, dl, scale_log2, k0, hp.L, t, keep, dpass.scale);
-      grad_tiles<NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
+      grad_tiles<Elem, NK, NF, LD>(dq, dp, k, g, t);  // dq += dS k
     }
   });
   if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
@@ -86,18 +87,19 @@ __global__ void __launch_bounds__(T::threads, T::min_blocks)
 // grad_tiles's product and order with dS's A fragments read from dS^T in shared memory (rows
 // of LS floats a key, load_a_cols) instead of a score tile in registers. Rolled beyond HDP 32,
 // as in score_tiles: unrolled, the hoisted fragment loads spill next to acc.
-template <int HDP, int NK, int NF, int LS, int LD>
+template <class Elem, int HDP, int NK, int NF, int LS, int LD>
 __device__ __forceinline__ void stored_grad_tiles(float (&acc)[NF][4], const float* dst, const float* k, int g,
                                                   int t) {
   constexpr int kUnroll = HDP > 32 ? 1 : NK / 2;
 #pragma unroll kUnroll
   for (int j = 0; j < NK; j += 2) {
-    const FragA a0 = load_a_cols<LS>(dst + 8 * j * LS, g, t), a1 = load_a_cols<LS>(dst + 8 * (j + 1) * LS, g, t);
+    const typename Elem::FragA a0 = load_a_cols<Elem, LS>(dst + 8 * j * LS, g, t),
+                               a1 = load_a_cols<Elem, LS>(dst + 8 * (j + 1) * LS, g, t);
     const float* bj = k + 8 * j * LD;  // rows 8j .. 8j + 15
 #pragma unroll
     for (int f = 0; f < NF; ++f)
-      mma_3xtf32_x2<true>(acc[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1,
-                          load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+      Elem::template run<true>(acc[f], a0, load_b_cols<Elem, LD>(bj + 8 * f, g, t), a1,
+                               load_b_cols<Elem, LD>(bj + 8 * LD + 8 * f, g, t));
   }
 }
 
@@ -123,8 +125,8 @@ __device__ __forceinline__ void copy_scores_t(float* sm, int stage, const float*
 // query_grads_kernel's last one. 16 queries for each of the block's
 // blockDim.x / 32 <= DsTc::QW warps; key tiles of BN streamed through ST
 // stages, each dS^T's (BN keys, the block's queries) piece and k's (BN,
-// HDP) rows. No scores, exponentials or mask: dS holds them.
-template <int HDP, bool kVec>
+// HDP) rows. No scores, exponentials or mask: dS holds them. Elem: the products' element traits.
+template <class Elem, int HDP, bool kVec>
 __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
     query_grads_ds_kernel(const AttentionBackwardKernelArgs a, float scale, int query_tiles, const Split sp) {
   using T = DsTc<HDP>;
@@ -170,7 +172,7 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
     }
     const float* dst = sm + st * T::stage + 16 * warp;  // the warp's queries of dS^T
     const float* k = sm + st * T::stage + BN * LS;
-    if (active) stored_grad_tiles<HDP, NK, NF, LS, LD>(dq, dst, k, g, t);  // dq += dS k
+    if (active) stored_grad_tiles<Elem, HDP, NK, NF, LS, LD>(dq, dst, k, g, t);  // dq += dS k
   }
   if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
 }
@@ -184,15 +186,17 @@ cudaError_t launch_query_grads_tc(const BackwardLaunch& s, const TcBlocks& b, co
   const bool short_tiles = s.k.pos.len <= kShortGradLen;
   return with_kernel_params(s, [&](auto hdp, auto vec, auto dropout) {
     constexpr int H = decltype(hdp)::value;
-    const auto launch = [&](auto tiling) {
-      using Q = decltype(tiling);
-      return launch_grid<query_grads_kernel<Q, decltype(vec)::value, decltype(dropout)::value>>(
-          s.items * b.tiles * b.sp.splits, 32 * b.warps, Q::bytes(16 * b.warps), dev, stream, s.k, s.scale,
-          s.scale * kLog2e, b.tiles, b.sp, s.dpass);
-    };
-    if constexpr (QTc<H>::BN > QTcShort<H>::BN)
-      if (short_tiles) return launch(QTcShort<H>());
-    return launch(QTc<H>());
+    return with_elem(s.products, [&](auto elem) {
+      const auto launch = [&](auto tiling) {
+        using Q = decltype(tiling);
+        return launch_grid<query_grads_kernel<decltype(elem), Q, decltype(vec)::value, decltype(dropout)::value>>(
+            s.items * b.tiles * b.sp.splits, 32 * b.warps, Q::bytes(16 * b.warps), dev, stream, s.k, s.scale,
+            s.scale * kLog2e, b.tiles, b.sp, s.dpass);
+      };
+      if constexpr (QTc<H>::BN > QTcShort<H>::BN)
+        if (short_tiles) return launch(QTcShort<H>());
+      return launch(QTc<H>());
+    });
   });
 }
 
@@ -201,8 +205,10 @@ cudaError_t launch_query_grads_ds(const BackwardLaunch& s, const AttentionBackwa
                                   const DeviceCaps& dev, cudaStream_t stream) {
   return with_kernel_params(s, [&](auto hdp, auto vec, auto) {
     using Ds = DsTc<decltype(hdp)::value>;
-    return launch_grid<query_grads_ds_kernel<Ds::HDP, decltype(vec)::value>>(
-        s.items * b.tiles * b.sp.splits, 32 * b.warps, Ds::bytes, dev, stream, k, s.scale, b.tiles, b.sp);
+    return with_elem(s.products, [&](auto elem) {
+      return launch_grid<query_grads_ds_kernel<decltype(elem), Ds::HDP, decltype(vec)::value>>(
+          s.items * b.tiles * b.sp.splits, 32 * b.warps, Ds::bytes, dev, stream, k, s.scale, b.tiles, b.sp);
+    });
   });
 }
 

@@ -14,6 +14,8 @@
 #include "../detail/host.h"
 #include "../detail/kernel_args.h"
 #include "../detail/launch.cuh"
+#include "../detail/mma16.cuh"
+#include "../detail/tf32x3.cuh"
 #include "attention_backward.h"
 
 namespace fastaxial::cuda::attention_backward_detail {
@@ -35,6 +37,7 @@ struct BackwardLaunch {
   bool vec;       // 16-byte copies and stores
   bool dropout;   // dpass applies: threshold != 0 in a build that draws the mask
   float scale;    // 1 / sqrt(hd)
+  Products products = Products::kFp32;  // the tensor-core kernels' element traits (with_elem)
   AttentionBackwardKernelArgs k;
   DropoutPass dpass;
 };
@@ -82,6 +85,19 @@ cudaError_t with_kernel_params(const BackwardLaunch& s, F&& f) {
         return with_kernel_flags(s.vec, s.dropout, [&](auto vec, auto dropout) { return f(hdp, vec, dropout); });
       },
       cudaErrorInvalidValue);
+}
+
+// f(Elem()) for the element traits of `products`: Tf32x3, Bf16Mma or Fp16Mma.
+template <class F>
+cudaError_t with_elem(Products products, F&& f) {
+  switch (products) {
+    case Products::kBf16:
+      return f(Bf16Mma());
+    case Products::kFp16:
+      return f(Fp16Mma());
+    default:
+      return f(Tf32x3());
+  }
 }
 
 // The tile counts of the launch's two gradient kernels; false where a grid would pass

@@ -6,7 +6,8 @@
 //
 // Kernels 2 and 3 on the tensor cores (namespace tc): every product on
 // mma.sync m16n8k8 with the 3xTF32 split of detail/tf32x3.cuh,
-// fp32-accurate as the forward. A warp owns 16 rows of
+// fp32-accurate as the forward (the products' element traits are a template
+// argument, Elem, of the parts and kernels; the launchers take Tf32x3). A warp owns 16 rows of
 // the block's fixed side (keys in kernel 2, queries in kernel 3) and takes
 // the streamed side's whole tile:
 //   kernel 2, per query tile: S^T = k q^T and dP^T = v d_o^T (16 x BM),
@@ -182,35 +183,42 @@ struct QTcShort
     : fastaxial::QTiling<HDP, attention_grad_tiles(HDP).qw, 16, 1, attention_grad_tiles(HDP).q_min_blocks> {};
 
 // ---- fragments from fp32 rows in shared memory (PTX m16n8k8 .tf32 layouts, g = lane / 4, t = lane % 4)
+// Elem: the products' element traits (detail/tf32x3.cuh's Tf32x3, detail/mma16.cuh's 16-bit ones),
+// which make a fragment from the four (A) or two (B) values a thread holds in these layouts; a
+// 16-bit one takes slot t as k 2t and slot t + 4 as k 2t + 1, the same for A and B, so every
+// product below sums the same terms.
 
 // A (16 x 8) = rows 0..15, elements 0..7 of the rows at p: (g, t), (g + 8,
 // t), (g, t + 4), (g + 8, t + 4).
-template <int LD>
-__device__ __forceinline__ FragA load_a_rows(const float* p, int g, int t) {
+template <class Elem, int LD>
+__device__ __forceinline__ typename Elem::FragA load_a_rows(const float* p, int g, int t) {
   const float* r = p + g * LD + t;
-  return make_a(r[0], r[8 * LD], r[4], r[8 * LD + 4]);
+  return Elem::a(r[0], r[8 * LD], r[4], r[8 * LD + 4]);
 }
 
 // B (8 x 8) with B[k][n] = M[n][k]: rows (n) 0..7, elements (k) 0..7 of the
 // rows of M at p: (t, g), (t + 4, g).
-template <int LD>
-__device__ __forceinline__ FragB load_b_rows(const float* p, int g, int t) {
+template <class Elem, int LD>
+__device__ __forceinline__ typename Elem::FragB load_b_rows(const float* p, int g, int t) {
   const float* r = p + g * LD + t;
-  return make_b(r[0], r[4]);
+  return Elem::b(r[0], r[4]);
 }
 
 // B (8 x 8) with B[k][n] = M[k][n], k permuted as c_as_a: (t, g) is row 2t,
 // (t + 4, g) row 2t + 1, both at column g of the rows of M at p.
-template <int LD>
-__device__ __forceinline__ FragB load_b_cols(const float* p, int g, int t) {
+template <class Elem, int LD>
+__device__ __forceinline__ typename Elem::FragB load_b_cols(const float* p, int g, int t) {
   const float* r = p + 2 * t * LD + g;
-  return make_b(r[0], r[LD]);
+  return Elem::b(r[0], r[LD]);
 }
 
 // A C fragment (16 x 8: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1))
 // as the A fragment of the next product, k permuted: (g, t) is column 2t,
 // (g, t + 4) column 2t + 1.
-__device__ __forceinline__ FragA c_as_a(const float (&c)[4]) { return make_a(c[0], c[2], c[1], c[3]); }
+template <class Elem>
+__device__ __forceinline__ typename Elem::FragA c_as_a(const float (&c)[4]) {
+  return Elem::a(c[0], c[2], c[1], c[3]);
+}
 
 // ---- the products ------------------------------------------------------------------------------
 
@@ -218,21 +226,22 @@ __device__ __forceinline__ FragA c_as_a(const float (&c)[4]) { return make_a(c[0
 // features: S^T = k q^T (a the warp's keys, b the tile's queries), dP^T = v
 // d_o^T, or S = q k^T and dP = d_o v^T. Runs of two 8-deep k-steps, each in
 // a fresh accumulator added in fp32 (the first run is acc itself).
-template <int HDP, int NT, int LD>
+template <class Elem, int HDP, int NT, int LD>
 __device__ __forceinline__ void score_tiles(float (&acc)[NT][4], const float* a, const float* b, int g, int t) {
+  using FragA = typename Elem::FragA;
   constexpr int KS = HDP / 8;
   if constexpr (KS == 1) {
-    const FragA fa = load_a_rows<LD>(a, g, t);
+    const FragA fa = load_a_rows<Elem, LD>(a, g, t);
 #pragma unroll
-    for (int j = 0; j < NT; ++j) three_products<true>(acc[j], fa, load_b_rows<LD>(b + 8 * j * LD, g, t));
+    for (int j = 0; j < NT; ++j) Elem::template step<true>(acc[j], fa, load_b_rows<Elem, LD>(b + 8 * j * LD, g, t));
   } else {
     static_assert(KS % 2 == 0, "runs of two k-steps");
     {
-      const FragA fa0 = load_a_rows<LD>(a, g, t), fa1 = load_a_rows<LD>(a + 8, g, t);
+      const FragA fa0 = load_a_rows<Elem, LD>(a, g, t), fa1 = load_a_rows<Elem, LD>(a + 8, g, t);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const float* bj = b + 8 * j * LD;
-        products_x2<true>(acc[j], fa0, load_b_rows<LD>(bj, g, t), fa1, load_b_rows<LD>(bj + 8, g, t));
+        Elem::run_fresh(acc[j], fa0, load_b_rows<Elem, LD>(bj, g, t), fa1, load_b_rows<Elem, LD>(bj + 8, g, t));
       }
     }
     // Rolled beyond HDP 32: unrolled, the loads hoisted ahead of their
@@ -241,11 +250,12 @@ __device__ __forceinline__ void score_tiles(float (&acc)[NT][4], const float* a,
     constexpr int kUnroll = HDP > 32 ? 1 : KS;
 #pragma unroll kUnroll
     for (int kk = 2; kk < KS; kk += 2) {
-      const FragA fa0 = load_a_rows<LD>(a + 8 * kk, g, t), fa1 = load_a_rows<LD>(a + 8 * kk + 8, g, t);
+      const FragA fa0 = load_a_rows<Elem, LD>(a + 8 * kk, g, t), fa1 = load_a_rows<Elem, LD>(a + 8 * kk + 8, g, t);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const float* bj = b + 8 * j * LD + 8 * kk;
-        mma_3xtf32_x2<true>(acc[j], fa0, load_b_rows<LD>(bj, g, t), fa1, load_b_rows<LD>(bj + 8, g, t));
+        Elem::template run<true>(acc[j], fa0, load_b_rows<Elem, LD>(bj, g, t), fa1,
+                                 load_b_rows<Elem, LD>(bj + 8, g, t));
       }
     }
   }
@@ -278,17 +288,17 @@ __device__ __forceinline__ void score_grad(float& s, float& dp, float hi, float 
 // keys) are the k index, read as load_b_cols permutes it. dv += P^T d_o,
 // dk += dS^T q, dq += dS k. Runs of two k-groups, each in a fresh
 // accumulator added in fp32.
-template <int NK, int NF, int LD>
+template <class Elem, int NK, int NF, int LD>
 __device__ __forceinline__ void grad_tiles(float (&acc)[NF][4], const float (&c)[NK][4], const float* b, int g, int t) {
   static_assert(NK % 2 == 0, "runs of two k-groups");
 #pragma unroll
   for (int j = 0; j < NK; j += 2) {
-    const FragA a0 = c_as_a(c[j]), a1 = c_as_a(c[j + 1]);
+    const typename Elem::FragA a0 = c_as_a<Elem>(c[j]), a1 = c_as_a<Elem>(c[j + 1]);
     const float* bj = b + 8 * j * LD;  // rows 8j .. 8j + 15
 #pragma unroll
     for (int f = 0; f < NF; ++f)
-      mma_3xtf32_x2<true>(acc[f], a0, load_b_cols<LD>(bj + 8 * f, g, t), a1,
-                          load_b_cols<LD>(bj + 8 * LD + 8 * f, g, t));
+      Elem::template run<true>(acc[f], a0, load_b_cols<Elem, LD>(bj + 8 * f, g, t), a1,
+                               load_b_cols<Elem, LD>(bj + 8 * LD + 8 * f, g, t));
   }
 }
 
@@ -486,10 +496,10 @@ __device__ __forceinline__ void store_scores_t(float* ds, const float (&c)[NQ][4
 // (g, t) is key 2t, (g, t + 4) key 2t + 1, so that load_b_cols's k rows
 // meet them. LS 4 mod 8 puts the four rows 2t at banks 0, 8, 16, 24 (or
 // their mirror), so a load's 32 words (2t LS + g) meet 32 distinct banks.
-template <int LS>
-__device__ __forceinline__ FragA load_a_cols(const float* p, int g, int t) {
+template <class Elem, int LS>
+__device__ __forceinline__ typename Elem::FragA load_a_cols(const float* p, int g, int t) {
   const float* r = p + 2 * t * LS + g;
-  return make_a(r[0], r[8], r[LS], r[LS + 8]);
+  return Elem::a(r[0], r[8], r[LS], r[LS + 8]);
 }
 
 // acc = 0.

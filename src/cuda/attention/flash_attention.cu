@@ -266,14 +266,33 @@ __device__ __forceinline__ void tile_products(FlashRows<NF>& rows, const Dropout
 // The epilogue of the warp's rows r0 = q0 + 16 warp + g and r0 + 8: o / l
 // (with dropout, times the kept probabilities' scale: 0 where p = 1) and the
 // lse into the output; under kSplit, the split's unnormalised o, m and l.
-template <bool kSplit, bool kDropout, int NF>
+// On 16-bit products, o goes to a.o16 rounded to their type where a.o16 is given.
+template <class Elem>
+struct OutputOf {  // Tf32x3: float
+  using type = float;
+};
+template <class T>
+struct OutputOf<Mma16<T>> {
+  using type = T;
+};
+
+template <class Elem, bool kSplit, bool kDropout, int NF>
 __device__ __forceinline__ void store_unit(FlashRows<NF>& rows, const AttentionKernelArgs& a, const DropoutPass& dpass,
                                            const FlashPartials& sp, const BlockUnit& u, int64_t seq, int r0, int L,
                                            int hd, int t) {
-  if constexpr (kSplit)
+  using Out16 = typename OutputOf<Elem>::type;
+  const float num = kDropout ? dpass.scale : 1.0f;
+  if constexpr (kSplit) {
     rows.store_partials(sp, u.split, u.item, r0, L, hd, t);
-  else
-    rows.store(a, kDropout ? dpass.scale : 1.0f, seq, u.h * hd, u.item, r0, L, hd, t);
+  } else {
+    if constexpr (!std::is_same_v<Out16, float>) {
+      if (a.o16 != nullptr) {
+        rows.template store<Out16>(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
+        return;
+      }
+    }
+    rows.store(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
+  }
 }
 
 // The kernels take AttentionKernelArgs (flash_kernel_args), the dropout
@@ -337,7 +356,7 @@ __global__ void __launch_bounds__(32 * W)
                             scale_log2, L, g, t);
   }
   if (!active) return;
-  store_unit<kSplit, kDropout>(rows, a, dpass, sp, u, seq, u.q0 + 16 * warp + g, L, hd, t);
+  store_unit<Elem, kSplit, kDropout>(rows, a, dpass, sp, u, seq, u.q0 + 16 * warp + g, L, hd, t);
 }
 
 constexpr int kCombineThreads = 256;
@@ -559,6 +578,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   const int hd = a.D / a.heads;
   const int hdp = flash_padded_head_dim(hd);
   if (hdp == 0 || !dropout_pass_args_ok(a.dropout, a.pass, a.philox, a.pos.len, a.heads)) return cudaErrorInvalidValue;
+  if (a.o16 != nullptr && a.products == Products::kFp32) return cudaErrorInvalidValue;  // o16: 16-bit products only
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
   // Blocks of kBM queries, or fewer where the sequence is short (flash_warps): at most 2^31 - 1,
   // gridDim.x's limit (a short sequence is one query tile whatever the block).

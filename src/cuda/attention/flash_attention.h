@@ -34,6 +34,10 @@ struct FlashArgs {
   AxisView pos;
   const float* qkv = nullptr;  // (T, 3D): row r is [q | k | v], head h at columns h*hd .. h*hd + hd - 1 of each part
   float* o = nullptr;          // (T, D): head h written at columns h*hd .. h*hd + hd - 1 of each valid row
+  // On 16-bit products only (else cudaErrorInvalidValue): where not null, o is written here instead,
+  // rounded to the products' type (nearest, ties to even: round_to_16bit's bits), (T, D) 16-bit
+  // values laid out as o; `o` is then not written.
+  void* o16 = nullptr;
   // (2, num_seq, heads, L) or null: row r = (n * heads + h) * L + l's
   //   lse2 = log2(sum_k 2^(s_k)),  s_k = q_l . k_k log2(e) / sqrt(hd)   (log2 units, of the scaled scores),
   // computed as max_k s_k + log2(sum_k 2^(s_k - that max)), as two floats hi + lo: hi at lse[r],
@@ -62,7 +66,9 @@ struct FlashArgs {
 };
 
 // What the kernels receive of a (the dropout fields go as a DropoutPass of their own).
-inline AttentionKernelArgs flash_kernel_args(const FlashArgs& a) { return {a.pos, a.qkv, a.o, a.lse, a.D, a.heads}; }
+inline AttentionKernelArgs flash_kernel_args(const FlashArgs& a) {
+  return {a.pos, a.qkv, a.o, a.lse, a.D, a.heads, a.o16};
+}
 
 // The kernel and splits flash_attention runs a's pass with on dev (common/plan.h's
 // flash_variant, dev.sm90a cleared in a build without sm_90a code); a's sizes valid.

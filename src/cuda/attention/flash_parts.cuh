@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/dropout.h"
 #include "../detail/kernel_args.h"
@@ -161,11 +162,14 @@ struct FlashRows {
   // The unit's end: o / l (times num: dropout's 1 / (1 - p), else 1) into the
   // warp's rows r0 = q0 + 16 warp + g and r0 + 8 of item `item`, whose
   // position 0 is row seq (a.pos, rows of D floats), columns col ..; with
-  // a.lse, the rows' lse2.
+  // a.lse, the rows' lse2. Out float: into a.o; a 16-bit type: into a.o16,
+  // rounded to it.
+  template <class Out = float>
   __device__ __forceinline__ void store(const AttentionKernelArgs& a, float num, int64_t seq, int col, int64_t item,
                                         int r0, int L, int hd, int t) {
     softmax.sum_rows();
-    softmax.store_rows<NF>([&](int f, int e) -> float& { return at(f, e); }, num, a.o + seq * a.D + col,
+    Out* out = std::is_same_v<Out, float> ? reinterpret_cast<Out*>(a.o) : static_cast<Out*>(a.o16);
+    softmax.store_rows<NF>([&](int f, int e) -> float& { return at(f, e); }, num, out + seq * a.D + col,
                            a.pos.pos_stride * a.D, r0, L, hd, t, a.lse, a.pos.num_seq * a.heads * L, item * L);
   }
 

@@ -11,13 +11,16 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // A flash forward kernel's tensors. qkv is (T, 3D), o is (T, D) and lse is
 // (2, num_seq, heads, L): the log-sum-exp as two floats (detail/lse.cuh),
-// or null where it is not kept.
+// or null where it is not kept. o16, where not null (the mma.sync kernel on
+// 16-bit products, unsplit), takes o rounded to the products' type in place
+// of o: (T, D) 16-bit values.
 struct AttentionKernelArgs {
   AxisView pos;
   const float* qkv;
   float* o;
   float* lse;
   int D, heads;
+  void* o16 = nullptr;
 };
 
 // An attention backward kernel's tensors: the forward's qkv (T, 3D), o and

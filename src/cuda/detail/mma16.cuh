@@ -25,24 +25,16 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "round16.cuh"
+
 namespace fastaxial::cuda {
 
+// lo and hi rounded to T (detail/round16.cuh) in one register, lo in the lower half.
 template <class T>
-struct Mma16Type;
-template <>
-struct Mma16Type<__nv_bfloat16> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the lower half
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-template <>
-struct Mma16Type<__half> {
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
+__device__ __forceinline__ uint32_t pack16(float lo, float hi) {
+  const Pair16<T> v = round16x2<T>(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 
 // The PTX type name of each, spliced into the instructions below.
 #define FASTAXIAL_MMA16_K8(TYPE)                                                                              \
@@ -66,9 +58,9 @@ struct Mma16 {
   // kRoundLo is Tf32x3's (lo rounded too); with no split it has nothing to do.
   template <bool kRoundLo = false>
   __device__ static __forceinline__ FragA a(float a0, float a1, float a2, float a3) {
-    return {{Mma16Type<T>::pack(a0, a2), Mma16Type<T>::pack(a1, a3)}};
+    return {{pack16<T>(a0, a2), pack16<T>(a1, a3)}};
   }
-  __device__ static __forceinline__ FragB b(float b0, float b1) { return {Mma16Type<T>::pack(b0, b1)}; }
+  __device__ static __forceinline__ FragB b(float b0, float b1) { return {pack16<T>(b0, b1)}; }
 
   // t = a b (kFresh) or t += a b, one 8-deep step.
   template <bool kFresh>
@@ -110,6 +102,8 @@ struct Mma16 {
 
   // c += a0 b0 + a1 b1: one m16n8k16 straight into c. The tensor core accumulates in fp32; with
   // 16-bit operands the products' rounding is far above an fp32 add's, so no fresh accumulator.
+  // (kSmallFirst orders Tf32x3's split terms; one instruction has none to order.)
+  template <bool kSmallFirst = false>
   __device__ static __forceinline__ void run(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
                                              const FragB& b1) {
     if constexpr (kBf16)
@@ -120,6 +114,13 @@ struct Mma16 {
       asm volatile(FASTAXIAL_MMA16_K16("f16")
                    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                    : "r"(a0.r[0]), "r"(a0.r[1]), "r"(a1.r[0]), "r"(a1.r[1]), "r"(b0.r), "r"(b1.r));
+  }
+  // t = a0 b0 + a1 b1, t's earlier values dropped.
+  __device__ static __forceinline__ void run_fresh(float (&t)[4], const FragA& a0, const FragB& b0, const FragA& a1,
+                                                   const FragB& b1) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t[e] = 0.0f;
+    run(t, a0, b0, a1, b1);
   }
 };
 

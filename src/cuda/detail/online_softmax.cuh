@@ -11,9 +11,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/dropout.h"
 #include "lse.cuh"
+#include "round16.cuh"
 
 namespace fastaxial::cuda {
 
@@ -26,11 +28,20 @@ struct FlashPartials {
   int splits;    // S >= 1
 };
 
+// An output value as the element type Out stores it: float as it is, bf16 or fp16 rounded (round16).
+template <class Out>
+__device__ __forceinline__ Out output_value(float v) {
+  if constexpr (std::is_same_v<Out, float>)
+    return v;
+  else
+    return round16<Out>(v);
+}
+
 // o's rows g and g + 8 (times inv0 and inv1 unless kRaw) into p0[c] and
 // p1[c] where in0 and in1, for this thread's columns c = 8 f + 2 t + e < hd
-// of o's NF column groups.
-template <int NF, bool kRaw, class O>
-__device__ __forceinline__ void store_columns(O&& o, float* p0, float* p1, bool in0, bool in1, float inv0, float inv1,
+// of o's NF column groups (Out: float, or a 16-bit type the values are rounded to).
+template <int NF, bool kRaw, class O, class Out>
+__device__ __forceinline__ void store_columns(O&& o, Out* p0, Out* p1, bool in0, bool in1, float inv0, float inv1,
                                               int hd, int t) {
 #pragma unroll
   for (int f = 0; f < NF; ++f)
@@ -38,8 +49,8 @@ __device__ __forceinline__ void store_columns(O&& o, float* p0, float* p1, bool 
     for (int e = 0; e < 2; ++e) {
       const int c = 8 * f + 2 * t + e;
       if (c >= hd) continue;
-      if (in0) p0[c] = kRaw ? o(f, e) : o(f, e) * inv0;
-      if (in1) p1[c] = kRaw ? o(f, 2 + e) : o(f, 2 + e) * inv1;
+      if (in0) p0[c] = output_value<Out>(kRaw ? o(f, e) : o(f, e) * inv0);
+      if (in1) p1[c] = output_value<Out>(kRaw ? o(f, 2 + e) : o(f, 2 + e) * inv1);
     }
 }
 
@@ -99,16 +110,17 @@ struct RowSoftmax {
 
   // o / l (times num: dropout's 1 / (1 - p), else 1) into a head's rows r0 =
   // the warp's row g and r0 + 8, positions >= L skipped: row r at out + r
-  // row_stride (floats), its columns 0 .. hd - 1. With lse, the rows' lse2
+  // row_stride (elements of Out: float, or a 16-bit type the values are
+  // rounded to), its columns 0 .. hd - 1. With lse, the rows' lse2
   // (detail/lse.cuh) at lse_row0 + r, planes lse_rows apart.
-  template <int NF, class O>
-  __device__ __forceinline__ void store_rows(O&& o, float num, float* out, int64_t row_stride, int r0, int L, int hd,
+  template <int NF, class O, class Out>
+  __device__ __forceinline__ void store_rows(O&& o, float num, Out* out, int64_t row_stride, int r0, int L, int hd,
                                              int t, float* lse, int64_t lse_rows, int64_t lse_row0) const {
     const int r1 = r0 + 8;
     const bool in0 = r0 < L, in1 = r1 < L;
     const float inv0 = num / l0, inv1 = num / l1;
-    float* o0 = in0 ? out + r0 * row_stride : nullptr;
-    float* o1 = in1 ? out + r1 * row_stride : nullptr;
+    Out* o0 = in0 ? out + r0 * row_stride : nullptr;
+    Out* o1 = in1 ? out + r1 * row_stride : nullptr;
     store_columns<NF, false>(o, o0, o1, in0, in1, inv0, inv1, hd, t);
     if (lse && t == 0) {
       if (in0) store_lse2(lse, lse_rows, lse_row0 + r0, m0, l0);

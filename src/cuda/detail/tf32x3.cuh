@@ -260,9 +260,17 @@ struct Tf32x3 {
   __device__ static __forceinline__ FragA load_a_perm(const float* p, int ld) { return cuda::load_a_perm(p, ld); }
   __device__ static __forceinline__ FragB load_bt_perm(const float* p, int ld) { return cuda::load_bt_perm(p, ld); }
   // c += a0 b0 + a1 b1: a run of two steps in a fresh accumulator, added to c in fp32.
+  // kSmallFirst: products_x2's order of the terms (the backward's), else step after step.
+  template <bool kSmallFirst = false>
   __device__ static __forceinline__ void run(float (&c)[4], const FragA& a0, const FragB& b0, const FragA& a1,
                                              const FragB& b1) {
-    mma_3xtf32_x2(c, a0, b0, a1, b1);
+    mma_3xtf32_x2<kSmallFirst>(c, a0, b0, a1, b1);
+  }
+  // t = a0 b0 + a1 b1: a run of two steps started in t itself, in products_x2's order (the
+  // backward's first run of a product).
+  __device__ static __forceinline__ void run_fresh(float (&t)[4], const FragA& a0, const FragB& b0, const FragA& a1,
+                                                   const FragB& b1) {
+    products_x2<true>(t, a0, b0, a1, b1);
   }
 
 #if FASTAXIAL_SM90A_DEVICE

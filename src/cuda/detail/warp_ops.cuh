@@ -61,9 +61,10 @@ __device__ __forceinline__ float2 row_mean_rstd(int D, float eps, SumOwn sum_own
 
 // LayerNorm of one row x[0, D) by the calling warp, then store(c, y_c) for
 // each column c this lane owns (c = lane, lane + 32, ...). x may be the
-// destination too: each lane reads its column before storing it.
+// destination too: each lane reads its column before storing it. Returns the row's (mean, rstd),
+// layer_norm_forward's statistics (every lane holds them).
 template <class Store>
-__device__ __forceinline__ void layer_norm_row(const float* x, int D, const float* __restrict__ gamma,
+__device__ __forceinline__ float2 layer_norm_row(const float* x, int D, const float* __restrict__ gamma,
                                                const float* __restrict__ beta, float eps, Store store) {
   const int lane = threadIdx.x % 32;
   const float2 stats = row_mean_rstd<32>(D, eps, [&](auto f) {
@@ -72,6 +73,7 @@ __device__ __forceinline__ void layer_norm_row(const float* x, int D, const floa
     return sum;
   });
   for (int c = lane; c < D; c += 32) store(c, (x[c] - stats.x) * stats.y * gamma[c] + beta[c]);
+  return stats;
 }
 
 }  // namespace fastaxial::cuda

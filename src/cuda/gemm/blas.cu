@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <string>
-#include <type_traits>
 
 #include "../detail/launch.cuh"
+#include "../detail/round16.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -30,24 +30,13 @@ __global__ void __launch_bounds__(kRoundThreads) round_kernel(const float* __res
   const int64_t stride = (int64_t)gridDim.x * kRoundThreads;
   int64_t i = (int64_t)blockIdx.x * kRoundThreads + threadIdx.x;
   if constexpr (kVec) {
-    using T2 = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, __nv_bfloat162, __half2>;
     for (; 4 * i < n; i += stride) {
       const float4 v = reinterpret_cast<const float4*>(x)[i];
-      T2 lo, hi;
-      if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
-      else
-        lo = __floats2half2_rn(v.x, v.y), hi = __floats2half2_rn(v.z, v.w);
-      T2* out = reinterpret_cast<T2*>(y) + 2 * i;
-      out[0] = lo, out[1] = hi;
+      Pair16<T>* out = reinterpret_cast<Pair16<T>*>(y) + 2 * i;
+      out[0] = round16x2<T>(v.x, v.y), out[1] = round16x2<T>(v.z, v.w);
     }
   } else {
-    for (; i < n; i += stride) {
-      if constexpr (std::is_same_v<T, __nv_bfloat16>)
-        y[i] = __float2bfloat16_rn(x[i]);
-      else
-        y[i] = __float2half_rn(x[i]);
-    }
+    for (; i < n; i += stride) y[i] = round16<T>(x[i]);
   }
 }
 

@@ -36,6 +36,7 @@
 
 #include "../detail/host.h"
 #include "../detail/launch.cuh"
+#include "../detail/round16.cuh"
 #include "../detail/warp_ops.cuh"
 #include "../gemm/weight_planes.cuh"
 
@@ -66,22 +67,14 @@ __global__ void layer_norm_and_split_kernel(const float* __restrict__ x, const f
   layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = v; });
 }
 
-// float to T (bf16 or fp16), nearest, ties to even: round_to_16bit's conversion (gemm/blas.cu).
-template <class T>
-__device__ __forceinline__ T round_to(float v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __float2bfloat16_rn(v);
-  else
-    return __float2half_rn(v);
-}
-
 // layer_norm_and_split_kernel with the output rounded to T and, in the blocks after the
 // LayerNorm's, the rounding jobs (one flat list of `total` = rounds.elements()) in place of the splits.
 template <class T>
 __global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float* __restrict__ gamma,
                                         const float* __restrict__ beta, float eps, int64_t T_, int D,
-                                        T* __restrict__ xs, int64_t ln_blocks, const RoundJobs rounds,
-                                        int64_t total) {
+                                        T* __restrict__ xs, const float* __restrict__ res_bias,
+                                        float* __restrict__ res, float2* __restrict__ stats, int64_t ln_blocks,
+                                        const RoundJobs rounds, int64_t total) {
   grid_dependency_wait();
   allow_dependent_launch();
   if (blockIdx.x >= ln_blocks) {
@@ -91,14 +84,20 @@ __global__ void layer_norm_16bit_kernel(const float* __restrict__ x, const float
       const float* x_job = first ? rounds.job[0].x : rounds.job[1].x;
       T* y_job = static_cast<T*>(first ? rounds.job[0].y : rounds.job[1].y);
       const int64_t k = first ? i : i - rounds.job[0].n;
-      y_job[k] = round_to<T>(x_job[k]);
+      y_job[k] = round16<T>(x_job[k]);
     }
     return;
   }
   const int64_t pos = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;
   if (pos >= T_) return;
   T* out = xs + pos * D;
-  layer_norm_row(x + pos * D, D, gamma, beta, eps, [&](int c, float v) { out[c] = round_to<T>(v); });
+  const float* row = x + pos * D;
+  float* res_row = res != nullptr ? res + pos * D : nullptr;
+  const float2 s = layer_norm_row(row, D, gamma, beta, eps, [&](int c, float v) {
+    out[c] = round16<T>(v);
+    if (res_row != nullptr) res_row[c] = row[c] + res_bias[c];  // add_bias's sum
+  });
+  if (stats != nullptr && threadIdx.x % 32 == 0) stats[pos] = s;
 }
 
 // out = LayerNorm(src), its (mean, rstd) in stats.
@@ -341,8 +340,9 @@ cudaError_t layer_norm_forward(const float* src, const float* gamma, const float
 }
 
 cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const float* beta, float eps, int64_t T,
-                                     int D, void* out, Products type, const RoundJobs& rounds, const DeviceCaps& dev,
-                                     cudaStream_t stream) {
+                                     int D, void* out, Products type, const RoundJobs& rounds, const float* res_bias,
+                                     float* res, float* stats, const DeviceCaps& dev, cudaStream_t stream) {
+  if (res != nullptr && res_bias == nullptr) return cudaErrorInvalidValue;
   if (type != Products::kBf16 && type != Products::kFp16) return cudaErrorInvalidValue;
   const int64_t ln_blocks = (T + kWarps - 1) / kWarps, total = rounds.elements();
   // As many rounding blocks as the jobs take at 256 elements a block, at most 4 an SM.
@@ -352,7 +352,7 @@ cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const
   const auto launch = [&](auto* typed_out) {
     return launch_kernel<layer_norm_16bit_kernel<std::remove_pointer_t<decltype(typed_out)>>>(
         (unsigned)(ln_blocks + round_blocks), 32 * kWarps, 0, stream, dev, src, gamma, beta, eps, T, D, typed_out,
-        ln_blocks, rounds, total);
+        res_bias, res, reinterpret_cast<float2*>(stats), ln_blocks, rounds, total);
   };
   return type == Products::kBf16 ? launch(static_cast<__nv_bfloat16*>(out)) : launch(static_cast<__half*>(out));
 }

@@ -41,13 +41,25 @@ struct RoundJobs {
 
 // The 16-bit staged pass's LayerNorm: out (T, D) = LayerNorm(src (T, D)) with gamma and beta,
 // rounded to `type` (bf16 or fp16: nearest, ties to even), the bits of layer_norm_forward without
-// statistics followed by round_to_16bit (gemm/blas.h), and the jobs of `rounds` as round_to_16bit
-// gives them, in one launch: a warp per position, then blocks that round the jobs.
-// cudaErrorInvalidValue for another type; cudaErrorInvalidConfiguration, and nothing launched,
-// where the grid passes 2^31 - 1 blocks.
+// statistics followed by round_to_16bit (gemm/blas.h); where res is not null, res (T, D) = src +
+// res_bias (D) on every row, add_bias's bits (the start of the pass's output product; res must not
+// overlap src or out); where stats is not null, stats (T, 2) = each row's (mean, rstd), as
+// layer_norm_forward writes them (the 16-bit training forward's: its backward reads them); and the
+// jobs of `rounds` as round_to_16bit gives them; in one launch: a warp per
+// position, then blocks that round the jobs. cudaErrorInvalidValue for another type or res
+// without res_bias; cudaErrorInvalidConfiguration, and nothing launched, where the grid passes
+// 2^31 - 1 blocks.
 cudaError_t layer_norm_forward_16bit(const float* src, const float* gamma, const float* beta, float eps, int64_t T,
-                                     int D, void* out, Products type, const RoundJobs& rounds, const DeviceCaps& dev,
-                                     cudaStream_t stream);
+                                     int D, void* out, Products type, const RoundJobs& rounds, const float* res_bias,
+                                     float* res, float* stats, const DeviceCaps& dev, cudaStream_t stream);
+
+// The jobs of `rounds` alone: layer_norm_forward_16bit's launch without positions (the 16-bit
+// backward's weights).
+inline cudaError_t round_jobs_to_16bit(const RoundJobs& rounds, Products type, const DeviceCaps& dev,
+                                       cudaStream_t stream) {
+  return layer_norm_forward_16bit(nullptr, nullptr, nullptr, 0.0f, 0, 0, nullptr, type, rounds, nullptr, nullptr,
+                                  nullptr, dev, stream);
+}
 
 // out (T, D) = x (T, D) + bias (D) on every row: the residual and bias that an output
 // product (beta = 1) then adds to.

@@ -100,17 +100,18 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
                            Products type, const DeviceCaps& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len, DD = (int64_t)D * D;
-  float* o = scratch;                   // (T, D): the attention output
+  float* o = scratch;                   // (T, D): not written (the attention writes o16)
   float* qkv = scratch + T * (int64_t)D;  // (T, 3D)
   auto* wqkv16 = static_cast<uint16_t*>(weights16);  // (3D, D) rounded, then Wout (D, D)
   uint16_t* wout16 = wqkv16 + 3 * DD;
   const auto check = [](cudaError_t e, const char* what) { return e == cudaSuccess ? Status::Ok() : cuda_error(e, what); };
   // The positions are in memory order here: LayerNorm and the products act on each alone.
-  // LayerNorm straight into the rounded operand, the weights rounded in the same launch.
+  // LayerNorm straight into the rounded operand, dst = src + bout (the output product adds to it)
+  // and the weights rounded, in one launch.
   RoundJobs rounds;
   rounds.job[0] = {w.qkv_weight, wqkv16, 3 * DD}, rounds.job[1] = {w.out_weight, wout16, DD}, rounds.count = 2;
   if (cudaError_t e = layer_norm_forward_16bit(src, w.norm_weight, w.norm_bias, p.eps, T, D, operand16, type, rounds,
-                                               dev, stream);
+                                               w.out_bias, dst, /*stats=*/nullptr, dev, stream);
       e != cudaSuccess) {
     if (e == cudaErrorInvalidConfiguration) return {StatusCode::kUnsupported, "too many positions for one pass"};
     return cuda_error(e, "layer_norm_forward_16bit launch");
@@ -122,13 +123,10 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
   FlashArgs f;
   f.pos = row_indices(view, D);
   f.qkv = qkv, f.o = o;
+  f.o16 = operand16;  // the attention output rounded, for the output product (the LayerNorm output is read by now)
   f.D = D, f.heads = (int)p.heads;
   f.products = type;
   if (Status s = check(flash_attention(f, dev, stream), "flash_attention launch (16-bit products)"); !s.ok()) return s;
-  if (Status s = check(round_to_16bit(o, operand16, T * D, type, dev, stream), "rounding the attention output");
-      !s.ok())
-    return s;
-  if (Status s = check(add_bias(src, w.out_bias, T, D, dst, dev, stream), "add_bias launch"); !s.ok()) return s;
   return gemm_16bit(h, type, false, true, T, D, D, operand16, D, wout16, D, 1.0f, dst, D, "output product (16-bit)");
 }
 

@@ -69,15 +69,16 @@ Status run_staged_pass(const StagedPass& s, const DeviceCaps& dev, cudaStream_t 
 
 // The inference pass on 16-bit products (AxialParams::products = type, bf16 or fp16), the
 // same four steps with the products' operands rounded to the type and the products on cuBLAS
-// (gemm_16bit, handle h bound to `stream`):
-//   1. norm16 = LayerNorm(src) rounded (fp32 statistics; one launch with the weights' rounding:
-//      layer_norm_forward_16bit)                                            (T, D)
+// (gemm_16bit, handle h bound to `stream`), in four launches:
+//   1. norm16 = LayerNorm(src) rounded (fp32 statistics), dst = src + bout, and the weights
+//      rounded: one launch (norm/norm.h: layer_norm_forward_16bit)          (T, D)
 //   2. qkv  = norm16 @ Wqkv16^T (fp32 accumulation and output)             (T, 3D)
-//   3. attn = the flash kernel on 16-bit products (fp32 softmax)           (T, D)
-//      then attn16 = attn rounded (into norm16's room)
-//   4. dst  = src + bout (norm/norm.h: add_bias), then dst += attn16 @ Wout16^T   (T, D)
-// scratch holds 4 T D floats as launch_staged's (attn, then qkv); operand16 T D 16-bit values;
-// weights16 4 D^2 (Wqkv's rounding, then Wout's, written in step 1).
+//   3. attn16 = the flash kernel on 16-bit products (fp32 softmax), its output written rounded
+//      (FlashArgs::o16, into norm16's room)                                 (T, D)
+//   4. dst += attn16 @ Wout16^T                                             (T, D)
+// scratch holds 4 T D floats as launch_staged's (qkv after the first T D); operand16 T D 16-bit
+// values; weights16 4 D^2 (Wqkv's rounding, then Wout's, written in step 1). dst must not
+// overlap src.
 Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const AxisWeights& w, const float* src,
                            float* dst, float* scratch, void* operand16, void* weights16, cublasHandle_t h,
                            Products type, const DeviceCaps& dev, cudaStream_t stream);

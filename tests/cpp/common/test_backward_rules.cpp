@@ -209,5 +209,30 @@ TEST(BackwardRules, PlanRecordsEachPassKernels) {
   EXPECT_NE(d.find("col: flash short, backward single-key"), std::string::npos) << d;
 }
 
+// The rule on 16-bit products (AttentionGradProblem::products): the tensor-core kernels, dq on
+// mma.sync (never the wgmma kernel, which is 3xTF32) or from dS^T where given; no FFMA kernels
+// (their math is fp32): no kernel where those would run.
+TEST(BackwardRules, SixteenBitProductsOnTheTensorCoresOnly) {
+  const DeviceCaps h = h200();
+  AttentionGradProblem a = pass_of(64, 1000, 32, 2);
+  EXPECT_EQ(attention_grad_variant(a, h).dq, QueryGradKernel::kWgmma);  // fp32: wgmma there
+  for (Products t : {Products::kBf16, Products::kFp16}) {
+    a.products = t;
+    a.scores = false, a.ffma = false;
+    const AttentionGradVariant v = attention_grad_variant(a, h);
+    EXPECT_EQ(v.kernel, AttentionGradKernel::kTensorCores);
+    EXPECT_EQ(v.dq, QueryGradKernel::kMmaSync);
+    a.scores = true;
+    EXPECT_EQ(attention_grad_variant(a, h).dq, QueryGradKernel::kFromScores);
+    a.ffma = true;
+    EXPECT_EQ(attention_grad_variant(a, h).kernel, AttentionGradKernel::kNone);
+    DeviceCaps small = a100();
+    small.smem_optin = 64 * 1024;
+    AttentionGradProblem wide = pass_of(8, 40, 64, 1);
+    wide.products = t;
+    EXPECT_EQ(attention_grad_variant(wide, small).kernel, AttentionGradKernel::kNone);  // fp32 takes FFMA there
+  }
+}
+
 }  // namespace
 }  // namespace fastaxial::test

@@ -347,7 +347,7 @@ TEST(Plan, FlashKernelVariant) {
 // flash kernel's mma.sync instance, unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
 // weights a pass, cuBLAS's workspace) and without the TF32 planes or split partials; where the
 // staged path cannot run (no sm_90a code), the passes keep their fp32 plan and no region is added.
-// The training plan refuses them. An out-of-range value is an invalid argument.
+// The training plan takes them too. An out-of-range value is an invalid argument.
 TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
   for (Products type : {Products::kBf16, Products::kFp16}) {
     for (const auto& shape : {std::array<int64_t, 5>{4, 32, 32, 64, 4}, std::array<int64_t, 5>{1, 2, 4096, 128, 1},
@@ -400,10 +400,15 @@ TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
         EXPECT_EQ(forced.col.products, Products::kFp32) << forced.describe();
         EXPECT_EQ(forced.operand16, CudaPlan::kNone);
       }
+      // The training calls on the same products (BackwardPlan.RegionsAreAlignedDisjointAndCovered has
+      // their layout).
       CudaBackwardPlan b;
       const Status st = make_backward_plan(p, h200(), &b);
-      EXPECT_EQ(st.code, StatusCode::kUnsupported) << st.message;
-      EXPECT_NE(st.message.find("16-bit products"), std::string::npos) << st.message;
+      ASSERT_TRUE(st.ok()) << st.message;
+      EXPECT_EQ(b.products, type);
+      EXPECT_NE(b.describe().find(type == Products::kBf16 ? "training on bf16 products" : "training on fp16 products"),
+                std::string::npos)
+          << b.describe();
     }
   }
   AxialParams p = problem(1, 4, 4, 8, 1);
@@ -452,10 +457,21 @@ CudaBackwardPlan backward_plan_of(const AxialParams& p, const DeviceCaps& dev) {
 
 // Every region 256-byte aligned, of its size, inside its buffer (saved or workspace), and
 // overlapping no other of that buffer.
+// On 16-bit products (bf16 here; fp16 lays out the same) the saved layout is fp32's, the LayerNorm
+// output's region holding it and the attention output rounded (attn16 its second half), and the
+// workspace has the rounded weights and operands in place of the TF32 planes and the weight-gradient
+// partials (cuBLAS runs those products).
 TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
-  for (const AxialParams& p : {problem(4, 32, 32, 64, 4), problem(1, 7, 5, 9, 3), problem(2, 1, 2048, 16, 2),
-                               problem(8, 64, 64, 128, 4)}) {
+  for (const Products type : {Products::kFp32, Products::kBf16})
+  for (AxialParams p : {problem(4, 32, 32, 64, 4), problem(1, 7, 5, 9, 3), problem(2, 1, 2048, 16, 2),
+                        problem(8, 64, 64, 128, 4)}) {
+    SCOPED_TRACE(type == Products::kFp32 ? "fp32 products" : "bf16 products");
+    const bool fp32 = type == Products::kFp32;
+    const size_t fp32_saved = backward_plan_of(p, h200()).saved_bytes;
+    p.products = type;
     const CudaBackwardPlan c = backward_plan_of(p, h200());
+    EXPECT_EQ(c.products, type);
+    EXPECT_EQ(c.saved_bytes, fp32_saved) << "the saved size does not depend on the products";
     const size_t T = (size_t)(p.batch * p.height * p.width), td = T * p.dim * 4, th = T * p.heads * 4;
     struct Region {
       size_t offset, bytes;
@@ -463,6 +479,10 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
     };
     std::vector<Region> saved, ws;
     for (const auto* pass : {&c.row, &c.col}) {
+      if (fp32)
+        EXPECT_EQ(pass->attn16, CudaBackwardPlan::kNone);
+      else
+        EXPECT_EQ(pass->attn16, pass->norm + td / 2) << "the attention output rounded: norm's second half";
       saved.push_back({pass->norm, td, "norm"}), saved.push_back({pass->stats, 2 * T * 4, "stats"});
       saved.push_back({pass->qkv, 3 * td, "qkv"}), saved.push_back({pass->attn, td, "attn"});
       saved.push_back({pass->lse, 2 * th, "lse"});  // hi, then lo
@@ -475,6 +495,17 @@ TEST(BackwardPlan, RegionsAreAlignedDisjointAndCovered) {
     ws.push_back({c.delta, th, "delta"});
     ws.push_back({c.column_partials, (5 * 128 + 3) * (size_t)p.dim * sizeof(double), "column_partials"});
     ws.push_back({c.blas, c.blas_bytes, "blas"});
+    EXPECT_EQ(c.weights16 == CudaBackwardPlan::kNone, fp32);
+    EXPECT_EQ(c.operand16 == CudaBackwardPlan::kNone, fp32);
+    if (!fp32) {
+      EXPECT_EQ(c.weight_planes, CudaBackwardPlan::kNone);
+      EXPECT_EQ(c.weight_grad_partials, CudaBackwardPlan::kNone);
+      EXPECT_FALSE(c.tensor_core_products);
+      EXPECT_FALSE(c.tensor_core_weight_grads);
+      EXPECT_EQ(c.flash_partials, CudaBackwardPlan::kNone) << "16-bit products never split the forward's keys";
+      ws.push_back({c.weights16, 4 * (size_t)p.dim * p.dim * 2, "weights16"});
+      ws.push_back({c.operand16, 3 * td / 2, "operand16"});
+    }
     if (c.weight_planes != CudaBackwardPlan::kNone)
       ws.push_back({c.weight_planes, 32 * (size_t)p.dim * p.dim * 4, "weight_planes"});
     if (c.weight_grad_partials != CudaBackwardPlan::kNone)
@@ -845,6 +876,18 @@ TEST(BackwardPlan, SaysWhatItCannotServe) {
   s = make_backward_plan(problem(1, 4, 4, 8, 2), old, &plan);
   EXPECT_EQ(s.code, StatusCode::kUnsupported);
   EXPECT_NE(s.message.find("compute capability 8.0"), std::string::npos) << s.message;
+  // 16-bit products need the tensor-core attention backward: where its tiles do not fit the
+  // device's shared memory, fp32 products run the FFMA kernels and 16-bit ones are refused.
+  DeviceCaps small = a100();
+  small.smem_optin = 48 * 1024;
+  AxialParams p = problem(1, 4, 4, 256, 2);
+  ASSERT_TRUE(make_backward_plan(p, small, &plan).ok());
+  EXPECT_EQ(plan.row_kernels.grad, AttentionGradKernel::kFfma);
+  p.products = Products::kBf16;
+  s = make_backward_plan(p, small, &plan);
+  EXPECT_EQ(s.code, StatusCode::kUnsupported);
+  EXPECT_NE(s.message.find("16-bit products needs the tensor-core attention backward"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("head dim 128"), std::string::npos) << s.message;
 }
 
 }  // namespace

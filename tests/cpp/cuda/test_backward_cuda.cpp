@@ -200,6 +200,99 @@ TEST_F(CudaBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
     EXPECT_TRUE(same_bits(*a.all()[i].first, *b.all()[i].first)) << a.all()[i].second;
 }
 
+// The training calls on 16-bit products (AxialParams::products, bf16 and fp16): every gradient
+// finite; bits that differ from the fp32 products' (the 16-bit products ran) but for the column
+// pass's output bias, the column sums of grad_out, which has fp32's bits; repeated calls bitwise
+// identical; a subset of the gradients the full run's bits, the others untouched; the output the
+// bits of forward_cuda's on the same products where its plan runs both passes on them (the same
+// launches, the attention output rounded by its own launch: FlashAttention16.
+// RoundedOutputIsTheOutputRounded; the saved copy 16-byte aligned, as T D % 8 == 0 makes it, so
+// that cuBLAS reads it as the inference's). Their accuracy, by issue 37's rule against PyTorch's reference
+// in the same dtype: tests/python/test_low_precision.py.
+TEST_F(CudaBackwardRuns, SixteenBitProducts) {
+  use(Shape{2, 24, 40, 64, 4}, 23, 5);  // a row pass of 40 and a column pass of 24
+  Grads fp32(s);
+  ASSERT_TRUE(run_backward(dp, gout_f, &fp32).ok());
+  const size_t col_out_bias = 10;  // Grads::all()'s order: x, row (g, b, qkv, out, bout), col (...)
+  for (Products type : {Products::kBf16, Products::kFp16}) {
+    SCOPED_TRACE(type == Products::kBf16 ? "bf16" : "fp16");
+    dp.products = type;
+    Grads a(s), b(s);
+    std::vector<float> out;
+    Status st = run_backward(dp, gout_f, &a, std::vector<bool>(11, true), false, &out);
+    ASSERT_TRUE(st.ok()) << st.message;
+    ASSERT_TRUE(run_backward(dp, gout_f, &b).ok());
+    auto al = a.all(), bl = b.all(), fl = fp32.all();
+    for (size_t i = 0; i < al.size(); ++i) {
+      const std::vector<float>& g = *al[i].first;
+      EXPECT_TRUE(std::all_of(g.begin(), g.end(), [](float v) { return std::isfinite(v); })) << al[i].second;
+      EXPECT_TRUE(same_bits(g, *bl[i].first)) << al[i].second << ": a repeated call differs";
+      if (i == col_out_bias)
+        EXPECT_TRUE(same_bits(g, *fl[i].first)) << al[i].second << ": the column sums of grad_out";
+      else
+        EXPECT_FALSE(same_bits(g, *fl[i].first)) << al[i].second << ": the fp32 products' bits";
+    }
+    // The column pass's out_weight alone (nothing through its attention), x alone, the row
+    // pass's qkv_weight alone, the LayerNorm shifts alone.
+    for (const std::vector<bool>& wanted :
+         {std::vector<bool>{0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0}, std::vector<bool>{1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+          std::vector<bool>{0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}, std::vector<bool>{0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0}}) {
+      Grads part(s);
+      ASSERT_TRUE(run_backward(dp, gout_f, &part, wanted).ok());
+      auto pl = part.all();
+      for (size_t i = 0; i < pl.size(); ++i) {
+        if (wanted[i])
+          EXPECT_TRUE(same_bits(*pl[i].first, *al[i].first)) << pl[i].second << " differs from the full run";
+        else
+          EXPECT_TRUE(all_nan(*pl[i].first)) << pl[i].second << " was written";
+      }
+    }
+    // forward_cuda on the same products, where its plan runs both passes on them.
+    DevicePtr d_out = device_alloc(out.size());
+    ASSERT_NE(d_out.get(), nullptr);
+    AxialParams fp = dp;
+    fp.out = d_out.get();
+    CudaPlan plan;
+    ASSERT_TRUE(plan_cuda(fp, &plan).ok());
+    if (plan.row.products == type && plan.col.products == type) {
+      DevicePtr ws = device_alloc(plan.workspace_bytes / sizeof(float) + 1);
+      CUDA_OK(cudaMemset(d_out.get(), 0xff, out.size() * sizeof(float)));
+      st = forward_cuda(fp, plan, ws.get(), plan.workspace_bytes, nullptr);
+      ASSERT_TRUE(st.ok()) << st.message;
+      std::vector<float> inference(out.size());
+      CUDA_OK(cudaMemcpy(inference.data(), d_out.get(), out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      EXPECT_TRUE(same_bits(out, inference)) << "the training forward's output against forward_cuda's";
+    } else {
+      std::printf("[   NOTE   ] forward_cuda keeps fp32 products here (%s): its output is not compared\n",
+                  plan.describe().c_str());
+    }
+  }
+  // With attention dropout: repeated calls bitwise identical, every gradient finite, and the mask
+  // applied (x's gradient differs from the call without).
+  Grads plain(s), d1(s), d2(s);
+  ASSERT_TRUE(run_backward(dp, gout_f, &plain).ok());
+  dp.dropout = 0.25f, dp.seed = 99, dp.offset = 4;
+  ASSERT_TRUE(run_backward(dp, gout_f, &d1).ok());
+  ASSERT_TRUE(run_backward(dp, gout_f, &d2).ok());
+  for (size_t i = 0; i < d1.all().size(); ++i) {
+    const std::vector<float>& g = *d1.all()[i].first;
+    EXPECT_TRUE(std::all_of(g.begin(), g.end(), [](float v) { return std::isfinite(v); })) << d1.all()[i].second;
+    EXPECT_TRUE(same_bits(g, *d2.all()[i].first)) << d1.all()[i].second << ": a repeated call with dropout differs";
+  }
+  EXPECT_FALSE(same_bits(d1.x, plain.x)) << "dropout changed nothing";
+  dp.dropout = 0.0f;
+  // A plan made for other products is refused.
+  CudaBackwardPlan plan;
+  ASSERT_TRUE(plan_backward_cuda(dp, &plan).ok());
+  DevicePtr d_out = device_alloc(gout_f.size());
+  AxialParams other = dp;
+  other.out = d_out.get();
+  other.products = Products::kFp32;
+  const Status st = forward_cuda_training(other, plan, nullptr, 0, nullptr, 0, nullptr);
+  EXPECT_EQ(st.code, StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message.find("other products"), std::string::npos) << st.message;
+}
+
 TEST_F(CudaBackwardRuns, EmptyProblemGivesZeroWeightGradients) {
   s = Shape{0, 4, 5, 8, 2};
   p = random_problem(s, 5);

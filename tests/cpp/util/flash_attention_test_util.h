@@ -74,9 +74,12 @@ struct Result {
 // With `partials`, a poisoned split-KV buffer of workspace_bytes(FlashProblem)
 // for the pass (none where that is 0).
 // mma_sync: the mma.sync kernel even where a wgmma one or the short-sequence one applies.
+// With o16 (16-bit products): the output rounded (FlashArgs::o16), (T + kGuardRows) D 16-bit
+// values poisoned (0xffff: NaN in both types) before the call; r->o is then the poisoned o.
 inline void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r,
                     const DropoutParams* drop = nullptr, const uint64_t* philox_seed_offset = nullptr,
-                    bool partials = false, bool mma_sync = false, Products products = Products::kFp32) {
+                    bool partials = false, bool mma_sync = false, Products products = Products::kFp32,
+                    std::vector<uint16_t>* o16 = nullptr) {
   const int64_t D = pr.D, T = pr.T, lse_n = 2 * pr.N * pr.heads * pr.L;  // hi, then lo
   const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
                   dlse = device_alloc((size_t)(lse_n + kGuardLse));
@@ -94,6 +97,14 @@ inline void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Resu
   cuda::FlashArgs a;
   a.pos = pr.view, a.qkv = qkv_at, a.o = dout.get(), a.lse = dlse.get(), a.D = (int)D, a.heads = pr.heads;
   a.mma_sync = mma_sync, a.products = products;
+  DevicePtr d16;
+  if (o16) {
+    o16->assign((size_t)((T + kGuardRows) * D), 0xffffu);
+    d16 = device_alloc(o16->size() / 2 + 1);
+    ASSERT_TRUE(d16);
+    CUDA_OK(cudaMemset(d16.get(), 0xff, o16->size() * sizeof(uint16_t)));
+    a.o16 = d16.get();
+  }
   if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
   DevicePtr dpart;
   if (partials) {
@@ -112,6 +123,7 @@ inline void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Resu
   r->lse.resize((size_t)(lse_n + kGuardLse));
   CUDA_OK(cudaMemcpy(r->o.data(), dout.get(), r->o.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(r->lse.data(), dlse.get(), r->lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  if (o16) CUDA_OK(cudaMemcpy(o16->data(), d16.get(), o16->size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
 }
 
 // The device as the kernel sees it; false (with the reason in *why) where

@@ -3,6 +3,7 @@
 // plan's rule for them. Skipped without a device, but for the rule.
 #include "util/flash_attention_test_util.h"  // first: whether dropout.h may include Random123
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,17 +15,10 @@
 #include "src/common/plan.h"
 #include "src/cuda/attention/flash_attention.h"
 #include "util/cuda_test_util.h"
+#include "util/round16.h"  // round16
 
 namespace fastaxial::test {
 namespace {
-
-// x rounded to bf16 or fp16 (nearest, ties to even; fp16's subnormals too), as the 16-bit products'
-// fragments and PyTorch's conversions round.
-float round16(float x, Products type) {
-  if (type == Products::kBf16) return from_bits((bits(x) + 0x7fffu + ((bits(x) >> 16) & 1u)) & 0xffff0000u);
-  if (std::fabs(x) < 0x1p-14f) return std::nearbyint(x * 0x1p24f) * 0x1p-24f;  // fp16 subnormals: steps of 2^-24
-  return from_bits((bits(x) + 0xfffu + ((bits(x) >> 13) & 1u)) & 0xffffe000u);
-}
 
 struct Case16 {
   Case shape;
@@ -107,6 +101,47 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
   int64_t lse_written = 0;  // (its values are the rounded scores' softmax: no fp32 backward reads them yet)
   for (size_t i = (size_t)(2 * pr.N * pr.heads * L); i < r.lse.size(); ++i) lse_written += !is_poison(r.lse[i]);
   EXPECT_EQ(lse_written, 0) << "lse written past (2, num_seq, heads, L)";
+}
+
+// The output written rounded (FlashArgs::o16, the staged 16-bit pass's operand of its output
+// product): on every row the view addresses, the bits of the fp32 output rounded to the type
+// (nearest, ties to even: round16); the fp32 o not written; rows outside the view (and the guard
+// rows) left poison. A 3xTF32 call with o16 is refused.
+TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
+  const Case16 c = GetParam();
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.shape.hd, &dev, &why)) GTEST_SKIP() << why;
+  const Problem pr = make_problem(c.shape);
+  Result r, r_with16;
+  std::vector<uint16_t> o16;
+  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, false, c.type);
+  run_gpu(pr, c.shape.misalign, dev, &r_with16, nullptr, nullptr, false, false, c.type, &o16);
+  if (HasFatalFailure()) return;
+  const int64_t D = pr.D;
+  std::vector<char> touched((size_t)(pr.T + kGuardRows), 0);
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t l = 0; l < pr.L; ++l) touched[(size_t)pr.view.offset(n, l)] = 1;
+  int64_t wrong = 0, o_written = 0, left = 0;
+  for (int64_t row = 0; row < pr.T + kGuardRows; ++row)
+    for (int64_t i = 0; i < D; ++i) {
+      const size_t at = (size_t)(row * D + i);
+      o_written += !is_poison(r_with16.o[at]);
+      if (!touched[(size_t)row]) {
+        left += o16[at] != 0xffffu;
+        continue;
+      }
+      // The 16-bit value widened: bf16 is the high half of a float; fp16 through the host's conversion.
+      const float got = c.type == Products::kBf16 ? from_bits((uint32_t)o16[at] << 16)
+                                                   : (float)__half(__half_raw{o16[at]});
+      wrong += bits(got) != bits(round16(r.o[at], c.type));
+    }
+  EXPECT_EQ(wrong, 0) << "elements of o16 that are not o rounded";
+  EXPECT_EQ(o_written, 0) << "elements of o written where o16 was given";
+  EXPECT_EQ(left, 0) << "elements of o16 written outside the view";
+  cuda::FlashArgs a;
+  a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads, a.o16 = &wrong;  // (never written: refused first)
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaErrorInvalidValue);
 }
 
 // Both types across the padded head dims (8 with one key and with many: the single-step scores),

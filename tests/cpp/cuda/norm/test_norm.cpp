@@ -149,10 +149,12 @@ TEST(CudaLayerNorm, BothPathsMatchDoubleReference) {
   }
 }
 
-// The 16-bit pass's LayerNorm (layer_norm_forward_16bit) gives the bits of the two launches it
-// replaces: layer_norm_forward without statistics, then round_to_16bit, and of round_to_16bit on
-// each weight it rounds in the same launch (none, one and two jobs; jobs of odd sizes). Outputs
-// are poisoned (NaN in both types) one element past their end, which stays poison. Both types,
+// The 16-bit pass's LayerNorm (layer_norm_forward_16bit) gives the bits of the launches it
+// replaces: layer_norm_forward without statistics, then round_to_16bit; add_bias for the residual
+// output where it is asked for (with two jobs), nothing written there where not; round_to_16bit
+// on each weight it rounds in the same launch (none, one and two jobs; jobs of odd sizes); the
+// statistics where asked for (with one or two jobs), each row's mean and rstd within 1e-5 of a float64
+// evaluation, untouched where not. Outputs are poisoned (NaN) one element past their end, which stays poison. Both types,
 // odd D, D above a warp's 32 lanes and above 1024, T that leaves the last block part-full.
 TEST(CudaLayerNorm, SixteenBitOutputIsTheRoundedFp32Output) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -194,8 +196,18 @@ TEST(CudaLayerNorm, SixteenBitOutputIsTheRoundedFp32Output) {
           return h;
         };
         const float *d_x = put(x), *d_gamma = put(gamma), *d_beta = put(beta), *d_w1 = put(w1), *d_w2 = put(w2);
+        const float* d_bias = put(w2);  // (its first D values)
         bufs.push_back(device_alloc(n));
         float* d_norm = bufs.back().get();
+        float* d_res[2];  // add_bias's, then the launch's; n + 1 floats each, poisoned
+        for (float*& d : d_res) {
+          bufs.push_back(device_alloc(n + 1));
+          d = bufs.back().get();
+          ok = ok && d != nullptr && cudaMemset(d, 0xff, (n + 1) * sizeof(float)) == cudaSuccess;
+        }
+        bufs.push_back(device_alloc(2 * (size_t)T + 1));  // (T, 2) statistics, poisoned
+        float* d_stats = bufs.back().get();
+        ok = ok && d_stats != nullptr && cudaMemset(d_stats, 0xff, (2 * T + 1) * sizeof(float)) == cudaSuccess;
         void *want_x = out16(n), *want_w1 = out16(n1), *want_w2 = out16(n2);
         void *got_x = out16(n), *got_w1 = out16(n1), *got_w2 = out16(n2);
         ASSERT_TRUE(ok && d_norm != nullptr) << "allocating and filling the buffers";
@@ -204,16 +216,44 @@ TEST(CudaLayerNorm, SixteenBitOutputIsTheRoundedFp32Output) {
         CUDA_OK(cuda::round_to_16bit(d_norm, want_x, (int64_t)n, type, dev, nullptr));
         CUDA_OK(cuda::round_to_16bit(d_w1, want_w1, (int64_t)n1, type, dev, nullptr));
         CUDA_OK(cuda::round_to_16bit(d_w2, want_w2, (int64_t)n2, type, dev, nullptr));
+        CUDA_OK(cuda::add_bias(d_x, d_bias, T, D, d_res[0], dev, nullptr));
         cuda::RoundJobs rounds;
         rounds.job[0] = {d_w1, got_w1, (int64_t)n1}, rounds.job[1] = {d_w2, got_w2, (int64_t)n2};
         rounds.count = jobs;
-        CUDA_OK(cuda::layer_norm_forward_16bit(d_x, d_gamma, d_beta, eps, T, D, got_x, type, rounds, dev, nullptr));
+        const bool res = jobs == 2;
+        CUDA_OK(cuda::layer_norm_forward_16bit(d_x, d_gamma, d_beta, eps, T, D, got_x, type, rounds,
+                                               res ? d_bias : nullptr, res ? d_res[1] : nullptr,
+                                               jobs >= 1 ? d_stats : nullptr, dev, nullptr));
         CUDA_OK(cudaDeviceSynchronize());
 
         const std::vector<uint16_t> want = get16(want_x, n), got = get16(got_x, n);
         const std::vector<uint16_t> want1 = get16(want_w1, n1), got1 = get16(got_w1, n1);
         const std::vector<uint16_t> want2 = get16(want_w2, n2), got2 = get16(got_w2, n2);
+        std::vector<float> res_want(n + 1), res_got(n + 1);
+        ok = ok && cudaMemcpy(res_want.data(), d_res[0], (n + 1) * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess;
+        ok = ok && cudaMemcpy(res_got.data(), d_res[1], (n + 1) * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess;
+        std::vector<float> stats(2 * T + 1);
+        ok = ok && cudaMemcpy(stats.data(), d_stats, stats.size() * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess;
         ASSERT_TRUE(ok) << "copying the results back";
+        if (jobs >= 1) {
+          int64_t bad = 0;
+          for (int64_t t = 0; t < T; ++t) {
+            double mean = 0.0, var = 0.0;
+            for (int c = 0; c < D; ++c) mean += x[t * D + c];
+            mean /= D;
+            for (int c = 0; c < D; ++c) var += (x[t * D + c] - mean) * (x[t * D + c] - mean);
+            const double rstd = 1.0 / std::sqrt(var / D + eps), sd = std::sqrt(var / D);
+            bad += !(std::abs(stats[2 * t] - mean) <= 1e-5 * (std::abs(mean) + sd)) ||
+                   !(std::abs(stats[2 * t + 1] - rstd) <= 1e-5 * rstd);
+          }
+          EXPECT_EQ(bad, 0) << "rows whose statistics are off (row 0: " << stats[0] << ", " << stats[1] << ")";
+        } else {
+          EXPECT_TRUE(std::all_of(stats.begin(), stats.end() - 1, [](float v) { return std::isnan(v); }))
+              << "statistics written where not asked for";
+        }
+        EXPECT_TRUE(std::isnan(stats.back())) << "statistics written past their end";
+        const std::vector<float> res_poison(n + 1, from_bits(0xffffffffu));
+        EXPECT_TRUE(same_bits(res_got, res ? res_want : res_poison)) << "the residual output";
         EXPECT_EQ(want.back(), 0xffffu) << "(round_to_16bit wrote past its end)";
         EXPECT_TRUE(got == want) << "LayerNorm's output";
         const std::vector<uint16_t> poison1(n1 + 1, 0xffffu), poison2(n2 + 1, 0xffffu);
@@ -221,8 +261,12 @@ TEST(CudaLayerNorm, SixteenBitOutputIsTheRoundedFp32Output) {
         EXPECT_TRUE(got2 == (jobs >= 2 ? want2 : poison2)) << "the second job";
       }
   // Only the 16-bit types.
-  EXPECT_EQ(cuda::layer_norm_forward_16bit(nullptr, nullptr, nullptr, eps, 4, 8, nullptr, Products::kFp32, {}, dev,
-                                           nullptr),
+  EXPECT_EQ(cuda::layer_norm_forward_16bit(nullptr, nullptr, nullptr, eps, 4, 8, nullptr, Products::kFp32, {}, nullptr,
+                                           nullptr, nullptr, dev, nullptr),
+            cudaErrorInvalidValue);
+  float unused = 0.0f;  // a residual output without its bias: refused before any launch
+  EXPECT_EQ(cuda::layer_norm_forward_16bit(nullptr, nullptr, nullptr, eps, 4, 8, nullptr, Products::kBf16, {}, nullptr,
+                                           &unused, nullptr, dev, nullptr),
             cudaErrorInvalidValue);
 }
 
