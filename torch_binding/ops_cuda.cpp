@@ -62,9 +62,10 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 // projections save: measured in perf notes v89, when a pass had nine launches; it has four since
 // v93), else fp32. (With grad: training_products.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
-// With grad (training_products) from a size of its own: the training calls' 16-bit products run
-// on cuBLAS, which the library's graph replays leave out (training.cu), so their host time stays
-// that of every launch issued one by one (perf notes v96).
+// With grad (training_products) from a size of its own, measured (perf notes v96) when the training
+// calls' cuBLAS products kept them out of the library's graph replays, so that small 16-bit steps
+// paid every launch's host time; they are captured since v97 (training.cu: capture_blas), and the
+// size is to be measured again.
 constexpr int64_t kMin16BitTrainingElements = int64_t{1} << 22;
 // The thresholds: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides
 // both, for benchmarks that sweep them; anything else there is an error.
@@ -140,9 +141,11 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
 
 CudaBackwardPlan training_plan(const AxialParams& p) {
   CudaBackwardPlan plan;
-  // cuBLAS on PyTorch's handle for the current stream, with PyTorch's workspace (kept across calls,
-  // as for PyTorch's own products), rather than a workspace region of each call's own.
-  const Status s = plan_backward_cuda(p, &plan, /*caller_blas=*/true);
+  // fp32 products: cuBLAS (the fallbacks) on PyTorch's handle for the current stream, with PyTorch's
+  // workspace (kept across calls, as for PyTorch's own products), rather than a workspace region of
+  // each call's own. 16-bit products: the library's handle on the plan's region, which the training
+  // calls' graph replays can capture (training.cu: capture_blas); PyTorch's is bound to its stream.
+  const Status s = plan_backward_cuda(p, &plan, /*caller_blas=*/p.products == Products::kFp32);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
   return plan;
 }
@@ -157,7 +160,7 @@ void run_training_forward(const AxialParams& p, const CudaBackwardPlan& plan, co
   const c10::DataPtr workspace = training_workspace(plan);
   const Status s = forward_cuda_training(p, plan, saved.data_ptr(), saved.numel() * sizeof(float), workspace.get(),
                                          plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
-                                         at::cuda::getCurrentCUDABlasHandle());
+                                         plan.caller_blas ? at::cuda::getCurrentCUDABlasHandle() : nullptr);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
 }
 
@@ -228,7 +231,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const Status s = backward_cuda(p, b.grads, plan, empty ? nullptr : saved.data_ptr(),
                                  empty ? 0 : saved.numel() * sizeof(float), workspace.get(),
                                  empty ? 0 : plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
-                                 empty ? nullptr : at::cuda::getCurrentCUDABlasHandle());
+                                 empty || !plan.caller_blas ? nullptr : at::cuda::getCurrentCUDABlasHandle());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CUDA): ", s.message);
   b.outputs = converted(std::move(b.outputs), c.dtype);  // the gradients in the inputs' dtype
   return b.outputs;

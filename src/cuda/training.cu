@@ -209,7 +209,8 @@ class Training {
     return blas_gemm(false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
   }
 
-  // 16-bit products run on cuBLAS alone: a call being captured (no handle) runs directly instead.
+  // 16-bit products run on cuBLAS alone: a call being captured without a handle (capture_blas) runs
+  // directly instead.
   Status needs_blas() const {
     if (blas_ == nullptr) return {StatusCode::kUnsupported, "16-bit products: cuBLAS is not captured"};
     return Status::Ok();
@@ -544,6 +545,18 @@ static Status call_blas(const CudaBackwardPlan& plan, void* caller_handle, char*
   return caller->bind(*blas, stream);
 }
 
+// The cuBLAS handle of a call being captured into a graph (graph_replay.h): on 16-bit products
+// with the library's own handle (a plan without caller_blas), that handle bound to the capturing
+// stream and the plan's region, so that the products are captured with the rest (cuBLAS captures
+// within a workspace it was given); else none, and a call that needs cuBLAS then runs directly (a
+// caller's handle is bound to the caller's stream; the fp32 products capture their tensor-core
+// kernels alone, as before).
+static cublasHandle_t capture_blas(const CudaBackwardPlan& plan, char* ws, cudaStream_t stream) {
+  if (plan.products == Products::kFp32 || plan.caller_blas) return nullptr;
+  cublasHandle_t h = nullptr;
+  return cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &h).ok() ? h : nullptr;
+}
+
 // What a training call's launches take (graph_replay.h): the problem, the gradients, the plan
 // and the buffers. `kind` tells the forward's key (0; 2 where the seed, passed by value, is written
 // before the graph) from the backward's (1).
@@ -613,7 +626,8 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
     if (Status st = zero_saved_gaps(p, plan, static_cast<char*>(saved), s); !st.ok()) return st;
     if (!seed_by_value)
       if (Status st = write_state(s); !st.ok()) return st;
-    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas).forward(p.out);
+    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? capture_blas(plan, ws, s) : blas)
+        .forward(p.out);
   };
   return cuda::run_graphed(call_key(seed_by_value ? 2 : 0, p, nullptr, plan, saved, workspace), stream, dev.device,
                            enqueue);
@@ -636,7 +650,7 @@ Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwa
   // backward reads the dropout mask's seed and offset from it, so a replay draws the right mask.
   char* kept = static_cast<char*>(const_cast<void*>(saved));
   const auto enqueue = [&](cudaStream_t s, bool capturing) {
-    return Training(p, plan, kept, ws, dev, s, capturing ? nullptr : blas).backward(g);
+    return Training(p, plan, kept, ws, dev, s, capturing ? capture_blas(plan, ws, s) : blas).backward(g);
   };
   return cuda::run_graphed(call_key(1, p, &g, plan, saved, workspace), stream, dev.device, enqueue);
 }
