@@ -222,6 +222,13 @@ class Training {
     return cuda::gemm_16bit(blas_, products_, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, what);
   }
 
+  // y (T, N) = a (T, N) rounded, with job `job`'s column sums of a (*sums; -1: none) in the same read.
+  Status round_operand(const float* a, void* y, int N, int job, cuda::ColumnSumJobs* sums) {
+    const cudaError_t e = job >= 0 ? cuda::round_with_column_sums(sums, job, T_, y, products_, partials_, dev_, stream_)
+                                   : cuda::round_to_16bit(a, y, T_ * N, products_, dev_, stream_);
+    return e == cudaSuccess ? Status::Ok() : cuda_error(e, job >= 0 ? "round_with_column_sums launch" : "round_to_16bit launch");
+  }
+
   // The pass's projection weights rounded into the workspace: Wqkv (3D, D) at weights16_, then Wout
   // (D, D).
   cuda::RoundJobs weight_rounds(const AxisWeights& w) const {
@@ -282,7 +289,7 @@ class Training {
   // forward_pass on 16-bit products (pass.h's launch_staged_16bit, keeping what the backward reads):
   //   norm16 = LayerNorm(src) rounded, its statistics, dst = src + bo, the weights rounded   one launch
   //   qkv    = norm16 Wqkv16^T                                                              (T, 3D) fp32
-  //   attn, lse = the flash kernel on 16-bit products; attn16 = attn rounded
+  //   attn, attn16 (attn rounded), lse = the flash kernel on 16-bit products
   //   dst   += attn16 Wo16^T
   Status forward_pass16(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                         float* dst) {
@@ -298,14 +305,12 @@ class Training {
       return s;
     cuda::FlashArgs f;
     f.pos = row_indices(view, D_);
-    f.qkv = b.qkv, f.o = b.attn, f.lse = b.lse;
+    f.qkv = b.qkv, f.o = b.attn, f.o16 = b.attn16, f.lse = b.lse;  // o both ways: fp32 for delta, rounded for d_Wo
     f.D = D_, f.heads = (int)p_.heads;
     f.dropout = dropout_, f.pass = pass, f.philox = dropout_state_;
     f.products = products_;
     if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "flash_attention launch (16-bit products)");
-    if (cudaError_t e = cuda::round_to_16bit(b.attn, b.attn16, T_ * D_, products_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "round_to_16bit launch");
     return product16(false, true, T_, D_, D_, b.attn16, D_, wout16, D_, 1.0f, dst, D_, "output product (16-bit)");
   }
 
@@ -314,8 +319,8 @@ class Training {
   Status backward_pass16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
                          const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads) {
     cuda::ColumnSumJobs sums;
-    if (grads.out_bias) sums.add(dy, D_, grads.out_bias);
-    if (Status s = gradients_through16(pass, view, w, src, b, dy, d_src, grads, &sums); !s.ok()) return s;
+    const int dy_job = grads.out_bias ? sums.add(dy, D_, grads.out_bias) : -1;
+    if (Status s = gradients_through16(pass, view, w, src, b, dy, d_src, grads, dy_job, &sums); !s.ok()) return s;
     if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
     return Status::Ok();
@@ -323,7 +328,7 @@ class Training {
 
   Status gradients_through16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
                              const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads,
-                             cuda::ColumnSumJobs* sums) {
+                             int dy_job, cuda::ColumnSumJobs* sums) {
     const bool through = d_src != nullptr || grads.qkv_weight || grads.norm_weight || grads.norm_bias;
     if (!through && !grads.out_weight) return Status::Ok();
     const uint16_t *wqkv16 = weights16_, *wout16 = weights16_ + 3 * (int64_t)D_ * D_;
@@ -331,8 +336,7 @@ class Training {
     if (through)
       if (cudaError_t e = cuda::round_jobs_to_16bit(weight_rounds(w), products_, dev_, stream_); e != cudaSuccess)
         return cuda_error(e, "round_jobs_to_16bit launch");
-    if (cudaError_t e = cuda::round_to_16bit(dy, dy16, T_ * D_, products_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "round_to_16bit launch");
+    if (Status s = round_operand(dy, dy16, D_, dy_job, sums); !s.ok()) return s;
     if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
       if (Status s = product16(true, false, D_, D_, T_, dy16, D_, b.attn16, D_, 0.0f, grads.out_weight, D_,
                                "out_weight gradient (16-bit)");
@@ -355,11 +359,10 @@ class Training {
     a.products = products_;
     if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "attention_backward launch (16-bit products)");
-    if (grads.norm_bias) sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias);
+    const int dqkv_job = grads.norm_bias ? sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias) : -1;
     if (!grads.qkv_weight && d_src == nullptr && !grads.norm_weight) return Status::Ok();
     void* dqkv16 = operand16_;  // (T, 3D)
-    if (cudaError_t e = cuda::round_to_16bit(d_qkv_, dqkv16, 3 * T_ * D_, products_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "round_to_16bit launch");
+    if (Status s = round_operand(d_qkv_, dqkv16, 3 * D_, dqkv_job, sums); !s.ok()) return s;
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
       if (Status s = product16(true, false, 3 * D_, D_, T_, dqkv16, 3 * D_, b.norm16, D_, 0.0f, grads.qkv_weight, D_,
                                "qkv_weight gradient (16-bit)");
