@@ -560,6 +560,16 @@ static cublasHandle_t capture_blas(const CudaBackwardPlan& plan, char* ws, cudaS
   return cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &h).ok() ? h : nullptr;
 }
 
+// The handle an enqueue on `stream` takes: capture_blas's while capturing; else `blas` (call_blas's),
+// the library's own bound to `stream` again, since a capture that failed (its call then runs
+// directly, graph_replay.h) may have left it bound to the capturing stream.
+static Status enqueue_blas(const CudaBackwardPlan& plan, char* ws, cudaStream_t stream, bool capturing,
+                           cublasHandle_t blas, cublasHandle_t* out) {
+  if (capturing) return *out = capture_blas(plan, ws, stream), Status::Ok();
+  if (plan.caller_blas || blas == nullptr) return *out = blas, Status::Ok();
+  return cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, out);
+}
+
 // What a training call's launches take (graph_replay.h): the problem, the gradients, the plan
 // and the buffers. `kind` tells the forward's key (0; 2 where the seed, passed by value, is written
 // before the graph) from the backward's (1).
@@ -629,8 +639,9 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
     if (Status st = zero_saved_gaps(p, plan, static_cast<char*>(saved), s); !st.ok()) return st;
     if (!seed_by_value)
       if (Status st = write_state(s); !st.ok()) return st;
-    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? capture_blas(plan, ws, s) : blas)
-        .forward(p.out);
+    cublasHandle_t h = nullptr;
+    if (Status st = enqueue_blas(plan, ws, s, capturing, blas, &h); !st.ok()) return st;
+    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, h).forward(p.out);
   };
   return cuda::run_graphed(call_key(seed_by_value ? 2 : 0, p, nullptr, plan, saved, workspace), stream, dev.device,
                            enqueue);
@@ -653,7 +664,9 @@ Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwa
   // backward reads the dropout mask's seed and offset from it, so a replay draws the right mask.
   char* kept = static_cast<char*>(const_cast<void*>(saved));
   const auto enqueue = [&](cudaStream_t s, bool capturing) {
-    return Training(p, plan, kept, ws, dev, s, capturing ? capture_blas(plan, ws, s) : blas).backward(g);
+    cublasHandle_t h = nullptr;
+    if (Status st = enqueue_blas(plan, ws, s, capturing, blas, &h); !st.ok()) return st;
+    return Training(p, plan, kept, ws, dev, s, h).backward(g);
   };
   return cuda::run_graphed(call_key(1, p, &g, plan, saved, workspace), stream, dev.device, enqueue);
 }
