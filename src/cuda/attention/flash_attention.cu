@@ -583,8 +583,8 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   const int hdp = flash_padded_head_dim(hd);
   if (hdp == 0 || !dropout_pass_args_ok(a.dropout, a.pass, a.philox, a.pos.len, a.heads)) return cudaErrorInvalidValue;
   if (a.o16 != nullptr && a.products == Products::kFp32) return cudaErrorInvalidValue;  // o16: 16-bit products only
-  if (a.o == nullptr && a.o16 == nullptr) return cudaErrorInvalidValue;                  // an output to write
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
+  if (a.o == nullptr && a.o16 == nullptr) return cudaErrorInvalidValue;  // an output to write
   // Blocks of kBM queries, or fewer where the sequence is short (flash_warps): at most 2^31 - 1,
   // gridDim.x's limit (a short sequence is one query tile whatever the block).
   const int q_tiles = (int)((a.pos.len + kBM - 1) / kBM);

@@ -168,6 +168,7 @@ TEST(CudaColumnSums, RoundedWithTheSumsGivesTheSameSums) {
         ASSERT_TRUE(ok) << "allocating and filling the buffers";
         CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));
         CUDA_OK(cuda::column_sums(jobs, M, scratch, dev, nullptr));
+        CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));  // the partials from the rounding alone
         for (int j = 0; j < 2; ++j) {
           CUDA_OK(cuda::round_to_16bit(j == 0 ? da : dqkv, want16[j], M * cols[j], type, dev, nullptr));
           CUDA_OK(cuda::round_with_column_sums(&rounded, j, M, got16[j], type, scratch, dev, nullptr));
