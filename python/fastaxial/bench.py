@@ -2,7 +2,7 @@
 
     python -m fastaxial.bench [--shapes all|default|"B H W D heads;..."] [--out DIR] [--iters N]
         [--protocols queued,synchronized,harness,host,training,model] [--harness-iters N] [--host-calls N]
-        [--training-iters N] [--model-steps N] [--dtype float32|bfloat16] [--threads N]
+        [--training-iters N] [--model-steps N] [--dtype float32|bfloat16|autocast-bfloat16] [--threads N]
 
 Contenders, all fp32 with TF32 off (--dtype bfloat16: at the end):
 fastaxial; the PyTorch eager reference; the same math with
@@ -95,7 +95,18 @@ error (no "allclose_1e-4"); the training gradients likewise against
 float64. The floors use the measured bf16 matrix rate ("bf16_flops_per_s"
 beside fp32's) and 2-byte elements. The host rows, gpu_alone and the
 dropout rows run the bf16 module and input; the model protocol is float32
-only and is skipped. bench.json carries "dtype": "bfloat16" at the top."""
+only and is skipped. bench.json carries "dtype": "bfloat16" at the top.
+
+--dtype autocast-bfloat16: float32 weights, x and g, every contender's
+forward under torch.autocast(device, bfloat16) (issue 37's autocast
+contest: fastaxial runs its products in bf16 where it serves them, the
+reference its Linear layers and matmuls, LayerNorm and softmax in fp32;
+the backward follows the forward's dtypes). Contenders, correctness and
+floors as for bfloat16 (the SDPA backends forced one by one on CUDA, the
+errors against float64 and over eager's under the same autocast, the bf16
+matrix rate); the dropout rows, the host rows, gpu_alone and the model
+protocol are float32 and bfloat16 measurements and are skipped. bench.json
+carries "dtype": "autocast-bfloat16" at the top."""
 
 import argparse
 import copy
@@ -133,7 +144,8 @@ ERROR_CHARS = 1000  # of a failed contender's error message, kept in the report
 ITERS_HELP = "timed forwards per contender (default 200 CUDA, 20 CPU)"
 TRAINING_DROPOUT = 0.1
 GRAD_NAMES = ("x",) + tuple(f"{m}.{p}" for m, p in reference._WEIGHT_NAMES)  # x, then the op's weight order
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "autocast-bfloat16": torch.float32}
+AUTOCAST = {"autocast-bfloat16": torch.bfloat16}  # --dtype values that run under autocast, and its dtype
 # In bf16 on CUDA, one sdpa contender per backend, forced (fp32 keeps one sdpa, PyTorch's pick: flash and
 # cuDNN take no fp32).
 SDPA_BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -290,7 +302,8 @@ def _import_cpp_extension_quietly():
         log.setLevel(level)
 
 
-def contenders(ref, new, device, compile_=True):
+def contenders(ref, new, device, compile_=True, autocast=None):
+    """The contenders as callables of x; with autocast (a dtype), each forward under torch.autocast to it."""
     if compile_:
         _import_cpp_extension_quietly()
     weights = ref.weights()
@@ -300,7 +313,7 @@ def contenders(ref, new, device, compile_=True):
         return reference.axial_attention(x, *weights, ref.num_heads, eps, attend=sdpa_core)
 
     out = {"fastaxial": new, "eager": ref}
-    if device.type == "cuda" and weights[0].dtype is torch.bfloat16:
+    if device.type == "cuda" and (weights[0].dtype is torch.bfloat16 or autocast is not None):
         for name, backend in SDPA_BACKENDS.items():
             def forced(x, backend=backend):
                 with sdpa_kernel(backend):
@@ -319,25 +332,33 @@ def contenders(ref, new, device, compile_=True):
                 return graphed(x)
 
             out["compile+cudagraph"] = replay
+    if autocast is not None:
+        def under(fn):
+            def call(x):
+                with torch.autocast(device.type, dtype=autocast):
+                    return fn(x)
+            return call
+        out = {name: under(fn) for name, fn in out.items()}
     return out
 
 
 def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=DEFAULT_PROTOCOLS,
-                harness_iters=HARNESS_ITERS, seed=0, training_iters=None, dtype=torch.float32):
+                harness_iters=HARNESS_ITERS, seed=0, training_iters=None, dtype=torch.float32, autocast=None):
     """One shape: correctness and the queued protocol ("results") of every contender, and the
-    synchronized, harness and training protocols where asked for. A contender that fails records its error."""
+    synchronized, harness and training protocols where asked for. A contender that fails records its error.
+    autocast: every contender under torch.autocast to that dtype (dtype then float32)."""
     B, H, W, D, heads = shape
     torch.manual_seed(seed)
     ref = reference.AxialAttentionReference(D, heads, H, W).to(device, dtype).eval()
     torch.manual_seed(seed)
     new = AxialAttention(D, heads, H, W).to(device, dtype).eval()
     x = torch.randn(B, H, W, D, device=device).to(dtype)
-    fp32 = dtype is torch.float32
+    fp32 = dtype is torch.float32 and autocast is None
     rows, synchronized = {}, {}
     with torch.no_grad():
         # fp32 against the fp32 reference; bf16 against the reference in float64 (bf16 converts exactly).
         expected = ref(x) if fp32 else copy.deepcopy(ref).double()(x.double())
-        for name, fn in contenders(ref, new, device, compile_).items():
+        for name, fn in contenders(ref, new, device, compile_, autocast).items():
             try:
                 fn(x)
                 got = fn(x).clone()  # second call: compiled graphs settle
@@ -365,20 +386,21 @@ def bench_shape(shape, device, timer, iters, warmup, compile_=True, protocols=DE
         out["synchronized"] = synchronized
     if "harness" in protocols:
         # A harness builds the modules and leaves them in training mode (the same math: no dropout).
-        out["harness"] = harness_rows(ref.train(), new.train(), x, device, timer, harness_iters, warmup, compile_)
+        out["harness"] = harness_rows(ref.train(), new.train(), x, device, timer, harness_iters, warmup, compile_,
+                                      autocast)
     if "training" in protocols:
         gen = torch.Generator(device).manual_seed(seed + 1)
         g = torch.randn(x.shape, generator=gen, device=device).to(dtype)  # the fixed output gradient
         out["training"] = training_rows(ref.train(), new.train(), x, g, device, timer,
-                                        training_iters or default_training_iters(device), warmup, compile_)
+                                        training_iters or default_training_iters(device), warmup, compile_, autocast)
     return out
 
 
-def harness_rows(ref, new, x, device, timer, iters, warmup, compile_):
+def harness_rows(ref, new, x, device, timer, iters, warmup, compile_, autocast=None):
     """The harness protocol for each drop-in contender, in grad mode; one that fails records its error."""
     rows = {}
     with torch.enable_grad():
-        for name, fn in contenders(ref, new, device, compile_).items():
+        for name, fn in contenders(ref, new, device, compile_, autocast).items():
             if name not in HARNESS_CONTENDERS:
                 continue
             try:
@@ -437,7 +459,7 @@ def grad_errors(fn, weights, x, g, exact):
     return errs
 
 
-def training_rows(ref, new, x, g, device, timer, iters, warmup, compile_):
+def training_rows(ref, new, x, g, device, timer, iters, warmup, compile_, autocast=None):
     """The training protocol on one shape (module docstring): per contender, µs per step synchronized and
     queued, the step's peak memory, and each gradient's error against float64. ref and new: the same weights,
     in training mode without dropout. A contender that fails records its error beside what it measured."""
@@ -446,7 +468,7 @@ def training_rows(ref, new, x, g, device, timer, iters, warmup, compile_):
     x = x.detach().requires_grad_(False)
     rows = {}
     with torch.enable_grad():
-        for name, fn in contenders(ref, new, device, compile_).items():
+        for name, fn in contenders(ref, new, device, compile_, autocast).items():
             weights = (new if name == "fastaxial" else ref).weights()
             step = training_step(fn, weights, x, g)
             row = rows[name] = {}
@@ -575,7 +597,7 @@ def gpu_alone(shape, device, replays=GPU_REPLAYS, repeats=HOST_REPEATS, dtype=to
 
 def add_floors(report):
     c = report["ceilings"]
-    rate = c["bf16_flops_per_s" if report.get("dtype") == "bfloat16" else "fp32_flops_per_s"]
+    rate = c["bf16_flops_per_s" if report.get("dtype") in ("bfloat16", "autocast-bfloat16") else "fp32_flops_per_s"]
     for s in report["shapes"]:
         t_flop = s["flops"] / rate * 1e6
         t_byte = s["min_bytes"] / c["copy_bytes_per_s"] * 1e6
@@ -589,8 +611,9 @@ def add_floors(report):
 
 def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=DEFAULT_PROTOCOLS,
         harness_iters=HARNESS_ITERS, host_calls=None, training_iters=None, model_steps=None, dtype=torch.float32,
-        threads=None):
-    """Benchmarks every shape under the protocols asked for (queued always) in dtype (float32 or bfloat16),
+        threads=None, autocast=None):
+    """Benchmarks every shape under the protocols asked for (queued always) in dtype (float32 or bfloat16;
+    with autocast, a dtype, float32 storage and every forward under torch.autocast to it),
     writes bench.json, bench.md and bench.png to out when given, and returns the report. threads: the CPU
     threads of every contender (torch.set_num_threads, which fastaxial's OpenMP threads follow too); a CPU
     report records the count it ran with."""
@@ -600,29 +623,33 @@ def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, proto
     torch.backends.cudnn.allow_tf32 = False
     timer = Timer(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    fp32 = dtype is torch.float32
+    fp32 = dtype is torch.float32 and autocast is None
     if "model" in protocols and not fp32:
         log("[bench] model protocol skipped: it runs in float32 only")
     protocols = tuple(p for p in PROTOCOLS if p == "queued" or p in protocols and (fp32 or p != "model"))
     # float32 reports name no dtype: the keys of reports from before --dtype.
-    report = {**({} if fp32 else {"dtype": str(dtype).removeprefix("torch.")}), "device": name,
+    dtype_name = "autocast-" + str(autocast).removeprefix("torch.") if autocast else str(dtype).removeprefix("torch.")
+    report = {**({} if fp32 else {"dtype": dtype_name}), "device": name,
               **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
               "torch": torch.__version__, "protocols": list(protocols),
-              "ceilings": device_ceilings(device, timer, dtype), "shapes": []}
+              "ceilings": device_ceilings(device, timer, autocast or dtype), "shapes": []}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=CPU_BF16_WARNING)
         for shape in shapes:
             log(f"[bench] shape {shape} on {name}")
             report["shapes"].append(bench_shape(shape, device, timer, iters, warmup, compile_, protocols,
-                                                harness_iters, training_iters=training_iters, dtype=dtype))
+                                                harness_iters, training_iters=training_iters, dtype=dtype,
+                                                autocast=autocast))
             if "training" in protocols:
                 log(f"[bench] training table, shape {shape}: {report['shapes'][-1]['training']['wall_s']:.1f} s")
         add_floors(report)
-        if "training" in protocols:
+        if autocast is not None and ("training" in protocols or "host" in protocols):
+            log("[bench] under autocast: the dropout rows, the host rows and gpu_alone skipped")
+        if "training" in protocols and autocast is None:
             log(f"[bench] training with dropout {TRAINING_DROPOUT}, shape {DEFAULT_SHAPE}")
             report["training_dropout"] = training_dropout_rows(
                 DEFAULT_SHAPE, device, timer, training_iters or default_training_iters(device), warmup, dtype=dtype)
-        if "host" in protocols and shapes:
+        if "host" in protocols and shapes and autocast is None:
             log(f"[bench] host time per call, shape {shapes[0]}")
             report["host"] = host_rows(shapes[0], device, host_calls or default_iters(device), dtype)
             if device.type == "cuda":
@@ -676,7 +703,8 @@ def main(argv=None):
     p.add_argument("--model-steps", type=int, default=None,
                    help="timed training steps per model variant (default 50 CUDA, 3 CPU)")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="every contender's weights, input and output gradient (default float32; see above)")
+                   help="every contender's weights, input and output gradient (default float32; autocast-bfloat16: "
+                   "float32 ones, each forward under bfloat16 autocast; see above)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads of every contender, fastaxial's included (default: PyTorch's, which "
                    "OMP_NUM_THREADS sets); run once per count for a scaling table")
@@ -693,7 +721,7 @@ def main(argv=None):
     iters = a.iters or default_iters(device)
     report = run(shapes, device, iters, a.warmup, not a.no_compile, a.out, protocols=a.protocols,
                  harness_iters=a.harness_iters, host_calls=a.host_calls, training_iters=a.training_iters,
-                 model_steps=a.model_steps, dtype=DTYPES[a.dtype], threads=a.threads)
+                 model_steps=a.model_steps, dtype=DTYPES[a.dtype], threads=a.threads, autocast=AUTOCAST.get(a.dtype))
     print(markdown(report))
     print(f"wrote {a.out}/bench.json, bench.md, bench.png")
 

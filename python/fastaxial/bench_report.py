@@ -22,10 +22,16 @@ TITLES = {
                       "and output gradient; in brackets the worst ratio, gradient by gradient, to eager's ({dt} "
                       "PyTorch's own) error.",
     "accuracy": "**Accuracy**: each contender's max abs error (queued table's forward, no_grad) against the "
-                "reference evaluated in float64 with the same bf16 weights and x; in brackets its ratio to "
-                "eager's (bf16 PyTorch's own) error.",
+                "reference evaluated in float64 with the same weights and x; in brackets its ratio to eager's "
+                "(PyTorch's own at the same precision) error.",
 }
-SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "autocast-bfloat16": "bf16-autocast"}
+# Reports whose errors are read against float64 with their ratio to eager's (no fp32 tolerance).
+LOW_PRECISION = ("bfloat16", "autocast-bfloat16")
+
+
+def low_precision(report):
+    return report.get("dtype") in LOW_PRECISION
 HOST_LABELS = {"module_no_grad": "fastaxial module, no_grad",
                "module_inference_mode": "fastaxial module, inference_mode",
                "module_grad": "fastaxial module, grad mode",
@@ -64,8 +70,7 @@ def _err(row):
 def queued_table(report):
     """The queued table (bf16: fastaxial's error against float64, / eager's); failed contenders' errors below."""
     names = list(report["shapes"][0]["results"])
-    err_head = ("max abs err vs float64 (fastaxial, / eager's)" if report.get("dtype") == "bfloat16"
-                else "max abs err (fastaxial)")
+    err_head = "max abs err vs float64 (fastaxial, / eager's)" if low_precision(report) else "max abs err (fastaxial)"
     lines = [TITLES["queued"] + " Speedup = contender mean / fastaxial mean.", "",
              "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | floor µs | fastaxial / floor | "
              f"speedup vs fastest other | {err_head} |",
@@ -189,7 +194,8 @@ def host_table(report):
 
 def markdown(report):
     c = report["ceilings"]
-    bf16 = report.get("dtype") == "bfloat16"
+    bf16 = low_precision(report)
+    autocast = report.get("dtype") == "autocast-bfloat16"
     # Three digits: a CPU without bf16 instructions multiplies bf16 at GFLOP/s.
     bf16_rate = f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.3g} TFLOP/s (the floors' rate), " if bf16 else ""
     device = (f"Device: {report['device']}; fp32 matmul {c['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s, {bf16_rate}"
@@ -200,8 +206,16 @@ def markdown(report):
         device += (f"{threads} On the CPU every protocol times each call by the host clock: no flush, nothing to "
                    "synchronize.")
     # A float32 report keeps its header as it was.
-    parts = ([f"## fastaxial vs PyTorch, bfloat16\n\nEvery contender's weights, input and output gradient in "
-              "bfloat16; errors against the reference evaluated in float64."] if bf16 else []) + [device]
+    if autocast:
+        title = ["## fastaxial vs PyTorch, under bfloat16 autocast\n\nEvery contender's weights, input and output "
+                 "gradient in float32, each forward under torch.autocast(bfloat16) (the reference's products in bf16, "
+                 "LayerNorm and softmax in fp32); errors against the reference evaluated in float64."]
+    elif bf16:
+        title = ["## fastaxial vs PyTorch, bfloat16\n\nEvery contender's weights, input and output gradient in "
+                 "bfloat16; errors against the reference evaluated in float64."]
+    else:
+        title = []
+    parts = title + [device]
     if report["shapes"]:
         parts.append(queued_table(report))
         if bf16:

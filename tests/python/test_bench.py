@@ -153,10 +153,10 @@ def add_broken_contender(monkeypatch, message):
     """bench.contenders with one more, "broken", whose every call raises RuntimeError(message)."""
     plain = bench.contenders
 
-    def with_a_broken_one(ref, new, device, compile_=True):
+    def with_a_broken_one(ref, new, device, compile_=True, autocast=None):
         def broken(x):
             raise RuntimeError(message)
-        return {**plain(ref, new, device, compile_), "broken": broken}
+        return {**plain(ref, new, device, compile_, autocast), "broken": broken}
 
     monkeypatch.setattr(bench, "contenders", with_a_broken_one)
 
@@ -270,3 +270,39 @@ def test_bfloat16_run(monkeypatch, tmp_path):
     assert "**Training, gradients**: the largest max abs error of a contender's bf16 gradients" in md
     assert "- (2, 5, 6, 16, 2) broken: RuntimeError: no kernel for this shape" in md.split("**Synchronized**")[0]
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_autocast_run(monkeypatch, tmp_path):
+    """--dtype autocast-bfloat16 on the CPU: float32 modules, x and g, every contender's forward under bf16
+    autocast (eager's error then bf16's, far above fp32's), each output and gradient against float64 with its
+    ratio to eager's; the bf16 rate for the floors, 4-byte elements; no dropout, host or model rows."""
+    monkeypatch.setattr(bench, "CPU_MATRIX", 128)
+    report = bench.run([TRAIN_SHAPE], torch.device("cpu"), iters=2, warmup=1, compile_=False, out=tmp_path,
+                       log=lambda m: None, protocols=("synchronized", "training", "host", "model"),
+                       training_iters=1, autocast=torch.bfloat16)
+    assert report["dtype"] == "autocast-bfloat16" and list(report)[0] == "dtype"
+    assert report["protocols"] == ["queued", "synchronized", "host", "training"]  # model: float32 only
+    assert "training_dropout" not in report and "host" not in report
+    assert positive(report["ceilings"]["bf16_flops_per_s"])
+    s = report["shapes"][0]
+    assert s["min_bytes"] == bench.min_bytes(*TRAIN_SHAPE)  # float32 storage
+    c = report["ceilings"]
+    assert math.isclose(s["floor_us"], max(s["flops"] / c["bf16_flops_per_s"], s["min_bytes"] / c["copy_bytes_per_s"])
+                        * 1e6)
+    assert set(s["results"]) == {"fastaxial", "eager", "sdpa"}
+    for name, r in s["results"].items():
+        assert positive(r["mean_us"], s["synchronized"][name]["mean_us"], r["max_abs_err"], r["err_over_eager"]), name
+        assert "allclose_1e-4" not in r
+    assert s["results"]["eager"]["max_abs_err"] > 1e-4  # the reference's products ran in bf16
+    t = s["training"]["contenders"]
+    for name in ("fastaxial", "eager", "sdpa"):
+        assert "error" not in t[name], (name, t[name])
+        assert positive(t[name]["synchronized"]["mean_us"], *t[name]["grad_max_abs_err"].values()), name
+    assert all(v == 1.0 for v in t["eager"]["grad_err_over_eager"].values())
+    md = (tmp_path / "bench.md").read_text()
+    assert md == bench.markdown(report)
+    assert md.startswith("## fastaxial vs PyTorch, under bfloat16 autocast") and "bf16 matmul " in md
+    assert "| max abs err vs float64 (fastaxial, / eager's) |" in md and "**Accuracy**" in md
+    assert "bf16-autocast gradients" in md
+    with pytest.raises(SystemExit):
+        bench.main(["--dtype", "autocast-float64"])
