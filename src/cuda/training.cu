@@ -31,7 +31,7 @@
 // backward add in a fixed order, and cuBLAS's results are bitwise
 // reproducible, so the whole backward is deterministic.
 // On 16-bit products (plan.products bf16 or fp16) each pass runs the same steps with every
-// product's operands rounded to the type, fp32 accumulation (forward_pass16, backward_pass16):
+// product's operands rounded to the type, fp32 accumulation (forward_pass16, gradients_through16):
 // the projections and the backward's products through them and into the weights on cuBLAS's
 // 16-bit products (gemm_16bit), the flash forward and the attention backward on their kernels'
 // 16-bit instances. The forward keeps the LayerNorm output and the attention output rounded (the
@@ -314,18 +314,8 @@ class Training {
     return product16(false, true, T_, D_, D_, b.attn16, D_, wout16, D_, 1.0f, dst, D_, "output product (16-bit)");
   }
 
-  // backward_pass on 16-bit products: the same gradients, each product's operands rounded (dy and
+  // gradients_through on 16-bit products: the same gradients, each product's operands rounded (dy and
   // dqkv into operand16_, one after the other; the weights again into weights16_).
-  Status backward_pass16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
-                         const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads) {
-    cuda::ColumnSumJobs sums;
-    const int dy_job = grads.out_bias ? sums.add(dy, D_, grads.out_bias) : -1;
-    if (Status s = gradients_through16(pass, view, w, src, b, dy, d_src, grads, dy_job, &sums); !s.ok()) return s;
-    if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "column_sums launch");
-    return Status::Ok();
-  }
-
   Status gradients_through16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
                              const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads,
                              int dy_job, cuda::ColumnSumJobs* sums) {
@@ -349,16 +339,7 @@ class Training {
                              "attention output gradient (16-bit)");
         !s.ok())
       return s;
-    cuda::AttentionBackwardArgs a;
-    a.pos = row_indices(view, D_);
-    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
-    a.D = D_, a.heads = (int)p_.heads;
-    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
-    a.ds = scores_[pass];
-    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
-    a.products = products_;
-    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "attention_backward launch (16-bit products)");
+    if (Status s = attention_grads(pass, view, b); !s.ok()) return s;
     const int dqkv_job = grads.norm_bias ? sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias) : -1;
     if (!grads.qkv_weight && d_src == nullptr && !grads.norm_weight) return Status::Ok();
     void* dqkv16 = operand16_;  // (T, 3D)
@@ -375,26 +356,22 @@ class Training {
                              "LayerNorm output gradient (16-bit)");
         !s.ok())
       return s;
-    float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
-    if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
-                                                  d_norm_xhat, dev_, stream_);
-        e != cudaSuccess)
-      return cuda_error(e, "layer_norm_backward launch");
-    if (grads.norm_weight) sums->add(d_norm_xhat, D_, grads.norm_weight);
-    return Status::Ok();
+    return norm_grads(w, src, b, dy, d_src, grads, sums);
   }
 
   // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight
   // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
   Status backward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                        const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
-    if (products_ != Products::kFp32) return backward_pass16(pass, view, w, src, b, dy, d_src, grads);
     // The pass's column sums (d_bo, d_beta, d_gamma) in one set of launches at the end: their
     // inputs (dy, dqkv, d_xn * xhat) all stay until then. dy's and dqkv's are taken by the weight
     // gradients that read them, where those run (weight_gradient).
     cuda::ColumnSumJobs sums;
     const int dy_job = grads.out_bias ? sums.add(dy, D_, grads.out_bias) : -1;
-    if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, dy_job, &sums); !s.ok())
+    if (Status s = products_ != Products::kFp32
+                       ? gradients_through16(pass, view, w, src, b, dy, d_src, grads, dy_job, &sums)
+                       : gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, dy_job, &sums);
+        !s.ok())
       return s;
     if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
@@ -416,15 +393,7 @@ class Training {
                            "attention output gradient");
         !s.ok())
       return s;
-    cuda::AttentionBackwardArgs a;
-    a.pos = row_indices(view, D_);
-    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
-    a.D = D_, a.heads = (int)p_.heads;
-    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
-    a.ds = scores_[pass];
-    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
-    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "attention_backward launch");
+    if (Status s = attention_grads(pass, view, b); !s.ok()) return s;
     // d_beta, the column sums of d_xn = dqkv Wqkv, as those of dqkv times Wqkv (column_sums.h says why).
     const int dqkv_job = grads.norm_bias ? sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias) : -1;
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
@@ -433,11 +402,35 @@ class Training {
         return s;
     if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
 
-    // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward; d_attn_ is free again and takes d_xn * xhat.
+    // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward.
     if (Status s = product(d_qkv_, w.qkv_weight, planes.qkv_t, true, D_, 3 * D_, nullptr, nullptr, d_norm_,
                            "LayerNorm output gradient");
         !s.ok())
       return s;
+    return norm_grads(w, src, b, dy, d_src, grads, sums);
+  }
+
+  // The attention backward of the pass (attention/attention_backward.h) from its saved qkv, o and lse
+  // and d_o (d_attn_) into dqkv (d_qkv_), on the call's products.
+  Status attention_grads(int pass, const AxisView& view, const PassBuffers& b) {
+    cuda::AttentionBackwardArgs a;
+    a.pos = row_indices(view, D_);
+    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
+    a.D = D_, a.heads = (int)p_.heads;
+    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
+    a.ds = scores_[pass];
+    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
+    a.products = products_;
+    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, products_ == Products::kFp32 ? "attention_backward launch"
+                                                        : "attention_backward launch (16-bit products)");
+    return Status::Ok();
+  }
+
+  // From d_xn (d_norm_): LayerNorm's backward, d_src = dy + its gradient of src where d_src is not
+  // null; d_attn_, free again, takes d_xn * xhat, whose column sums (a job of *sums) are gamma's gradient.
+  Status norm_grads(const AxisWeights& w, const float* src, const PassBuffers& b, const float* dy, float* d_src,
+                    const AxisGrads& grads, cuda::ColumnSumJobs* sums) {
     float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
     if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
                                                   d_norm_xhat, dev_, stream_);
