@@ -60,9 +60,9 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 // `products` argument, else x's): that 16-bit dtype's where the problem is large enough for the
 // 16-bit path to win (below 2^21 elements its launches and its unsplit attention cost more than the
 // projections save: measured in perf notes v89, when a pass had nine launches; it has four since
-// v93), else fp32. (With grad: training_products.)
+// v93), else fp32. (With grad: training_plan.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
-// With grad (training_products) from a size of its own, measured (perf notes v96) when the training
+// With grad (training_plan) from a size of its own, measured (perf notes v96) when the training
 // calls' cuBLAS products kept them out of the library's graph replays, so that small 16-bit steps
 // paid every launch's host time; they are captured since v97 (training.cu: capture_blas), and the
 // size is to be measured again.
@@ -87,19 +87,26 @@ Products products_for(at::ScalarType dtype, int64_t elements, bool training = fa
   return dtype == at::kBFloat16 ? Products::kBf16 : dtype == at::kHalf ? Products::kFp16 : Products::kFp32;
 }
 
-// The products of a training call, by the same rule from x's dtype (its two operators decide
-// alike, so the backward plans the forward's): 16-bit where the rule says so and the backward
-// serves them on this device (plan_backward_cuda: the tensor-core attention backward), else fp32.
-// `products` as the forward's argument (None: x's dtype; the autograd kernel passes autocast's on).
-Products training_products(const Call& c, AxialParams p, std::optional<at::ScalarType> products) {
-  p.products = products_for(products.value_or(c.dtype), c.x.numel(), /*training=*/true);
-  if (p.products == Products::kFp32) return p.products;
-  CudaBackwardPlan plan;
-  if (plan_backward_cuda(p, &plan, /*caller_blas=*/true).code == StatusCode::kUnsupported) return Products::kFp32;
-  return p.products;
-}
-
 CudaBackwardPlan training_plan(const AxialParams& p);
+
+// A training call's plan, and its products in *p, by the same rule from x's dtype (its two
+// operators decide alike, so the backward plans the forward's): 16-bit where the rule says so and
+// the backward serves them on this device (else plan_backward_cuda refuses them: kUnsupported,
+// the tensor-core attention backward), else fp32. `products` as the forward's argument (None: x's
+// dtype; the autograd kernel passes autocast's on).
+CudaBackwardPlan training_plan(const Call& c, AxialParams* p, std::optional<at::ScalarType> products) {
+  p->products = products_for(products.value_or(c.dtype), c.x.numel(), /*training=*/true);
+  if (p->products != Products::kFp32) {
+    CudaBackwardPlan plan;  // (training_plan's, on 16-bit products: the library's cuBLAS handle)
+    const Status s = plan_backward_cuda(*p, &plan, /*caller_blas=*/false);
+    if (s.code != StatusCode::kUnsupported) {
+      TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
+      return plan;
+    }
+    p->products = Products::kFp32;
+  }
+  return training_plan(*p);
+}
 void run_training_forward(const AxialParams& p, const CudaBackwardPlan& plan, const at::Tensor& saved);
 at::Tensor empty_saved(const CudaBackwardPlan& plan, const at::Tensor& x);
 
@@ -180,8 +187,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   AxialParams p = c.params(out);
-  p.products = training_products(c, p, products);
-  const CudaBackwardPlan plan = training_plan(p);
+  const CudaBackwardPlan plan = training_plan(c, &p, products);
   at::Tensor saved = empty_saved(plan, c.x);
   if (out.numel() != 0) {
     draw_dropout_state(&p, c.x.device(), rng_state);
@@ -209,8 +215,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   AxialParams p = c.params();
-  p.products = training_products(c, p, products);  // the training forward's (its `saved` is laid out for them)
-  const CudaBackwardPlan plan = training_plan(p);
+  const CudaBackwardPlan plan = training_plan(c, &p, products);  // the forward's (its `saved` is laid out for them)
   const bool empty = c.x.numel() == 0;
   at::Tensor saved;
   if (saved_arg.has_value()) {

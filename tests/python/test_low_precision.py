@@ -319,7 +319,7 @@ def test_16bit_forward_below_the_size_keeps_fp32_products(dtype):
 @pytest.mark.parametrize("shape", [(2, 128, 128, 128, 4), (4, 64, 64, 256, 4)], ids=str)
 def test_16bit_training_on_16bit_products(shape, dtype, autocast):
     """In grad mode a call of 2^22 elements or more trains on the 16-bit products it asks for (the
-    training operators' rule, ops_cuda.cpp: training_products): a module and x of the dtype, or
+    training operators' rule, ops_cuda.cpp: training_plan): a module and x of the dtype, or
     float32 ones under autocast to it. The output and every gradient by the rule against the
     reference in the same dtype or under the same autocast (head dims 32 and 64), and gradients whose
     bits differ from those of the same call on fp32 products (float32 copies, outside autocast:
