@@ -23,7 +23,7 @@ struct Call {
   // The caller's dtype. bfloat16 and float16: x and the weights above are float32 copies, and the
   // device kernels convert what they return back to this dtype; the math is fp32 but for a CUDA
   // call of 2^21 elements or more, whose products run in this dtype (AxialParams::products;
-  // ops_cuda.cpp: products_for, training_products).
+  // ops_cuda.cpp: products_for, training_plan).
   at::ScalarType dtype = at::kFloat;
 
   // Params for writing into `out`, a contiguous tensor shaped like x.

@@ -97,7 +97,7 @@ class AxialAttentionFunction : public torch::autograd::Function<AxialAttentionFu
                             const at::Tensor& cout, const at::Tensor& cob, int64_t heads, double eps,
                             double dropout, const std::optional<at::Tensor>& rng_state,
                             std::optional<at::ScalarType> products) {
-    // `products` goes on to the training operators (ops_cuda.cpp: training_products), the backward's
+    // `products` goes on to the training operators (ops_cuda.cpp: training_plan), the backward's
     // as the forward's, which laid out `saved` for them.
     ctx->saved_data["products"] = products ? static_cast<int64_t>(*products) : int64_t{-1};
     ctx->saved_data["heads"] = heads;

@@ -60,11 +60,12 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 // `products` argument, else x's): that 16-bit dtype's where the problem is large enough for the
 // 16-bit path to win (below 2^21 elements its launches and its unsplit attention cost more than the
 // projections save: measured in perf notes v89, when a pass had nine launches; it has four since
-// v93), else fp32. (With grad: training_products.)
+// v93), else fp32. (With grad: training_plan.)
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
-// With grad (training_products) from a size of its own: the training calls' 16-bit products run
-// on cuBLAS, which the library's graph replays leave out (training.cu), so their host time stays
-// that of every launch issued one by one (perf notes v96).
+// With grad (training_plan) from a size of its own, measured (perf notes v96) when the training
+// calls' cuBLAS products kept them out of the library's graph replays, so that small 16-bit steps
+// paid every launch's host time; they are captured since v97 (training.cu: capture_blas), and the
+// size is to be measured again.
 constexpr int64_t kMin16BitTrainingElements = int64_t{1} << 22;
 // The thresholds: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides
 // both, for benchmarks that sweep them; anything else there is an error.
@@ -86,19 +87,26 @@ Products products_for(at::ScalarType dtype, int64_t elements, bool training = fa
   return dtype == at::kBFloat16 ? Products::kBf16 : dtype == at::kHalf ? Products::kFp16 : Products::kFp32;
 }
 
-// The products of a training call, by the same rule from x's dtype (its two operators decide
-// alike, so the backward plans the forward's): 16-bit where the rule says so and the backward
-// serves them on this device (plan_backward_cuda: the tensor-core attention backward), else fp32.
-// `products` as the forward's argument (None: x's dtype; the autograd kernel passes autocast's on).
-Products training_products(const Call& c, AxialParams p, std::optional<at::ScalarType> products) {
-  p.products = products_for(products.value_or(c.dtype), c.x.numel(), /*training=*/true);
-  if (p.products == Products::kFp32) return p.products;
-  CudaBackwardPlan plan;
-  if (plan_backward_cuda(p, &plan, /*caller_blas=*/true).code == StatusCode::kUnsupported) return Products::kFp32;
-  return p.products;
-}
-
 CudaBackwardPlan training_plan(const AxialParams& p);
+
+// A training call's plan, and its products in *p, by the same rule from x's dtype (its two
+// operators decide alike, so the backward plans the forward's): 16-bit where the rule says so and
+// the backward serves them on this device (else plan_backward_cuda refuses them: kUnsupported,
+// the tensor-core attention backward), else fp32. `products` as the forward's argument (None: x's
+// dtype; the autograd kernel passes autocast's on).
+CudaBackwardPlan training_plan(const Call& c, AxialParams* p, std::optional<at::ScalarType> products) {
+  p->products = products_for(products.value_or(c.dtype), c.x.numel(), /*training=*/true);
+  if (p->products != Products::kFp32) {
+    CudaBackwardPlan plan;  // (training_plan's, on 16-bit products: the library's cuBLAS handle)
+    const Status s = plan_backward_cuda(*p, &plan, /*caller_blas=*/false);
+    if (s.code != StatusCode::kUnsupported) {
+      TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
+      return plan;
+    }
+    p->products = Products::kFp32;
+  }
+  return training_plan(*p);
+}
 void run_training_forward(const AxialParams& p, const CudaBackwardPlan& plan, const at::Tensor& saved);
 at::Tensor empty_saved(const CudaBackwardPlan& plan, const at::Tensor& x);
 
@@ -140,9 +148,11 @@ at::Tensor axial_attention_cuda(const at::Tensor& x, const at::Tensor& rnw, cons
 
 CudaBackwardPlan training_plan(const AxialParams& p) {
   CudaBackwardPlan plan;
-  // cuBLAS on PyTorch's handle for the current stream, with PyTorch's workspace (kept across calls,
-  // as for PyTorch's own products), rather than a workspace region of each call's own.
-  const Status s = plan_backward_cuda(p, &plan, /*caller_blas=*/true);
+  // fp32 products: cuBLAS (the fallbacks) on PyTorch's handle for the current stream, with PyTorch's
+  // workspace (kept across calls, as for PyTorch's own products), rather than a workspace region of
+  // each call's own. 16-bit products: the library's handle on the plan's region, which the training
+  // calls' graph replays can capture (training.cu: capture_blas); PyTorch's is bound to its stream.
+  const Status s = plan_backward_cuda(p, &plan, /*caller_blas=*/p.products == Products::kFp32);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
   return plan;
 }
@@ -157,7 +167,7 @@ void run_training_forward(const AxialParams& p, const CudaBackwardPlan& plan, co
   const c10::DataPtr workspace = training_workspace(plan);
   const Status s = forward_cuda_training(p, plan, saved.data_ptr(), saved.numel() * sizeof(float), workspace.get(),
                                          plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
-                                         at::cuda::getCurrentCUDABlasHandle());
+                                         plan.caller_blas ? at::cuda::getCurrentCUDABlasHandle() : nullptr);
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_training (CUDA): ", s.message);
 }
 
@@ -177,8 +187,7 @@ std::tuple<at::Tensor, at::Tensor> axial_attention_training_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   at::Tensor out = at::empty_like(c.x, at::MemoryFormat::Contiguous);
   AxialParams p = c.params(out);
-  p.products = training_products(c, p, products);
-  const CudaBackwardPlan plan = training_plan(p);
+  const CudaBackwardPlan plan = training_plan(c, &p, products);
   at::Tensor saved = empty_saved(plan, c.x);
   if (out.numel() != 0) {
     draw_dropout_state(&p, c.x.device(), rng_state);
@@ -206,8 +215,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const c10::cuda::CUDAGuard guard(c.x.device());
   BackwardCall b = prepare_backward(c, grad_out, output_mask);
   AxialParams p = c.params();
-  p.products = training_products(c, p, products);  // the training forward's (its `saved` is laid out for them)
-  const CudaBackwardPlan plan = training_plan(p);
+  const CudaBackwardPlan plan = training_plan(c, &p, products);  // the forward's (its `saved` is laid out for them)
   const bool empty = c.x.numel() == 0;
   at::Tensor saved;
   if (saved_arg.has_value()) {
@@ -228,7 +236,7 @@ std::vector<at::Tensor> axial_attention_backward_cuda(
   const Status s = backward_cuda(p, b.grads, plan, empty ? nullptr : saved.data_ptr(),
                                  empty ? 0 : saved.numel() * sizeof(float), workspace.get(),
                                  empty ? 0 : plan.workspace_bytes, c10::cuda::getCurrentCUDAStream().stream(),
-                                 empty ? nullptr : at::cuda::getCurrentCUDABlasHandle());
+                                 empty || !plan.caller_blas ? nullptr : at::cuda::getCurrentCUDABlasHandle());
   TORCH_CHECK(s.ok(), "fastaxial.axial_attention_backward (CUDA): ", s.message);
   b.outputs = converted(std::move(b.outputs), c.dtype);  // the gradients in the inputs' dtype
   return b.outputs;

@@ -31,7 +31,7 @@
 // backward add in a fixed order, and cuBLAS's results are bitwise
 // reproducible, so the whole backward is deterministic.
 // On 16-bit products (plan.products bf16 or fp16) each pass runs the same steps with every
-// product's operands rounded to the type, fp32 accumulation (forward_pass16, backward_pass16):
+// product's operands rounded to the type, fp32 accumulation (forward_pass16, gradients_through16):
 // the projections and the backward's products through them and into the weights on cuBLAS's
 // 16-bit products (gemm_16bit), the flash forward and the attention backward on their kernels'
 // 16-bit instances. The forward keeps the LayerNorm output and the attention output rounded (the
@@ -209,7 +209,8 @@ class Training {
     return blas_gemm(false, !transposed, T_, N, K, a, K, w, transposed ? N : K, beta, c, N, what);
   }
 
-  // 16-bit products run on cuBLAS alone: a call being captured (no handle) runs directly instead.
+  // 16-bit products run on cuBLAS alone: a call being captured without a handle (capture_blas) runs
+  // directly instead.
   Status needs_blas() const {
     if (blas_ == nullptr) return {StatusCode::kUnsupported, "16-bit products: cuBLAS is not captured"};
     return Status::Ok();
@@ -219,6 +220,13 @@ class Training {
   Status product16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
                    const void* B, int64_t ldb, float beta, float* C, int64_t ldc, const char* what) {
     return cuda::gemm_16bit(blas_, products_, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc, what);
+  }
+
+  // y (T, N) = a (T, N) rounded, with job `job`'s column sums of a (*sums; -1: none) in the same read.
+  Status round_operand(const float* a, void* y, int N, int job, cuda::ColumnSumJobs* sums) {
+    const cudaError_t e = job >= 0 ? cuda::round_with_column_sums(sums, job, T_, y, products_, partials_, dev_, stream_)
+                                   : cuda::round_to_16bit(a, y, T_ * N, products_, dev_, stream_);
+    return e == cudaSuccess ? Status::Ok() : cuda_error(e, job >= 0 ? "round_with_column_sums launch" : "round_to_16bit launch");
   }
 
   // The pass's projection weights rounded into the workspace: Wqkv (3D, D) at weights16_, then Wout
@@ -281,7 +289,7 @@ class Training {
   // forward_pass on 16-bit products (pass.h's launch_staged_16bit, keeping what the backward reads):
   //   norm16 = LayerNorm(src) rounded, its statistics, dst = src + bo, the weights rounded   one launch
   //   qkv    = norm16 Wqkv16^T                                                              (T, 3D) fp32
-  //   attn, lse = the flash kernel on 16-bit products; attn16 = attn rounded
+  //   attn, attn16 (attn rounded), lse = the flash kernel on 16-bit products
   //   dst   += attn16 Wo16^T
   Status forward_pass16(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                         float* dst) {
@@ -297,32 +305,20 @@ class Training {
       return s;
     cuda::FlashArgs f;
     f.pos = row_indices(view, D_);
-    f.qkv = b.qkv, f.o = b.attn, f.lse = b.lse;
+    f.qkv = b.qkv, f.o = b.attn, f.o16 = b.attn16, f.lse = b.lse;  // o both ways: fp32 for delta, rounded for d_Wo
     f.D = D_, f.heads = (int)p_.heads;
     f.dropout = dropout_, f.pass = pass, f.philox = dropout_state_;
     f.products = products_;
     if (cudaError_t e = cuda::flash_attention(f, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "flash_attention launch (16-bit products)");
-    if (cudaError_t e = cuda::round_to_16bit(b.attn, b.attn16, T_ * D_, products_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "round_to_16bit launch");
     return product16(false, true, T_, D_, D_, b.attn16, D_, wout16, D_, 1.0f, dst, D_, "output product (16-bit)");
   }
 
-  // backward_pass on 16-bit products: the same gradients, each product's operands rounded (dy and
+  // gradients_through on 16-bit products: the same gradients, each product's operands rounded (dy and
   // dqkv into operand16_, one after the other; the weights again into weights16_).
-  Status backward_pass16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
-                         const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads) {
-    cuda::ColumnSumJobs sums;
-    if (grads.out_bias) sums.add(dy, D_, grads.out_bias);
-    if (Status s = gradients_through16(pass, view, w, src, b, dy, d_src, grads, &sums); !s.ok()) return s;
-    if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "column_sums launch");
-    return Status::Ok();
-  }
-
   Status gradients_through16(int pass, const AxisView& view, const AxisWeights& w, const float* src,
                              const PassBuffers& b, const float* dy, float* d_src, const AxisGrads& grads,
-                             cuda::ColumnSumJobs* sums) {
+                             int dy_job, cuda::ColumnSumJobs* sums) {
     const bool through = d_src != nullptr || grads.qkv_weight || grads.norm_weight || grads.norm_bias;
     if (!through && !grads.out_weight) return Status::Ok();
     const uint16_t *wqkv16 = weights16_, *wout16 = weights16_ + 3 * (int64_t)D_ * D_;
@@ -330,8 +326,7 @@ class Training {
     if (through)
       if (cudaError_t e = cuda::round_jobs_to_16bit(weight_rounds(w), products_, dev_, stream_); e != cudaSuccess)
         return cuda_error(e, "round_jobs_to_16bit launch");
-    if (cudaError_t e = cuda::round_to_16bit(dy, dy16, T_ * D_, products_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "round_to_16bit launch");
+    if (Status s = round_operand(dy, dy16, D_, dy_job, sums); !s.ok()) return s;
     if (grads.out_weight)  // d_Wo (D, D) = dy^T attn
       if (Status s = product16(true, false, D_, D_, T_, dy16, D_, b.attn16, D_, 0.0f, grads.out_weight, D_,
                                "out_weight gradient (16-bit)");
@@ -344,21 +339,11 @@ class Training {
                              "attention output gradient (16-bit)");
         !s.ok())
       return s;
-    cuda::AttentionBackwardArgs a;
-    a.pos = row_indices(view, D_);
-    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
-    a.D = D_, a.heads = (int)p_.heads;
-    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
-    a.ds = scores_[pass];
-    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
-    a.products = products_;
-    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "attention_backward launch (16-bit products)");
-    if (grads.norm_bias) sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias);
+    if (Status s = attention_grads(pass, view, b); !s.ok()) return s;
+    const int dqkv_job = grads.norm_bias ? sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias) : -1;
     if (!grads.qkv_weight && d_src == nullptr && !grads.norm_weight) return Status::Ok();
     void* dqkv16 = operand16_;  // (T, 3D)
-    if (cudaError_t e = cuda::round_to_16bit(d_qkv_, dqkv16, 3 * T_ * D_, products_, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "round_to_16bit launch");
+    if (Status s = round_operand(d_qkv_, dqkv16, 3 * D_, dqkv_job, sums); !s.ok()) return s;
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
       if (Status s = product16(true, false, 3 * D_, D_, T_, dqkv16, 3 * D_, b.norm16, D_, 0.0f, grads.qkv_weight, D_,
                                "qkv_weight gradient (16-bit)");
@@ -371,26 +356,22 @@ class Training {
                              "LayerNorm output gradient (16-bit)");
         !s.ok())
       return s;
-    float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
-    if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
-                                                  d_norm_xhat, dev_, stream_);
-        e != cudaSuccess)
-      return cuda_error(e, "layer_norm_backward launch");
-    if (grads.norm_weight) sums->add(d_norm_xhat, D_, grads.norm_weight);
-    return Status::Ok();
+    return norm_grads(w, src, b, dy, d_src, grads, sums);
   }
 
   // The pass's gradients from dy (T, D), the gradient of its output: the wanted weight
   // gradients of `grads`, and d_src = dy + the branch's gradient of src where d_src is not null.
   Status backward_pass(int pass, const AxisView& view, const AxisWeights& w, const float* src, const PassBuffers& b,
                        const Planes& planes, const float* dy, float* d_src, const AxisGrads& grads) {
-    if (products_ != Products::kFp32) return backward_pass16(pass, view, w, src, b, dy, d_src, grads);
     // The pass's column sums (d_bo, d_beta, d_gamma) in one set of launches at the end: their
     // inputs (dy, dqkv, d_xn * xhat) all stay until then. dy's and dqkv's are taken by the weight
     // gradients that read them, where those run (weight_gradient).
     cuda::ColumnSumJobs sums;
     const int dy_job = grads.out_bias ? sums.add(dy, D_, grads.out_bias) : -1;
-    if (Status s = gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, dy_job, &sums); !s.ok())
+    if (Status s = products_ != Products::kFp32
+                       ? gradients_through16(pass, view, w, src, b, dy, d_src, grads, dy_job, &sums)
+                       : gradients_through(pass, view, w, src, b, planes, dy, d_src, grads, dy_job, &sums);
+        !s.ok())
       return s;
     if (cudaError_t e = cuda::column_sums(sums, T_, partials_, dev_, stream_); e != cudaSuccess)
       return cuda_error(e, "column_sums launch");
@@ -412,15 +393,7 @@ class Training {
                            "attention output gradient");
         !s.ok())
       return s;
-    cuda::AttentionBackwardArgs a;
-    a.pos = row_indices(view, D_);
-    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
-    a.D = D_, a.heads = (int)p_.heads;
-    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
-    a.ds = scores_[pass];
-    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
-    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
-      return cuda_error(e, "attention_backward launch");
+    if (Status s = attention_grads(pass, view, b); !s.ok()) return s;
     // d_beta, the column sums of d_xn = dqkv Wqkv, as those of dqkv times Wqkv (column_sums.h says why).
     const int dqkv_job = grads.norm_bias ? sums->add_projected(d_qkv_, 3 * D_, w.qkv_weight, D_, grads.norm_bias) : -1;
     if (grads.qkv_weight)  // d_Wqkv (3D, D) = dqkv^T xn
@@ -429,11 +402,35 @@ class Training {
         return s;
     if (d_src == nullptr && !grads.norm_weight) return Status::Ok();
 
-    // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward; d_attn_ is free again and takes d_xn * xhat.
+    // d_xn (T, D) = dqkv Wqkv, then LayerNorm's backward.
     if (Status s = product(d_qkv_, w.qkv_weight, planes.qkv_t, true, D_, 3 * D_, nullptr, nullptr, d_norm_,
                            "LayerNorm output gradient");
         !s.ok())
       return s;
+    return norm_grads(w, src, b, dy, d_src, grads, sums);
+  }
+
+  // The attention backward of the pass (attention/attention_backward.h) from its saved qkv, o and lse
+  // and d_o (d_attn_) into dqkv (d_qkv_), on the call's products.
+  Status attention_grads(int pass, const AxisView& view, const PassBuffers& b) {
+    cuda::AttentionBackwardArgs a;
+    a.pos = row_indices(view, D_);
+    a.qkv = b.qkv, a.o = b.attn, a.d_o = d_attn_, a.lse = b.lse, a.delta = delta_, a.dqkv = d_qkv_;
+    a.D = D_, a.heads = (int)p_.heads;
+    a.dropout = dropout_, a.pass = pass, a.philox = dropout_state_;
+    a.ds = scores_[pass];
+    a.partials = attention_partials_, a.partials_bytes = attention_partials_bytes_;
+    a.products = products_;
+    if (cudaError_t e = cuda::attention_backward(a, dev_, stream_); e != cudaSuccess)
+      return cuda_error(e, products_ == Products::kFp32 ? "attention_backward launch"
+                                                        : "attention_backward launch (16-bit products)");
+    return Status::Ok();
+  }
+
+  // From d_xn (d_norm_): LayerNorm's backward, d_src = dy + its gradient of src where d_src is not
+  // null; d_attn_, free again, takes d_xn * xhat, whose column sums (a job of *sums) are gamma's gradient.
+  Status norm_grads(const AxisWeights& w, const float* src, const PassBuffers& b, const float* dy, float* d_src,
+                    const AxisGrads& grads, cuda::ColumnSumJobs* sums) {
     float* d_norm_xhat = grads.norm_weight ? d_attn_ : nullptr;
     if (cudaError_t e = cuda::layer_norm_backward(src, b.stats, w.norm_weight, d_norm_, dy, T_, D_, d_src,
                                                   d_norm_xhat, dev_, stream_);
@@ -544,6 +541,28 @@ static Status call_blas(const CudaBackwardPlan& plan, void* caller_handle, char*
   return caller->bind(*blas, stream);
 }
 
+// The cuBLAS handle of a call being captured into a graph (graph_replay.h): on 16-bit products
+// with the library's own handle (a plan without caller_blas), that handle bound to the capturing
+// stream and the plan's region, so that the products are captured with the rest (cuBLAS captures
+// within a workspace it was given); else none, and a call that needs cuBLAS then runs directly (a
+// caller's handle is bound to the caller's stream; the fp32 products capture their tensor-core
+// kernels alone, as before).
+static cublasHandle_t capture_blas(const CudaBackwardPlan& plan, char* ws, cudaStream_t stream) {
+  if (plan.products == Products::kFp32 || plan.caller_blas) return nullptr;
+  cublasHandle_t h = nullptr;
+  return cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, &h).ok() ? h : nullptr;
+}
+
+// The handle an enqueue on `stream` takes: capture_blas's while capturing; else `blas` (call_blas's),
+// the library's own bound to `stream` again, since a capture that failed (its call then runs
+// directly, graph_replay.h) may have left it bound to the capturing stream.
+static Status enqueue_blas(const CudaBackwardPlan& plan, char* ws, cudaStream_t stream, bool capturing,
+                           cublasHandle_t blas, cublasHandle_t* out) {
+  if (capturing) return *out = capture_blas(plan, ws, stream), Status::Ok();
+  if (plan.caller_blas || blas == nullptr) return *out = blas, Status::Ok();
+  return cuda::blas_handle(stream, ws + plan.blas, plan.blas_bytes, out);
+}
+
 // What a training call's launches take (graph_replay.h): the problem, the gradients, the plan
 // and the buffers. `kind` tells the forward's key (0; 2 where the seed, passed by value, is written
 // before the graph) from the backward's (1).
@@ -613,7 +632,9 @@ Status forward_cuda_training(const AxialParams& p, const CudaBackwardPlan& plan,
     if (Status st = zero_saved_gaps(p, plan, static_cast<char*>(saved), s); !st.ok()) return st;
     if (!seed_by_value)
       if (Status st = write_state(s); !st.ok()) return st;
-    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, capturing ? nullptr : blas).forward(p.out);
+    cublasHandle_t h = nullptr;
+    if (Status st = enqueue_blas(plan, ws, s, capturing, blas, &h); !st.ok()) return st;
+    return Training(p, plan, static_cast<char*>(saved), ws, dev, s, h).forward(p.out);
   };
   return cuda::run_graphed(call_key(seed_by_value ? 2 : 0, p, nullptr, plan, saved, workspace), stream, dev.device,
                            enqueue);
@@ -636,7 +657,9 @@ Status backward_cuda(const AxialParams& p, const AxialGrads& g, const CudaBackwa
   // backward reads the dropout mask's seed and offset from it, so a replay draws the right mask.
   char* kept = static_cast<char*>(const_cast<void*>(saved));
   const auto enqueue = [&](cudaStream_t s, bool capturing) {
-    return Training(p, plan, kept, ws, dev, s, capturing ? nullptr : blas).backward(g);
+    cublasHandle_t h = nullptr;
+    if (Status st = enqueue_blas(plan, ws, s, capturing, blas, &h); !st.ok()) return st;
+    return Training(p, plan, kept, ws, dev, s, h).backward(g);
   };
   return cuda::run_graphed(call_key(1, p, &g, plan, saved, workspace), stream, dev.device, enqueue);
 }

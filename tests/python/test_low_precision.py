@@ -319,7 +319,7 @@ def test_16bit_forward_below_the_size_keeps_fp32_products(dtype):
 @pytest.mark.parametrize("shape", [(2, 128, 128, 128, 4), (4, 64, 64, 256, 4)], ids=str)
 def test_16bit_training_on_16bit_products(shape, dtype, autocast):
     """In grad mode a call of 2^22 elements or more trains on the 16-bit products it asks for (the
-    training operators' rule, ops_cuda.cpp: training_products): a module and x of the dtype, or
+    training operators' rule, ops_cuda.cpp: training_plan): a module and x of the dtype, or
     float32 ones under autocast to it. The output and every gradient by the rule against the
     reference in the same dtype or under the same autocast (head dims 32 and 64), and gradients whose
     bits differ from those of the same call on fp32 products (float32 copies, outside autocast:
@@ -461,3 +461,66 @@ def test_16bit_products_in_a_cuda_graph(autocast):
         want = call(x)
     assert torch.isfinite(out).all()
     assert torch.equal(out, want), "the replay's output differs from the eager call's on the same x"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
+                    reason="no CUDA kernel or no GPU")
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_16bit_training_under_compile_and_in_a_cuda_graph(autocast):
+    """A training step on 16-bit products (2^22 elements: a bf16 module, or a float32 one under bf16
+    autocast) compiled with fullgraph=True, and captured in a CUDA graph (its products on the
+    library's cuBLAS handle bound to the capturing stream, its workspace from the graph's pool): the
+    output and every gradient have the bits of the same step run eagerly, the graph's after a replay
+    on new x."""
+    B, H, W, D, heads = 2, 128, 128, 128, 4
+    torch.manual_seed(6)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    m = fastaxial.AxialAttention(D, heads, H, W).cuda().to(dtype)
+    x = torch.randn(B, H, W, D, device="cuda").to(dtype)
+    g = torch.randn(B, H, W, D, device="cuda").to(dtype)
+    weights = list(m.parameters())
+
+    def step(module, t):
+        for w in weights:
+            w.grad = None
+        t = t.detach().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            out = module(t)
+        out.backward(g)
+        return [out.detach().clone(), t.grad.clone()] + [w.grad.clone() for w in weights]
+
+    def same(a, b, what):
+        bad = [i for i, (u, v) in enumerate(zip(a, b, strict=True)) if not torch.equal(u, v)]
+        assert not bad, f"{what}: tensors {bad} differ (0: the output, 1: x's gradient, then the weights')"
+
+    eager = step(m, x)
+    assert all(torch.isfinite(t).all() for t in eager)
+    with torch.no_grad():
+        fp32 = fastaxial.AxialAttention(D, heads, H, W).cuda()
+        fp32.load_state_dict({k: v.float() for k, v in m.state_dict().items()})
+    assert not torch.equal(eager[0].float(), fp32(x.float()).detach().to(dtype).float()), "fp32 products ran"
+    torch._dynamo.reset()  # the module's frame: other tests' compiles count toward its recompile limit
+    same(step(torch.compile(m, fullgraph=True, dynamic=False), x), eager, "compiled")
+
+    # CUDA graph: warm up on a side stream, capture one step, replay on new x.
+    static_x = x.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step(m, static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    for w in weights:  # None before the capture: its backward allocates them from the graph's pool
+        w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        t = static_x.requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            static_out = m(t)
+        static_out.backward(g)
+    new_x = torch.randn(B, H, W, D, device="cuda").to(dtype)
+    static_x.detach().copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [static_out.detach().clone(), static_x.grad.clone()] + [w.grad.clone() for w in weights]
+    same(replayed, step(m, new_x), "the CUDA graph's replay")

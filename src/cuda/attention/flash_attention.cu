@@ -266,7 +266,8 @@ __device__ __forceinline__ void tile_products(FlashRows<NF>& rows, const Dropout
 // The epilogue of the warp's rows r0 = q0 + 16 warp + g and r0 + 8: o / l
 // (with dropout, times the kept probabilities' scale: 0 where p = 1) and the
 // lse into the output; under kSplit, the split's unnormalised o, m and l.
-// On 16-bit products, o goes to a.o16 rounded to their type where a.o16 is given.
+// On 16-bit products, o goes to a.o16 rounded to their type where a.o16 is given, and to a.o too
+// where that is not null.
 template <class Elem>
 struct OutputOf {  // Tf32x3: float
   using type = float;
@@ -287,7 +288,10 @@ __device__ __forceinline__ void store_unit(FlashRows<NF>& rows, const AttentionK
   } else {
     if constexpr (!std::is_same_v<Out16, float>) {
       if (a.o16 != nullptr) {
-        rows.template store<Out16>(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
+        if (a.o != nullptr)
+          rows.template store_both<Out16>(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
+        else
+          rows.template store<Out16>(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
         return;
       }
     }
@@ -580,6 +584,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   if (hdp == 0 || !dropout_pass_args_ok(a.dropout, a.pass, a.philox, a.pos.len, a.heads)) return cudaErrorInvalidValue;
   if (a.o16 != nullptr && a.products == Products::kFp32) return cudaErrorInvalidValue;  // o16: 16-bit products only
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
+  if (a.o == nullptr && a.o16 == nullptr) return cudaErrorInvalidValue;  // an output to write
   // Blocks of kBM queries, or fewer where the sequence is short (flash_warps): at most 2^31 - 1,
   // gridDim.x's limit (a short sequence is one query tile whatever the block).
   const int q_tiles = (int)((a.pos.len + kBM - 1) / kBM);

@@ -34,9 +34,9 @@ struct FlashArgs {
   AxisView pos;
   const float* qkv = nullptr;  // (T, 3D): row r is [q | k | v], head h at columns h*hd .. h*hd + hd - 1 of each part
   float* o = nullptr;          // (T, D): head h written at columns h*hd .. h*hd + hd - 1 of each valid row
-  // On 16-bit products only (else cudaErrorInvalidValue): where not null, o is written here instead,
+  // On 16-bit products only (else cudaErrorInvalidValue): where not null, o is written here too,
   // rounded to the products' type (nearest, ties to even: round_to_16bit's bits), (T, D) 16-bit
-  // values laid out as o; `o` is then not written.
+  // values laid out as o; `o` may then be null (the inference pass keeps the rounded one alone).
   void* o16 = nullptr;
   // (2, num_seq, heads, L) or null: row r = (n * heads + h) * L + l's
   //   lse2 = log2(sum_k 2^(s_k)),  s_k = q_l . k_k log2(e) / sqrt(hd)   (log2 units, of the scaled scores),

@@ -173,6 +173,19 @@ struct FlashRows {
                            a.pos.pos_stride * a.D, r0, L, hd, t, a.lse, a.pos.num_seq * a.heads * L, item * L);
   }
 
+  // store's end both ways: o / l into a.o and rounded to Out16 into a.o16 (the 16-bit training
+  // forward keeps both), the lse once.
+  template <class Out16>
+  __device__ __forceinline__ void store_both(const AttentionKernelArgs& a, float num, int64_t seq, int col,
+                                             int64_t item, int r0, int L, int hd, int t) {
+    softmax.sum_rows();
+    const auto o = [&](int f, int e) -> float& { return at(f, e); };
+    const int64_t stride = a.pos.pos_stride * a.D;
+    softmax.store_rows<NF>(o, num, static_cast<Out16*>(a.o16) + seq * a.D + col, stride, r0, L, hd, t, nullptr, 0, 0);
+    softmax.store_rows<NF>(o, num, a.o + seq * a.D + col, stride, r0, L, hd, t, a.lse, a.pos.num_seq * a.heads * L,
+                           item * L);
+  }
+
   // A split's end: its unnormalised o, m and l of the rows into sp.partials.
   __device__ __forceinline__ void store_partials(const FlashPartials& sp, int split, int64_t item, int r0, int L, int hd,
                                                  int t) {

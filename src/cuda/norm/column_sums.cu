@@ -15,6 +15,7 @@
 #include <algorithm>
 
 #include "../detail/launch.cuh"
+#include "../detail/round16.cuh"
 #include "../detail/warp_ops.cuh"
 
 namespace fastaxial::cuda {
@@ -49,6 +50,35 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
   if (c < N) {
 #pragma unroll 4
     for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) sum += (double)a[r * N + c];
+  }
+  lane_sums[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < N) {
+    double total = 0.0;
+    for (int l = 0; l < kRowLanes; ++l) total += lane_sums[l][threadIdx.x];
+    partials[blockIdx.y * (int64_t)N + c] = total;
+  }
+}
+
+// chunk_sums_kernel's partials of one matrix a (M, N), the same sums in the same order, while it
+// writes y = a rounded to T (round_to_16bit's bits): the 16-bit backward's operands, read once.
+template <class T>
+__global__ void __launch_bounds__(kCols* kRowLanes)
+    rounded_chunk_sums_kernel(const float* __restrict__ a, T* __restrict__ y, int N, int64_t M,
+                              int64_t rows_per_chunk, double* __restrict__ partials) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  __shared__ double lane_sums[kRowLanes][kCols];
+  const int c = blockIdx.x * kCols + threadIdx.x;
+  const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
+  double sum = 0.0;
+  if (c < N) {
+#pragma unroll 4
+    for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) {
+      const float v = a[r * N + c];
+      y[r * N + c] = round16<T>(v);
+      sum += (double)v;
+    }
   }
   lane_sums[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
@@ -148,6 +178,26 @@ cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, double* partials, 
   return launch_kernel<project_kernel>(dim3((jobs.out_cols + kCols - 1) / kCols), dim3(kCols, kProjectLanes), 0, stream,
                                        dev, totals, jobs.w, jobs.cols[jobs.projected], jobs.out_cols,
                                        jobs.sums[jobs.projected]);
+}
+
+cudaError_t round_with_column_sums(ColumnSumJobs* jobs, int job, int64_t M, void* y, Products type, double* partials,
+                                   const DeviceCaps& dev, cudaStream_t stream) {
+  if (job < 0 || job >= jobs->count || (type != Products::kBf16 && type != Products::kFp16)) return cudaErrorInvalidValue;
+  const int N = jobs->cols[job];
+  const int64_t per = rows_per_chunk(M), chunks = column_sum_chunks(M);
+  if (N > 0) {
+    const dim3 grid((N + kCols - 1) / kCols, (unsigned)chunks);
+    double* at = jobs->chunk_partials(partials, job);
+    const auto launch = [&](auto* typed_y) {
+      return launch_kernel<rounded_chunk_sums_kernel<std::remove_pointer_t<decltype(typed_y)>>>(
+          grid, dim3(kCols, kRowLanes), 0, stream, dev, jobs->a[job], typed_y, N, M, per, at);
+    };
+    const cudaError_t e =
+        type == Products::kBf16 ? launch(static_cast<__nv_bfloat16*>(y)) : launch(static_cast<__half*>(y));
+    if (e != cudaSuccess) return e;
+  }
+  jobs->take_chunks(job, chunks);
+  return cudaSuccess;
 }
 
 }  // namespace fastaxial::cuda

@@ -62,6 +62,13 @@ int64_t column_sum_chunks(int64_t M);
 // jobs of a pass are dy (D), dqkv (3D, projected) and d_xn * xhat (D).
 int64_t column_sum_partials(const ColumnSumJobs& jobs);
 
+// Job `job`'s matrix a (M, cols) rounded into y (M, cols) of `type` (bf16 or fp16: round_to_16bit's
+// bits), and its chunk partials, the ones column_sums would sum, in the same order (so the same sums),
+// taken (take_chunks): one read of a where the 16-bit backward rounds a matrix whose column sums it
+// needs (dy, dqkv). `partials` is column_sums' scratch. cudaErrorInvalidValue for another type or job.
+cudaError_t round_with_column_sums(ColumnSumJobs* jobs, int job, int64_t M, void* y, Products type, double* partials,
+                                   const DeviceCaps& dev, cudaStream_t stream);
+
 // sums[j] = the column sums of a[j] (M, cols[j]) for each job, the projected job's times w; partials
 // is scratch of column_sum_partials(jobs) doubles. M = 0 gives zeros.
 cudaError_t column_sums(const ColumnSumJobs& jobs, int64_t M, double* partials, const DeviceCaps& dev,

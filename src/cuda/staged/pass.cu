@@ -100,8 +100,7 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
                            Products type, const DeviceCaps& dev, cudaStream_t stream) {
   const int D = (int)p.dim;
   const int64_t T = view.num_seq * view.len, DD = (int64_t)D * D;
-  float* o = scratch;                   // (T, D): not written (the attention writes o16)
-  float* qkv = scratch + T * (int64_t)D;  // (T, 3D)
+  float* qkv = scratch + T * (int64_t)D;  // (T, 3D); the first T D floats unused (the attention writes o16 alone)
   auto* wqkv16 = static_cast<uint16_t*>(weights16);  // (3D, D) rounded, then Wout (D, D)
   uint16_t* wout16 = wqkv16 + 3 * DD;
   const auto check = [](cudaError_t e, const char* what) { return e == cudaSuccess ? Status::Ok() : cuda_error(e, what); };
@@ -122,7 +121,7 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
     return s;
   FlashArgs f;
   f.pos = row_indices(view, D);
-  f.qkv = qkv, f.o = o;
+  f.qkv = qkv, f.o = nullptr;
   f.o16 = operand16;  // the attention output rounded, for the output product (the LayerNorm output is read by now)
   f.D = D, f.heads = (int)p.heads;
   f.products = type;

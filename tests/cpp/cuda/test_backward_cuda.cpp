@@ -450,9 +450,13 @@ struct TrainingSteps {
   }
 
   // Graphs the steps add to the cache: the training forward's and the backward's, where the calls run
-  // no cuBLAS product (the tensor-core products: Hopper with an sm_90a build); elsewhere they cannot
-  // be captured and launch directly.
-  int graphs_per_problem() const { return plan.tensor_core_products && plan.tensor_core_weight_grads ? 2 : 0; }
+  // no cuBLAS product (the tensor-core products: Hopper with an sm_90a build) or run them on the
+  // library's own handle (16-bit products: training.cu's capture_blas); elsewhere they cannot be
+  // captured and launch directly.
+  int graphs_per_problem() const {
+    if (plan.products != Products::kFp32) return plan.caller_blas ? 0 : 2;
+    return plan.tensor_core_products && plan.tensor_core_weight_grads ? 2 : 0;
+  }
 
   Shape s;
   size_t n;
@@ -473,9 +477,13 @@ void expect_same_step(const std::vector<float>& out_a, Grads& a, const std::vect
 // A call that comes back with the same pointers replays a CUDA graph of its launches
 // (src/cuda/graph_replay.h): the second call captures it, the third replays. Outputs and
 // gradients are bitwise those of direct launches, and stay so after the inputs' values change in
-// place (a graph reads memory when it runs; an optimizer step leaves the pointers alone).
-TEST_F(CudaBackwardRuns, GraphReplayMatchesDirectLaunches) {
+// place (a graph reads memory when it runs; an optimizer step leaves the pointers alone). On fp32
+// and on 16-bit products (whose cuBLAS products the graphs capture on the library's handle).
+class CudaGraphReplay : public CudaBackwardRuns, public ::testing::WithParamInterface<Products> {};
+
+TEST_P(CudaGraphReplay, MatchesDirectLaunches) {
   use(Shape{3, 16, 16, 64, 4}, 99, 13);
+  dp.products = GetParam();
   TrainingSteps t(s, dp, gout_f);
   ASSERT_TRUE(t.setup.ok()) << t.setup.message;
 
@@ -509,6 +517,14 @@ TEST_F(CudaBackwardRuns, GraphReplayMatchesDirectLaunches) {
   EXPECT_FALSE(same_bits(out_replay, out_direct)) << "the new inputs changed nothing";
   expect_same_step(out_fresh, fresh, out_replay, replayed, "replay after the inputs changed");
 }
+
+INSTANTIATE_TEST_SUITE_P(Products, CudaGraphReplay,
+                         ::testing::Values(Products::kFp32, Products::kBf16, Products::kFp16),
+                         [](const auto& info) {
+                           return std::string(info.param == Products::kFp32   ? "fp32"
+                                              : info.param == Products::kBf16 ? "bf16"
+                                                                              : "fp16");
+                         });
 
 // Dropout with the seed passed by value (as the torch binding passes it outside torch's graph
 // capture): the seed is written before the graph, so the training calls replay, and each replay

@@ -79,7 +79,7 @@ struct Result {
 inline void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r,
                     const DropoutParams* drop = nullptr, const uint64_t* philox_seed_offset = nullptr,
                     bool partials = false, bool mma_sync = false, Products products = Products::kFp32,
-                    std::vector<uint16_t>* o16 = nullptr) {
+                    std::vector<uint16_t>* o16 = nullptr, bool o_too = true) {
   const int64_t D = pr.D, T = pr.T, lse_n = 2 * pr.N * pr.heads * pr.L;  // hi, then lo
   const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
                   dlse = device_alloc((size_t)(lse_n + kGuardLse));
@@ -104,6 +104,7 @@ inline void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Resu
     ASSERT_TRUE(d16);
     CUDA_OK(cudaMemset(d16.get(), 0xff, o16->size() * sizeof(uint16_t)));
     a.o16 = d16.get();
+    if (!o_too) a.o = nullptr;  // o16 alone: o stays poison
   }
   if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
   DevicePtr dpart;

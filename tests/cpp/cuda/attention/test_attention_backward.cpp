@@ -280,6 +280,22 @@ void head_grads(const float* q, const float* k, const float* v, const float* g, 
       }
 }
 
+// Sequence n, head h's q, k, v and output gradient g (each (L, hd)) from pr's rows, those rows
+// marked in *touched.
+void gather_head(const Problem& pr, int64_t n, int64_t h, std::vector<float>* q, std::vector<float>* k,
+                 std::vector<float>* v, std::vector<float>* g, std::vector<char>* touched) {
+  const int64_t D = pr.D, hd = pr.hd;
+  for (int64_t l = 0; l < pr.L; ++l) {
+    const int64_t row = pr.view.offset(n, l);
+    (*touched)[(size_t)row] = 1;
+    const float* r = pr.qkv.data() + row * 3 * D + h * hd;
+    for (int64_t i = 0; i < hd; ++i) {
+      (*q)[l * hd + i] = r[i], (*k)[l * hd + i] = r[D + i], (*v)[l * hd + i] = r[2 * D + i];
+      (*g)[l * hd + i] = pr.d_o[row * D + h * hd + i];
+    }
+  }
+}
+
 // max |x - ref|, NaN counting as infinite.
 double worst_abs(double worst, double x, double ref) {
   const double e = std::isnan(x) ? std::numeric_limits<double>::infinity() : std::fabs(x - ref);
@@ -324,16 +340,8 @@ void expect_matches_reference(const Problem& pr, const std::vector<float>& got, 
   Sensitivity sens;
   for (int64_t n = 0; n < pr.N; ++n)
     for (int64_t h = 0; h < pr.heads; ++h) {
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t row = pr.view.offset(n, l);
-        touched[(size_t)row] = 1;
-        const float* r = pr.qkv.data() + row * 3 * D + h * hd;
-        for (int64_t i = 0; i < hd; ++i) {
-          q[l * hd + i] = r[i], k[l * hd + i] = r[D + i], v[l * hd + i] = r[2 * D + i];
-          g[l * hd + i] = pr.d_o[row * D + h * hd + i];
-          vmax = std::max(vmax, std::fabs((double)r[2 * D + i]));
-        }
-      }
+      gather_head(pr, n, h, &q, &k, &v, &g, &touched);
+      for (float x : v) vmax = std::max(vmax, std::fabs((double)x));
       std::vector<float> mult;  // empty: no dropout
 #if !defined(FASTAXIAL_NO_RANDOM123)
       if (pr.dropout) mult = dropout_multipliers(pr.drop, pr.pass, n, h, L);
@@ -762,15 +770,7 @@ TEST_P(AttentionBackward16, WithinTwiceTheSameTypeReference) {
   std::vector<double> dq64, dk64, dv64, dq16, dk16, dv16;
   for (int64_t n = 0; n < pr.N; ++n)
     for (int64_t h = 0; h < pr.heads; ++h) {
-      for (int64_t l = 0; l < L; ++l) {
-        const int64_t row = pr.view.offset(n, l);
-        touched[(size_t)row] = 1;
-        const float* x = pr.qkv.data() + row * 3 * D + h * hd;
-        for (int64_t i = 0; i < hd; ++i) {
-          q[l * hd + i] = x[i], k[l * hd + i] = x[D + i], v[l * hd + i] = x[2 * D + i];
-          g[l * hd + i] = pr.d_o[row * D + h * hd + i];
-        }
-      }
+      gather_head(pr, n, h, &q, &k, &v, &g, &touched);
       head_grads<double>(q.data(), k.data(), v.data(), g.data(), L, hd, nullptr, &dq64, &dk64, &dv64, nullptr);
       head_grads_16bit(q.data(), k.data(), v.data(), g.data(), L, hd, type, &dq16, &dk16, &dv16);
       const std::vector<double>* exact[3] = {&dq64, &dk64, &dv64};

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -105,19 +106,28 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
 
 // The output written rounded (FlashArgs::o16, the staged 16-bit pass's operand of its output
 // product): on every row the view addresses, the bits of the fp32 output rounded to the type
-// (nearest, ties to even: round16); the fp32 o not written; rows outside the view (and the guard
-// rows) left poison. A 3xTF32 call with o16 is refused.
+// (nearest, ties to even: round16); the fp32 o too where it is given (the 16-bit training forward),
+// the bits of the call without o16 (and the same lse), and untouched where it is null; rows
+// outside the view (and the guard rows) left poison. A 3xTF32 call with o16 is refused, and a call
+// with neither output.
 TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
   const Case16 c = GetParam();
   DeviceCaps dev;
   std::string why;
   if (!device_for(c.shape.hd, &dev, &why)) GTEST_SKIP() << why;
   const Problem pr = make_problem(c.shape);
-  Result r, r_with16;
-  std::vector<uint16_t> o16;
+  Result r, r_with16, r_both;
+  std::vector<uint16_t> o16, o16_both;
   run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, false, c.type);
-  run_gpu(pr, c.shape.misalign, dev, &r_with16, nullptr, nullptr, false, false, c.type, &o16);
+  run_gpu(pr, c.shape.misalign, dev, &r_with16, nullptr, nullptr, false, false, c.type, &o16, /*o_too=*/false);
+  run_gpu(pr, c.shape.misalign, dev, &r_both, nullptr, nullptr, false, false, c.type, &o16_both);
   if (HasFatalFailure()) return;
+  EXPECT_TRUE(o16_both == o16) << "o16 written with o differs from o16 alone";
+  const auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same(r_both.o, r.o)) << "o written with o16 differs from the call without";
+  EXPECT_TRUE(same(r_both.lse, r.lse)) << "the lse written with both outputs differs";
   const int64_t D = pr.D;
   std::vector<char> touched((size_t)(pr.T + kGuardRows), 0);
   for (int64_t n = 0; n < pr.N; ++n)
@@ -137,10 +147,12 @@ TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
       wrong += bits(got) != bits(round16(r.o[at], c.type));
     }
   EXPECT_EQ(wrong, 0) << "elements of o16 that are not o rounded";
-  EXPECT_EQ(o_written, 0) << "elements of o written where o16 was given";
+  EXPECT_EQ(o_written, 0) << "elements of o written where o16 alone was given";
   EXPECT_EQ(left, 0) << "elements of o16 written outside the view";
   cuda::FlashArgs a;
   a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads, a.o16 = &wrong;  // (never written: refused first)
+  EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaErrorInvalidValue);
+  a.o16 = nullptr, a.products = c.type;  // neither output
   EXPECT_EQ(cuda::flash_attention(a, dev, nullptr), cudaErrorInvalidValue);
 }
 

@@ -1,5 +1,6 @@
 // The backward's column sums alone (src/cuda/norm/column_sums.h): every job's sums over all rows,
-// and a projected job's sums times its weight, against float64, into poisoned outputs.
+// and a projected job's sums times its weight, against float64, into poisoned outputs; the 16-bit
+// backward's rounding that takes a job's chunk partials on the way.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "src/cuda/gemm/blas.h"  // round_to_16bit
 #include "src/cuda/norm/column_sums.h"
 #include "util/backward_util.h"  // same_bits
 #include "util/cuda_test_util.h"
@@ -112,6 +114,88 @@ TEST(CudaColumnSums, JobsAndProjectedJobMatchDouble) {
       }
     }
   }
+}
+
+// round_with_column_sums: a job's matrix rounded to bf16 or fp16 with the bits round_to_16bit
+// gives, nothing written past it (poison), and its chunk partials taken, so that column_sums gives
+// the bits it gives without them (the same chunks summed in the same order); the projected job too.
+// D above a block's 32 columns and not a multiple of them, M from none to several chunks.
+TEST(CudaColumnSums, RoundedWithTheSumsGivesTheSameSums) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  DeviceCaps dev;
+  ASSERT_TRUE(read_device_caps(&dev));
+  std::mt19937 rng(78);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (Products type : {Products::kBf16, Products::kFp16})
+    for (int D : {24, 72})
+      for (int64_t M : {0, 5, 9001}) {
+        SCOPED_TRACE(std::string(type == Products::kBf16 ? "bf16" : "fp16") + ", D " + std::to_string(D) + ", M " +
+                     std::to_string(M));
+        const int cols[2] = {D, 3 * D};
+        std::vector<std::vector<float>> a(2);
+        for (int j = 0; j < 2; ++j) {
+          a[j].resize((size_t)M * cols[j]);
+          for (size_t i = 0; i < a[j].size(); ++i) a[j][i] = 2.0f + u(rng) + 0.25f * (float)(i % cols[j] % 3);
+        }
+        std::vector<float> w((size_t)3 * D * D);
+        for (float& v : w) v = u(rng);
+        std::vector<DevicePtr> bufs;
+        bool ok = true;
+        auto put = [&](const std::vector<float>& h) {
+          bufs.push_back(device_alloc(h.size() + 1));
+          float* d = bufs.back().get();
+          ok = ok && d != nullptr &&
+               cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess;
+          return d;
+        };
+        auto poisoned = [&](size_t floats) {
+          bufs.push_back(device_alloc(floats));
+          float* d = bufs.back().get();
+          ok = ok && d != nullptr && cudaMemset(d, 0xff, floats * sizeof(float)) == cudaSuccess;
+          return d;
+        };
+        const float *da = put(a[0]), *dqkv = put(a[1]), *dw = put(w);
+        float* plain[2] = {poisoned(D), poisoned(D)};
+        float* fused[2] = {poisoned(D), poisoned(D)};
+        void* want16[2] = {poisoned((size_t)M * cols[0] / 2 + 1), poisoned((size_t)M * cols[1] / 2 + 1)};
+        void* got16[2] = {poisoned((size_t)M * cols[0] / 2 + 1), poisoned((size_t)M * cols[1] / 2 + 1)};
+        cuda::ColumnSumJobs jobs, rounded;
+        jobs.add(da, D, plain[0]), jobs.add_projected(dqkv, 3 * D, dw, D, plain[1]);
+        rounded.add(da, D, fused[0]), rounded.add_projected(dqkv, 3 * D, dw, D, fused[1]);
+        const int64_t partials = cuda::column_sum_partials(jobs);
+        double* scratch = nullptr;
+        ASSERT_EQ(cudaMalloc(&scratch, partials * sizeof(double)), cudaSuccess);
+        ASSERT_TRUE(ok) << "allocating and filling the buffers";
+        CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));
+        CUDA_OK(cuda::column_sums(jobs, M, scratch, dev, nullptr));
+        CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));  // the partials from the rounding alone
+        for (int j = 0; j < 2; ++j) {
+          CUDA_OK(cuda::round_to_16bit(j == 0 ? da : dqkv, want16[j], M * cols[j], type, dev, nullptr));
+          CUDA_OK(cuda::round_with_column_sums(&rounded, j, M, got16[j], type, scratch, dev, nullptr));
+          EXPECT_EQ(rounded.chunks[j], cuda::column_sum_chunks(M)) << "job " << j << "'s chunks not taken";
+        }
+        CUDA_OK(cuda::column_sums(rounded, M, scratch, dev, nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        for (int j = 0; j < 2; ++j) {
+          std::vector<float> want(D), got(D);
+          CUDA_OK(cudaMemcpy(want.data(), plain[j], D * sizeof(float), cudaMemcpyDeviceToHost));
+          CUDA_OK(cudaMemcpy(got.data(), fused[j], D * sizeof(float), cudaMemcpyDeviceToHost));
+          EXPECT_TRUE(same_bits(got, want)) << "job " << j << "'s sums";
+          const size_t n = (size_t)M * cols[j] + 1;  // one past the end: poison
+          std::vector<uint16_t> w16(n), g16(n);
+          CUDA_OK(cudaMemcpy(w16.data(), want16[j], n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+          CUDA_OK(cudaMemcpy(g16.data(), got16[j], n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+          EXPECT_TRUE(g16 == w16) << "job " << j << " rounded";
+          EXPECT_EQ(g16.back(), 0xffffu) << "job " << j << ": written past its end";
+        }
+        CUDA_OK(cudaFree(scratch));
+      }
+  cuda::ColumnSumJobs one;
+  one.add(nullptr, 4, nullptr);
+  EXPECT_EQ(cuda::round_with_column_sums(&one, 1, 8, nullptr, Products::kBf16, nullptr, dev, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::round_with_column_sums(&one, 0, 8, nullptr, Products::kFp32, nullptr, dev, nullptr),
+            cudaErrorInvalidValue);
 }
 
 }  // namespace
