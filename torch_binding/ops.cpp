@@ -203,7 +203,7 @@ TORCH_LIBRARY(fastaxial, m) {
   // `products`: the precision of the products the call may run on (fastaxial.h, AxialParams::products).
   // None: x's dtype. float32: 3xTF32 products, whatever x's dtype. bfloat16 or float16: that type's
   // products with fp32 accumulation, where they are served and faster (CUDA calls without grad of
-  // 2^21 elements or more, ops_cuda.cpp, products_for, with grad too: training_plan);
+  // 2^21 elements or more, with grad or without: ops_cuda.cpp, products_for, training_plan);
   // 3xTF32 elsewhere, and always on the CPU, whose kernels run fp32 math. The autocast kernels
   // pass the autocast dtype (ops_autocast.cpp); the autograd kernel passes it on to the training
   // operators below, which take it alike.

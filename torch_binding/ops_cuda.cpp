@@ -58,18 +58,14 @@ void draw_dropout_state(AxialParams* p, const at::Device& device, const std::opt
 
 // The products a call without grad runs on (AxialParams::products), for the dtype it asks for (the
 // `products` argument, else x's): that 16-bit dtype's where the problem is large enough for the
-// 16-bit path to win (below 2^21 elements its launches and its unsplit attention cost more than the
-// projections save: measured in perf notes v89, when a pass had nine launches; it has four since
-// v93), else fp32. (With grad: training_plan.)
+// 16-bit path to win, else fp32; with grad (training_plan) from the same size. Below 2^21 elements
+// the 16-bit path's launches and unsplit attention cost more than its products save: without grad
+// measured in perf notes v89, with grad in v98 (a bf16 step of 2^21 elements 0.62-0.72 ms on
+// 16-bit products against 0.88-0.91 on fp32 copies; at 2^20 neither wins at every shape).
 constexpr int64_t kMin16BitElements = int64_t{1} << 21;
-// With grad (training_plan) from a size of its own, measured (perf notes v96) when the training
-// calls' cuBLAS products kept them out of the library's graph replays, so that small 16-bit steps
-// paid every launch's host time; they are captured since v97 (training.cu: capture_blas), and the
-// size is to be measured again.
-constexpr int64_t kMin16BitTrainingElements = int64_t{1} << 22;
-// The thresholds: FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides
-// both, for benchmarks that sweep them; anything else there is an error.
-int64_t min_16bit_elements(bool training) {
+// FASTAXIAL_16BIT_MIN_ELEMENTS (a count >= 0, read once per process) overrides it, for benchmarks
+// that sweep it; anything else there is an error.
+int64_t min_16bit_elements() {
   static const int64_t value = [] {
     const char* s = std::getenv("FASTAXIAL_16BIT_MIN_ELEMENTS");
     if (s == nullptr) return int64_t{-1};
@@ -79,11 +75,10 @@ int64_t min_16bit_elements(bool training) {
                       "': expected a count of elements, 0 or more");
     return (int64_t)v;
   }();
-  if (value >= 0) return value;
-  return training ? kMin16BitTrainingElements : kMin16BitElements;
+  return value >= 0 ? value : kMin16BitElements;
 }
-Products products_for(at::ScalarType dtype, int64_t elements, bool training = false) {
-  if (elements < min_16bit_elements(training)) return Products::kFp32;
+Products products_for(at::ScalarType dtype, int64_t elements) {
+  if (elements < min_16bit_elements()) return Products::kFp32;
   return dtype == at::kBFloat16 ? Products::kBf16 : dtype == at::kHalf ? Products::kFp16 : Products::kFp32;
 }
 
@@ -95,7 +90,7 @@ CudaBackwardPlan training_plan(const AxialParams& p);
 // the tensor-core attention backward), else fp32. `products` as the forward's argument (None: x's
 // dtype; the autograd kernel passes autocast's on).
 CudaBackwardPlan training_plan(const Call& c, AxialParams* p, std::optional<at::ScalarType> products) {
-  p->products = products_for(products.value_or(c.dtype), c.x.numel(), /*training=*/true);
+  p->products = products_for(products.value_or(c.dtype), c.x.numel());
   if (p->products != Products::kFp32) {
     CudaBackwardPlan plan;  // (training_plan's, on 16-bit products: the library's cuBLAS handle)
     const Status s = plan_backward_cuda(*p, &plan, /*caller_blas=*/false);

@@ -318,7 +318,7 @@ def test_16bit_forward_below_the_size_keeps_fp32_products(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(2, 128, 128, 128, 4), (4, 64, 64, 256, 4)], ids=str)
 def test_16bit_training_on_16bit_products(shape, dtype, autocast):
-    """In grad mode a call of 2^22 elements or more trains on the 16-bit products it asks for (the
+    """In grad mode a call of 2^21 elements or more trains on the 16-bit products it asks for (the
     training operators' rule, ops_cuda.cpp: training_plan): a module and x of the dtype, or
     float32 ones under autocast to it. The output and every gradient by the rule against the
     reference in the same dtype or under the same autocast (head dims 32 and 64), and gradients whose
@@ -378,8 +378,8 @@ def test_autocast_without_grad_on_the_autocast_products(autocast):
     its products in the autocast dtype (the autocast kernel passes it as `products`): the plan
     names them, the bits differ from the fp32 products' (the same call outside autocast), the
     output is float32 as the reference's, and the rule holds against the reference under the same
-    autocast. With grad, below the training calls' own size (2^22 elements), the same call keeps the
-    fp32 products: the bits of the call outside autocast."""
+    autocast. With grad the training forward runs them too (bits unlike the call outside autocast);
+    with grad at half the size (2^20 elements) it keeps the fp32 products: the bits outside autocast."""
     B, H, W, D, heads = 1, 128, 128, 128, 2  # 2^21 elements
     device = torch.device("cuda")
     name = "bf16" if autocast is torch.bfloat16 else "fp16"
@@ -403,12 +403,15 @@ def test_autocast_without_grad_on_the_autocast_products(autocast):
         assert not torch.equal(got, fp32_products), "the autocast call gave the fp32 products' bits"
         worst_new = max(worst_new, max_rel_err(got, truth))
         worst_ref = max(worst_ref, max_rel_err(want, truth))
-        if seed == 0:  # with grad: the training forward, the bits of the same call outside autocast
-            plain = fastaxial.ops.axial_attention(x, *weights, heads, 1e-5)
-            with torch.autocast("cuda", autocast):
-                trained = fastaxial.ops.axial_attention(x, *weights, heads, 1e-5)
-            assert plain.requires_grad and trained.requires_grad
-            assert torch.equal(trained.detach(), plain.detach()), "the call with grad left the fp32 products"
+        if seed == 0:  # with grad: the training forward, on the autocast products from 2^21 elements
+            for rows, autocast_products in [(H, True), (H // 2, False)]:
+                part = x[:, :rows].contiguous()
+                plain = fastaxial.ops.axial_attention(part, *weights, heads, 1e-5)
+                with torch.autocast("cuda", autocast):
+                    trained = fastaxial.ops.axial_attention(part, *weights, heads, 1e-5)
+                assert plain.requires_grad and trained.requires_grad
+                assert torch.equal(trained.detach(), plain.detach()) != autocast_products, (
+                    f"{part.numel()} elements with grad: the autocast products expected: {autocast_products}")
     assert worst_new <= K * worst_ref, f"{worst_new:.3g} against the reference's {worst_ref:.3g} under autocast"
 
 
