@@ -222,8 +222,8 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
 }
 
 // The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D), the kept o
-// (saved_o_floats) and P (saved_p_floats), x's sizes (four int64), then the dropout state (seed, offset as two uint64) in
-// 4 floats.
+// (saved_o_floats) and P (saved_p_floats), x's sizes (four int64), then the dropout state (seed,
+// offset as two uint64) in 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
@@ -270,7 +270,7 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
                       "fastaxial.axial_attention_backward (CPU): `saved` was made by axial_attention_training for x "
                       "of shape [", sizes[0], ", ", sizes[1], ", ", sizes[2], ", ", sizes[3], "], not this call's ",
                       c.x.sizes());
-    // Read, never written: backward_cpu only reads row_out, saved_qkv and saved_o.
+    // Read, never written: backward_cpu only reads row_out, saved_qkv, saved_o and saved_p.
     layout.point(&p, const_cast<float*>(saved->data_ptr<float>()));
   }
   if (dropout > 0) {  // the forward's mask: its seed and offset, which only `saved` knows
