@@ -260,8 +260,8 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
                           saved->numel() == layout.floats(),
                       "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
                       "inputs (", layout.floats(), " float32 on the CPU: the row pass's output, both passes' q, k, v, "
-                      "the attention output of the passes of 128 positions or more, the probabilities of the shorter ones, "
-                      "x's sizes, then the dropout "
+                      "the attention output of the passes of 128 positions or more, the probabilities of the "
+                      "shorter ones, x's sizes, then the dropout "
                       "state), got ", saved->numel(), " ", saved->scalar_type(), " on ", saved->device());
     int64_t sizes[4];
     std::memcpy(sizes, saved->data_ptr<float>() + layout.shape_at(), sizeof sizes);

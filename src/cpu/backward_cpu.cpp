@@ -23,8 +23,9 @@
 // sums P o dP, an (n, L) product per range, small beside the (n, L, hd) ones, and exact where P is one-hot).
 // The mask is drawn again from (seed, offset, element), the forward's: nothing of it is stored.
 // With p.dropout = 0 none of this code runs.
-// Recomputing the scores costs one (L, L, hd) product per head more than keeping P would,
-// but keeps memory per thread at one block's worth and one (queries, L) tile of a head.
+// Where P is not kept (sequences of 128 positions or more), recomputing the scores costs one
+// (L, L, hd) product per head more than keeping P would, but keeps memory per thread at one
+// block's worth and one (queries, L) tile of a head.
 //
 // Weight gradients are sums over every position. For determinism without atomics the
 // sequences are cut into at most kMaxChunks chunks of consecutive blocks; one thread walks

@@ -309,7 +309,8 @@ TEST_F(CpuBackwardRuns, ProbabilitiesAreKeptForShortSequences) {
     for (size_t i = 0; i < gout_f.size(); ++i) gout_f[i] = (float)std::sin(0.37 * (double)i);
     Grads kept = cpu_backward_after_forward(p, gout_f, true), run = cpu_backward_after_forward(p, gout_f, false);
     for (size_t i = 0; i < kept.all().size(); ++i)
-      EXPECT_TRUE(same_bits(*kept.all()[i].first, *run.all()[i].first)) << kept.all()[i].second << ", " << shape_name(s);
+      EXPECT_TRUE(same_bits(*kept.all()[i].first, *run.all()[i].first))
+          << kept.all()[i].second << ", " << shape_name(s);
   }
 }
 
