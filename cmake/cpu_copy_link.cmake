@@ -15,9 +15,9 @@
 #   2. objcopy --keep-global-symbols: every symbol it defines made local, but for its entry points,
 #      the strong functions of its own namespace fastaxial::cpu::COPY (mangled _ZN9fastaxial3cpu<n>COPY);
 #   3. the check (also a CTest, cpu_copies_private): OUT defines no global or weak symbol but
-#      those entry points (forward, backward and saved_o_floats among them), has no section group,
-#      and leaves no Eigen symbol nor any of the kernels' namespace undefined (to be taken from
-#      elsewhere).
+#      those entry points (forward, backward, saved_o_floats and saved_p_floats among them), has no
+#      section group, and leaves no Eigen symbol nor any of the kernels' namespace undefined (to be
+#      taken from elsewhere).
 cmake_minimum_required(VERSION 3.24)
 
 foreach(v COPY NM)
@@ -60,8 +60,8 @@ function(check file)
       list(APPEND errors "defines ${type} ${name}: a global or weak symbol outside the copy's entry points")
     endif()
   endforeach()
-  # The three entry points dispatch.cpp calls (entries.h).
-  foreach(entry forward backward saved_o_floats)
+  # The four entry points dispatch.cpp calls (entries.h).
+  foreach(entry forward backward saved_o_floats saved_p_floats)
     string(LENGTH "${entry}" n)
     if(NOT globals MATCHES "T ${prefix}${n}${entry}E")
       list(APPEND errors "has no entry point fastaxial::cpu::${COPY}::${entry}")

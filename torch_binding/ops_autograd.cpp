@@ -6,9 +6,9 @@
 //  - with dropout (CPU and CUDA): `saved` holds the mask's seed and offset,
 //    which the backward needs to draw the forward's mask again;
 //  - on the CPU: `saved` holds the row pass's output and both passes' q, k,
-//    v and attention output too, so that the backward runs neither the row
-//    pass, the QKV products nor p v again (AxialParams::row_out, saved_qkv,
-//    saved_o);
+//    v, attention output or probabilities too, so that the backward runs
+//    neither the row pass, the QKV products, p v nor the short passes'
+//    softmax again (AxialParams::row_out, saved_qkv, saved_o, saved_p);
 //  - on CUDA: `saved` holds the forward's intermediates, so that the
 //    backward recomputes only the probabilities. (The training forward's
 //    launches replay as one CUDA graph once a call repeats, fastaxial.h, so

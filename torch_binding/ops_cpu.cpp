@@ -4,8 +4,9 @@
 // offset is 0, unless the call passes its own (`rng_state`). The training forward's `saved` keeps
 // what the backward reads: the row pass's output x1 (AxialParams::row_out, B H W D floats), each
 // pass's q, k, v (AxialParams::saved_qkv, 6 B H W D floats) and the attention output of each pass
-// of 128 positions or more (AxialParams::saved_o, saved_o_floats), x's sizes (B, H, W, D as int64:
-// the backward refuses a `saved` of another shape), then that pair (4 floats).
+// of 128 positions or more (AxialParams::saved_o, saved_o_floats), the softmax probabilities of each
+// shorter pass (AxialParams::saved_p, saved_p_floats), x's sizes (B, H, W, D as int64: the backward
+// refuses a `saved` of another shape), then that pair (4 floats).
 //
 // The products run on the BLAS PyTorch runs on where it is MKL: libtorch_cpu's sgemm_ (PyTorch's
 // x86 wheels), looked up when the library loads, not linked, so another torch leaves Eigen's GEMM
@@ -82,21 +83,22 @@ void draw_dropout_seed(AxialParams* p, const std::optional<at::Tensor>& rng_stat
 }
 
 // The CPU training forward's `saved` for p's sizes, in floats: x1 (n, x's elements), q k v of both
-// passes (6 n), o of the passes that keep it (saved_o_floats), x's four sizes (int64), the dropout
-// state.
+// passes (6 n), o of the passes that keep it (saved_o_floats), P of the passes that keep it
+// (saved_p_floats), x's four sizes (int64), the dropout state.
 constexpr int64_t kShapeFloats = 8;
 struct CpuSaved {
-  int64_t n, o;
-  int64_t shape_at() const { return 7 * n + o; }
+  int64_t n, o, probs;
+  int64_t shape_at() const { return 7 * n + o + probs; }
   int64_t state_at() const { return shape_at() + kShapeFloats; }
   int64_t floats() const { return state_at() + kDropoutStateFloats; }
   // Where p reads and writes the kept tensors in `saved`.
   void point(AxialParams* p, float* saved) const {
     p->row_out = saved, p->saved_qkv = saved + n, p->saved_o = o > 0 ? saved + 7 * n : nullptr;
+    p->saved_p = probs > 0 ? saved + 7 * n + o : nullptr;
   }
 };
 CpuSaved cpu_saved(const AxialParams& p) {
-  return {p.batch * p.height * p.width * p.dim, saved_o_floats(p)};
+  return {p.batch * p.height * p.width * p.dim, saved_o_floats(p), saved_p_floats(p)};
 }
 
 // The training forward's `saved` buffers, kept when freed for the next training forward of the same
@@ -219,9 +221,9 @@ at::Tensor axial_attention_cpu(const at::Tensor& x, const at::Tensor& rnw, const
   return forward(c, rng_state, &p, "fastaxial.axial_attention");
 }
 
-// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D) and the kept o
-// (saved_o_floats), x's sizes (four int64), then the dropout state (seed, offset as two uint64) in
-// 4 floats.
+// The output, and `saved`: x1 (B H W D floats), the passes' q, k, v (6 B H W D), the kept o
+// (saved_o_floats) and P (saved_p_floats), x's sizes (four int64), then the dropout state (seed,
+// offset as two uint64) in 4 floats.
 std::tuple<at::Tensor, at::Tensor> axial_attention_training_cpu(
     const at::Tensor& x, const at::Tensor& rnw, const at::Tensor& rnb, const at::Tensor& rqkv, const at::Tensor& rout,
     const at::Tensor& rob, const at::Tensor& cnw, const at::Tensor& cnb, const at::Tensor& cqkv,
@@ -258,7 +260,8 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
                           saved->numel() == layout.floats(),
                       "fastaxial.axial_attention_backward (CPU): `saved` must be axial_attention_training's for these "
                       "inputs (", layout.floats(), " float32 on the CPU: the row pass's output, both passes' q, k, v, "
-                      "the attention output of the passes of 128 positions or more, x's sizes, then the dropout "
+                      "the attention output of the passes of 128 positions or more, the probabilities of the "
+                      "shorter ones, x's sizes, then the dropout "
                       "state), got ", saved->numel(), " ", saved->scalar_type(), " on ", saved->device());
     int64_t sizes[4];
     std::memcpy(sizes, saved->data_ptr<float>() + layout.shape_at(), sizeof sizes);
@@ -267,7 +270,7 @@ std::vector<at::Tensor> axial_attention_backward_cpu(
                       "fastaxial.axial_attention_backward (CPU): `saved` was made by axial_attention_training for x "
                       "of shape [", sizes[0], ", ", sizes[1], ", ", sizes[2], ", ", sizes[3], "], not this call's ",
                       c.x.sizes());
-    // Read, never written: backward_cpu only reads row_out, saved_qkv and saved_o.
+    // Read, never written: backward_cpu only reads row_out, saved_qkv, saved_o and saved_p.
     layout.point(&p, const_cast<float*>(saved->data_ptr<float>()));
   }
   if (dropout > 0) {  // the forward's mask: its seed and offset, which only `saved` knows

@@ -114,11 +114,22 @@ struct AxialParams {
   // p v again (one L^2 hd product a sequence and head; at shorter sequences writing o costs more
   // than that product). The same rules as row_out; it must not be saved_qkv either.
   float* saved_o = nullptr;
+  // CPU training too: the softmax probabilities P of each pass whose sequences have fewer than 128
+  // positions, a (L, L) matrix a sequence and head (sequences in the pass's order, heads within),
+  // the row pass's first: saved_p_floats(p) floats. Where given, forward_cpu writes them and
+  // backward_cpu reads them instead of running the scores and the softmax again (the same values:
+  // the backward's own P at these lengths is the forward's, bit for bit). The same rules as
+  // row_out; it must not be saved_qkv or saved_o either.
+  float* saved_p = nullptr;
 };
 
 // Floats AxialParams::saved_o holds for p's sizes: B H W D for the row pass where W >= 128, and as
 // many for the column pass where H >= 128; 0 where neither keeps it.
 int64_t saved_o_floats(const AxialParams& p);
+
+// Floats AxialParams::saved_p holds for p's sizes: B H W heads W for the row pass where W < 128, and
+// B H W heads H for the column pass where H < 128.
+int64_t saved_p_floats(const AxialParams& p);
 
 // Checks sizes and pointers; the entry points below call it first.
 Status validate(const AxialParams& p);

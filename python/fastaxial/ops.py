@@ -267,10 +267,13 @@ def _(x, *args):
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     # CUDA keeps the forward's intermediates; the CPU the row pass's output (a float an element of
     # x), both passes' q, k, v (six), the attention output of each pass of 128 positions or more
-    # (one; src/cpu/cpu_common.h, keeps_attention_output), x's four sizes (int64: 8 floats), then
+    # (one; src/cpu/cpu_common.h, keeps_attention_output), the softmax probabilities of each shorter
+    # pass (heads L floats a position; keeps_probabilities), x's four sizes (int64: 8 floats), then
     # the dropout state.
     keeps_o = int(x.shape[2] >= _CPU_KEEP_O_MIN_LEN) + int(x.shape[1] >= _CPU_KEEP_O_MIN_LEN)
-    cpu = (7 + keeps_o) * x.numel() + _CPU_SHAPE_FLOATS + _DROPOUT_STATE_FLOATS
+    positions = x.shape[0] * x.shape[1] * x.shape[2]
+    probs = sum(positions * num_heads * n for n in (x.shape[2], x.shape[1]) if 1 < n < _CPU_KEEP_O_MIN_LEN)
+    cpu = (7 + keeps_o) * x.numel() + probs + _CPU_SHAPE_FLOATS + _DROPOUT_STATE_FLOATS
     floats = cpu if x.device.type == "cpu" else saved_floats(*x.shape, num_heads)
     return out, x.new_empty(floats, dtype=torch.float32)  # float32 whatever x's dtype
 

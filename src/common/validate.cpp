@@ -84,6 +84,9 @@ Status validate_inputs(const AxialParams& p) {
     return invalid("saved_qkv: its 6 B H W D floats do not fit in int64");
   if (p.saved_o != nullptr && p.batch * p.height * p.width * p.dim > std::numeric_limits<int64_t>::max() / 2)
     return invalid("saved_o: its 2 B H W D floats do not fit in int64");
+  if (p.saved_p != nullptr && p.heads > 0 &&
+      p.batch * p.height * p.width > std::numeric_limits<int64_t>::max() / (2 * 128 * p.heads))
+    return invalid("saved_p: its floats do not fit in int64");
   if (p.batch * p.height * p.width == 0) return Status::Ok();  // nothing to read
   if (p.x == nullptr) return invalid("x is null");
   if (Status s = check_axis(p.row, "row"); !s.ok()) return s;
@@ -102,6 +105,9 @@ Status validate(const AxialParams& p) {
   if (p.saved_o != nullptr &&
       (p.saved_o == p.x || p.saved_o == p.out || p.saved_o == p.row_out || p.saved_o == p.saved_qkv))
     return invalid("saved_o must not alias x, out, row_out or saved_qkv");
+  if (p.saved_p != nullptr && (p.saved_p == p.x || p.saved_p == p.out || p.saved_p == p.row_out ||
+                               p.saved_p == p.saved_qkv || p.saved_p == p.saved_o))
+    return invalid("saved_p must not alias x, out, row_out, saved_qkv or saved_o");
   return Status::Ok();
 }
 

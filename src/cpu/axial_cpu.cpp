@@ -18,6 +18,10 @@
 // before it is written and sequences are disjoint, so the column pass can run
 // in place on the row pass's output.
 //
+// For training it may also keep what backward_cpu reads (AxialParams::row_out, saved_qkv, saved_o,
+// saved_p): x1, each pass's q, k, v, the attention output of long sequences and the softmax
+// probabilities of short ones.
+//
 // Attention dropout (p.dropout > 0): each head's unnormalised probabilities are multiplied
 // by the mask's multipliers (0 or 1 / (1 - p), common/dropout.h) after their row sums are
 // taken, before the product with v. With p.dropout = 0 none of this code runs.
@@ -55,6 +59,7 @@ struct PassArgs {
   int pass;  // 0 rows, 1 columns
   float* qkv_out;  // where the pass's q, k, v are kept for backward_cpu (3D floats a position), or null
   float* o_out;    // where its attention output o is kept (D floats a position), or null
+  float* p_out;    // where its probabilities P are kept ((L, L) a sequence and head), or null
 };
 
 // Keeps rows r0 .. r0 + rows - 1 of a sequence n's m (rows of m.cols() floats, from row `from` of
@@ -114,6 +119,9 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
       }
       t.sum(i) += exp_and_sum(t.s.row(i).data(), keys, m, a.scale);
       t.max(i) = m;
+      // P kept for the backward (one key block: L < 128), divided as the backward's softmax divides.
+      if (a.p_out != nullptr)
+        VecMap(a.p_out + ((n * a.heads + h) * L + i0 + i) * L, L) = t.s.row(i) / t.sum(i);
     }
     if (a.drop) {
       if (keys == L) {
@@ -221,10 +229,10 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
 }
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout
-// mask (null: none), pass: 0 rows, 1 columns; qkv_out, o_out: where the pass's q, k, v and its
-// attention output are kept (or null).
+// mask (null: none), pass: 0 rows, 1 columns; qkv_out, o_out, p_out: where the pass's q, k, v, its
+// attention output and its probabilities are kept (or null).
 void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
-               float* dst, const DropoutParams* drop, int pass, float* qkv_out, float* o_out) {
+               float* dst, const DropoutParams* drop, int pass, float* qkv_out, float* o_out, float* p_out) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
   const Projections proj(w.qkv_weight, w.out_weight, D);
@@ -242,7 +250,8 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
                       drop,
                       pass,
                       qkv_out,
-                      o_out};
+                      o_out,
+                      p_out};
 
   // Enough rows per block for an efficient GEMM, enough blocks for the threads.
   const int threads = max_threads();
@@ -260,6 +269,7 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
 namespace cpu::FASTAXIAL_CPU_COPY {
 
 int64_t saved_o_floats(const AxialParams& p) { return kept_outputs(p).floats; }
+int64_t saved_p_floats(const AxialParams& p) { return kept_probabilities(p).floats; }
 
 Status forward(const AxialParams& p) {
   if (Status s = validate(p); !s.ok()) return s;
@@ -269,9 +279,9 @@ Status forward(const AxialParams& p) {
   float* const x1 = p.row_out != nullptr ? p.row_out : p.out;
   const int64_t qkv_floats = 3 * p.batch * p.height * p.width * p.dim;  // a pass's
   float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + qkv_floats : nullptr;
-  const KeptOutputs o = kept_outputs(p);
-  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv, o.row);
-  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv, o.col);
+  const KeptOutputs o = kept_outputs(p), probs = kept_probabilities(p);
+  axis_pass(row_view(p), p.dim, p.heads, p.eps, p.row, p.x, x1, mask, 0, p.saved_qkv, o.row, probs.row);
+  axis_pass(col_view(p), p.dim, p.heads, p.eps, p.col, x1, p.out, mask, 1, col_qkv, o.col, probs.col);
   return Status::Ok();
 }
 

@@ -7,11 +7,11 @@
 //      forward's (AxialParams::row_out);
 //   2. the column pass backward on x1 with dOut = grad_out, giving dx1 = dOut + dLN;
 //   3. the row pass backward on x with dOut = dx1, giving grad_x.
-// Of the forward, the caller may keep x1, each pass's q, k, v and its attention output o
-// (AxialParams::row_out, saved_qkv, saved_o);
-// the rest each pass backward recomputes, per block of sequences: LayerNorm, qkv (where not kept;
-// the products in row tiles, row_tile) and per sequence and head the scores and softmax (max-subtracted
-// exp, as the forward), and O = P V where o is not kept; then, with P = softmax:
+// Of the forward, the caller may keep x1, each pass's q, k, v, its attention output o (sequences of
+// 128 or more) and its probabilities P (shorter ones) (AxialParams::row_out, saved_qkv, saved_o,
+// saved_p); the rest each pass backward recomputes, per block of sequences: LayerNorm, qkv (where
+// not kept; the products in row tiles, row_tile) and per sequence and head the scores and softmax
+// (max-subtracted exp, as the forward) where P is not kept, and O = P V where o is not kept; then:
 //   dbout = colsum(dOut), dWout = dOut^T O, dO = dOut Wout,
 //   per head dV = P^T dO_h, dP = dO_h V^T, dS = P o (dP - rowsum(P o dP)),
 //            dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd),
@@ -23,8 +23,9 @@
 // sums P o dP, an (n, L) product per range, small beside the (n, L, hd) ones, and exact where P is one-hot).
 // The mask is drawn again from (seed, offset, element), the forward's: nothing of it is stored.
 // With p.dropout = 0 none of this code runs.
-// Recomputing the scores costs one (L, L, hd) product per head more than keeping P would,
-// but keeps memory per thread at one block's worth and one (queries, L) tile of a head.
+// Where P is not kept (sequences of 128 positions or more), recomputing the scores costs one
+// (L, L, hd) product per head more than keeping P would, but keeps memory per thread at one
+// block's worth and one (queries, L) tile of a head.
 //
 // Weight gradients are sums over every position. For determinism without atomics the
 // sequences are cut into at most kMaxChunks chunks of consecutive blocks; one thread walks
@@ -310,11 +311,13 @@ void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, i
 // before it writes them, and blocks hold disjoint sequences). Weight gradients into gw.
 // drop: the dropout mask (null: none), pass: 0 rows, 1 columns; qkv_in: the forward's q, k, v
 // of the pass (3D floats a position: AxialParams::saved_qkv), or null to run the QKV product;
-// o_in: its attention output (D floats a position: AxialParams::saved_o), or null to run p v.
+// o_in: its attention output (D floats a position: AxialParams::saved_o), or null to run p v;
+// p_in: its probabilities ((L, L) a sequence and head: AxialParams::saved_p, one query range at
+// these lengths), or null to run the scores and the softmax.
 void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const AxisWeights& w, const float* src,
                    const float* dout, float* dsrc, const AxisGrads& gw, UnsetFloats& partials,
                    std::vector<double>& col_partials, const DropoutParams* drop, int pass, const float* qkv_in,
-                   const float* o_in) {
+                   const float* o_in, const float* p_in) {
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   const bool want_qkv = gw.qkv_weight, want_out = gw.out_weight, want_bout = gw.out_bias;
   const bool want_g = gw.norm_weight, want_b = gw.norm_bias, want_dx = dsrc != nullptr;
@@ -409,13 +412,16 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
         const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
         auto o = t.o.block(s * L + r0, h * hd, n, hd);
-        gemm(hs.s, in(q), tr(k));
-        softmax_rows(hs.s, scale);  // P
+        if (p_in == nullptr) {
+          gemm(hs.s, in(q), tr(k));
+          softmax_rows(hs.s, scale);
+        }
+        const ConstMap P(p_in != nullptr ? p_in + ((n0 + s) * heads + h) * L * L : hs.s.data(), n, L);
         if (drop) {
           fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
-          hs.pd = (hs.s.array() * hs.m.array()).matrix();  // Pd = P o M c
+          hs.pd = (P.array() * hs.m.array()).matrix();  // Pd = P o M c
         }
-        if (run_pv) gemm(o, in(drop ? hs.pd : hs.s), in(val));
+        if (run_pv) gemm(o, drop ? in(hs.pd) : in(P), in(val));
         if (!want_dqkv) return;
         auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
         auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
@@ -436,10 +442,9 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           }
         };
         const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
-        const Mat& p = drop ? hs.pd : hs.s;  // dV = P^T dO (Pd with dropout)
-        // The range's part of dV = P^T dO, computed as dV^T = dO^T P (hd, L) and added transposed:
-        // MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69).
-        gemm(hs.part_t, tr(dO), in(p));
+        // The range's part of dV = P^T dO (Pd with dropout), computed as dV^T = dO^T P (hd, L) and added
+        // transposed: MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69).
+        gemm(hs.part_t, tr(dO), drop ? in(hs.pd) : in(P));
         place(dv, 0, hs.acc_v);
         gemm(hs.dp, in(dO), tr(val));   // dP = dO V^T (dPd with dropout)
         if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
@@ -447,9 +452,9 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
         // the reference, where dO_h.o_h, summed in another order, would leave a rounding residue
         // that dQ = dS K multiplies by |K| (scores of 1e4: 5000x the fp32 reference's error).
-        hs.delta = (hs.s.array() * hs.dp.array()).rowwise().sum();
+        hs.delta = (P.array() * hs.dp.array()).rowwise().sum();
         // dS (of the scaled scores) times the scale: both dQ and dK carry it.
-        hs.dp = ((hs.dp.colwise() - hs.delta).array() * hs.s.array() * scale).matrix();
+        hs.dp = ((hs.dp.colwise() - hs.delta).array() * P.array() * scale).matrix();
         gemm(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
         gemm(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
         place(dk, 1, hs.acc_k);
@@ -568,12 +573,14 @@ Status backward(const AxialParams& p, const AxialGrads& g) {
   if (g.grad_out == nullptr) return invalid("grad_out is null");
   if (g.grad_x != nullptr && g.grad_x == p.x) return invalid("grad_x must not alias x");
   for (const float* kept : {static_cast<const float*>(p.row_out), static_cast<const float*>(p.saved_qkv),
-                            static_cast<const float*>(p.saved_o)})
+                            static_cast<const float*>(p.saved_o), static_cast<const float*>(p.saved_p)})
     if (kept != nullptr && (kept == p.x || kept == g.grad_out || kept == g.grad_x))
-      return invalid("row_out, saved_qkv and saved_o must not alias x, grad_out or grad_x");
+      return invalid("row_out, saved_qkv, saved_o and saved_p must not alias x, grad_out or grad_x");
   if (p.row_out != nullptr && p.row_out == p.saved_qkv) return invalid("saved_qkv must not alias row_out");
   if (p.saved_o != nullptr && (p.saved_o == p.row_out || p.saved_o == p.saved_qkv))
     return invalid("saved_o must not alias row_out or saved_qkv");
+  if (p.saved_p != nullptr && (p.saved_p == p.row_out || p.saved_p == p.saved_qkv || p.saved_p == p.saved_o))
+    return invalid("saved_p must not alias row_out, saved_qkv or saved_o");
 
   const bool want_row = g.grad_x != nullptr || any(g.row);
   if (!want_row && !any(g.col)) return Status::Ok();
@@ -606,12 +613,13 @@ Status backward(const AxialParams& p, const AxialGrads& g) {
   const float* const row_qkv = p.saved_qkv;
   const float* const col_qkv = p.saved_qkv != nullptr ? p.saved_qkv + 3 * T * D : nullptr;
   const KeptOutputs o = kept_outputs(p);  // and their attention outputs, where kept
+  const KeptOutputs probs = kept_probabilities(p);  // and their probabilities, where kept
   backward_pass(cv, D, p.heads, p.eps, p.col, x1, g.grad_out, dx1, g.col, partials, col_partials, mask, 1, col_qkv,
-                o.col);
+                o.col, probs.col);
   x1_scratch.reset();
   if (want_row)
     backward_pass(rv, D, p.heads, p.eps, p.row, p.x, dx1, g.grad_x, g.row, partials, col_partials, mask, 0, row_qkv,
-                  o.row);
+                  o.row, probs.row);
   return Status::Ok();
 }
 

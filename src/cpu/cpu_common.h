@@ -117,6 +117,30 @@ inline KeptOutputs kept_outputs(const AxialParams& p) {
   return k;
 }
 
+// Whether a pass of sequences of L positions keeps its softmax probabilities for the backward
+// (AxialParams::saved_p): those of 2 to 127 positions (those that do not keep o; at L = 1 no product
+// runs: single_key_forward, single_key_backward). There the backward takes a sequence's queries as
+// one range (query_ranges) and the forward as one tile, so the forward's (L, L) scores are the
+// products the backward would run and its P the backward's bits; the backward then runs neither
+// the scores nor the softmax again (an eighth of its thread time at (4, 32, 32, 64, 4): perf notes v99).
+// heads L floats a position, what an eager backward keeps of its softmax too.
+inline bool keeps_probabilities(int64_t L) { return L > 1 && !keeps_attention_output(L); }
+
+// Where each pass's probabilities lie in p.saved_p, as kept_outputs: the row pass's (B H W heads W
+// floats) first, then the column pass's (B H W heads H).
+inline KeptOutputs kept_probabilities(const AxialParams& p) {
+  const int64_t positions = p.batch * p.height * p.width;
+  const int64_t row_floats = keeps_probabilities(p.width) ? positions * p.heads * p.width : 0;
+  const int64_t col_floats = keeps_probabilities(p.height) ? positions * p.heads * p.height : 0;
+  KeptOutputs k;
+  k.floats = row_floats + col_floats;
+  if (p.saved_p != nullptr) {
+    if (row_floats > 0) k.row = p.saved_p;
+    if (col_floats > 0) k.col = p.saved_p + row_floats;
+  }
+  return k;
+}
+
 // exp(x) for a packet of x <= 0 (the softmax's (score - max) * scale): the polynomial of Eigen's
 // pexp (cephes), with 2^m built from its exponent bits in place of Eigen's general ldexp, three
 // dependent multiplies a packet that bound the softmax (perf notes v70). x is clamped at -87.33, so

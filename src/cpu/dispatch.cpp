@@ -1,6 +1,6 @@
-// The public CPU entry points (fastaxial.h: forward_cpu, backward_cpu, saved_o_floats) and the BLAS
-// the CPU products run on (set_cpu_sgemm), compiled once, for any x86-64 (or whatever the build
-// targets), whichever copy of the kernels runs.
+// The public CPU entry points (fastaxial.h: forward_cpu, backward_cpu, saved_o_floats,
+// saved_p_floats) and the BLAS the CPU products run on (set_cpu_sgemm), compiled once, for any x86-64
+// (or whatever the build targets), whichever copy of the kernels runs.
 //
 // The kernels (axial_cpu.cpp, backward_cpu.cpp, gemm.cpp) are compiled once in a development build
 // (-march=native: namespace cpu::single), or twice where the build is to run on CPUs it does not
@@ -37,12 +37,14 @@ struct Copy {
   Status (*forward)(const AxialParams&);
   Status (*backward)(const AxialParams&, const AxialGrads&);
   int64_t (*saved_o_floats)(const AxialParams&);
+  int64_t (*saved_p_floats)(const AxialParams&);
 };
 
 #ifdef FASTAXIAL_CPU_DISPATCH
 constexpr Copy kBaseline{"baseline", &cpu::baseline::forward, &cpu::baseline::backward,
-                         &cpu::baseline::saved_o_floats};
-constexpr Copy kAvx2{"avx2", &cpu::avx2::forward, &cpu::avx2::backward, &cpu::avx2::saved_o_floats};
+                         &cpu::baseline::saved_o_floats, &cpu::baseline::saved_p_floats};
+constexpr Copy kAvx2{"avx2", &cpu::avx2::forward, &cpu::avx2::backward, &cpu::avx2::saved_o_floats,
+                     &cpu::avx2::saved_p_floats};
 
 bool cpu_has_avx2_fma() {
   __builtin_cpu_init();  // (safe to call again; needed where this runs before libgcc's constructor)
@@ -65,7 +67,8 @@ const Copy& pick() {
   return avx2 ? kAvx2 : kBaseline;
 }
 #else
-constexpr Copy kSingle{"single", &cpu::single::forward, &cpu::single::backward, &cpu::single::saved_o_floats};
+constexpr Copy kSingle{"single", &cpu::single::forward, &cpu::single::backward, &cpu::single::saved_o_floats,
+                       &cpu::single::saved_p_floats};
 const Copy& pick() { return kSingle; }
 #endif
 
@@ -83,6 +86,7 @@ CpuSgemm cpu_sgemm() { return g_sgemm.load(std::memory_order_acquire); }
 Status forward_cpu(const AxialParams& p) { return chosen().forward(p); }
 Status backward_cpu(const AxialParams& p, const AxialGrads& g) { return chosen().backward(p, g); }
 int64_t saved_o_floats(const AxialParams& p) { return chosen().saved_o_floats(p); }
+int64_t saved_p_floats(const AxialParams& p) { return chosen().saved_p_floats(p); }
 
 }  // namespace fastaxial
 

@@ -267,9 +267,9 @@ def test_cpu_backward_refuses_a_saved_of_another_layout():
     state) is refused with the size it must have, not read past its end."""
     torch.manual_seed(0)
     w = [p.detach() for p in fastaxial.AxialAttentionReference(8, 2, 2, 130).weights()]
-    x = torch.randn(1, 2, 130, 8)  # rows of 130: the row pass keeps o, the column pass (2) does not
+    x = torch.randn(1, 2, 130, 8)  # rows of 130: the row pass keeps o, the column pass (2) its P instead
     _, saved = torch.ops.fastaxial.axial_attention_training(x, *w, 2, 1e-5, 0.0, None)
-    assert saved.numel() == 8 * x.numel() + 12
+    assert saved.numel() == 8 * x.numel() + 260 * 2 * 2 + 12  # (P: 260 positions, 2 heads, 2 keys)
     old = torch.randn(saved.numel() - x.numel())
     with pytest.raises(ValueError, match=rf"must be axial_attention_training's for these inputs \({saved.numel()} "
                                          rf"float32 .*got {old.numel()} Float"):
@@ -281,7 +281,8 @@ def test_cpu_saved_cache_reuses_buffers_and_never_reads_their_old_contents():
     training forward of its size takes it (ops_cpu.cpp, SavedCache): a step on a buffer poisoned
     with NaN gives the same bits as a step on a fresh one, and empty_cpu_cache hands the buffers back."""
     torch.manual_seed(0)
-    # Rows of 130: the row pass keeps its attention output too (8 floats an element of x, 4.3 MB).
+    # Rows of 130: the row pass keeps its attention output too (8 floats an element of x), the column
+    # pass (8 positions) its probabilities (2 heads x 8 floats a position): 4.5 MB.
     w = [p.detach() for p in fastaxial.AxialAttentionReference(32, 2, 8, 130).weights()]
     x, g = torch.randn(4, 8, 130, 32), torch.randn(4, 8, 130, 32)
 
@@ -294,7 +295,7 @@ def test_cpu_saved_cache_reuses_buffers_and_never_reads_their_old_contents():
     assert fastaxial.ops.cpu_cache_bytes() == 0
     fresh_out, fresh_grads, saved = step()
     nbytes, address = saved.numel() * 4, saved.data_ptr()
-    assert saved.numel() == 8 * x.numel() + 12
+    assert saved.numel() == 8 * x.numel() + 4 * 8 * 130 * 2 * 8 + 12
     saved.fill_(float("nan"))
     del saved  # back to the cache
     assert fastaxial.ops.cpu_cache_bytes() == nbytes
@@ -309,11 +310,13 @@ def test_cpu_saved_cache_reuses_buffers_and_never_reads_their_old_contents():
     assert fastaxial.ops.cpu_cache_bytes() == 0
 
 
-@pytest.mark.parametrize("shape", [(2, 5, 7, 8), (1, 2, 128, 8), (1, 128, 2, 8), (1, 127, 130, 8), (1, 128, 128, 8)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 5, 7, 8), (1, 2, 128, 8), (1, 128, 2, 8), (1, 127, 130, 8), (1, 128, 128, 8),
+                                   (2, 1, 7, 8)], ids=str)
 def test_cpu_fake_saved_has_the_kernels_size(shape):
-    """The training operator's fake kernel (python/fastaxial/ops.py) restates the CPU rule for which
-    passes keep their attention output (128 positions or more): its `saved` has the size the CPU
-    kernel's has, with no pass, the row pass, the column pass and both keeping it, at the edge (128)."""
+    """The training operator's fake kernel (python/fastaxial/ops.py) restates the CPU rules for which
+    passes keep their attention output (128 positions or more) and which their probabilities (2 to
+    127): its `saved` has the size the CPU kernel's has, with no pass, the row pass, the column pass
+    and both keeping o, at the edge (128), and a column pass of one position, which keeps neither."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     torch.manual_seed(0)
     B, H, W, D = shape

@@ -38,9 +38,9 @@ TEST_P(CpuBackward, MatchesDoubleReference) {
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
-// The same from what the forward kept (the row pass's output and both passes' q, k, v and
-// attention output: AxialParams::row_out, saved_qkv, saved_o), as the torch binding's training
-// calls run it.
+// The same from what the forward kept (the row pass's output and both passes' q, k, v, attention
+// output and probabilities: AxialParams::row_out, saved_qkv, saved_o, saved_p), as the torch
+// binding's training calls run it.
 TEST_P(CpuBackward, MatchesDoubleReferenceFromTheForwardsKeptTensors) {
   const Shape s = GetParam();
   const Problem p = random_problem(s, 777u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W));
@@ -259,6 +259,61 @@ TEST_F(CpuBackwardRuns, AttentionOutputIsKeptForLongSequences) {
     if (grad != &b.row.out_w) EXPECT_FALSE(std::isnan((*grad)[0])) << what << ": saved_o reached it";
 }
 
+// forward_cpu with saved_p keeps the softmax probabilities of each pass of 2 to 127 positions ((L,
+// L) a sequence and head, the row pass's first): here both passes, each P of the row pass's first
+// sequence and head equal to float64 softmax(q k^T / sqrt(hd)) from the kept q, k. backward_cpu
+// reads them (a poisoned P reaches the gradients) in place of the scores and the softmax, and the
+// gradients are those of the backward that runs them, bit for bit, at any thread count (the
+// ThreadCountDoesNotChangeTheResult test keeps P too).
+TEST_F(CpuBackwardRuns, ProbabilitiesAreKeptForShortSequences) {
+  AxialParams shape = params(p, nullptr);  // (2, 6, 9, 16, 2): 108 positions, 2 heads
+  EXPECT_EQ(saved_p_floats(shape), 108 * 2 * (9 + 6));
+  shape.width = 128;  // the row pass keeps o instead
+  EXPECT_EQ(saved_p_floats(shape), 2 * 6 * 128 * 2 * 6);
+  shape.height = 1;  // one key: no probabilities to keep
+  EXPECT_EQ(saved_p_floats(shape), 0);
+
+  const size_t n = p.x.size();
+  std::vector<float> out(n), row_out(n), qkv(6 * n), o(2 * n);
+  AxialParams a = params(p, out.data());
+  std::vector<float> probs(saved_p_floats(a), kNaN);
+  a.row_out = row_out.data(), a.saved_qkv = qkv.data(), a.saved_o = o.data(), a.saved_p = probs.data();
+  ASSERT_TRUE(forward_cpu(a).ok());
+  for (size_t i = 0; i < probs.size(); ++i) ASSERT_TRUE(std::isfinite(probs[i])) << "saved_p[" << i << "] not written";
+  const int64_t D = s.D, hd = s.D / s.heads;
+  for (int64_t i = 0; i < s.W; ++i) {  // row pass, sequence 0, head 0: positions 0 .. W-1
+    std::vector<double> score(s.W);
+    double top = -1e300, sum = 0;
+    for (int64_t j = 0; j < s.W; ++j) {
+      double dot = 0;
+      for (int64_t c = 0; c < hd; ++c) dot += (double)qkv[i * 3 * D + c] * qkv[j * 3 * D + D + c];
+      top = std::max(top, score[j] = dot / std::sqrt((double)hd));
+    }
+    for (int64_t j = 0; j < s.W; ++j) sum += score[j] = std::exp(score[j] - top);
+    for (int64_t j = 0; j < s.W; ++j) EXPECT_NEAR(probs[i * s.W + j], score[j] / sum, 1e-6) << i << ", " << j;
+  }
+  Grads b(s);
+  AxialGrads g = b.view();
+  g.grad_out = gout_f.data();
+  a.out = nullptr;
+  std::fill(probs.begin(), probs.begin() + 108 * 2 * 9, kNaN);  // the row pass's P poisoned
+  ASSERT_TRUE(backward_cpu(a, g).ok());
+  EXPECT_TRUE(std::isnan(b.row.qkv_w[0])) << "the backward did not read the row pass's saved_p";
+  EXPECT_FALSE(std::isnan(b.col.qkv_w[0])) << "the row pass's saved_p reached the column pass";
+
+  for (const Shape shape : {Shape{2, 6, 9, 16, 2}, Shape{3, 16, 16, 64, 4}, Shape{1, 40, 3, 32, 2},
+                            Shape{1, 127, 2, 8, 1}}) {
+    s = shape;
+    p = random_problem(s, 23);
+    gout_f = std::vector<float>(s.B * s.H * s.W * s.D, 0.0f);
+    for (size_t i = 0; i < gout_f.size(); ++i) gout_f[i] = (float)std::sin(0.37 * (double)i);
+    Grads kept = cpu_backward_after_forward(p, gout_f, true), run = cpu_backward_after_forward(p, gout_f, false);
+    for (size_t i = 0; i < kept.all().size(); ++i)
+      EXPECT_TRUE(same_bits(*kept.all()[i].first, *run.all()[i].first))
+          << kept.all()[i].second << ", " << shape_name(s);
+  }
+}
+
 TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
   s = Shape{2, 16, 24, 32, 2};  // 32 and 48 sequences: several blocks and chunks per pass
   p = random_problem(s, 17);
@@ -287,12 +342,13 @@ TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
     gout = random_grad(s.B * s.H * s.W * s.D, 12);
     gout_f.assign(gout.begin(), gout.end());
     const int before = omp_get_max_threads();
-    // What one forward kept (row_out, saved_qkv, saved_o), read by the second round's backwards:
-    // the kept path (q, k, v and o read, not recomputed) is thread-count independent too.
+    // What one forward kept (row_out, saved_qkv, saved_o, saved_p), read by the second round's
+    // backwards: the kept path (q, k, v, o and P read, not recomputed) is thread-count independent too.
     const size_t n = p.x.size();
     std::vector<float> out(n, kNaN), row_out(n, kNaN), qkv(6 * n, kNaN), o(2 * n, kNaN);
     AxialParams kept = params(p, out.data());
-    kept.row_out = row_out.data(), kept.saved_qkv = qkv.data(), kept.saved_o = o.data();
+    std::vector<float> probs(saved_p_floats(kept), kNaN);
+    kept.row_out = row_out.data(), kept.saved_qkv = qkv.data(), kept.saved_o = o.data(), kept.saved_p = probs.data();
     ASSERT_TRUE(forward_cpu(kept).ok());
     kept.out = nullptr;
     for (const bool from_forward : {false, true}) {
@@ -306,7 +362,7 @@ TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
       };
       const char* how = from_forward ? " (from the forward's kept tensors)" : "";
       Grads base = backward();
-      for (int threads : {1, 2, 3, 8}) {
+      for (int threads : {1, 2, 3, 8, 16}) {
         omp_set_num_threads(threads);
         Grads r = backward();
         for (size_t i = 0; i < base.all().size(); ++i) {
@@ -361,7 +417,7 @@ TEST_F(BackwardBadArguments, GradXAliasesInput) {
   expect_invalid("alias");
 }
 TEST_F(BackwardBadArguments, KeptForwardAliasesAnInputOrAGradient) {
-  const char* kMessage = "row_out, saved_qkv and saved_o must not alias";
+  const char* kMessage = "row_out, saved_qkv, saved_o and saved_p must not alias";
   a.row_out = const_cast<float*>(a.x);
   expect_invalid(kMessage);
   a.row_out = const_cast<float*>(g.grad_out);
@@ -379,6 +435,11 @@ TEST_F(BackwardBadArguments, KeptForwardAliasesAnInputOrAGradient) {
   a.saved_qkv = nullptr;
   a.saved_o = kept.data();
   expect_invalid("saved_o must not alias row_out or saved_qkv");
+  a.saved_o = nullptr;
+  a.saved_p = const_cast<float*>(g.grad_out);
+  expect_invalid(kMessage);
+  a.saved_p = kept.data();
+  expect_invalid("saved_p must not alias row_out, saved_qkv or saved_o");
 }
 TEST_F(BackwardBadArguments, HeadsNotDividingDim) {
   a.heads = 3;

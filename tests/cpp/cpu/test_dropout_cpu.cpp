@@ -367,6 +367,20 @@ TEST_P(CpuDropoutBackward, MatchesDoubleReference) {
   expect_cpu_backward_matches_reference(p, random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H)));
 }
 
+// From the forward's kept tensors (probabilities P included, the mask drawn again over them): the
+// reference's gradients, and the bits of the backward that runs the scores and softmax again.
+TEST_P(CpuDropoutBackward, FromTheForwardsKeptProbabilities) {
+  const auto [s, rate] = GetParam();
+  const Problem p = with_dropout(random_problem(s, 777u + static_cast<uint32_t>(s.D * 7 + s.H * 3 + s.W)), rate,
+                                 0xBADC0DEull + static_cast<uint64_t>(s.W), 5);
+  const std::vector<double> gout = random_grad(s.B * s.H * s.W * s.D, 31u + static_cast<uint32_t>(s.H));
+  expect_cpu_backward_matches_reference(p, gout, true, true);
+  const std::vector<float> gout_f(gout.begin(), gout.end());
+  Grads kept = cpu_backward_after_forward(p, gout_f, true), run = cpu_backward_after_forward(p, gout_f, false);
+  for (size_t i = 0; i < kept.all().size(); ++i)
+    EXPECT_TRUE(same_bits(*kept.all()[i].first, *run.all()[i].first)) << kept.all()[i].second;
+}
+
 // heads 1, 2, 4; head dims 1, 3, 8, 16, 32; L from 1 to 40, and 521 (a head's queries in two
 // ranges: the mask drawn from a row offset); H != W both ways; B > 1.
 INSTANTIATE_TEST_SUITE_P(Shapes, CpuDropoutBackward,

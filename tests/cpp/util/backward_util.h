@@ -128,9 +128,10 @@ inline void expect_grads_match(Grads& got, RefGrads<double>& ref, RefGrads<float
 }
 
 // backward_cpu(p) for the output gradient gout against the float64 reference (expect_grads_match).
-// from_forward: forward_cpu first, keeping the row pass's output and both passes' q, k, v and
-// attention output (AxialParams::row_out, saved_qkv, saved_o; poisoned with NaN before), which the
-// backward then reads instead of running the row pass, the QKV products and p v again.
+// from_forward: forward_cpu first, keeping the row pass's output, both passes' q, k, v, attention
+// output and probabilities (AxialParams::row_out, saved_qkv, saved_o, saved_p; poisoned with NaN
+// before), which the backward then reads instead of running the row pass, the QKV products, p v
+// and the scores' softmax again.
 inline void expect_cpu_backward_matches_reference(const Problem& p, const std::vector<double>& gout,
                                                   bool outright = true, bool from_forward = false) {
   const std::vector<float> gout_f(gout.begin(), gout.end());
@@ -138,13 +139,15 @@ inline void expect_cpu_backward_matches_reference(const Problem& p, const std::v
   AxialGrads g = got.view();
   g.grad_out = gout_f.data();
   AxialParams a = params(p, nullptr);
-  std::vector<float> out, row_out, qkv, o;  // the forward's, where from_forward
+  std::vector<float> out, row_out, qkv, o, probs;  // the forward's, where from_forward
   if (from_forward) {
     out.resize(p.x.size());
     row_out.assign(p.x.size(), std::numeric_limits<float>::quiet_NaN());
     qkv.assign(6 * p.x.size(), std::numeric_limits<float>::quiet_NaN());
     o.assign(2 * p.x.size(), std::numeric_limits<float>::quiet_NaN());
+    probs.assign(saved_p_floats(a), std::numeric_limits<float>::quiet_NaN());
     a.out = out.data(), a.row_out = row_out.data(), a.saved_qkv = qkv.data(), a.saved_o = o.data();
+    a.saved_p = probs.data();
     const Status fs = forward_cpu(a);
     ASSERT_TRUE(fs.ok()) << fs.message;
     a.out = nullptr;  // (the backward does not read it)
@@ -154,6 +157,27 @@ inline void expect_cpu_backward_matches_reference(const Problem& p, const std::v
   RefGrads<double> ref = reference_backward(p, gout);
   RefGrads<float> ref32 = reference_backward_as<float>(p, gout);
   expect_grads_match(got, ref, ref32, outright);
+}
+
+// backward_cpu's gradients for the output gradient gout after forward_cpu kept x1, both passes' q,
+// k, v and o (AxialParams::row_out, saved_qkv, saved_o), with the forward's probabilities read
+// (keep_p: AxialParams::saved_p) or the scores and softmax run again.
+inline Grads cpu_backward_after_forward(const Problem& p, const std::vector<float>& gout, bool keep_p) {
+  const size_t n = p.x.size();
+  std::vector<float> out(n), row_out(n, kNaN), qkv(6 * n, kNaN), o(2 * n, kNaN);
+  AxialParams a = params(p, out.data());
+  std::vector<float> probs(saved_p_floats(a), kNaN);
+  a.row_out = row_out.data(), a.saved_qkv = qkv.data(), a.saved_o = o.data();
+  a.saved_p = keep_p ? probs.data() : nullptr;
+  Grads got(p.shape);
+  const Status fs = forward_cpu(a);
+  EXPECT_TRUE(fs.ok()) << fs.message;
+  AxialGrads g = got.view();
+  g.grad_out = gout.data();
+  a.out = nullptr;
+  const Status st = backward_cpu(a, g);
+  EXPECT_TRUE(st.ok()) << st.message;
+  return got;
 }
 
 // reference_backward(p, gout) against central differences of the loss gout . reference_forward(p)
