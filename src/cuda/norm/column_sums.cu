@@ -33,41 +33,12 @@ __device__ __forceinline__ T of_job(const T (&field)[ColumnSumJobs::kMax], int j
   return j == 0 ? field[0] : j == 1 ? field[1] : field[2];
 }
 
-// partials[chunk][c] = sum of a[r][c] over the chunk's rows, for job blockIdx.z.
-__global__ void __launch_bounds__(kCols* kRowLanes)
-    chunk_sums_kernel(const ColumnSumJobs jobs, int64_t M, int64_t rows_per_chunk, double* __restrict__ partials) {
-  grid_dependency_wait();
-  allow_dependent_launch();
-  const int j = blockIdx.z, N = of_job(jobs.cols, j);
-  // Past this job's columns (the grid covers the widest), or its partials are in already.
-  if (blockIdx.x * kCols >= N || of_job(jobs.chunks, j) > 0) return;
-  __shared__ double lane_sums[kRowLanes][kCols];
-  const float* __restrict__ a = of_job(jobs.a, j);
-  partials += jobs.partials_offset(j);
-  const int c = blockIdx.x * kCols + threadIdx.x;
-  const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
-  double sum = 0.0;
-  if (c < N) {
-#pragma unroll 4
-    for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) sum += (double)a[r * N + c];
-  }
-  lane_sums[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < N) {
-    double total = 0.0;
-    for (int l = 0; l < kRowLanes; ++l) total += lane_sums[l][threadIdx.x];
-    partials[blockIdx.y * (int64_t)N + c] = total;
-  }
-}
-
-// chunk_sums_kernel's partials of one matrix a (M, N), the same sums in the same order, while it
-// writes y = a rounded to T (round_to_16bit's bits): the 16-bit backward's operands, read once.
-template <class T>
-__global__ void __launch_bounds__(kCols* kRowLanes)
-    rounded_chunk_sums_kernel(const float* __restrict__ a, T* __restrict__ y, int N, int64_t M,
-                              int64_t rows_per_chunk, double* __restrict__ partials) {
-  grid_dependency_wait();
-  allow_dependent_launch();
+// partials[blockIdx.y][c] = the sum of a[r][c] (a is (M, N)) over chunk blockIdx.y's rows, for the
+// block's 32 columns c: 8 row lanes, each every 8th row, then the lanes' sums in lane order.
+// visit(r N + c, a[r][c]) sees each element summed (rounded_chunk_sums_kernel stores it rounded).
+template <class Visit>
+__device__ __forceinline__ void chunk_partial(const float* __restrict__ a, int N, int64_t M, int64_t rows_per_chunk,
+                                              double* __restrict__ partials, const Visit& visit) {
   __shared__ double lane_sums[kRowLanes][kCols];
   const int c = blockIdx.x * kCols + threadIdx.x;
   const int64_t begin = blockIdx.y * rows_per_chunk, end = begin + rows_per_chunk < M ? begin + rows_per_chunk : M;
@@ -76,7 +47,7 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
 #pragma unroll 4
     for (int64_t r = begin + threadIdx.y; r < end; r += kRowLanes) {
       const float v = a[r * N + c];
-      y[r * N + c] = round16<T>(v);
+      visit(r * N + c, v);
       sum += (double)v;
     }
   }
@@ -87,6 +58,29 @@ __global__ void __launch_bounds__(kCols* kRowLanes)
     for (int l = 0; l < kRowLanes; ++l) total += lane_sums[l][threadIdx.x];
     partials[blockIdx.y * (int64_t)N + c] = total;
   }
+}
+
+// partials[chunk][c] = sum of a[r][c] over the chunk's rows, for job blockIdx.z.
+__global__ void __launch_bounds__(kCols* kRowLanes)
+    chunk_sums_kernel(const ColumnSumJobs jobs, int64_t M, int64_t rows_per_chunk, double* __restrict__ partials) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  const int j = blockIdx.z, N = of_job(jobs.cols, j);
+  // Past this job's columns (the grid covers the widest), or its partials are in already.
+  if (blockIdx.x * kCols >= N || of_job(jobs.chunks, j) > 0) return;
+  const float* __restrict__ a = of_job(jobs.a, j);
+  chunk_partial(a, N, M, rows_per_chunk, partials + jobs.partials_offset(j), [](int64_t, float) {});
+}
+
+// chunk_sums_kernel's partials of one matrix a (M, N), the same sums in the same order, while it
+// writes y = a rounded to T (round_to_16bit's bits): the 16-bit backward's operands, read once.
+template <class T>
+__global__ void __launch_bounds__(kCols* kRowLanes)
+    rounded_chunk_sums_kernel(const float* __restrict__ a, T* __restrict__ y, int N, int64_t M,
+                              int64_t rows_per_chunk, double* __restrict__ partials) {
+  grid_dependency_wait();
+  allow_dependent_launch();
+  chunk_partial(a, N, M, rows_per_chunk, partials, [y](int64_t i, float v) { y[i] = round16<T>(v); });
 }
 
 // Column c of job blockIdx.y: the sum of partials[k][c] over the job's chunks k (`chunks`, or
