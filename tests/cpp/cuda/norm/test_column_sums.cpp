@@ -19,6 +19,40 @@
 namespace fastaxial::test {
 namespace {
 
+// Matrices (M, cols[j]) of terms around 2 with a per-column offset (sums far from zero, where an
+// fp32 tree would lose many ulps), then a weight (3D, D) for the projected job, drawn in that order.
+std::vector<std::vector<float>> column_sum_inputs(std::mt19937& rng, int64_t M, const std::vector<int>& cols, int D,
+                                                  std::vector<float>* w) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<std::vector<float>> a(cols.size());
+  for (size_t j = 0; j < cols.size(); ++j) {
+    a[j].resize((size_t)M * cols[j]);
+    for (size_t i = 0; i < a[j].size(); ++i) a[j][i] = 2.0f + u(rng) + 0.25f * (float)(i % cols[j] % 3);
+  }
+  w->resize((size_t)3 * D * D);
+  for (float& v : *w) v = u(rng);
+  return a;
+}
+
+// A test's device buffers, freed with it: copies of host vectors (a float of room past the end)
+// and poisoned ones (every byte 0xff). ok stays true while every allocation and copy succeeded.
+struct DeviceBuffers {
+  std::vector<DevicePtr> bufs;
+  bool ok = true;
+  float* put(const std::vector<float>& h) {
+    bufs.push_back(device_alloc(h.size() + 1));
+    float* d = bufs.back().get();
+    ok = ok && d != nullptr && cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess;
+    return d;
+  }
+  float* poisoned(size_t floats) {
+    bufs.push_back(device_alloc(floats));
+    float* d = bufs.back().get();
+    ok = ok && d != nullptr && cudaMemset(d, 0xff, floats * sizeof(float)) == cudaSuccess;
+    return d;
+  }
+};
+
 // The jobs of a backward pass (dy (D), dqkv (3D) projected by Wqkv (3D, D), d_xn * xhat (D)) over
 // M rows: no rows, fewer than a chunk, one chunk per 64 rows, and the most chunks with rows left
 // over. The rows have a mean far from zero (as a bias gradient's terms can), so that a sum in fp32
@@ -31,45 +65,24 @@ TEST(CudaColumnSums, JobsAndProjectedJobMatchDouble) {
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
   std::mt19937 rng(77);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (int D : {1, 24, 96, 200}) {
     for (int64_t M : {0, 5, 640, 9001}) {
       for (bool taken : {false, true}) {
         SCOPED_TRACE("D " + std::to_string(D) + ", M " + std::to_string(M) + (taken ? ", chunks taken" : ""));
         const int cols[3] = {D, 3 * D, D};
-        std::vector<std::vector<float>> a(3);
-        for (int j = 0; j < 3; ++j) {
-          a[j].resize((size_t)M * cols[j]);
-          for (size_t i = 0; i < a[j].size(); ++i) a[j][i] = 2.0f + u(rng) + 0.25f * (float)(i % cols[j] % 3);
-        }
-        std::vector<float> w((size_t)3 * D * D);
-        for (float& v : w) v = u(rng);
-
-        std::vector<DevicePtr> bufs;
-        bool ok = true;
-        auto put = [&](const std::vector<float>& h) {
-          bufs.push_back(device_alloc(h.size() + 1));
-          float* d = bufs.back().get();
-          ok = ok && d != nullptr &&
-               cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess;
-          return d;
-        };
-        auto poisoned = [&](size_t count) {
-          bufs.push_back(device_alloc(count));
-          float* d = bufs.back().get();
-          ok = ok && d != nullptr && cudaMemset(d, 0xff, count * sizeof(float)) == cudaSuccess;
-          return d;
-        };
+        std::vector<float> w;
+        const std::vector<std::vector<float>> a = column_sum_inputs(rng, M, {cols[0], cols[1], cols[2]}, D, &w);
+        DeviceBuffers buf;
         cuda::ColumnSumJobs jobs;
-        float* out[3] = {poisoned(D), poisoned(D), poisoned(D)};
-        EXPECT_EQ(jobs.add(taken ? nullptr : put(a[0]), D, out[0]), 0);
-        EXPECT_EQ(jobs.add_projected(taken ? nullptr : put(a[1]), 3 * D, put(w), D, out[1]), 1);
-        EXPECT_EQ(jobs.add(put(a[2]), D, out[2]), 2);
+        float* out[3] = {buf.poisoned(D), buf.poisoned(D), buf.poisoned(D)};
+        EXPECT_EQ(jobs.add(taken ? nullptr : buf.put(a[0]), D, out[0]), 0);
+        EXPECT_EQ(jobs.add_projected(taken ? nullptr : buf.put(a[1]), 3 * D, buf.put(w), D, out[1]), 1);
+        EXPECT_EQ(jobs.add(buf.put(a[2]), D, out[2]), 2);
         const int64_t partials = cuda::column_sum_partials(jobs);
         EXPECT_LE(partials, kColumnPartialsPerDim * D) << "the plan's scratch holds a pass's jobs";
         double* scratch = nullptr;
         ASSERT_EQ(cudaMalloc(&scratch, partials * sizeof(double)), cudaSuccess);
-        ASSERT_TRUE(ok) << "allocating and filling the buffers";
+        ASSERT_TRUE(buf.ok) << "allocating and filling the buffers";
         CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));
         if (taken) {
           // Chunks of 97 rows (the last shorter), at most kMaxColumnSumChunks: the last takes the rest.
@@ -125,47 +138,27 @@ TEST(CudaColumnSums, RoundedWithTheSumsGivesTheSameSums) {
   DeviceCaps dev;
   ASSERT_TRUE(read_device_caps(&dev));
   std::mt19937 rng(78);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   for (Products type : {Products::kBf16, Products::kFp16})
     for (int D : {24, 72})
       for (int64_t M : {0, 5, 9001}) {
         SCOPED_TRACE(std::string(type == Products::kBf16 ? "bf16" : "fp16") + ", D " + std::to_string(D) + ", M " +
                      std::to_string(M));
         const int cols[2] = {D, 3 * D};
-        std::vector<std::vector<float>> a(2);
-        for (int j = 0; j < 2; ++j) {
-          a[j].resize((size_t)M * cols[j]);
-          for (size_t i = 0; i < a[j].size(); ++i) a[j][i] = 2.0f + u(rng) + 0.25f * (float)(i % cols[j] % 3);
-        }
-        std::vector<float> w((size_t)3 * D * D);
-        for (float& v : w) v = u(rng);
-        std::vector<DevicePtr> bufs;
-        bool ok = true;
-        auto put = [&](const std::vector<float>& h) {
-          bufs.push_back(device_alloc(h.size() + 1));
-          float* d = bufs.back().get();
-          ok = ok && d != nullptr &&
-               cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess;
-          return d;
-        };
-        auto poisoned = [&](size_t floats) {
-          bufs.push_back(device_alloc(floats));
-          float* d = bufs.back().get();
-          ok = ok && d != nullptr && cudaMemset(d, 0xff, floats * sizeof(float)) == cudaSuccess;
-          return d;
-        };
-        const float *da = put(a[0]), *dqkv = put(a[1]), *dw = put(w);
-        float* plain[2] = {poisoned(D), poisoned(D)};
-        float* fused[2] = {poisoned(D), poisoned(D)};
-        void* want16[2] = {poisoned((size_t)M * cols[0] / 2 + 1), poisoned((size_t)M * cols[1] / 2 + 1)};
-        void* got16[2] = {poisoned((size_t)M * cols[0] / 2 + 1), poisoned((size_t)M * cols[1] / 2 + 1)};
+        std::vector<float> w;
+        const std::vector<std::vector<float>> a = column_sum_inputs(rng, M, {cols[0], cols[1]}, D, &w);
+        DeviceBuffers buf;
+        const float *da = buf.put(a[0]), *dqkv = buf.put(a[1]), *dw = buf.put(w);
+        float* plain[2] = {buf.poisoned(D), buf.poisoned(D)};
+        float* fused[2] = {buf.poisoned(D), buf.poisoned(D)};
+        void* want16[2] = {buf.poisoned((size_t)M * cols[0] / 2 + 1), buf.poisoned((size_t)M * cols[1] / 2 + 1)};
+        void* got16[2] = {buf.poisoned((size_t)M * cols[0] / 2 + 1), buf.poisoned((size_t)M * cols[1] / 2 + 1)};
         cuda::ColumnSumJobs jobs, rounded;
         jobs.add(da, D, plain[0]), jobs.add_projected(dqkv, 3 * D, dw, D, plain[1]);
         rounded.add(da, D, fused[0]), rounded.add_projected(dqkv, 3 * D, dw, D, fused[1]);
         const int64_t partials = cuda::column_sum_partials(jobs);
         double* scratch = nullptr;
         ASSERT_EQ(cudaMalloc(&scratch, partials * sizeof(double)), cudaSuccess);
-        ASSERT_TRUE(ok) << "allocating and filling the buffers";
+        ASSERT_TRUE(buf.ok) << "allocating and filling the buffers";
         CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));
         CUDA_OK(cuda::column_sums(jobs, M, scratch, dev, nullptr));
         CUDA_OK(cudaMemset(scratch, 0xff, partials * sizeof(double)));  // the partials from the rounding alone
