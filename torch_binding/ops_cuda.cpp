@@ -68,14 +68,14 @@ constexpr int64_t kMin16BitElements = int64_t{1} << 21;
 int64_t min_16bit_elements() {
   static const int64_t value = [] {
     const char* s = std::getenv("FASTAXIAL_16BIT_MIN_ELEMENTS");
-    if (s == nullptr) return int64_t{-1};
+    if (s == nullptr) return kMin16BitElements;
     char* end = nullptr;
     const long long v = std::strtoll(s, &end, 10);
     TORCH_CHECK_VALUE(end != s && *end == '\0' && v >= 0, "FASTAXIAL_16BIT_MIN_ELEMENTS='", s,
                       "': expected a count of elements, 0 or more");
     return (int64_t)v;
   }();
-  return value >= 0 ? value : kMin16BitElements;
+  return value;
 }
 Products products_for(at::ScalarType dtype, int64_t elements) {
   if (elements < min_16bit_elements()) return Products::kFp32;
