@@ -333,10 +333,16 @@ TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
 // The fourth is the shape whose forward is not bitwise the same at 1 and 2 threads
 // (test_cpu_paths.cpp, ThreadCountPromise): its gradients are. The fifth's row pass is two
 // sequences of 8 (head, query range) pairs: a chunk a thread at 1 and 2 threads, the blocks one
-// after another with their pairs and row tiles across the threads at 3 and 8.
+// after another with their pairs and row tiles across the threads at 3 and 8. The last three are
+// few long sequences, a chunk a thread at low counts and shared at high ones: four rows of 300
+// (blocks of five row tiles, whose column sums add a partial a tile, shared from 8 threads), eight
+// columns of 600 (16 query ranges a head, shared at 16), two rows of 300 at dim 128 (shared from 3:
+// weight-gradient partials in tiles of 32 rows, products large enough to leave the register tiles,
+// whose bits depend on the tiles: a tile size that followed the thread count fails here).
 TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
   for (const Shape shape : {Shape{2, 16, 24, 32, 2}, Shape{1, 1, 300, 32, 4}, Shape{1, 1, 600, 16, 1},
-                            Shape{1, 200, 1, 16, 2}, Shape{1, 2, 300, 32, 2}}) {
+                            Shape{1, 200, 1, 16, 2}, Shape{1, 2, 300, 32, 2}, Shape{1, 4, 300, 32, 2},
+                            Shape{1, 600, 8, 16, 2}, Shape{1, 2, 300, 128, 2}}) {
     s = shape;
     p = random_problem(s, 17);
     gout = random_grad(s.B * s.H * s.W * s.D, 12);

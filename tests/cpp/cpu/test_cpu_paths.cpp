@@ -51,13 +51,13 @@ Fwd forward_branch(int64_t L, int64_t N, int threads) {
 // where the chunks are fewer than its threads and a block has more (sequence, head, query range)
 // triples than there are chunks, or where the team is one thread, the blocks run one after
 // another and each block's triples and row tiles go to the threads (ranges), where the pass takes
-// two or more. A head of 128 positions or more is taken in query ranges (min(16, L / 64)).
+// two or more. A head of 128 positions or more is taken in query ranges (min(16, L / 32)).
 enum class Bwd { kOneThread, kChunks, kRanges };
 
 Bwd backward_branch(int64_t L, int64_t N, int64_t D, int64_t heads, int threads) {
   const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(128 / L, N / 32));
   const int64_t blocks = (N + per_block - 1) / per_block, chunks = std::min<int64_t>(blocks, 64);
-  const int64_t ranges = L < 128 ? 1 : std::min<int64_t>(16, L / 64);
+  const int64_t ranges = L < 128 ? 1 : std::min<int64_t>(16, L / 32);
   const double flops = 3.0 * (double)(N * L) * (8.0 * D * D + 4.0 * L * D);
   const int64_t pass_threads =
       std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(threads, N * L), (int64_t)(flops / 4e6)));
@@ -135,6 +135,10 @@ const PathCase kCases[] = {
     // Two rows of 128 at dim 256: the row pass's weight gradients over the whole pass with its two
     // blocks one after another (four (head, range) pairs each) and its row tiles across the threads.
     {{1, 2, 128, 256, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    // Few long sequences at 16 threads: four rows of 300 (the forward's tiles of 32; the backward's
+    // blocks of five row tiles, nine query ranges a head), and eight columns of 600 (16 ranges).
+    {{1, 4, 300, 32, 2}, 16, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    {{1, 600, 8, 16, 2}, 16, F::kBlocks, F::kFewSequences, B::kChunks, B::kRanges},
 };
 
 class ThreadCount {
