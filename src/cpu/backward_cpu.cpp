@@ -193,7 +193,8 @@ int64_t row_tile(int64_t rows) { return rows <= 2 * kRowTile ? std::max<int64_t>
 // Rows of a weight gradient (M of them: 3D for dWqkv, D for dWout) a tile of a block's partial
 // products (dW += dqkv^T y, dOut^T o) takes: the block's rows alone where it is one row tile (short
 // sequences: few calls); where it is several (a long sequence, whose block the team shares), D / 4
-// (at least 16): the two products in 16 tiles for the team. A rule of the shape alone.
+// (at least 16): the two products in 16 tiles for the team where D >= 64, fewer below (8 at D 32).
+// A rule of the shape alone.
 int64_t weight_tile(int64_t rows, int64_t M, int64_t D) {
   return rows <= 2 * kRowTile ? row_tile(M) : std::max<int64_t>(16, D / 4);
 }
