@@ -184,10 +184,15 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
   }
 }
 
-// Rows a task of few_sequences_pass: LayerNorm and the products kRowTile rows at a time, the
-// attention kRowTile queries of one head at a time (a score tile of (kRowTile, min(L, kKeyBlock))).
+// Rows a task of few_sequences_pass (few_tile): LayerNorm and the products a tile of rows at a time,
+// the attention a tile of queries of one head at a time (a score tile of (rows, min(L, kKeyBlock))).
 // Fixed, so the result does not depend on the number of threads.
 constexpr int64_t kRowTile = 64;
+// The rows of few_sequences_pass's tasks: kRowTile; half that from 128 positions up to one key
+// block, twice the tasks for the team (16 a step for a sequence of 512), where the products stay
+// large enough for the BLAS. (Below 128 the tiles stay those whose P the backward reads:
+// keeps_probabilities.)
+int64_t few_tile(int64_t L) { return L >= 128 && L <= kKeyBlock ? kRowTile / 2 : kRowTile; }
 
 // Fewer blocks than threads (one long sequence, say): the sequences one after another, the
 // team spread over each one's row tiles (LayerNorm, QKV product), then its (head, query tile)
@@ -196,7 +201,7 @@ constexpr int64_t kRowTile = 64;
 void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int team) {
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
-  const int64_t tiles = (L + kRowTile - 1) / kRowTile;
+  const int64_t tile_rows = few_tile(L), tiles = (L + tile_rows - 1) / tile_rows;
   Mat x(L, D), qkv(L, 3 * D), o(L, D);  // one sequence's: shared by the team
 #pragma omp parallel num_threads(team)
   {
@@ -204,7 +209,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
     for (int64_t n = 0; n < N; ++n) {
 #pragma omp for schedule(static)
       for (int64_t tile = 0; tile < tiles; ++tile) {
-        const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
+        const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
         gemm(qkv.middleRows(r0, rows), in(t.y), tr(a.wqkv));
@@ -212,12 +217,12 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
       }
 #pragma omp for schedule(dynamic)
       for (int64_t task = 0; task < a.heads * tiles; ++task) {
-        const int64_t h = task / tiles, i0 = task % tiles * kRowTile;
-        attend(a, qkv, 0, L, n, h, i0, std::min(i0 + kRowTile, L), t, o);
+        const int64_t h = task / tiles, i0 = task % tiles * tile_rows;
+        attend(a, qkv, 0, L, n, h, i0, std::min(i0 + tile_rows, L), t, o);
       }
 #pragma omp for schedule(static)
       for (int64_t tile = 0; tile < tiles; ++tile) {
-        const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, L - r0);
+        const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
         auto xr = x.middleRows(r0, rows);
         keep_rows(a, a.o_out, o, r0, n, r0, rows);
         gemm(xr, in(o.middleRows(r0, rows)), tr(a.wout), 1.0f);

@@ -42,7 +42,11 @@
 // does not depend on how many threads run it or which thread takes which chunk. The threads take
 // the chunks; where a pass has fewer chunks than threads and more (sequence, head, query range)
 // pairs a block than chunks (few long sequences), they take each block's pairs and row tiles
-// instead, the blocks one after another: the same products, so the same bits.
+// instead, the blocks one after another: the same products, so the same bits. A block of several
+// row tiles (a long sequence) is worked a tile at a time in each row-by-row step (gathers,
+// LayerNorm, its products, the column sums, LayerNorm's backward), its column sums as one fp64
+// partial a tile added in tile order, and its partial products in tiles of the weights' rows
+// (weight_tile): tiles of the shape alone, whichever threads take them.
 //
 // Memory beyond the gradients: x1 (B H W D floats, without row_out); dx1 (B H W D) only when grad_x is null
 // but row weight gradients are wanted (otherwise dx1 lives in grad_x, and the row pass
@@ -143,6 +147,7 @@ struct Scratch {
   Mat x, xhat, y, qkv, o, g, dO, dqkv, dy;
   HeadScratch head;
   std::vector<Mat> parts;  // dv and dk parts of each (item, query range), transposed, where the ranges run side by side
+  std::vector<double> tile_cols;  // a block's column sums, a partial a row tile, where it has several
   Eigen::VectorXf rstd;
 };
 
@@ -185,49 +190,61 @@ void for_tasks(int64_t count, int threads, const F& f) {
 constexpr int64_t kRowTile = 64;
 int64_t row_tile(int64_t rows) { return rows <= 2 * kRowTile ? std::max<int64_t>(rows, 1) : kRowTile; }
 
+// Rows of a weight gradient (M of them: 3D for dWqkv, D for dWout) a tile of a block's partial
+// products (dW += dqkv^T y, dOut^T o) takes: the block's rows alone where it is one row tile (short
+// sequences: few calls); where it is several (a long sequence, whose block the team shares), D / 4
+// (at least 16): the two products in 16 tiles for the team where D >= 64, fewer below (8 at D 32).
+// A rule of the shape alone.
+int64_t weight_tile(int64_t rows, int64_t M, int64_t D) {
+  return rows <= 2 * kRowTile ? row_tile(M) : std::max<int64_t>(16, D / 4);
+}
+
 // f(r0, n) for the tiles of `rows` rows, `tile` rows each (for_tasks: a team of up to `threads`).
 template <class F>
 void for_row_tiles(int64_t rows, int64_t tile, int threads, const F& f) {
   for_tasks((rows + tile - 1) / tile, threads, [&](int64_t i) { f(i * tile, std::min(tile, rows - i * tile)); });
 }
 
-// Gathers the block's rows of src into t.x and LayerNorms them: t.xhat (normalised), t.y (affine), t.rstd.
-void gather_norm(const AxisView& v, int64_t n0, int64_t ns, int64_t D, float eps, const AxisWeights& w,
-                 const float* src, Scratch& t) {
-  const int64_t L = v.len, rows = ns * L;
-  const ConstVec gamma(w.norm_weight, D), beta(w.norm_bias, D);
+// Sizes t's LayerNorm rows for a block of `rows` positions (norm_rows fills them).
+void size_norm(Scratch& t, int64_t rows, int64_t D) {
   t.x.resize(rows, D);
   t.xhat.resize(rows, D);
   t.y.resize(rows, D);
   t.rstd.resize(rows);
-  for (int64_t s = 0; s < ns; ++s)
-    for (int64_t l = 0; l < L; ++l) {
-      const int64_t r = s * L + l;
-      t.x.row(r) = ConstVec(src + v.offset(n0 + s, l), D);
-      const float mean = t.x.row(r).mean();
-      const float var = (t.x.row(r).array() - mean).square().sum() / static_cast<float>(D);
-      const float rstd = 1.0f / std::sqrt(var + eps);
-      t.rstd(r) = rstd;
-      t.xhat.row(r) = ((t.x.row(r).array() - mean) * rstd).matrix();
-      t.y.row(r) = (t.xhat.row(r).array() * gamma.array() + beta.array()).matrix();
-    }
 }
 
-// The block's rows (sequences n0 .. n0 + ns - 1) of a tensor the forward kept, m.cols() floats a
-// position at the position's row index (row_indices: AxialParams::saved_qkv, saved_o), into m.
-void gather_kept(const AxisView& v, int64_t D, int64_t n0, int64_t ns, const float* kept, Mat& m) {
+// Rows r0 .. r0 + n - 1 of the block whose sequences start at n0: src's rows into t.x, LayerNormed
+// into t.xhat (normalised), t.y (affine), t.rstd. Each row on its own, so the rows may be shared out.
+void norm_rows(const AxisView& v, int64_t n0, int64_t D, float eps, const AxisWeights& w, const float* src,
+               Scratch& t, int64_t r0, int64_t n) {
+  const int64_t L = v.len;
+  const ConstVec gamma(w.norm_weight, D), beta(w.norm_bias, D);
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    t.x.row(r) = ConstVec(src + v.offset(n0 + r / L, r % L), D);
+    const float mean = t.x.row(r).mean();
+    const float var = (t.x.row(r).array() - mean).square().sum() / static_cast<float>(D);
+    const float rstd = 1.0f / std::sqrt(var + eps);
+    t.rstd(r) = rstd;
+    t.xhat.row(r) = ((t.x.row(r).array() - mean) * rstd).matrix();
+    t.y.row(r) = (t.xhat.row(r).array() * gamma.array() + beta.array()).matrix();
+  }
+}
+
+// Rows r0 .. r0 + n - 1 of the block whose sequences start at n0, of a tensor the forward kept,
+// m.cols() floats a position at the position's row index (row_indices: AxialParams::saved_qkv,
+// saved_o), into the same rows of m.
+void gather_kept(const AxisView& v, int64_t D, int64_t n0, int64_t r0, int64_t n, const float* kept, Mat& m) {
   const AxisView at = row_indices(v, D);
   const int64_t L = v.len, width = m.cols();
-  for (int64_t s = 0; s < ns; ++s)
-    for (int64_t l = 0; l < L; ++l) m.row(s * L + l) = ConstVec(kept + at.offset(n0 + s, l) * width, width);
+  for (int64_t r = r0; r < r0 + n; ++r) m.row(r) = ConstVec(kept + at.offset(n0 + r / L, r % L) * width, width);
 }
 
 // Query ranges a (sequence, head) of length L is taken in: (rows, L) score tiles that stay in
 // cache where a whole (L, L) one would not, and units that the threads can share when a pass has
 // one long sequence. A function of L alone, so that what is summed in which order (dk and dv add
-// the ranges' parts in range order) does not depend on the thread count: ranges of 64 queries or
-// more, at most 16; one below 128 positions.
-int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, L / 64); }
+// the ranges' parts in range order) does not depend on the thread count: ranges of 32 queries or
+// more, at most 16 (a sequence of 512 has 16 units for 16 threads); one below 128 positions.
+int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, L / 32); }
 
 // softmax(scale * t.s) row by row, in place, each row less its max (the forward subtracts its
 // running max over key blocks past 512 positions: the same probabilities, not the same bits).
@@ -253,7 +270,8 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
   const int team = (int)std::min<int64_t>(threads, bk.num_blocks);
   for_blocks(bk.num_blocks, team, [&](int64_t blk, Scratch& t) {
     const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
-    gather_norm(v, n0, ns, D, eps, w, src, t);
+    size_norm(t, rows, D);
+    norm_rows(v, n0, D, eps, w, src, t, 0, rows);
     gemm(t.qkv, in(t.y), tr(wqkv));
     t.o.resize(rows, D);
     const int64_t R = query_ranges(L);
@@ -357,40 +375,41 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
     double* col = any_weight ? col_partials.data() + c * lay.col_size : nullptr;
     for (int64_t blk = bk.chunk_begin(c); blk < bk.chunk_begin(c + 1); ++blk) {
       const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
-      // The gradient of the block's outputs, (rows, D).
-      t.g.resize(rows, D);
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t l = 0; l < L; ++l) t.g.row(s * L + l) = ConstVec(dout + v.offset(n0 + s, l), D);
-      if (whole && want_out) all_g.middleRows(n0 * L, rows) = t.g;  // (t.g becomes dsrc below)
-      // Column sums row by row, each element in row order (add_row; Eigen's colwise().sum()
-      // picks scalar or packet code by the destination's alignment, and the two add in
-      // different orders, which would make the result depend on where malloc put the partials).
-      if (want_bout)
-        for (int64_t r = 0; r < rows; ++r) add_row(col + lay.bout, t.g.row(r), D);
-      if (!want_o) continue;
-
+      const int64_t tile = row_tile(rows), tiles = (rows + tile - 1) / tile;
+      // The column sums' partial a tile of rows adds into: the chunk's own where the block is one tile;
+      // else the tile's own, added into the chunk's in tile order after the tiles (add_tile_sums).
+      if (any_weight && tiles > 1) t.tile_cols.assign(tiles * lay.col_size, 0.0);
+      const auto tile_col = [&](int64_t r0) { return tiles > 1 ? t.tile_cols.data() + r0 / tile * lay.col_size : col; };
+      const auto add_tile_sums = [&](int64_t off) {
+        for (int64_t i = 0; i < tiles && tiles > 1; ++i)
+          for (int64_t e = 0; e < D; ++e) col[off + e] += t.tile_cols[i * lay.col_size + off + e];
+      };
       const bool run_pv = want_out && o_in == nullptr;  // O, for dWout alone
       const bool attend = want_dqkv || run_pv;          // P is needed
-      if (attend) {
-        gather_norm(v, n0, ns, D, eps, w, src, t);
-        t.qkv.resize(rows, 3 * D);
-        if (qkv_in != nullptr) {
-          gather_kept(v, D, n0, ns, qkv_in, t.qkv);
-        } else {
-          for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
-            gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
-          });
-        }
-      }
+      t.g.resize(rows, D);  // the gradient of the block's outputs
+      if (attend) size_norm(t, rows, D), t.qkv.resize(rows, 3 * D);
       t.o.resize(rows, D);
-      if (want_out && o_in != nullptr) gather_kept(v, D, n0, ns, o_in, t.o);
-      if (want_dqkv) {
-        t.dO.resize(rows, D);
-        for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
-          gemm(t.dO.middleRows(r0, n), in(t.g.middleRows(r0, n)), in(wout));
-        });
-        t.dqkv.resize(rows, 3 * D);
-      }
+      if (want_dqkv) t.dO.resize(rows, D), t.dqkv.resize(rows, 3 * D);
+      // Row by row, a tile of rows at a time: dOut's rows, their column sums, LayerNorm, q, k, v and dO.
+      for_row_tiles(rows, tile, inner, [&](int64_t r0, int64_t n) {
+        for (int64_t r = r0; r < r0 + n; ++r) t.g.row(r) = ConstVec(dout + v.offset(n0 + r / L, r % L), D);
+        // Column sums row by row, each element in row order (add_row; Eigen's colwise().sum()
+        // picks scalar or packet code by the destination's alignment, and the two add in
+        // different orders, which would make the result depend on where malloc put the partials).
+        if (want_bout)
+          for (int64_t r = r0; r < r0 + n; ++r) add_row(tile_col(r0) + lay.bout, t.g.row(r), D);
+        if (attend) {
+          norm_rows(v, n0, D, eps, w, src, t, r0, n);
+          if (qkv_in != nullptr) gather_kept(v, D, n0, r0, n, qkv_in, t.qkv);
+          else gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
+        }
+        if (want_out && o_in != nullptr) gather_kept(v, D, n0, r0, n, o_in, t.o);
+        if (want_dqkv) gemm(t.dO.middleRows(r0, n), in(t.g.middleRows(r0, n)), in(wout));
+      });
+      if (want_bout) add_tile_sums(lay.bout);
+      if (whole && want_out) all_g.middleRows(n0 * L, rows) = t.g;  // (t.g becomes dsrc below)
+      if (!want_o) continue;
+
       // Each (sequence, head) writes its own columns of o and dqkv, its queries a range at a time
       // (query_ranges): o and dq row by row; dk and dv, sums over the queries, as the ranges'
       // parts added in range order. Where the pairs run side by side (Spread::kPairs), each
@@ -460,10 +479,10 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         place(dk, 1, hs.acc_k);
       });
       if (keep) {  // each element's parts in range order, (item, key tile) pairs across the threads
-        const int64_t tiles = (L + kRowTile - 1) / kRowTile;
-        for_tasks(items * tiles, inner, [&](int64_t task) {
-          const int64_t i = task / tiles, s = i / heads, h = i % heads;
-          const int64_t l0 = task % tiles * kRowTile, n = std::min(kRowTile, L - l0);
+        const int64_t key_tiles = (L + kRowTile - 1) / kRowTile;
+        for_tasks(items * key_tiles, inner, [&](int64_t task) {
+          const int64_t i = task / key_tiles, s = i / heads, h = i % heads;
+          const int64_t l0 = task % key_tiles * kRowTile, n = std::min(kRowTile, L - l0);
           for (int64_t which = 0; which < 2; ++which) {  // dv (columns 2D + h hd), dk (D + h hd)
             Mat sum = t.parts[2 * i * R + which].middleCols(l0, n);  // (hd, n)
             for (int64_t r = 1; r < R; ++r) sum += t.parts[2 * (i * R + r) + which].middleCols(l0, n);
@@ -475,30 +494,30 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         if (want_out) all_o.middleRows(n0 * L, rows) = t.o;
         if (want_qkv) all_y.middleRows(n0 * L, rows) = t.y, all_dqkv.middleRows(n0 * L, rows) = t.dqkv;
       } else {
-        // The chunk's partials += the block's sums, a tile of their rows at a time.
-        if (want_out)
-          for_row_tiles(D, row_tile(D), inner, [&](int64_t r0, int64_t n) {
-            gemm(MatMap(part + lay.out, D, D).middleRows(r0, n), tr(t.g.middleCols(r0, n)), in(t.o), 1.0f);
-          });
-        if (want_qkv)
-          for_row_tiles(3 * D, row_tile(3 * D), inner, [&](int64_t r0, int64_t n) {
-            gemm(MatMap(part + lay.qkv, 3 * D, D).middleRows(r0, n), tr(t.dqkv.middleCols(r0, n)), in(t.y), 1.0f);
-          });
+        // The chunk's partials += the block's sums, tiles of their rows (weight_tile) across the team.
+        const int64_t wt_qkv = weight_tile(rows, 3 * D, D), wt_out = weight_tile(rows, D, D);
+        const int64_t qkv_tiles = want_qkv ? (3 * D + wt_qkv - 1) / wt_qkv : 0;
+        const int64_t out_tiles = want_out ? (D + wt_out - 1) / wt_out : 0;
+        for_tasks(qkv_tiles + out_tiles, inner, [&](int64_t i) {
+          const bool qkv = i < qkv_tiles;
+          const int64_t M = qkv ? 3 * D : D, wt = qkv ? wt_qkv : wt_out, r0 = (qkv ? i : i - qkv_tiles) * wt;
+          const int64_t n = std::min(wt, M - r0);
+          gemm(MatMap(part + (qkv ? lay.qkv : lay.out), M, D).middleRows(r0, n),
+               tr((qkv ? t.dqkv : t.g).middleCols(r0, n)), in(qkv ? t.y : t.o), 1.0f);
+        });
       }
-      if (!want_dqkv) continue;
       if (!want_dy) continue;
       t.dy.resize(rows, D);
-      for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
-        gemm(t.dy.middleRows(r0, n), in(t.dqkv.middleRows(r0, n)), in(wqkv));
-      });
-      for (int64_t r = 0; r < rows; ++r) {
-        if (want_g) add_row(col + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
-        if (want_b) add_row(col + lay.b, t.dy.row(r), D);
-      }
-      if (!want_dx) continue;
-      // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
+      // dy = dqkv Wqkv, its column sums and LayerNorm's backward: row by row, a tile of rows at a time.
       const float inv_d = 1.0f / static_cast<float>(D);
-      for_row_tiles(rows, row_tile(rows), inner, [&](int64_t r0, int64_t n) {
+      for_row_tiles(rows, tile, inner, [&](int64_t r0, int64_t n) {
+        gemm(t.dy.middleRows(r0, n), in(t.dqkv.middleRows(r0, n)), in(wqkv));
+        for (int64_t r = r0; r < r0 + n; ++r) {
+          if (want_g) add_row(tile_col(r0) + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
+          if (want_b) add_row(tile_col(r0) + lay.b, t.dy.row(r), D);
+        }
+        if (!want_dx) return;
+        // dx = dOut + rstd (dxhat - mean(dxhat) - xhat mean(dxhat o xhat)), dxhat = dy o g.
         for (int64_t r = r0; r < r0 + n; ++r) {
           auto dxhat = t.dy.row(r);
           dxhat.array() *= gamma.array();
@@ -508,6 +527,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           VecMap(dsrc + v.offset(n0 + r / L, r % L), D) = t.g.row(r);
         }
       });
+      if (want_g) add_tile_sums(lay.g);
+      if (want_b) add_tile_sums(lay.b);
     }
   });
   if (!any_weight) return;

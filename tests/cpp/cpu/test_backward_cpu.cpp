@@ -329,14 +329,20 @@ TEST_F(CpuBackwardRuns, RepeatedCallsAreBitwiseIdentical) {
 // a chunk, never what is summed in which order: the results are even bitwise identical. The
 // second shape's row pass is one sequence of 4 heads, whose heads go to the threads within the
 // block (for_ranges); its column pass is 300 sequences of one position. The third's one head of
-// 600 positions is cut into nine query ranges (query_ranges), whose dk and dv parts add in order.
+// 600 positions is cut into 16 query ranges (query_ranges), whose dk and dv parts add in order.
 // The fourth is the shape whose forward is not bitwise the same at 1 and 2 threads
 // (test_cpu_paths.cpp, ThreadCountPromise): its gradients are. The fifth's row pass is two
-// sequences of 8 (head, query range) pairs: a chunk a thread at 1 and 2 threads, the blocks one
-// after another with their pairs and row tiles across the threads at 3 and 8.
+// sequences of 18 (head, query range) pairs: a chunk a thread at 1 and 2 threads, the blocks one
+// after another with their pairs and row tiles across the threads at 3 and 8. The last three are
+// few long sequences, a chunk a thread at low counts and shared at high ones: four rows of 300
+// (blocks of five row tiles, whose column sums add a partial a tile, shared from 8 threads), eight
+// columns of 600 (16 query ranges a head, shared at 16), two rows of 300 at dim 128 (shared from 3:
+// weight-gradient partials in tiles of 32 rows, products large enough to leave the register tiles,
+// whose bits depend on the tiles: a tile size that followed the thread count fails here).
 TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
   for (const Shape shape : {Shape{2, 16, 24, 32, 2}, Shape{1, 1, 300, 32, 4}, Shape{1, 1, 600, 16, 1},
-                            Shape{1, 200, 1, 16, 2}, Shape{1, 2, 300, 32, 2}}) {
+                            Shape{1, 200, 1, 16, 2}, Shape{1, 2, 300, 32, 2}, Shape{1, 4, 300, 32, 2},
+                            Shape{1, 600, 8, 16, 2}, Shape{1, 2, 300, 128, 2}}) {
     s = shape;
     p = random_problem(s, 17);
     gout = random_grad(s.B * s.H * s.W * s.D, 12);
@@ -377,6 +383,78 @@ TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResult) {
       omp_set_num_threads(before);
     }
   }
+}
+
+// The same promise with dropout and with the weights' gradients alone (no grad_x: the row pass's
+// backward skips dx), on the few-long-sequences shapes whose blocks the team shares.
+TEST_F(CpuBackwardRuns, ThreadCountDoesNotChangeTheResultWithDropoutOrWeightsAlone) {
+  std::vector<bool> weights_only(11, true);
+  weights_only[0] = false;
+  for (const Shape shape : {Shape{1, 4, 300, 32, 2}, Shape{1, 2, 300, 128, 2}})
+    for (const bool dropout : {true, false}) {
+      s = shape;
+      p = random_problem(s, 19);
+      gout = random_grad(s.B * s.H * s.W * s.D, 13);
+      gout_f.assign(gout.begin(), gout.end());
+      AxialParams a = params(p, nullptr);
+      if (dropout) a.dropout = 0.3f, a.seed = 1234, a.offset = 56;
+      const std::vector<bool> wanted = dropout ? std::vector<bool>(11, true) : weights_only;
+      const auto backward = [&]() {
+        Grads r(s);
+        AxialGrads g = r.view(wanted);
+        g.grad_out = gout_f.data();
+        const Status st = backward_cpu(a, g);
+        EXPECT_TRUE(st.ok()) << st.message;
+        return r;
+      };
+      const int before = omp_get_max_threads();
+      omp_set_num_threads(1);
+      Grads base = backward();
+      for (int threads : {2, 3, 8, 16}) {
+        omp_set_num_threads(threads);
+        Grads r = backward();
+        for (size_t i = 0; i < base.all().size(); ++i)
+          if (wanted[i])
+            EXPECT_TRUE(same_bits(*r.all()[i].first, *base.all()[i].first))
+                << base.all()[i].second << " with " << threads << " threads, " << shape_name(s)
+                << (dropout ? ", dropout" : ", weights alone");
+      }
+      omp_set_num_threads(before);
+    }
+}
+
+// A block of several row tiles adds its tiles' fp64 column sums in tile order, at every thread
+// count. The column pass here is four sequences of 300 positions (tiles of 64 rows); grad_out's
+// column j is 2^54 in every row of tile 0 and -2^54 in every row of tile 1 (their sums, 2^60 and
+// -2^60, cancel exactly when added first) and small values elsewhere, so col.out_bias, the column
+// sums of grad_out, is the small values' sum in tile order, where another order loses them all.
+TEST_F(CpuBackwardRuns, TileColumnSumsAddInTileOrder) {
+  s = Shape{1, 300, 4, 32, 2};
+  p = random_problem(s, 29);
+  const int64_t H = s.H, W = s.W, D = s.D;
+  gout_f.assign(H * W * D, 0.0f);
+  std::vector<double> small_sum(D, 0.0);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t w = 0; w < W; ++w)
+      for (int64_t j = 0; j < D; ++j) {
+        float v = 0.25f + 0.5f * (float)std::sin(0.11 * (double)(h * W * D + w * D + j));
+        if (h < 64) v = std::ldexp(1.0f, 54);
+        else if (h < 128) v = -std::ldexp(1.0f, 54);
+        else small_sum[j] += v;
+        gout_f[(h * W + w) * D + j] = v;
+      }
+  const int before = omp_get_max_threads();
+  for (int threads : {1, 2, 8, 16}) {
+    omp_set_num_threads(threads);
+    Grads r(s);
+    AxialGrads g = r.view();
+    g.grad_out = gout_f.data();
+    ASSERT_TRUE(backward_cpu(params(p, nullptr), g).ok());
+    for (int64_t j = 0; j < D; ++j)
+      EXPECT_NEAR(r.col.out_b[j], small_sum[j], 1e-6 * std::abs(small_sum[j]) + 1e-3)
+          << "col.out_bias[" << j << "] with " << threads << " threads";
+  }
+  omp_set_num_threads(before);
 }
 #endif
 

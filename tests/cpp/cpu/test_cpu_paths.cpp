@@ -51,13 +51,13 @@ Fwd forward_branch(int64_t L, int64_t N, int threads) {
 // where the chunks are fewer than its threads and a block has more (sequence, head, query range)
 // triples than there are chunks, or where the team is one thread, the blocks run one after
 // another and each block's triples and row tiles go to the threads (ranges), where the pass takes
-// two or more. A head of 128 positions or more is taken in query ranges (min(16, L / 64)).
+// two or more. A head of 128 positions or more is taken in query ranges (min(16, L / 32)).
 enum class Bwd { kOneThread, kChunks, kRanges };
 
 Bwd backward_branch(int64_t L, int64_t N, int64_t D, int64_t heads, int threads) {
   const int64_t per_block = std::max<int64_t>(1, std::min<int64_t>(128 / L, N / 32));
   const int64_t blocks = (N + per_block - 1) / per_block, chunks = std::min<int64_t>(blocks, 64);
-  const int64_t ranges = L < 128 ? 1 : std::min<int64_t>(16, L / 64);
+  const int64_t ranges = L < 128 ? 1 : std::min<int64_t>(16, L / 32);
   const double flops = 3.0 * (double)(N * L) * (8.0 * D * D + 4.0 * L * D);
   const int64_t pass_threads =
       std::max<int64_t>(1, std::min<int64_t>(std::min<int64_t>(threads, N * L), (int64_t)(flops / 4e6)));
@@ -106,7 +106,8 @@ const PathCase kCases[] = {
     {{2, 5, 9, 64, 8}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
     {{2, 5, 9, 64, 8}, 3, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
     {{3, 16, 16, 64, 4}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
-    // One long row (L = 130: two row tiles and a partial one of 2 rows), 130 columns of one
+    // One long row (L = 130: the backward's two row tiles and a partial one of 2 rows, the forward's
+    // four tiles of 32 and one of 2), 130 columns of one
     // (too little work for a second thread in the backward).
     {{1, 1, 130, 32, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
     {{1, 1, 130, 32, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
@@ -114,7 +115,7 @@ const PathCase kCases[] = {
     {{1, 200, 1, 16, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
     {{1, 200, 1, 16, 2}, 2, F::kBlocks, F::kFewSequences, B::kOneThread, B::kRanges},
     {{1, 200, 1, 16, 2}, 8, F::kBlocks, F::kFewSequences, B::kOneThread, B::kRanges},
-    // Two rows of exactly two tiles: the few-sequences path walks two sequences.
+    // Two rows of 128 (the forward's four tiles of 32): the few-sequences path walks two sequences.
     {{1, 2, 128, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kOneThread, B::kOneThread},
     // One row of 64, a single block: one thread although three are there (a tile, not two).
     {{1, 1, 64, 32, 2}, 3, F::kOneThread, F::kBlocks, B::kOneThread, B::kOneThread},
@@ -124,17 +125,21 @@ const PathCase kCases[] = {
     // forward, and backward the two blocks one after another, their three heads across the threads.
     {{1, 2, 100, 48, 3}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
     {{1, 2, 100, 48, 3}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
-    // A head of 520 positions: the backward's eight query ranges; nine row tiles in the forward.
+    // A head of 520 positions: the backward's 16 query ranges; nine row tiles in the forward.
     {{1, 1, 520, 16, 2}, 1, F::kOneThread, F::kOneThread, B::kOneThread, B::kOneThread},
     {{1, 1, 520, 16, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
-    // One head of 600: its nine query ranges go to the two threads.
+    // One head of 600: its 16 query ranges go to the two threads.
     {{1, 1, 600, 16, 1}, 2, F::kFewSequences, F::kBlocks, B::kRanges, B::kOneThread},
     // Three rows of 600 at 2 threads: a block each, a team of two over the blocks, each head's
     // queries in tiles of 256 over two key blocks (kKeyBlock).
     {{1, 3, 600, 16, 1}, 2, F::kBlocks, F::kBlocks, B::kChunks, B::kChunks},
     // Two rows of 128 at dim 256: the row pass's weight gradients over the whole pass with its two
-    // blocks one after another (four (head, range) pairs each) and its row tiles across the threads.
+    // blocks one after another (eight (head, range) pairs each) and its row tiles across the threads.
     {{1, 2, 128, 256, 2}, 3, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    // Few long sequences at 16 threads: four rows of 300 (the forward's tiles of 32; the backward's
+    // blocks of five row tiles, nine query ranges a head), and eight columns of 600 (16 ranges).
+    {{1, 4, 300, 32, 2}, 16, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
+    {{1, 600, 8, 16, 2}, 16, F::kBlocks, F::kFewSequences, B::kChunks, B::kRanges},
 };
 
 class ThreadCount {
