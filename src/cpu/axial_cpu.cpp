@@ -14,7 +14,9 @@
 // most (256, 512) that stay in cache.
 //
 // The matrix products go through gemm.h (PyTorch's MKL where the torch
-// module set it, else Eigen's GEMM). Each sequence is read whole
+// module set it, else Eigen's GEMM); at dims up to kTileProjectionMaxDim the
+// projections run on gemm.cpp's register tiles with the weights transposed once
+// a pass (Projections). Each sequence is read whole
 // before it is written and sequences are disjoint, so the column pass can run
 // in place on the row pass's output.
 //
@@ -53,7 +55,7 @@ struct PassArgs {
   const AxisView& v;
   int64_t D, heads, hd;
   float eps, scale;  // scale = 1 / sqrt(hd)
-  ConstMap wqkv, wout;  // (3D, D), (D, D)
+  const Projections& proj;  // wqkv (3D, D), wout (D, D)
   ConstVec gamma, beta, bout;
   const DropoutParams* drop;  // null: no dropout
   int pass;  // 0 rows, 1 columns
@@ -161,7 +163,7 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       t.y.resize(rows, D);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l) layer_norm_row(a, src + v.offset(n0 + s, l), t.x.row(s * L + l), t.y.row(s * L + l));
-      gemm(t.qkv, in(t.y), tr(a.wqkv));  // (rows, 3D)
+      a.proj.qkv_product(t.qkv, t.y);  // (rows, 3D)
       for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.qkv_out, t.qkv, s * L, n0 + s, 0, L);
       t.o.resize(rows, D);
       // Queries in tiles of kQueryTile where keys come in blocks: a (kQueryTile, kKeyBlock) score tile.
@@ -175,7 +177,7 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       }
       for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
       // x += o Wout^T + bout, then scatter.
-      gemm(t.x, in(t.o), tr(a.wout), 1.0f);
+      a.proj.out_product(t.x, t.o, 1.0f);
       t.x.rowwise() += a.bout;
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t l = 0; l < L; ++l)
@@ -212,7 +214,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
-        gemm(qkv.middleRows(r0, rows), in(t.y), tr(a.wqkv));
+        a.proj.qkv_product(qkv.middleRows(r0, rows), t.y);
         keep_rows(a, a.qkv_out, qkv, r0, n, r0, rows);
       }
 #pragma omp for schedule(dynamic)
@@ -225,7 +227,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
         auto xr = x.middleRows(r0, rows);
         keep_rows(a, a.o_out, o, r0, n, r0, rows);
-        gemm(xr, in(o.middleRows(r0, rows)), tr(a.wout), 1.0f);
+        a.proj.out_product(xr, o.middleRows(r0, rows), 1.0f);
         xr.rowwise() += a.bout;
         for (int64_t r = 0; r < rows; ++r) VecMap(dst + v.offset(n, r0 + r), D) = xr.row(r);
       }
@@ -247,8 +249,7 @@ void axis_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const Axi
                       hd,
                       eps,
                       1.0f / std::sqrt(static_cast<float>(hd)),
-                      proj.qkv,
-                      proj.out,
+                      proj,
                       ConstVec(w.norm_weight, D),
                       ConstVec(w.norm_bias, D),
                       ConstVec(w.out_bias, D),

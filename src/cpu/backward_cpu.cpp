@@ -262,7 +262,6 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
   const int64_t L = v.len, N = v.num_seq, hd = D / heads;
   if (N == 0 || L == 0) return;
   const Projections proj(w.qkv_weight, w.out_weight, D);
-  const ConstMap &wqkv = proj.qkv, &wout = proj.out;
   const ConstVec bout(w.out_bias, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);
@@ -272,7 +271,7 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
     const int64_t n0 = blk * bk.seq_per_block, ns = std::min(bk.seq_per_block, N - n0), rows = ns * L;
     size_norm(t, rows, D);
     norm_rows(v, n0, D, eps, w, src, t, 0, rows);
-    gemm(t.qkv, in(t.y), tr(wqkv));
+    proj.qkv_product(t.qkv, t.y);
     t.o.resize(rows, D);
     const int64_t R = query_ranges(L);
     const Spread spread = spread_ranges(team, threads, ns * heads, R, 0);  // (no parts kept)
@@ -289,7 +288,7 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
       }
       gemm(t.o.block(s * L + r0, h * hd, n, hd), in(hs.s), in(t.qkv.block(s * L, 2 * D + h * hd, L, hd)));
     });
-    gemm(t.x, in(t.o), tr(wout), 1.0f);
+    proj.out_product(t.x, t.o, 1.0f);
     t.x.rowwise() += bout;
     for (int64_t s = 0; s < ns; ++s)
       for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
@@ -346,7 +345,6 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   if (!want_o && !want_bout) return;
 
   const Projections proj(w.qkv_weight, w.out_weight, D);
-  const ConstMap &wqkv = proj.qkv, &wout = proj.out;
   const ConstVec gamma(w.norm_weight, D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const Blocking bk = blocking(v);
@@ -401,10 +399,10 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         if (attend) {
           norm_rows(v, n0, D, eps, w, src, t, r0, n);
           if (qkv_in != nullptr) gather_kept(v, D, n0, r0, n, qkv_in, t.qkv);
-          else gemm(t.qkv.middleRows(r0, n), in(t.y.middleRows(r0, n)), tr(wqkv));
+          else proj.qkv_product(t.qkv.middleRows(r0, n), t.y.middleRows(r0, n));
         }
         if (want_out && o_in != nullptr) gather_kept(v, D, n0, r0, n, o_in, t.o);
-        if (want_dqkv) gemm(t.dO.middleRows(r0, n), in(t.g.middleRows(r0, n)), in(wout));
+        if (want_dqkv) proj.by_out(t.dO.middleRows(r0, n), t.g.middleRows(r0, n));
       });
       if (want_bout) add_tile_sums(lay.bout);
       if (whole && want_out) all_g.middleRows(n0 * L, rows) = t.g;  // (t.g becomes dsrc below)
@@ -511,7 +509,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       // dy = dqkv Wqkv, its column sums and LayerNorm's backward: row by row, a tile of rows at a time.
       const float inv_d = 1.0f / static_cast<float>(D);
       for_row_tiles(rows, tile, inner, [&](int64_t r0, int64_t n) {
-        gemm(t.dy.middleRows(r0, n), in(t.dqkv.middleRows(r0, n)), in(wqkv));
+        proj.by_qkv(t.dy.middleRows(r0, n), t.dqkv.middleRows(r0, n));
         for (int64_t r = r0; r < r0 + n; ++r) {
           if (want_g) add_row(tile_col(r0) + lay.g, t.dy.row(r).array() * t.xhat.row(r).array(), D);
           if (want_b) add_row(tile_col(r0) + lay.b, t.dy.row(r), D);

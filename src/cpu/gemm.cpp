@@ -135,6 +135,16 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
 
 }  // namespace
 
+void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {
+  if (a.op_rows() == 0 || b.op_cols() == 0) return;
+  if (a.op_cols() == 0) {
+    Strided cm(c, a.op_rows(), b.op_cols(), Stride(ldc));
+    if (beta == 0.0f) cm.setZero(); else cm *= beta;
+    return;
+  }
+  small_product(a, b, beta, c, ldc);
+}
+
 void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {
   const int64_t m = a.op_rows(), n = b.op_cols(), k = a.op_cols();
   if (m == 0 || n == 0) return;

@@ -47,6 +47,11 @@ constexpr int64_t kSmallProduct = int64_t{1} << 19;
 // c (m, n) = op(a) op(b) + beta c, c row-major with row stride ldc; with beta 0 c is not read.
 void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
 
+// c = op(a) op(b) + beta c on gemm.cpp's register tiles whatever its size: each element summed over k
+// in blocks of 64 terms, as every small product is, so its bits depend on k and the inputs alone (not
+// on m, n or how the rows are split among calls). For the projections of narrow dims (project below).
+void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
+
 // The same into an Eigen row-major destination: a Mat is resized to (op(a) rows, op(b) cols)
 // where beta is 0 (else it keeps what it adds to, at that size); a block or map must have that size already.
 template <class C>
@@ -55,6 +60,13 @@ void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
     if (beta == 0.0f) c.resize(a.op_rows(), b.op_cols());
   eigen_assert(c.rows() == a.op_rows() && c.cols() == b.op_cols() && a.op_cols() == b.op_rows());
   gemm(a, b, beta, c.data(), c.outerStride());
+}
+template <class C>
+void tile_gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
+  if constexpr (std::is_same_v<std::decay_t<C>, Mat>)
+    if (beta == 0.0f) c.resize(a.op_rows(), b.op_cols());
+  eigen_assert(c.rows() == a.op_rows() && c.cols() == b.op_cols() && a.op_cols() == b.op_rows());
+  tile_gemm(a, b, beta, c.data(), c.outerStride());
 }
 
 // p where it lies on a 64-byte boundary, else a copy of its n floats in `copy`, which does. A
@@ -68,14 +80,54 @@ inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
   return copy.data();
 }
 
+// Dims up to this many run the forward's projections (y Wqkv^T, o Wout^T) on the register tiles
+// (tile_gemm), whatever the rows: there a BLAS call's packing and setup cost a good part of a
+// product of k = D terms.
+constexpr int64_t kTileProjectionMaxDim = 128;
+
 // One axis's projection weights as the products read them, qkv (3D, D) and out (D, D), each the
-// caller's buffer or its aligned() copy.
+// caller's buffer or its aligned() copy; at dims up to kTileProjectionMaxDim also both transposed,
+// (D, 3D) and (D, D), which the register tiles read in place.
 struct Projections {
   AlignedFloats qkv_copy, out_copy;  // (before the maps: built first)
   ConstMap qkv, out;
+  const bool on_tiles;
+  AlignedFloats qkv_t, out_t;
   Projections(const float* qkv_weight, const float* out_weight, int64_t D)
-      : qkv(aligned(qkv_weight, 3 * D * D, qkv_copy), 3 * D, D), out(aligned(out_weight, D * D, out_copy), D, D) {}
+      : qkv(aligned(qkv_weight, 3 * D * D, qkv_copy), 3 * D, D), out(aligned(out_weight, D * D, out_copy), D, D),
+        on_tiles(D <= kTileProjectionMaxDim) {
+    if (!on_tiles) return;
+    qkv_t.resize(3 * D * D);
+    out_t.resize(D * D);
+    MatMap(qkv_t.data(), D, 3 * D) = qkv.transpose();
+    MatMap(out_t.data(), D, D) = out.transpose();
+  }
   Projections(const Projections&) = delete;  // (the maps may point into the copies)
+  // c = y Wqkv^T, y (rows, D).
+  template <class C, class Y>
+  void qkv_product(C&& c, const Y& y) const {
+    const int64_t D = out.rows();
+    if (on_tiles) tile_gemm(std::forward<C>(c), in(y), in(ConstMap(qkv_t.data(), D, 3 * D)));
+    else gemm(std::forward<C>(c), in(y), tr(qkv));
+  }
+  // c = o Wout^T + beta c, o (rows, D).
+  template <class C, class O>
+  void out_product(C&& c, const O& o, float beta) const {
+    const int64_t D = out.rows();
+    if (on_tiles) tile_gemm(std::forward<C>(c), in(o), in(ConstMap(out_t.data(), D, D)), beta);
+    else gemm(std::forward<C>(c), in(o), tr(out), beta);
+  }
+  // The backward's products with the weights as they lie: c = a Wqkv, a (rows, 3D); c = a Wout, a (rows, D).
+  template <class C, class A>
+  void by_qkv(C&& c, const A& a) const {
+    if (on_tiles) tile_gemm(std::forward<C>(c), in(a), in(qkv));
+    else gemm(std::forward<C>(c), in(a), in(qkv));
+  }
+  template <class C, class A>
+  void by_out(C&& c, const A& a) const {
+    if (on_tiles) tile_gemm(std::forward<C>(c), in(a), in(out));
+    else gemm(std::forward<C>(c), in(a), in(out));
+  }
 };
 
 }  // namespace fastaxial::cpu::FASTAXIAL_CPU_COPY

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -155,6 +156,42 @@ TEST(CpuGemm, LongSumsOnTheRegisterTilesRoundAsBlockedSums) {
         }
       EXPECT_LE(worst, 6.0 * std::numeric_limits<float>::epsilon()) << "ta " << ta << " tb " << tb;
     }
+}
+
+// tile_gemm (the projections of narrow dims): products past kSmallProduct on the register tiles,
+// within the rule against double, with or without a BLAS set (it calls none), and each row's bits
+// the same whether the rows come in one call or in tiles of 7 (the backward's row tiles, the
+// forward's blocks): an element's sum depends on k and its inputs alone.
+TEST(CpuGemm, TileProductsOfAnySizeOnTheTilesWhateverTheRows) {
+  const WithBlas blas(&column_major_sgemm);
+  blas_calls = 0;
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{128, 192, 64}, {80, 288, 96}, {100, 96, 288}})
+    for (const bool tb : {false, true}) {
+      ASSERT_GT(m * n * k, cpu::kSmallProduct);
+      std::mt19937 rng(static_cast<uint32_t>(m + n + k + tb));
+      std::normal_distribution<float> dist;
+      std::vector<float> a(m * k), b(k * n), whole(m * n), tiled(m * n);
+      for (float& v : a) v = dist(rng);
+      for (float& v : b) v = dist(rng);
+      const cpu::Operand bo{b.data(), tb ? n : k, tb ? k : n, tb ? k : n, tb};
+      cpu::tile_gemm(cpu::Operand{a.data(), m, k, k, false}, bo, 0.0f, whole.data(), n);
+      for (int64_t r0 = 0; r0 < m; r0 += 7) {
+        const int64_t rows = std::min<int64_t>(7, m - r0);
+        cpu::tile_gemm(cpu::Operand{a.data() + r0 * k, rows, k, k, false}, bo, 0.0f, tiled.data() + r0 * n, n);
+      }
+      EXPECT_EQ(0, std::memcmp(whole.data(), tiled.data(), whole.size() * sizeof(float))) << m << " " << n << " " << k;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double want = 0.0, mag = 0.0;
+          for (int64_t l = 0; l < k; ++l) {
+            const double t = static_cast<double>(a[i * k + l]) * (tb ? b[j * k + l] : b[l * n + j]);
+            want += t;
+            mag += std::fabs(t);
+          }
+          ASSERT_NEAR(whole[i * n + j], want, 4.0 * (k + 1) * std::numeric_limits<float>::epsilon() * mag);
+        }
+    }
+  EXPECT_EQ(blas_calls.load(), 0);
 }
 
 TEST(CpuGemm, BlasGetsTheRowMajorProduct) {
