@@ -134,6 +134,7 @@ std::vector<at::Tensor> empty_in_one_block(const std::vector<at::IntArrayRef>& s
     total += (c10::multiply_integers(shape) + align - 1) / align * align;
   }
   const at::Tensor block = at::empty({total}, options.memory_format(at::MemoryFormat::Contiguous));
+  TORCH_INTERNAL_ASSERT(total == 0 || reinterpret_cast<uintptr_t>(block.data_ptr()) % 64 == 0);
   std::vector<at::Tensor> views;
   for (size_t i = 0; i < shapes.size(); ++i) {
     std::vector<int64_t> strides(shapes[i].size());

@@ -49,7 +49,8 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
 inline bool low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
 // Fresh contiguous tensors of these shapes, views of one allocation, each at a 64-byte boundary (the
-// kernels' alignment): one allocator call where a call needs several tensors of its own.
+// CPU products' alignment, gemm.h; the CUDA kernels' is 16): one allocator call where a call needs
+// several tensors of its own. `shapes` refers to the sizes of tensors that outlive the call.
 std::vector<at::Tensor> empty_in_one_block(const std::vector<at::IntArrayRef>& shapes, const at::TensorOptions& options);
 
 // How converted allocates: a tensor each (what the caller gets back), or views of one block
