@@ -7,6 +7,7 @@
 #include "ops.h"
 
 #include <ATen/ops/_foreach_copy.h>
+#include <c10/util/accumulate.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
@@ -86,7 +87,7 @@ Call check_call(const char* op, const at::Tensor& x, const at::Tensor& row_norm_
     const auto inputs = c.inputs();
     std::vector<at::Tensor> wide(inputs.size());
     for (size_t i = 0; i < inputs.size(); ++i) wide[i] = *inputs[i];
-    wide = converted(std::move(wide), at::kFloat);
+    wide = converted(std::move(wide), at::kFloat, Storage::kOneBlock);
     c.x = wide[0];
     for (int i = 0; i < 5; ++i) c.row[i] = wide[1 + i], c.col[i] = wide[6 + i];
   }
@@ -110,22 +111,56 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
                        &b.grads.col.norm_weight, &b.grads.col.norm_bias,  &b.grads.col.qkv_weight,
                        &b.grads.col.out_weight, &b.grads.col.out_bias};
   const auto inputs = c.inputs();
+  std::vector<at::IntArrayRef> shapes;
   for (int i = 0; i < 11; ++i)
-    if (output_mask[i]) {
-      b.outputs.push_back(at::empty_like(*inputs[i], at::MemoryFormat::Contiguous));
-      *slots[i] = b.outputs.back().data_ptr<float>();
-    }
+    if (output_mask[i]) shapes.push_back(inputs[i]->sizes());
+  if (c.dtype == at::kFloat) {  // the caller's gradients: a tensor each
+    for (const at::IntArrayRef& shape : shapes)
+      b.outputs.push_back(at::empty(shape, c.x.options().memory_format(at::MemoryFormat::Contiguous)));
+  } else if (!shapes.empty()) {  // float32 gradients to be narrowed into the caller's (converted)
+    b.outputs = empty_in_one_block(shapes, c.x.options());
+  }
+  for (int i = 0, j = 0; i < 11; ++i)
+    if (output_mask[i]) *slots[i] = b.outputs[j++].data_ptr<float>();
   return b;
 }
 
-std::vector<at::Tensor> converted(std::vector<at::Tensor> tensors, at::ScalarType dtype) {
+std::vector<at::Tensor> empty_in_one_block(const std::vector<at::IntArrayRef>& shapes, const at::TensorOptions& options) {
+  const int64_t align = 64 / static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  std::vector<int64_t> offsets;
+  int64_t total = 0;
+  for (const at::IntArrayRef& shape : shapes) {
+    offsets.push_back(total);
+    total += (c10::multiply_integers(shape) + align - 1) / align * align;
+  }
+  const at::Tensor block = at::empty({total}, options.memory_format(at::MemoryFormat::Contiguous));
+  TORCH_INTERNAL_ASSERT(total == 0 || reinterpret_cast<uintptr_t>(block.data_ptr()) % 64 == 0);
+  std::vector<at::Tensor> views;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    std::vector<int64_t> strides(shapes[i].size());
+    for (int64_t d = (int64_t)strides.size() - 1, stride = 1; d >= 0; stride *= std::max<int64_t>(shapes[i][d--], 1))
+      strides[d] = stride;
+    views.push_back(block.as_strided(shapes[i], strides, offsets[i]));
+  }
+  return views;
+}
+
+std::vector<at::Tensor> converted(std::vector<at::Tensor> tensors, at::ScalarType dtype, Storage storage) {
   std::vector<at::Tensor> src, dst;
+  std::vector<at::IntArrayRef> shapes;
   for (const at::Tensor& t : tensors)
     if (t.scalar_type() != dtype) {
       src.push_back(t);
-      dst.push_back(at::empty(t.sizes(), t.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous)));
+      shapes.push_back(t.sizes());
     }
   if (src.empty()) return tensors;
+  const at::TensorOptions options = src[0].options().dtype(dtype);
+  if (storage == Storage::kOneBlock) {
+    dst = empty_in_one_block(shapes, options);
+  } else {
+    for (const at::IntArrayRef& shape : shapes)
+      dst.push_back(at::empty(shape, options.memory_format(at::MemoryFormat::Contiguous)));
+  }
   at::_foreach_copy_(dst, src);
   auto next = dst.begin();
   for (at::Tensor& t : tensors)

@@ -35,8 +35,9 @@ struct Call {
 };
 
 // The backward's checked gradient of the output and the gradients output_mask asks for
-// (x, then the ten weights), each a fresh contiguous tensor shaped like its input, with `grads`
-// pointing into them (unwanted ones null).
+// (x, then the ten weights), float32 contiguous tensors shaped like their inputs, with `grads`
+// pointing into them (unwanted ones null): a tensor each for a float32 call, views of one block
+// for a 16-bit one (its kernel narrows them into tensors of their own: converted).
 struct BackwardCall {
   at::Tensor grad_out;              // contiguous
   std::vector<at::Tensor> outputs;  // the wanted gradients, in the schema's order
@@ -47,10 +48,20 @@ BackwardCall prepare_backward(const Call& c, const at::Tensor& grad_out, const s
 // bfloat16 or float16: the 16-bit dtypes the operators run as fp32 math on float32 copies.
 inline bool low_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
+// Fresh contiguous tensors of these shapes, views of one allocation, each at a 64-byte boundary (the
+// CPU products' alignment, gemm.h; the CUDA kernels' is 16): one allocator call where a call needs
+// several tensors of its own. `shapes` refers to the sizes of tensors that outlive the call.
+std::vector<at::Tensor> empty_in_one_block(const std::vector<at::IntArrayRef>& shapes, const at::TensorOptions& options);
+
+// How converted allocates: a tensor each (what the caller gets back), or views of one block
+// (a call's internal copies: empty_in_one_block).
+enum class Storage { kSeparate, kOneBlock };
+
 // The tensors converted to dtype (fresh contiguous ones; a tensor already of dtype as it is): one
 // batched copy, a single launch on CUDA, in place of a conversion each. For the 16-bit calls'
-// float32 copies and the gradients they return (Call::dtype).
-std::vector<at::Tensor> converted(std::vector<at::Tensor> tensors, at::ScalarType dtype);
+// float32 copies (kOneBlock) and the gradients they return (kSeparate; Call::dtype).
+std::vector<at::Tensor> converted(std::vector<at::Tensor> tensors, at::ScalarType dtype,
+                                  Storage storage = Storage::kSeparate);
 
 // Checks the `products` argument (axial_attention, describe_cuda_plan): none, float32, bfloat16 or
 // float16.
