@@ -4,8 +4,9 @@
 // walks them in blocks of a few sequences per OpenMP task: gather the
 // block's rows (strided for columns, so no permuted copy), LayerNorm, one QKV
 // matrix product for the whole block, softmax attention per sequence and
-// head, one output-projection product, add the residual, scatter back.
-// Memory per thread is one block's worth ((rows, 3D) and one score tile),
+// head, one output-projection product that adds the residual and bias as
+// it stores each row where it goes (no scatter pass). Memory per thread
+// is one block's worth ((rows, 3D) and one score tile),
 // never a tensor of the whole input. Where it has fewer (one long sequence,
 // say), the threads share each sequence in turn: its row tiles, then its
 // (head, query tile) pairs, then its row tiles again. A score tile is (L, L)
@@ -144,9 +145,12 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
 // block of k and v once for that many queries.
 constexpr int64_t kQueryTile = 256;
 
+// Rows ahead of the one being read that block_pass's gather prefetches (perf notes v104).
+constexpr int64_t kGatherAhead = 8;
+
 // Many sequences: the team takes blocks of a few sequences, one block a task: gather the block's
-// rows, LayerNorm, one QKV product for the block, attention per sequence and head, one output
-// product, the residual, scatter.
+// rows, LayerNorm, one QKV product for the block, attention per sequence and head, the output
+// product with the residual and bias into dst (project_out).
 void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per_block, int team) {
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
@@ -161,8 +165,15 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
       const int64_t rows = ns * L;
       t.x.resize(rows, D);  // x is (rows, D): the block's positions; y their LayerNorm
       t.y.resize(rows, D);
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t l = 0; l < L; ++l) layer_norm_row(a, src + v.offset(n0 + s, l), t.x.row(s * L + l), t.y.row(s * L + l));
+      for (int64_t r = 0; r < rows; ++r) {
+        // A column pass's rows lie W D floats apart, much of them in the other core's cache (the row
+        // pass wrote them): asked for kGatherAhead rows before they are read.
+        if (r + kGatherAhead < rows) {
+          const float* ahead = src + v.offset(n0 + (r + kGatherAhead) / L, (r + kGatherAhead) % L);
+          for (int64_t j = 0; j < D; j += 16) __builtin_prefetch(ahead + j);  // a 64-byte line each
+        }
+        layer_norm_row(a, src + v.offset(n0 + r / L, r % L), t.x.row(r), t.y.row(r));
+      }
       a.proj.qkv_product(t.qkv, t.y);  // (rows, 3D)
       for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.qkv_out, t.qkv, s * L, n0 + s, 0, L);
       t.o.resize(rows, D);
@@ -176,12 +187,8 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
             for (int64_t i0 = 0; i0 < L; i0 += qt) attend(a, t.qkv, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
       }
       for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
-      // x += o Wout^T + bout, then scatter.
-      a.proj.out_product(t.x, t.o, 1.0f);
-      t.x.rowwise() += a.bout;
-      for (int64_t s = 0; s < ns; ++s)
-        for (int64_t l = 0; l < L; ++l)
-          VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
+      // x + o Wout^T + bout, written where it goes.
+      project_out(a.proj, v, n0, ns, t.o, t.x, a.bout.data(), dst);
     }
   }
 }
@@ -198,8 +205,8 @@ int64_t few_tile(int64_t L) { return L >= 128 && L <= kKeyBlock ? kRowTile / 2 :
 
 // Fewer blocks than threads (one long sequence, say): the sequences one after another, the
 // team spread over each one's row tiles (LayerNorm, QKV product), then its (head, query tile)
-// pairs (attention), then its row tiles again (output product, residual, scatter). A sequence
-// is gathered whole before any of it is written, so the column pass may run in place.
+// pairs (attention), then its row tiles again (the output product with the residual and bias, into
+// dst). A sequence is gathered whole before any of it is written, so the column pass may run in place.
 void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int team) {
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
@@ -225,11 +232,8 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
 #pragma omp for schedule(static)
       for (int64_t tile = 0; tile < tiles; ++tile) {
         const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
-        auto xr = x.middleRows(r0, rows);
         keep_rows(a, a.o_out, o, r0, n, r0, rows);
-        a.proj.out_product(xr, o.middleRows(r0, rows), 1.0f);
-        xr.rowwise() += a.bout;
-        for (int64_t r = 0; r < rows; ++r) VecMap(dst + v.offset(n, r0 + r), D) = xr.row(r);
+        a.proj.out_residual(dst + v.offset(n, r0), v.pos_stride, o.middleRows(r0, rows), &x(r0, 0), D, a.bout.data());
       }
     }
   }

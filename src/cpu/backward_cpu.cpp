@@ -288,10 +288,7 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
       }
       gemm(t.o.block(s * L + r0, h * hd, n, hd), in(hs.s), in(t.qkv.block(s * L, 2 * D + h * hd, L, hd)));
     });
-    proj.out_product(t.x, t.o, 1.0f);
-    t.x.rowwise() += bout;
-    for (int64_t s = 0; s < ns; ++s)
-      for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = t.x.row(s * L + l);
+    project_out(proj, v, n0, ns, t.o, t.x, bout.data(), dst);
   });
 }
 

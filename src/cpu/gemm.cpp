@@ -42,11 +42,12 @@ constexpr int kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 3;
 // every step, its error then past the BLAS's that the reference runs on.
 constexpr int64_t kDepth = 64;
 
-// c (MR rows, NP packets: `cols` of them written) = a b + beta c: a(i, p) at a[i ars + p acs], b's
-// row p at b + p ldb (NP packets readable). Each element is summed over p in order.
+// c (MR rows, NP packets: `cols` of them written) = a b + beta x (+ bias): a(i, p) at a[i ars + p acs],
+// b's row p at b + p ldb (NP packets readable), x c itself where null (row stride ldx, else ldc), bias
+// `cols` floats or null. Each element is summed over p in order; the bias added after the rest.
 template <int MR, int NP>
 void small_tile(const float* a, int64_t ars, int64_t acs, const float* b, int64_t ldb, int64_t k, float beta,
-                float* c, int64_t ldc, int64_t cols) {
+                const float* x, int64_t ldx, const float* bias, float* c, int64_t ldc, int64_t cols) {
   Packet acc[MR][NP];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NP; ++j) acc[i][j] = ei::pset1<Packet>(0.0f);
@@ -59,19 +60,28 @@ void small_tile(const float* a, int64_t ars, int64_t acs, const float* b, int64_
     }
   }
   const Packet vbeta = ei::pset1<Packet>(beta);
+  if (x == nullptr) {
+    x = c;
+    ldx = ldc;
+  }
   if (cols == NP * kW) {
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NP; ++j) {
-        float* cij = c + i * ldc + j * kW;
-        ei::pstoreu(cij, beta == 0.0f ? acc[i][j] : ei::pmadd(vbeta, ei::ploadu<Packet>(cij), acc[i][j]));
+        Packet cij = beta == 0.0f ? acc[i][j] : ei::pmadd(vbeta, ei::ploadu<Packet>(x + i * ldx + j * kW), acc[i][j]);
+        if (bias != nullptr) cij = ei::padd(cij, ei::ploadu<Packet>(bias + j * kW));
+        ei::pstoreu(c + i * ldc + j * kW, cij);
       }
     return;
   }
   alignas(64) float rest[NP * kW];  // a partial last tile: through a buffer, its columns
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NP; ++j) ei::pstore(rest + j * kW, acc[i][j]);
+    const float* xi = x + i * ldx;
     float* ci = c + i * ldc;
-    for (int64_t j = 0; j < cols; ++j) ci[j] = beta == 0.0f ? rest[j] : rest[j] + beta * ci[j];
+    for (int64_t j = 0; j < cols; ++j) {
+      const float cij = beta == 0.0f ? rest[j] : rest[j] + beta * xi[j];
+      ci[j] = bias != nullptr ? cij + bias[j] : cij;
+    }
   }
 }
 
@@ -90,8 +100,8 @@ void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* 
     for (int64_t c = r < rows_w ? cols_w : 0; c < cols; ++c) dst[c * ldd + r] = src[r * ld + c];
 }
 
-using SmallTile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, float*, int64_t,
-                           int64_t);
+using SmallTile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, const float*,
+                           int64_t, const float*, float*, int64_t, int64_t);
 template <int... I>
 constexpr std::array<SmallTile, sizeof...(I)> small_tiles(std::integer_sequence<int, I...>) {
   return {&small_tile<I / kPackets + 1, I % kPackets + 1>...};
@@ -99,10 +109,12 @@ constexpr std::array<SmallTile, sizeof...(I)> small_tiles(std::integer_sequence<
 // small_tile<rows, packets> at [(rows - 1) kPackets + packets - 1].
 constexpr auto kSmallTiles = small_tiles(std::make_integer_sequence<int, kRows * kPackets>());
 
-// c (m, n) = op(a) op(b) + beta c on small_tile: op(b) read as rows of whole packets, from b where
-// it lies so (not transposed, n a multiple of the packet), else from a copy; c's columns in
-// tiles of at most kPackets packets, as even as they go, and kRows rows; k in blocks of kDepth.
-void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {
+// c (m, n) = op(a) op(b) + beta x (+ bias) on small_tile (x: c where null): op(b) read as rows of
+// whole packets, from b where it lies so (not transposed, n a multiple of the packet), else from a
+// copy; c's columns in tiles of at most kPackets packets, as even as they go, and kRows rows; k in
+// blocks of kDepth, the first adding beta x, the last the bias.
+void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc, const float* x = nullptr,
+                   int64_t ldx = 0, const float* bias = nullptr) {
   const int64_t m = a.op_rows(), n = b.op_cols(), k = a.op_cols(), packets = (n + kW - 1) / kW;
   const float* bp = b.data;
   int64_t ldb = b.ld;
@@ -125,9 +137,10 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
     for (int64_t i0 = 0; i0 < m; i0 += kRows) {
       const int64_t mr = std::min<int64_t>(kRows, m - i0);
       for (int64_t p0 = 0; p0 < k; p0 += kDepth)
-        kSmallTiles[(mr - 1) * kPackets + np - 1](a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW,
-                                                  ldb, std::min(kDepth, k - p0), p0 == 0 ? beta : 1.0f,
-                                                  c + i0 * ldc + j0 * kW, ldc, cols);
+        kSmallTiles[(mr - 1) * kPackets + np - 1](
+            a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW, ldb, std::min(kDepth, k - p0),
+            p0 == 0 ? beta : 1.0f, p0 == 0 && x != nullptr ? x + i0 * ldx + j0 * kW : nullptr, ldx,
+            p0 + kDepth >= k && bias != nullptr ? bias + j0 * kW : nullptr, c + i0 * ldc + j0 * kW, ldc, cols);
     }
     j0 += np;
   }
@@ -143,6 +156,17 @@ void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t
     return;
   }
   small_product(a, b, beta, c, ldc);
+}
+
+void tile_gemm_residual(const Operand& a, const Operand& b, const float* x, int64_t ldx, const float* bias, float* c,
+                        int64_t ldc) {
+  const int64_t m = a.op_rows(), n = b.op_cols();
+  if (m == 0 || n == 0) return;
+  if (a.op_cols() == 0) {
+    Strided(c, m, n, Stride(ldc)) = ConstStrided(x, m, n, Stride(ldx)).rowwise() + ConstVec(bias, n);
+    return;
+  }
+  small_product(a, b, 1.0f, c, ldc, x, ldx, bias);
 }
 
 void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {

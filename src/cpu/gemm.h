@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/axis.h"
 #include "cpu_common.h"
 
 namespace fastaxial::cpu::FASTAXIAL_CPU_COPY {
@@ -51,6 +52,12 @@ void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc)
 // in blocks of 64 terms, as every small product is, so its bits depend on k and the inputs alone (not
 // on m, n or how the rows are split among calls). For the projections of narrow dims (project below).
 void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
+
+// c = op(a) op(b) + x + bias on the register tiles, as tile_gemm with beta 1 onto c = x and then the
+// bias added (the same bits), x read in the products' stores: x (m, n) with row stride ldx, c itself
+// or another matrix; bias n floats. A projection's residual and bias without a pass of their own.
+void tile_gemm_residual(const Operand& a, const Operand& b, const float* x, int64_t ldx, const float* bias, float* c,
+                        int64_t ldc);
 
 // The same into an Eigen row-major destination: a Mat is resized to (op(a) rows, op(b) cols)
 // where beta is 0 (else it keeps what it adds to, at that size); a block or map must have that size already.
@@ -110,12 +117,17 @@ struct Projections {
     if (on_tiles) tile_gemm(std::forward<C>(c), in(y), in(ConstMap(qkv_t.data(), D, 3 * D)));
     else gemm(std::forward<C>(c), in(y), tr(qkv));
   }
-  // c = o Wout^T + beta c, o (rows, D).
-  template <class C, class O>
-  void out_product(C&& c, const O& o, float beta) const {
-    const int64_t D = out.rows();
-    if (on_tiles) tile_gemm(std::forward<C>(c), in(o), in(ConstMap(out_t.data(), D, D)), beta);
-    else gemm(std::forward<C>(c), in(o), tr(out), beta);
+  // c = x + o Wout^T + bias, o (rows, D), c and x rows with strides ldc and ldx (x may be c): on the
+  // tiles in the product's stores; else x copied to c first, the product added to it, then the bias.
+  template <class O>
+  void out_residual(float* c, int64_t ldc, const O& o, const float* x, int64_t ldx, const float* bias) const {
+    const int64_t D = out.rows(), rows = o.rows();
+    if (on_tiles) return tile_gemm_residual(in(o), in(ConstMap(out_t.data(), D, D)), x, ldx, bias, c, ldc);
+    using Stride = Eigen::OuterStride<>;
+    Eigen::Map<Mat, Eigen::Unaligned, Stride> cm(c, rows, D, Stride(ldc));
+    if (x != c) cm = Eigen::Map<const Mat, Eigen::Unaligned, Stride>(x, rows, D, Stride(ldx));
+    gemm(in(o), tr(out), 1.0f, c, ldc);
+    cm.rowwise() += ConstVec(bias, D);
   }
   // The backward's products with the weights as they lie: c = a Wqkv, a (rows, 3D); c = a Wout, a (rows, D).
   template <class C, class A>
@@ -129,5 +141,32 @@ struct Projections {
     else gemm(std::forward<C>(c), in(a), in(out));
   }
 };
+
+// dst's rows of sequences n0 .. n0 + ns - 1 of view v = x + o Wout^T + bias, x and o (ns L, D) in the
+// sequences' order, written where they go: on the tiles one product a run of sequences that lies as
+// one strided matrix in dst (a row pass's block is one run; a column pass's sequences one each). A
+// BLAS takes the block's rows in one product onto x, scattered after: a sequence's rows alone (a
+// column pass's) ran slower there (perf notes v104).
+template <class O>
+void project_out(const Projections& proj, const AxisView& v, int64_t n0, int64_t ns, const O& o, Mat& x,
+                 const float* bias, float* dst) {
+  const int64_t L = v.len, D = x.cols();
+  const auto run_end = [&](int64_t s0) {  // the sequence after s0's run
+    int64_t s1 = s0 + 1;
+    while (s1 < ns && v.offset(n0 + s1, 0) == v.offset(n0 + s0, 0) + (s1 - s0) * L * v.pos_stride) ++s1;
+    return s1;
+  };
+  if (!proj.on_tiles && run_end(0) < ns) {
+    proj.out_residual(x.data(), D, o, x.data(), D, bias);
+    for (int64_t s = 0; s < ns; ++s)
+      for (int64_t l = 0; l < L; ++l) VecMap(dst + v.offset(n0 + s, l), D) = x.row(s * L + l);
+    return;
+  }
+  for (int64_t s0 = 0, s1; s0 < ns; s0 = s1) {
+    s1 = run_end(s0);
+    const int64_t rows = (s1 - s0) * L;
+    proj.out_residual(dst + v.offset(n0 + s0, 0), v.pos_stride, o.middleRows(s0 * L, rows), &x(s0 * L, 0), D, bias);
+  }
+}
 
 }  // namespace fastaxial::cpu::FASTAXIAL_CPU_COPY

@@ -194,6 +194,31 @@ TEST(CpuGemm, TileProductsOfAnySizeOnTheTilesWhateverTheRows) {
   EXPECT_EQ(blas_calls.load(), 0);
 }
 
+// tile_gemm_residual (the output projection with its residual and bias): bitwise tile_gemm with beta 1
+// onto a copy of x and the bias added after, over k of one and of several blocks of 64, partial
+// column tiles, x apart from c (strided) and x in c.
+TEST(CpuGemm, TileResidualIsTheProductOntoXThenTheBias) {
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{37, 64, 64}, {13, 96, 160}, {9, 40, 24}})
+    for (const bool in_place : {false, true}) {
+      std::mt19937 rng(static_cast<uint32_t>(m + n + k + in_place));
+      std::normal_distribution<float> dist;
+      const int64_t ldx = n + 5;
+      std::vector<float> a(m * k), b(k * n), x(m * ldx), bias(n), want(m * n), got(m * ldx);
+      for (auto* v : {&a, &b, &x, &bias})
+        for (float& e : *v) e = dist(rng);
+      for (int64_t i = 0; i < m; ++i) std::copy_n(x.data() + i * ldx, n, want.data() + i * n);
+      const cpu::Operand ao{a.data(), m, k, k, false}, bo{b.data(), k, n, n, false};
+      cpu::tile_gemm(ao, bo, 1.0f, want.data(), n);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) want[i * n + j] += bias[j];
+      if (in_place) got = x;
+      cpu::tile_gemm_residual(ao, bo, in_place ? got.data() : x.data(), ldx, bias.data(), got.data(), ldx);
+      for (int64_t i = 0; i < m; ++i)
+        EXPECT_EQ(0, std::memcmp(want.data() + i * n, got.data() + i * ldx, n * sizeof(float)))
+            << m << " " << n << " " << k << " " << i;
+    }
+}
+
 TEST(CpuGemm, BlasGetsTheRowMajorProduct) {
   const WithBlas blas(&column_major_sgemm);
   ASSERT_EQ(cpu_sgemm(), &column_major_sgemm);
