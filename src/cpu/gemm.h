@@ -61,19 +61,14 @@ void tile_gemm_residual(const Operand& a, const Operand& b, const float* x, int6
 
 // The same into an Eigen row-major destination: a Mat is resized to (op(a) rows, op(b) cols)
 // where beta is 0 (else it keeps what it adds to, at that size); a block or map must have that size already.
+// tiles: on the register tiles (tile_gemm), else gemm's choice.
 template <class C>
-void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
+void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f, bool tiles = false) {
   if constexpr (std::is_same_v<std::decay_t<C>, Mat>)
     if (beta == 0.0f) c.resize(a.op_rows(), b.op_cols());
   eigen_assert(c.rows() == a.op_rows() && c.cols() == b.op_cols() && a.op_cols() == b.op_rows());
-  gemm(a, b, beta, c.data(), c.outerStride());
-}
-template <class C>
-void tile_gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
-  if constexpr (std::is_same_v<std::decay_t<C>, Mat>)
-    if (beta == 0.0f) c.resize(a.op_rows(), b.op_cols());
-  eigen_assert(c.rows() == a.op_rows() && c.cols() == b.op_cols() && a.op_cols() == b.op_rows());
-  tile_gemm(a, b, beta, c.data(), c.outerStride());
+  if (tiles) tile_gemm(a, b, beta, c.data(), c.outerStride());
+  else gemm(a, b, beta, c.data(), c.outerStride());
 }
 
 // p where it lies on a 64-byte boundary, else a copy of its n floats in `copy`, which does. A
@@ -114,8 +109,7 @@ struct Projections {
   template <class C, class Y>
   void qkv_product(C&& c, const Y& y) const {
     const int64_t D = out.rows();
-    if (on_tiles) tile_gemm(std::forward<C>(c), in(y), in(ConstMap(qkv_t.data(), D, 3 * D)));
-    else gemm(std::forward<C>(c), in(y), tr(qkv));
+    gemm(std::forward<C>(c), in(y), on_tiles ? in(ConstMap(qkv_t.data(), D, 3 * D)) : tr(qkv), 0.0f, on_tiles);
   }
   // c = x + o Wout^T + bias, o (rows, D), c and x rows with strides ldc and ldx (x may be c): on the
   // tiles in the product's stores; else x copied to c first, the product added to it, then the bias.
@@ -132,13 +126,11 @@ struct Projections {
   // The backward's products with the weights as they lie: c = a Wqkv, a (rows, 3D); c = a Wout, a (rows, D).
   template <class C, class A>
   void by_qkv(C&& c, const A& a) const {
-    if (on_tiles) tile_gemm(std::forward<C>(c), in(a), in(qkv));
-    else gemm(std::forward<C>(c), in(a), in(qkv));
+    gemm(std::forward<C>(c), in(a), in(qkv), 0.0f, on_tiles);
   }
   template <class C, class A>
   void by_out(C&& c, const A& a) const {
-    if (on_tiles) tile_gemm(std::forward<C>(c), in(a), in(out));
-    else gemm(std::forward<C>(c), in(a), in(out));
+    gemm(std::forward<C>(c), in(a), in(out), 0.0f, on_tiles);
   }
 };
 
