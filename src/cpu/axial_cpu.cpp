@@ -30,6 +30,7 @@
 // taken, before the product with v. With p.dropout = 0 none of this code runs.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include <Eigen/Core>
@@ -155,42 +156,43 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
   const int64_t num_blocks = (N + seq_per_block - 1) / seq_per_block;
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-    Scratch t;
-#pragma omp for schedule(dynamic)
-    for (int64_t blk = 0; blk < num_blocks; ++blk) {
-      const int64_t n0 = blk * seq_per_block;
-      const int64_t ns = std::min(seq_per_block, N - n0);
-      const int64_t rows = ns * L;
-      t.x.resize(rows, D);  // x is (rows, D): the block's positions; y their LayerNorm
-      t.y.resize(rows, D);
-      for (int64_t r = 0; r < rows; ++r) {
-        // A column pass's rows lie W D floats apart, much of them in the other core's cache (the row
-        // pass wrote them): asked for kGatherAhead rows before they are read.
-        if (r + kGatherAhead < rows) {
-          const float* ahead = src + v.offset(n0 + (r + kGatherAhead) / L, (r + kGatherAhead) % L);
-          for (int64_t j = 0; j < D; j += 16) __builtin_prefetch(ahead + j);  // a 64-byte line each
-        }
-        layer_norm_row(a, src + v.offset(n0 + r / L, r % L), t.x.row(r), t.y.row(r));
+  const auto run_block = [&](int64_t blk, Scratch& t) {
+    const int64_t n0 = blk * seq_per_block;
+    const int64_t ns = std::min(seq_per_block, N - n0);
+    const int64_t rows = ns * L;
+    t.x.resize(rows, D);  // x is (rows, D): the block's positions; y their LayerNorm
+    t.y.resize(rows, D);
+    for (int64_t r = 0; r < rows; ++r) {
+      // A column pass's rows lie W D floats apart, much of them in the other core's cache (the row
+      // pass wrote them): asked for kGatherAhead rows before they are read.
+      if (r + kGatherAhead < rows) {
+        const float* ahead = src + v.offset(n0 + (r + kGatherAhead) / L, (r + kGatherAhead) % L);
+        for (int64_t j = 0; j < D; j += 16) __builtin_prefetch(ahead + j);  // a 64-byte line each
       }
-      a.proj.qkv_product(t.qkv, t.y);  // (rows, 3D)
-      for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.qkv_out, t.qkv, s * L, n0 + s, 0, L);
-      t.o.resize(rows, D);
-      // Queries in tiles of kQueryTile where keys come in blocks: a (kQueryTile, kKeyBlock) score tile.
-      const int64_t qt = L > kKeyBlock ? kQueryTile : L;
-      if (L == 1 && a.drop == nullptr) {
-        for (int64_t r = 0; r < rows; ++r) single_key_forward(t.qkv, r, D, a.heads, t.o);
-      } else {
-        for (int64_t s = 0; s < ns; ++s)
-          for (int64_t h = 0; h < a.heads; ++h)
-            for (int64_t i0 = 0; i0 < L; i0 += qt) attend(a, t.qkv, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
-      }
-      for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
-      // x + o Wout^T + bout, written where it goes.
-      project_out(a.proj, v, n0, ns, t.o, t.x, a.bout.data(), dst);
+      layer_norm_row(a, src + v.offset(n0 + r / L, r % L), t.x.row(r), t.y.row(r));
     }
-  }
+    a.proj.qkv_product(t.qkv, t.y);  // (rows, 3D)
+    for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.qkv_out, t.qkv, s * L, n0 + s, 0, L);
+    t.o.resize(rows, D);
+    // Queries in tiles of kQueryTile where keys come in blocks: a (kQueryTile, kKeyBlock) score tile.
+    const int64_t qt = L > kKeyBlock ? kQueryTile : L;
+    if (L == 1 && a.drop == nullptr) {
+      for (int64_t r = 0; r < rows; ++r) single_key_forward(t.qkv, r, D, a.heads, t.o);
+    } else {
+      for (int64_t s = 0; s < ns; ++s)
+        for (int64_t h = 0; h < a.heads; ++h)
+          for (int64_t i0 = 0; i0 < L; i0 += qt) attend(a, t.qkv, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
+    }
+    for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
+    // x + o Wout^T + bout, written where it goes.
+    project_out(a.proj, v, n0, ns, t.o, t.x, a.bout.data(), dst);
+  };
+  TaskQueue blocks(num_blocks);
+  on_team(team, [&](int worker, int workers) {
+    if (worker >= workers) return;
+    Scratch t;
+    for (int64_t blk; blocks.next(&blk);) run_block(blk, t);
+  });
 }
 
 // Rows a task of few_sequences_pass (few_tile): LayerNorm and the products a tile of rows at a time,
@@ -212,31 +214,34 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
   const int64_t L = v.len, N = v.num_seq, D = a.D;
   const int64_t tile_rows = few_tile(L), tiles = (L + tile_rows - 1) / tile_rows;
   Mat x(L, D), qkv(L, 3 * D), o(L, D);  // one sequence's: shared by the team
-#pragma omp parallel num_threads(team)
-  {
+  // Each sequence's (head, query tile) tasks: a queue of their own (the steps are apart by barriers).
+  std::vector<std::unique_ptr<TaskQueue>> attention(N);
+  for (auto& q : attention) q = std::make_unique<TaskQueue>(a.heads * tiles);
+  on_team(team, [&](int worker, int workers) {
     Scratch t;
+    const StaticShare mine(tiles, worker, workers);
     for (int64_t n = 0; n < N; ++n) {
-#pragma omp for schedule(static)
-      for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (int64_t tile = mine.begin; tile < mine.end; ++tile) {
         const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
         a.proj.qkv_product(qkv.middleRows(r0, rows), t.y);
         keep_rows(a, a.qkv_out, qkv, r0, n, r0, rows);
       }
-#pragma omp for schedule(dynamic)
-      for (int64_t task = 0; task < a.heads * tiles; ++task) {
+      barrier();
+      for (int64_t task; worker < workers && attention[n]->next(&task);) {
         const int64_t h = task / tiles, i0 = task % tiles * tile_rows;
         attend(a, qkv, 0, L, n, h, i0, std::min(i0 + tile_rows, L), t, o);
       }
-#pragma omp for schedule(static)
-      for (int64_t tile = 0; tile < tiles; ++tile) {
+      barrier();
+      for (int64_t tile = mine.begin; tile < mine.end; ++tile) {
         const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
         keep_rows(a, a.o_out, o, r0, n, r0, rows);
         a.proj.out_residual(dst + v.offset(n, r0), v.pos_stride, o.middleRows(r0, rows), &x(r0, 0), D, a.bout.data());
       }
+      barrier();  // (the next sequence's rows overwrite x, qkv and o)
     }
-  }
+  });
 }
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout

@@ -127,19 +127,18 @@ void for_ranges(int64_t n, int64_t R, Spread spread, int threads, HeadScratch& o
     return;
   }
   const int64_t tasks = spread == Spread::kPairs ? n * R : n;
-  const int inner = (int)std::min<int64_t>(threads, tasks);
-#pragma omp parallel num_threads(inner)
-  {
+  TaskQueue queue(tasks);
+  on_team((int)std::min<int64_t>(threads, tasks), [&](int worker, int workers) {
+    if (worker >= workers) return;
     HeadScratch mine;
-#pragma omp for schedule(dynamic)
-    for (int64_t task = 0; task < tasks; ++task) {
+    for (int64_t task; queue.next(&task);) {
       if (spread == Spread::kPairs) {
         body(task / R, task % R, mine);
       } else {
         for (int64_t r = 0; r < R; ++r) body(task, r, mine);
       }
     }
-  }
+  });
 }
 
 // Per-thread scratch of one block.
@@ -157,30 +156,22 @@ struct Scratch {
 // the threads gained: perf notes v57).
 template <class Body>
 void for_blocks(int64_t n, int team, const Body& body) {
-  if (team <= 1) {
+  TaskQueue queue(n);
+  on_team(team, [&](int worker, int workers) {
+    if (worker >= workers) return;
     Scratch t;
-    for (int64_t i = 0; i < n; ++i) body(i, t);
-    return;
-  }
-#pragma omp parallel num_threads(team)
-  {
-    Scratch t;
-#pragma omp for schedule(dynamic)
-    for (int64_t i = 0; i < n; ++i) body(i, t);
-  }
+    for (int64_t i; queue.next(&i);) body(i, t);
+  });
 }
 
 // f(i) for i = 0..count-1: in order on the calling thread where `threads` is 1, else across a
 // team of up to `threads` (outside any other region: for_blocks' team of one runs there).
 template <class F>
 void for_tasks(int64_t count, int threads, const F& f) {
-  const int team = (int)std::min<int64_t>(threads, count);
-  if (team <= 1) {
-    for (int64_t i = 0; i < count; ++i) f(i);
-    return;
-  }
-#pragma omp parallel for num_threads(team) schedule(static)
-  for (int64_t i = 0; i < count; ++i) f(i);
+  on_team((int)std::min<int64_t>(threads, count), [&](int worker, int workers) {
+    const StaticShare mine(count, worker, workers);
+    for (int64_t i = mine.begin; i < mine.end; ++i) f(i);
+  });
 }
 
 // Rows a tile of a block's row-by-row work (the activations' products, the LayerNorm backward):

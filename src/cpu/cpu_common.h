@@ -1,6 +1,6 @@
 // What the CPU forward (axial_cpu.cpp) and backward (backward_cpu.cpp) share:
 // Eigen's row-major matrix types over the library's row-major buffers, the
-// OpenMP thread count, and a (sequence, head)'s dropout multipliers.
+// threads a pass takes (team_for; the regions themselves: team.h), and a (sequence, head)'s dropout multipliers.
 //
 // Everything here and in the kernel files is in fastaxial::cpu::FASTAXIAL_CPU_COPY, an inline
 // namespace (code says cpu::gemm, cpu::Mat): the copy of the kernels the file is compiled into.
@@ -21,10 +21,7 @@
 #include "../common/dropout.h"
 #include "entries.h"
 #include "fastaxial/fastaxial.h"
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "team.h"
 
 #ifndef FASTAXIAL_CPU_COPY
 #define FASTAXIAL_CPU_COPY single
@@ -62,15 +59,6 @@ struct NoInitAllocator : Eigen::aligned_allocator<T> {
   }
 };
 using UnsetFloats = std::vector<float, NoInitAllocator<float>>;
-
-// The threads an OpenMP parallel region gets by default; 1 in a build without OpenMP.
-inline int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
 
 // Fewest floating-point operations a thread of a backward team is given: a backward pass with
 // little work ran slower on 16 threads than on 4 (docs/perf-notes.md, v67), so such a pass takes
