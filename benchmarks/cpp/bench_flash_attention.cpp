@@ -16,7 +16,8 @@
 // it where it fits); rate: 14 N heads L^2 hd (the seven products of the recomputing kernels) for
 // all three, and each one's largest difference of dqkv from the first relative to max |dqkv|;
 // then on bf16 and fp16 products (AttentionBackwardArgs::products, from the same products'
-// forward: its o and lse; dq from dS^T), each one's difference from the first likewise.
+// forward: its o and lse), dq from dS^T and dq recomputing the scores, each one's difference
+// from the first likewise.
 // Not a test: built on request (ninja bench_flash_attention), run on a GPU.
 //   build/benchmarks/cpp/bench_flash_attention [reps] [N L hd heads]...
 #include <cuda_runtime.h>
@@ -119,7 +120,7 @@ int main(int argc, char** argv) {
     // The backward from variant 0's o and lse.
     std::vector<float> hdo((size_t)(T * D));
     for (float& x : hdo) x = normal(rng);
-    float *d_o, *delta, *dqkv[5], *ds;
+    float *d_o, *delta, *dqkv[7], *ds;
     BENCH_CHECK(cudaMalloc(&ds, (size_t)(s.N * s.heads * s.L * fastaxial::attention_scores_stride(s.L)) * 4));
     BENCH_CHECK(cudaMalloc(&d_o, hdo.size() * 4));
     BENCH_CHECK(cudaMalloc(&delta, (size_t)(s.N * s.heads * s.L) * 4));
@@ -129,18 +130,19 @@ int main(int argc, char** argv) {
     b.pos = view, b.qkv = qkv, b.o = o[0], b.d_o = d_o, b.lse = lse, b.delta = delta, b.D = (int)D;
     b.heads = s.heads;
     // variant 0: as picked; 1: mma.sync; 2: dq from dS^T; 3 and 4: bf16 and fp16 products from their
-    // forward's o and lse, dq from dS^T.
+    // forward's o and lse, dq from dS^T; 5 and 6: the same, dq recomputing the scores.
     const auto time_backward = [&](int variant) {
       cuda::AttentionBackwardArgs bv = b;
-      bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1, bv.ds = variant >= 2 ? ds : nullptr;
+      bv.dqkv = dqkv[variant], bv.mma_sync = variant == 1, bv.ds = variant >= 2 && variant <= 4 ? ds : nullptr;
       if (variant >= 3) {
-        bv.products = variant == 3 ? fastaxial::Products::kBf16 : fastaxial::Products::kFp16;
-        bv.o = o[variant - 1], bv.lse = lse16[variant - 3];
+        const bool bf16 = variant == 3 || variant == 5;
+        bv.products = bf16 ? fastaxial::Products::kBf16 : fastaxial::Products::kFp16;
+        bv.o = o[bf16 ? 2 : 3], bv.lse = lse16[bf16 ? 0 : 1];
       }
       return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::attention_backward(bv, dev, nullptr)); });
     };
-    double bms[5];
-    for (int v = 0; v < 5; ++v) bms[v] = time_backward(v);
+    double bms[7];
+    for (int v = 0; v < 7; ++v) bms[v] = time_backward(v);
     const double bflop = 3.5 * flop;
     std::printf("%6s %5s %4s %5s | backward %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e | from dS^T %8.1f us "
                 "%5.1f TF | %.1e\n",
@@ -148,11 +150,12 @@ int main(int argc, char** argv) {
                 cuda::query_grads_wgmma_can_run(b, dev) ? "wgmma" : "mma", 1e3 * bms[1], bflop / bms[1] * 1e-9,
                 relative_difference(dqkv[0], dqkv[1], (size_t)(T * 3 * D)), 1e3 * bms[2], bflop / bms[2] * 1e-9,
                 relative_difference(dqkv[0], dqkv[2], (size_t)(T * 3 * D)));
-    std::printf("%6s %5s %4s %5s | backward on bf16 products %8.1f us %5.1f TF %.1e | on fp16 products %8.1f us "
-                "%5.1f TF %.1e\n",
-                "", "", "", "", 1e3 * bms[3], bflop / bms[3] * 1e-9,
-                relative_difference(dqkv[0], dqkv[3], (size_t)(T * 3 * D)), 1e3 * bms[4], bflop / bms[4] * 1e-9,
-                relative_difference(dqkv[0], dqkv[4], (size_t)(T * 3 * D)));
+    for (int v = 3; v <= 5; v += 2)
+      std::printf("%6s %5s %4s %5s | backward on bf16 products, dq %-10s %8.1f us %5.1f TF %.1e | on fp16 products "
+                  "%8.1f us %5.1f TF %.1e\n",
+                  "", "", "", "", v == 3 ? "from dS^T" : "recomputed", 1e3 * bms[v], bflop / bms[v] * 1e-9,
+                  relative_difference(dqkv[0], dqkv[v], (size_t)(T * 3 * D)), 1e3 * bms[v + 1],
+                  bflop / bms[v + 1] * 1e-9, relative_difference(dqkv[0], dqkv[v + 1], (size_t)(T * 3 * D)));
     BENCH_CHECK(cudaFree(ds));
     BENCH_CHECK(cudaFree(d_o));
     BENCH_CHECK(cudaFree(delta));
