@@ -1,0 +1,106 @@
+// The CPU kernels' parallel regions (src/cpu/team.h): every task runs once whatever the team, the
+// workers are the asked number, a team of one runs on the calling thread, and regions that want
+// teams of different sizes keep the same threads (no thread ended and started again: perf notes v105).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "src/cpu/team.h"
+
+namespace fastaxial::cpu {
+namespace {
+
+TEST(Team, QueueHandsEachTaskToOneWorker) {
+  for (int64_t n : {0, 1, 7, 64, 1000}) {
+    for (int team : {1, 2, 3, 16}) {
+      std::vector<std::atomic<int>> runs(n);
+      TaskQueue queue(n);
+      on_team(team, [&](int worker, int workers) {
+        if (worker >= workers) return;
+        for (int64_t i; queue.next(&i);) runs[i].fetch_add(1);
+      });
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(runs[i].load(), 1) << "task " << i << " of " << n << ", team " << team;
+    }
+  }
+}
+
+TEST(Team, StaticSharesCoverEveryTaskOnce) {
+  for (int64_t n : {0, 1, 5, 16, 17, 1000}) {
+    for (int workers : {1, 2, 3, 16}) {
+      std::vector<int> runs(n, 0);
+      int64_t next = 0;
+      for (int w = 0; w < workers; ++w) {
+        const StaticShare s(n, w, workers);
+        EXPECT_EQ(s.begin, next) << "worker " << w << " of " << workers << ", n " << n;  // contiguous, in order
+        for (int64_t i = s.begin; i < s.end; ++i) ++runs[i];
+        next = s.end;
+      }
+      EXPECT_EQ(next, n);
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(runs[i], 1);
+      const StaticShare idle(n, workers, workers);  // a thread past the workers has none
+      EXPECT_EQ(idle.begin, idle.end);
+    }
+  }
+}
+
+TEST(Team, TeamOfOneRunsOnTheCallingThread) {
+  int calls = 0;
+  on_team(1, [&](int worker, int workers) {
+    ++calls;
+    EXPECT_EQ(worker, 0);
+    EXPECT_EQ(workers, 1);
+#ifdef _OPENMP
+    EXPECT_FALSE(omp_in_parallel());
+#endif
+  });
+  EXPECT_EQ(calls, 1);
+}
+
+#if defined(_OPENMP) && defined(__linux__)
+// Linux ids of the threads of one region of on_team(team), and the indices that had work.
+struct Region {
+  std::set<long> threads;
+  std::set<int> workers;
+};
+Region run_region(int team) {
+  Region r;
+  std::mutex m;
+  on_team(team, [&](int worker, int workers) {
+    {
+      std::lock_guard<std::mutex> lock(m);
+      r.threads.insert(syscall(SYS_gettid));
+      if (worker < workers) r.workers.insert(worker);
+    }
+    barrier();  // every thread of the region reaches it, idle ones too
+  });
+  return r;
+}
+
+TEST(Team, RegionsOfAnyTeamKeepTheirThreads) {
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(4);
+  const std::set<long> first = run_region(4).threads;
+  EXPECT_EQ(first.size(), 4u) << "a region has the whole team";
+  for (int round = 0; round < 5; ++round) {
+    for (int team : {2, 4, 3, 16}) {
+      const Region r = run_region(team);
+      EXPECT_EQ(r.threads, first) << "team " << team << ": a thread ended and another started";
+      std::set<int> want;
+      for (int w = 0; w < std::min(team, 4); ++w) want.insert(w);
+      EXPECT_EQ(r.workers, want) << "team " << team;
+    }
+  }
+  omp_set_num_threads(saved);
+}
+#endif
+
+}  // namespace
+}  // namespace fastaxial::cpu
