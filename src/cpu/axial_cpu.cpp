@@ -228,18 +228,20 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         a.proj.qkv_product(qkv.middleRows(r0, rows), t.y);
         keep_rows(a, a.qkv_out, qkv, r0, n, r0, rows);
       }
-      barrier();
+      if (workers > 1) barrier();  // (all threads alike: workers is the region's)
       for (int64_t task; worker < workers && attention[n]->next(&task);) {
         const int64_t h = task / tiles, i0 = task % tiles * tile_rows;
         attend(a, qkv, 0, L, n, h, i0, std::min(i0 + tile_rows, L), t, o);
       }
-      barrier();
+      if (workers > 1) barrier();
       for (int64_t tile = mine.begin; tile < mine.end; ++tile) {
         const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
         keep_rows(a, a.o_out, o, r0, n, r0, rows);
         a.proj.out_residual(dst + v.offset(n, r0), v.pos_stride, o.middleRows(r0, rows), &x(r0, 0), D, a.bout.data());
       }
-      barrier();  // (the next sequence's rows overwrite x, qkv and o)
+      // No barrier here: a thread's output tiles are the rows its LayerNorm tiles wrote (the same
+      // share), so the next sequence's first step overwrites only rows this thread is done with,
+      // and o only after that step's barrier.
     }
   });
 }

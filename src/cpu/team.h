@@ -39,9 +39,9 @@ inline int max_threads() {
 
 // Runs f(worker, workers) on every thread of one parallel region of the whole team, where
 // workers = min(team, the threads the region got) and worker is the thread's index: the threads
-// from `workers` up have no work (a region nested in another gets one thread, which then does
-// all); a team of one runs f(0, 1) on the calling thread. Every thread must reach each barrier()
-// f passes, idle ones too.
+// from `workers` up have no work (a region nested in another gets one thread while nesting is off,
+// OpenMP's default, and that thread does all); a team of one runs f(0, 1) on the calling thread,
+// in no region. Every thread must reach each barrier() f passes, idle ones too.
 template <class F>
 void on_team(int team, const F& f) {
   if (team <= 1) return f(0, 1);  // on the calling thread: no region
@@ -54,7 +54,8 @@ void on_team(int team, const F& f) {
 #endif
 }
 
-// A barrier of the region on_team opened (every thread of it must reach it).
+// A barrier of the region on_team opened: every thread of it must reach it. Only where workers > 1:
+// with one worker f may run in no region of its own, and the barrier would bind to the caller's.
 inline void barrier() {
 #ifdef _OPENMP
 #pragma omp barrier
