@@ -187,12 +187,7 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
     // x + o Wout^T + bout, written where it goes.
     project_out(a.proj, v, n0, ns, t.o, t.x, a.bout.data(), dst);
   };
-  TaskQueue blocks(num_blocks);
-  on_team(team, [&](int worker, int workers) {
-    if (worker >= workers) return;
-    Scratch t;
-    for (int64_t blk; blocks.next(&blk);) run_block(blk, t);
-  });
+  dynamic_tasks<Scratch>(num_blocks, team, run_block);
 }
 
 // Rows a task of few_sequences_pass (few_tile): LayerNorm and the products a tile of rows at a time,

@@ -127,16 +127,11 @@ void for_ranges(int64_t n, int64_t R, Spread spread, int threads, HeadScratch& o
     return;
   }
   const int64_t tasks = spread == Spread::kPairs ? n * R : n;
-  TaskQueue queue(tasks);
-  on_team((int)std::min<int64_t>(threads, tasks), [&](int worker, int workers) {
-    if (worker >= workers) return;
-    HeadScratch mine;
-    for (int64_t task; queue.next(&task);) {
-      if (spread == Spread::kPairs) {
-        body(task / R, task % R, mine);
-      } else {
-        for (int64_t r = 0; r < R; ++r) body(task, r, mine);
-      }
+  dynamic_tasks<HeadScratch>(tasks, (int)std::min<int64_t>(threads, tasks), [&](int64_t task, HeadScratch& mine) {
+    if (spread == Spread::kPairs) {
+      body(task / R, task % R, mine);
+    } else {
+      for (int64_t r = 0; r < R; ++r) body(task, r, mine);
     }
   });
 }
@@ -156,12 +151,7 @@ struct Scratch {
 // the threads gained: perf notes v57).
 template <class Body>
 void for_blocks(int64_t n, int team, const Body& body) {
-  TaskQueue queue(n);
-  on_team(team, [&](int worker, int workers) {
-    if (worker >= workers) return;
-    Scratch t;
-    for (int64_t i; queue.next(&i);) body(i, t);
-  });
+  dynamic_tasks<Scratch>(n, team, body);
 }
 
 // f(i) for i = 0..count-1: in order on the calling thread where `threads` is 1, else across a

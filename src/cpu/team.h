@@ -78,6 +78,18 @@ class TaskQueue {
   const int64_t n_;
 };
 
+// f(i, state) for tasks i = 0..n-1 on up to `team` workers, each task to the first worker that asks
+// (schedule(dynamic)), each worker with a State of its own (its scratch).
+template <class State, class F>
+void dynamic_tasks(int64_t n, int team, const F& f) {
+  TaskQueue queue(n);
+  on_team(team, [&](int worker, int workers) {
+    if (worker >= workers) return;
+    State state;
+    for (int64_t i; queue.next(&i);) f(i, state);
+  });
+}
+
 // Worker `worker` of `workers`' share of tasks 0..n-1, contiguous (schedule(static)): [begin, end).
 struct StaticShare {
   int64_t begin, end;

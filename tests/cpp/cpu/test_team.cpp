@@ -32,6 +32,24 @@ TEST(Team, QueueHandsEachTaskToOneWorker) {
   }
 }
 
+TEST(Team, DynamicTasksRunEachTaskOnceWithTheWorkersState) {
+  struct State {
+    int tasks = 0;  // this worker's count so far
+  };
+  for (int64_t n : {0, 1, 7, 1000}) {
+    for (int team : {1, 2, 16}) {
+      std::vector<std::atomic<int>> runs(n);
+      std::atomic<int64_t> counted{0};
+      dynamic_tasks<State>(n, team, [&](int64_t i, State& s) {
+        runs[i].fetch_add(1);
+        counted.fetch_add(++s.tasks == 1 ? 1 : 0);  // each worker's first task, once per worker
+      });
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(runs[i].load(), 1) << "task " << i << " of " << n << ", team " << team;
+      EXPECT_LE(counted.load(), std::max<int64_t>(1, team)) << "more workers with a state of their own than asked";
+    }
+  }
+}
+
 TEST(Team, StaticSharesCoverEveryTaskOnce) {
   for (int64_t n : {0, 1, 5, 16, 17, 1000}) {
     for (int workers : {1, 2, 3, 16}) {
