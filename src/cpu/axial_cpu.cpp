@@ -47,7 +47,7 @@ namespace {
 using namespace cpu;
 
 struct Scratch {
-  Mat x, y, qkv, o, s;
+  Mat x, y, qkv, kT, o, s;  // kT: the block's k transposed, (D, rows): the scores' right operand
   Mat m;  // dropout multipliers of one (sequence, head, query range): (queries, L)
   Eigen::VectorXf sum, max;  // softmax denominators and running maxima, one per query
 };
@@ -93,15 +93,16 @@ void layer_norm_row(const PassArgs& a, const float* src, RowX&& x, RowY&& y) {
 constexpr int64_t kKeyBlock = 512;
 
 // Rows i0 .. i1 - 1 of head h of o = softmax(q k^T / sqrt(hd)) v for sequence n, whose (L, 3D)
-// qkv rows ([q | k | v], head h at columns h hd of each part) start at row `base` of qkv, into
-// the same rows of o. p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides in the exponent,
+// qkv rows ([q | k | v], head h at columns h hd of each part) start at row `base` of qkv, and whose
+// k, transposed, starts at column `base` of kT (D, rows), into the same rows of o. Both products run
+// on the register tiles (attention_product). p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides in the exponent,
 // the division by the row sums on the (rows, hd) result. Over key blocks (kKeyBlock), a block
 // whose scores raise a query's max rescales that query's sum and output so far by
 // exp((old max - new max) / sqrt(hd)) first. With dropout the sums are of the undropped
 // probabilities: P = exp / sum, then P o M / (1 - p), M drawn from element (query, key) on
 // (row-major: the (pass, sequence, head)'s L^2 consecutive elements).
-void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t n, int64_t h, int64_t i0,
-            int64_t i1, Scratch& t, Mat& o) {
+void attend(const PassArgs& a, const Mat& qkv, const Mat& kT, int64_t base, int64_t L, int64_t n, int64_t h,
+            int64_t i0, int64_t i1, Scratch& t, Mat& o) {
   const int64_t rows = i1 - i0, hd = a.hd;
   const auto q = qkv.block(base + i0, h * hd, rows, hd);
   auto ob = o.block(base + i0, h * hd, rows, hd);
@@ -109,9 +110,9 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
   t.max.resize(rows);
   for (int64_t j0 = 0; j0 < L; j0 += kKeyBlock) {
     const int64_t keys = std::min(kKeyBlock, L - j0);
-    const auto k = qkv.block(base + j0, a.D + h * hd, keys, hd);
+    const auto kt = kT.block(h * hd, base + j0, hd, keys);
     const auto val = qkv.block(base + j0, 2 * a.D + h * hd, keys, hd);
-    gemm(t.s, in(q), tr(k));  // (rows, keys) unscaled scores
+    attention_product(t.s, in(q), in(kt));  // (rows, keys) unscaled scores
     for (int64_t i = 0; i < rows; ++i) {
       auto row = t.s.row(i).array();
       const float block_max = row.maxCoeff();
@@ -137,7 +138,7 @@ void attend(const PassArgs& a, const Mat& qkv, int64_t base, int64_t L, int64_t 
       }
       t.s.array() *= t.m.array();
     }
-    gemm(ob, in(t.s), in(val), j0 == 0 ? 0.0f : 1.0f);
+    attention_product(ob, in(t.s), in(val), j0 == 0 ? 0.0f : 1.0f);
   }
   ob.array().colwise() /= t.sum.array();
 }
@@ -179,9 +180,12 @@ void block_pass(const PassArgs& a, const float* src, float* dst, int64_t seq_per
     if (L == 1 && a.drop == nullptr) {
       for (int64_t r = 0; r < rows; ++r) single_key_forward(t.qkv, r, D, a.heads, t.o);
     } else {
+      t.kT.resize(D, rows);
+      transpose_part(t.qkv, 1, 0, rows, t.kT);
       for (int64_t s = 0; s < ns; ++s)
         for (int64_t h = 0; h < a.heads; ++h)
-          for (int64_t i0 = 0; i0 < L; i0 += qt) attend(a, t.qkv, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
+          for (int64_t i0 = 0; i0 < L; i0 += qt)
+            attend(a, t.qkv, t.kT, s * L, L, n0 + s, h, i0, std::min(i0 + qt, L), t, t.o);
     }
     for (int64_t s = 0; s < ns; ++s) keep_rows(a, a.o_out, t.o, s * L, n0 + s, 0, L);
     // x + o Wout^T + bout, written where it goes.
@@ -208,7 +212,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
   const int64_t tile_rows = few_tile(L), tiles = (L + tile_rows - 1) / tile_rows;
-  Mat x(L, D), qkv(L, 3 * D), o(L, D);  // one sequence's: shared by the team
+  Mat x(L, D), qkv(L, 3 * D), kT(D, L), o(L, D);  // one sequence's: shared by the team
   // Each sequence's (head, query tile) tasks: a queue of their own (the steps are apart by barriers).
   std::vector<std::unique_ptr<TaskQueue>> attention(N);
   for (auto& q : attention) q = std::make_unique<TaskQueue>(a.heads * tiles);
@@ -221,12 +225,13 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
         a.proj.qkv_product(qkv.middleRows(r0, rows), t.y);
+        transpose_part(qkv, 1, r0, rows, kT);
         keep_rows(a, a.qkv_out, qkv, r0, n, r0, rows);
       }
       if (workers > 1) barrier();  // (all threads alike: workers is the region's)
       for (int64_t task; worker < workers && attention[n]->next(&task);) {
         const int64_t h = task / tiles, i0 = task % tiles * tile_rows;
-        attend(a, qkv, 0, L, n, h, i0, std::min(i0 + tile_rows, L), t, o);
+        attend(a, qkv, kT, 0, L, n, h, i0, std::min(i0 + tile_rows, L), t, o);
       }
       if (workers > 1) barrier();
       for (int64_t tile = mine.begin; tile < mine.end; ++tile) {

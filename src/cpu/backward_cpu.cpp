@@ -139,6 +139,7 @@ void for_ranges(int64_t n, int64_t R, Spread spread, int threads, HeadScratch& o
 // Per-thread scratch of one block.
 struct Scratch {
   Mat x, xhat, y, qkv, o, g, dO, dqkv, dy;
+  Mat kT, vT;  // the block's k and v transposed, (D, rows): the right operands of the scores and of dP
   HeadScratch head;
   std::vector<Mat> parts;  // dv and dk parts of each (item, query range), transposed, where the ranges run side by side
   std::vector<double> tile_cols;  // a block's column sums, a partial a row tile, where it has several
@@ -258,17 +259,21 @@ void forward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const 
     const Spread spread = spread_ranges(team, threads, ns * heads, R, 0);  // (no parts kept)
     if (L == 1 && drop == nullptr) {  // one key: no products (single_key_forward)
       for (int64_t r = 0; r < rows; ++r) single_key_forward(t.qkv, r, D, heads, t.o);
-    } else for_ranges(ns * heads, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
-      const int64_t s = i / heads, h = i % heads;
-      const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
-      gemm(hs.s, in(t.qkv.block(s * L + r0, h * hd, n, hd)), tr(t.qkv.block(s * L, D + h * hd, L, hd)));
-      softmax_rows(hs.s, scale);
-      if (drop) {
-        fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
-        hs.s.array() *= hs.m.array();  // Pd
-      }
-      gemm(t.o.block(s * L + r0, h * hd, n, hd), in(hs.s), in(t.qkv.block(s * L, 2 * D + h * hd, L, hd)));
-    });
+    } else {
+      t.kT.resize(D, rows);
+      transpose_part(t.qkv, 1, 0, rows, t.kT);
+      for_ranges(ns * heads, R, spread, threads, t.head, [&](int64_t i, int64_t r, HeadScratch& hs) {
+        const int64_t s = i / heads, h = i % heads;
+        const int64_t r0 = r * L / R, n = (r + 1) * L / R - r0;  // the range's queries
+        attention_product(hs.s, in(t.qkv.block(s * L + r0, h * hd, n, hd)), in(t.kT.block(h * hd, s * L, hd, L)));
+        softmax_rows(hs.s, scale);
+        if (drop) {
+          fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
+          hs.s.array() *= hs.m.array();  // Pd
+        }
+        attention_product(t.o.block(s * L + r0, h * hd, n, hd), in(hs.s), in(t.qkv.block(s * L, 2 * D + h * hd, L, hd)));
+      });
+    }
     project_out(proj, v, n0, ns, t.o, t.x, bout.data(), dst);
   });
 }
@@ -366,7 +371,13 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       if (attend) size_norm(t, rows, D), t.qkv.resize(rows, 3 * D);
       t.o.resize(rows, D);
       if (want_dqkv) t.dO.resize(rows, D), t.dqkv.resize(rows, 3 * D);
-      // Row by row, a tile of rows at a time: dOut's rows, their column sums, LayerNorm, q, k, v and dO.
+      // The products' transposed operands: k for the scores (where P is not kept), v for dP.
+      const bool products = attend && (L > 1 || drop != nullptr);  // (one key: single_key_backward)
+      const bool scores = products && p_in == nullptr, dp = products && want_dqkv;
+      if (scores) t.kT.resize(D, rows);
+      if (dp) t.vT.resize(D, rows);
+      // Row by row, a tile of rows at a time: dOut's rows, their column sums, LayerNorm, q, k, v
+      // (and k and v transposed) and dO.
       for_row_tiles(rows, tile, inner, [&](int64_t r0, int64_t n) {
         for (int64_t r = r0; r < r0 + n; ++r) t.g.row(r) = ConstVec(dout + v.offset(n0 + r / L, r % L), D);
         // Column sums row by row, each element in row order (add_row; Eigen's colwise().sum()
@@ -378,6 +389,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           norm_rows(v, n0, D, eps, w, src, t, r0, n);
           if (qkv_in != nullptr) gather_kept(v, D, n0, r0, n, qkv_in, t.qkv);
           else proj.qkv_product(t.qkv.middleRows(r0, n), t.y.middleRows(r0, n));
+          if (scores) transpose_part(t.qkv, 1, r0, n, t.kT);
+          if (dp) transpose_part(t.qkv, 2, r0, n, t.vT);
         }
         if (want_out && o_in != nullptr) gather_kept(v, D, n0, r0, n, o_in, t.o);
         if (want_dqkv) proj.by_out(t.dO.middleRows(r0, n), t.g.middleRows(r0, n));
@@ -408,7 +421,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         const auto q = t.qkv.block(s * L + r0, h * hd, n, hd);
         auto o = t.o.block(s * L + r0, h * hd, n, hd);
         if (p_in == nullptr) {
-          gemm(hs.s, in(q), tr(k));
+          attention_product(hs.s, in(q), in(t.kT.block(h * hd, s * L, hd, L)));
           softmax_rows(hs.s, scale);
         }
         const ConstMap P(p_in != nullptr ? p_in + ((n0 + s) * heads + h) * L * L : hs.s.data(), n, L);
@@ -416,7 +429,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           fill_mask(*drop, pass, n0 + s, h, L, r0, n, hs.m);
           hs.pd = (P.array() * hs.m.array()).matrix();  // Pd = P o M c
         }
-        if (run_pv) gemm(o, drop ? in(hs.pd) : in(P), in(val));
+        if (run_pv) attention_product(o, drop ? in(hs.pd) : in(P), in(val));
         if (!want_dqkv) return;
         auto dk = t.dqkv.block(s * L, D + h * hd, L, hd);  // (dqkv is sized only where wanted)
         auto dv = t.dqkv.block(s * L, 2 * D + h * hd, L, hd);
@@ -439,9 +452,9 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
         // The range's part of dV = P^T dO (Pd with dropout), computed as dV^T = dO^T P (hd, L) and added
         // transposed: MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69).
-        gemm(hs.part_t, tr(dO), drop ? in(hs.pd) : in(P));
+        attention_product(hs.part_t, tr(dO), drop ? in(hs.pd) : in(P));
         place(dv, 0, hs.acc_v);
-        gemm(hs.dp, in(dO), tr(val));   // dP = dO V^T (dPd with dropout)
+        attention_product(hs.dp, in(dO), in(t.vT.block(h * hd, s * L, hd, L)));  // dP = dO V^T (dPd with dropout)
         if (drop) hs.dp.array() *= hs.m.array();  // dP = dPd o M c
         // delta = rowsum(P o dP), from the very P and dP of dS below (not the equal rowsum(dO_h o O_h)):
         // where the softmax is one-hot (P = 1 in fp32), delta is then dP's own element and dS 0, as in
@@ -450,8 +463,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         hs.delta = (P.array() * hs.dp.array()).rowwise().sum();
         // dS (of the scaled scores) times the scale: both dQ and dK carry it.
         hs.dp = ((hs.dp.colwise() - hs.delta).array() * P.array() * scale).matrix();
-        gemm(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
-        gemm(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
+        attention_product(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
+        attention_product(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
         place(dk, 1, hs.acc_k);
       });
       if (keep) {  // each element's parts in range order, (item, key tile) pairs across the threads

@@ -85,21 +85,6 @@ void small_tile(const float* a, int64_t ars, int64_t acs, const float* b, int64_
   }
 }
 
-// dst (cols, rows), row stride ldd = src (rows, cols), row stride ld, transposed: blocks of kW x kW
-// in registers, the edges one by one.
-void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
-  const int64_t rows_w = rows / kW * kW, cols_w = cols / kW * kW;
-  for (int64_t r0 = 0; r0 < rows_w; r0 += kW)
-    for (int64_t c0 = 0; c0 < cols_w; c0 += kW) {
-      ei::PacketBlock<Packet, kW> block;
-      for (int64_t i = 0; i < kW; ++i) block.packet[i] = ei::ploadu<Packet>(src + (r0 + i) * ld + c0);
-      ei::ptranspose(block);
-      for (int64_t i = 0; i < kW; ++i) ei::pstoreu(dst + (c0 + i) * ldd + r0, block.packet[i]);
-    }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = r < rows_w ? cols_w : 0; c < cols; ++c) dst[c * ldd + r] = src[r * ld + c];
-}
-
 using SmallTile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, const float*,
                            int64_t, const float*, float*, int64_t, int64_t);
 template <int... I>
@@ -147,6 +132,20 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
 }
 
 }  // namespace
+
+// Blocks of kW x kW in registers, the edges one by one.
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd) {
+  const int64_t rows_w = rows / kW * kW, cols_w = cols / kW * kW;
+  for (int64_t r0 = 0; r0 < rows_w; r0 += kW)
+    for (int64_t c0 = 0; c0 < cols_w; c0 += kW) {
+      ei::PacketBlock<Packet, kW> block;
+      for (int64_t i = 0; i < kW; ++i) block.packet[i] = ei::ploadu<Packet>(src + (r0 + i) * ld + c0);
+      ei::ptranspose(block);
+      for (int64_t i = 0; i < kW; ++i) ei::pstoreu(dst + (c0 + i) * ldd + r0, block.packet[i]);
+    }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = r < rows_w ? cols_w : 0; c < cols; ++c) dst[c * ldd + r] = src[r * ld + c];
+}
 
 void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {
   if (a.op_rows() == 0 || b.op_cols() == 0) return;

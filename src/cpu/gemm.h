@@ -59,6 +59,9 @@ void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t
 void tile_gemm_residual(const Operand& a, const Operand& b, const float* x, int64_t ldx, const float* bias, float* c,
                         int64_t ldc);
 
+// dst (cols, rows), row stride ldd = src (rows, cols), row stride ld, transposed.
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* dst, int64_t ldd);
+
 // The same into an Eigen row-major destination: a Mat is resized to (op(a) rows, op(b) cols)
 // where beta is 0 (else it keeps what it adds to, at that size); a block or map must have that size already.
 // tiles: on the register tiles (tile_gemm), else gemm's choice.
@@ -69,6 +72,24 @@ void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f, bool til
   eigen_assert(c.rows() == a.op_rows() && c.cols() == b.op_cols() && a.op_cols() == b.op_rows());
   if (tiles) tile_gemm(a, b, beta, c.data(), c.outerStride());
   else gemm(a, b, beta, c.data(), c.outerStride());
+}
+
+// The attention's products (the scores q k^T, P v, and the backward's dP, dQ, dK and dV): on the
+// register tiles whatever their size, k and v read transposed from a copy made once a block
+// (transpose_part) where they are the right operand. There they ran faster than MKL's, one thread a
+// call, at every head dim from 16 to 256 (perf notes v106): these products are thin (k or n is the
+// head dim), and a BLAS call packs both operands for each.
+template <class C>
+void attention_product(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
+  gemm(std::forward<C>(c), a, b, beta, true);
+}
+
+// Columns r0 .. r0 + rows - 1 of dst (D, all rows) = part `part` (1: k, 2: v) of qkv's rows r0 ..,
+// (rows, 3D), transposed: the scores' (and dP's) right operand, rows of whole packets in place.
+template <class Qkv>
+void transpose_part(const Qkv& qkv, int part, int64_t r0, int64_t rows, Mat& dst) {
+  const int64_t D = dst.rows();
+  transpose(&qkv(r0, part * D), qkv.outerStride(), rows, D, &dst(0, r0), dst.outerStride());
 }
 
 // p where it lies on a 64-byte boundary, else a copy of its n floats in `copy`, which does. A
