@@ -15,9 +15,10 @@
 // most (256, 512) that stay in cache.
 //
 // The matrix products go through gemm.h (PyTorch's MKL where the torch
-// module set it, else Eigen's GEMM); at dims up to kTileProjectionMaxDim the
-// projections run on gemm.cpp's register tiles with the weights transposed once
-// a pass (Projections). Each sequence is read whole
+// module set it, else Eigen's GEMM); the attention's products run on gemm.cpp's
+// register tiles (attention_product, k transposed once a block), and so do the
+// projections at dims up to kTileProjectionMaxDim, with the weights transposed
+// once a pass (Projections). Each sequence is read whole
 // before it is written and sequences are disjoint, so the column pass can run
 // in place on the row pass's output.
 //

@@ -451,7 +451,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         };
         const auto dO = t.dO.block(s * L + r0, h * hd, n, hd);
         // The range's part of dV = P^T dO (Pd with dropout), computed as dV^T = dO^T P (hd, L) and added
-        // transposed: MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69).
+        // transposed: MKL ran P^T dO at half the rate of dO^T P with a narrow head (hd 16; perf notes v69),
+        // and on the register tiles the wide result fills whole packets.
         attention_product(hs.part_t, tr(dO), drop ? in(hs.pd) : in(P));
         place(dv, 0, hs.acc_v);
         attention_product(hs.dp, in(dO), in(t.vT.block(h * hd, s * L, hd, L)));  // dP = dO V^T (dPd with dropout)
