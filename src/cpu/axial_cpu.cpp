@@ -213,7 +213,14 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
   const int64_t tile_rows = few_tile(L), tiles = (L + tile_rows - 1) / tile_rows;
-  Mat x(L, D), qkv(L, 3 * D), kT(D, L), o(L, D);  // one sequence's: shared by the team
+  // One sequence's rows, shared by the team: kept by the calling thread for its next call where they
+  // take up to 32 MB (fresh, they are faulted in page by page at every call: perf notes v106).
+  struct Shared {
+    Mat x, qkv, kT, o;
+  };
+  thread_local Shared kept;
+  Mat &x = kept.x, &qkv = kept.qkv, &kT = kept.kT, &o = kept.o;
+  x.resize(L, D), qkv.resize(L, 3 * D), kT.resize(D, L), o.resize(L, D);
   // Each sequence's (head, query tile) tasks: a queue of their own (the steps are apart by barriers).
   std::vector<std::unique_ptr<TaskQueue>> attention(N);
   for (auto& q : attention) q = std::make_unique<TaskQueue>(a.heads * tiles);
@@ -245,6 +252,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
       // and o only after that step's barrier.
     }
   });
+  if (6 * L * D > (int64_t{8} << 20)) kept = Shared();
 }
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout

@@ -99,6 +99,10 @@ struct HeadScratch {
   Mat acc_v, acc_k;  // an item's dv and dk transposed, over its ranges where they run in order
   Mat m, pd;  // dropout: the (L, L) multipliers M c of one (sequence, head), and Pd = P o M c
   Eigen::VectorXf delta;
+  // Whether a thread keeps it for the next call (dynamic_tasks_kept): up to 16 MB (a sequence of
+  // 4096 positions' two (256, 4096) tiles take 8 MB).
+  int64_t floats() const { return s.size() + dp.size() + part_t.size() + acc_v.size() + acc_k.size() + m.size() + pd.size(); }
+  bool small_enough() const { return floats() <= (int64_t{4} << 20); }
 };
 
 // How a block's (item, query range) pairs run: one after another on the calling thread; the
@@ -127,13 +131,16 @@ void for_ranges(int64_t n, int64_t R, Spread spread, int threads, HeadScratch& o
     return;
   }
   const int64_t tasks = spread == Spread::kPairs ? n * R : n;
-  dynamic_tasks<HeadScratch>(tasks, (int)std::min<int64_t>(threads, tasks), [&](int64_t task, HeadScratch& mine) {
-    if (spread == Spread::kPairs) {
-      body(task / R, task % R, mine);
-    } else {
-      for (int64_t r = 0; r < R; ++r) body(task, r, mine);
-    }
-  });
+  dynamic_tasks_kept<HeadScratch>(
+      tasks, (int)std::min<int64_t>(threads, tasks),
+      [&](int64_t task, HeadScratch& mine) {
+        if (spread == Spread::kPairs) {
+          body(task / R, task % R, mine);
+        } else {
+          for (int64_t r = 0; r < R; ++r) body(task, r, mine);
+        }
+      },
+      [](const HeadScratch& hs) { return hs.small_enough(); });
 }
 
 // Per-thread scratch of one block.
@@ -144,15 +151,23 @@ struct Scratch {
   std::vector<Mat> parts;  // dv and dk parts of each (item, query range), transposed, where the ranges run side by side
   std::vector<double> tile_cols;  // a block's column sums, a partial a row tile, where it has several
   Eigen::VectorXf rstd;
+  // Whether a thread keeps it for the next call (dynamic_tasks_kept): up to 32 MB (a sequence of
+  // 4096 positions at D 32 takes 22 MB, 16 of them its 32 parts).
+  bool small_enough() const {
+    int64_t floats = x.size() + xhat.size() + y.size() + qkv.size() + o.size() + g.size() + dO.size() + dqkv.size() +
+                     dy.size() + kT.size() + vT.size() + head.floats() + 2 * (int64_t)tile_cols.size();
+    for (const Mat& part : parts) floats += part.size();
+    return floats <= (int64_t{8} << 20);
+  }
 };
 
 // Runs body(i, scratch) for i = 0..n-1 on a team of `team` threads (dynamic schedule), each with
-// a Scratch of its own. A team of one runs on the calling thread outside any parallel region:
-// the regions for_ranges opens inside must not be nested in another (nested, they cost more than
-// the threads gained: perf notes v57).
+// a Scratch of its own, which its thread keeps for the next call where it is small enough. A team
+// of one runs on the calling thread outside any parallel region: the regions for_ranges opens
+// inside must not be nested in another (nested, they cost more than the threads gained: perf notes v57).
 template <class Body>
 void for_blocks(int64_t n, int team, const Body& body) {
-  dynamic_tasks<Scratch>(n, team, body);
+  dynamic_tasks_kept<Scratch>(n, team, body, [](const Scratch& t) { return t.small_enough(); });
 }
 
 // f(i) for i = 0..count-1: in order on the calling thread where `threads` is 1, else across a
