@@ -1,0 +1,69 @@
+// Micro-benchmark (docs/cpu-blas.md, perf notes v106): the CPU attention's products, one thread, on
+// torch's MKL (one thread a call, as torch_binding/ops_cpu.cpp sets it) against gemm.cpp's register
+// tiles with k and v read from a copy transposed once a block (attention_product, transpose_part).
+// n queries by L keys at head dim hd, the operands where the kernels find them (rows of a (L, 3D)
+// qkv block, D = 4 hd):
+//   scores  s = q k^T          (n, L), k = hd          dP  = dO v^T   (n, L), k = hd
+//   P v     o = s v            (n, hd), k = L          dV^T = dO^T P  (hd, L), k = n
+// GFLOP/s (2 n L hd over the best of 3 x 20 calls). Usage: TORCH_CPU_LIB=<torch>/lib/libtorch_cpu.so
+// attention_products. Build: see docs/cpu-blas.md, Commands.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "src/cpu/gemm.h"
+
+using namespace fastaxial;
+using namespace fastaxial::cpu;
+
+int main() {
+  const char* lib = std::getenv("TORCH_CPU_LIB");
+  void* torch_cpu = lib != nullptr ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : nullptr;
+  if (torch_cpu == nullptr) {
+    std::printf("set TORCH_CPU_LIB to torch's libtorch_cpu.so (%s)\n", lib != nullptr ? dlerror() : "unset");
+    return 1;
+  }
+  const auto mkl = reinterpret_cast<CpuSgemm>(dlsym(torch_cpu, "sgemm_"));
+  const auto one_thread = reinterpret_cast<int (*)(int)>(dlsym(torch_cpu, "MKL_Set_Num_Threads_Local"));
+  if (mkl == nullptr || one_thread == nullptr) {
+    std::printf("libtorch_cpu.so exports no sgemm_ or MKL_Set_Num_Threads_Local\n");
+    return 1;
+  }
+  one_thread(1);
+  struct Shape {
+    int64_t hd, L, n;
+  };
+  for (const Shape c : {Shape{16, 1024, 64}, Shape{32, 1024, 64}, Shape{64, 1024, 64}, Shape{128, 1024, 64},
+                        Shape{16, 512, 256}, Shape{32, 512, 256}, Shape{64, 512, 256}, Shape{128, 512, 256}}) {
+    const int64_t hd = c.hd, L = c.L, n = c.n, D = 4 * hd;
+    Mat qkv = Mat::Random(L, 3 * D), s = Mat::Random(n, L), o(n, hd), dv_t(hd, L), dO = Mat::Random(n, D);
+    const auto q = qkv.block(0, 0, n, hd), k = qkv.block(0, D, L, hd), v = qkv.block(0, 2 * D, L, hd);
+    const auto g = dO.block(0, 0, n, hd);
+    const Mat k_t = k.transpose(), v_t = v.transpose();
+    // f(on_tiles) for MKL (false: gemm's own choice with the BLAS set) and the tiles (true).
+    const auto rate = [&](const char* name, const auto& f) {
+      double gflops[2];
+      for (const bool tiles : {false, true}) {
+        set_cpu_sgemm(tiles ? nullptr : mkl);
+        for (int i = 0; i < 10; ++i) f(tiles);
+        double best = 1e9;
+        for (int r = 0; r < 3; ++r) {
+          const auto t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < 20; ++i) f(tiles);
+          best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 20);
+        }
+        gflops[tiles] = 2.0 * n * L * hd / best * 1e-9;
+      }
+      std::printf("hd %3ld L %5ld n %4ld %-14s GFLOP/s  MKL %6.1f  tiles %6.1f\n", (long)hd, (long)L, (long)n, name,
+                  gflops[0], gflops[1]);
+    };
+    rate("q k^T", [&](bool tiles) { tiles ? gemm(s, in(q), in(k_t), 0.0f, true) : gemm(s, in(q), tr(k)); });
+    rate("dO v^T", [&](bool tiles) { tiles ? gemm(s, in(g), in(v_t), 0.0f, true) : gemm(s, in(g), tr(v)); });
+    rate("P v", [&](bool tiles) { gemm(o, in(s), in(v), 0.0f, tiles); });
+    rate("dO^T P", [&](bool tiles) { gemm(dv_t, tr(g), in(s), 0.0f, tiles); });
+  }
+  set_cpu_sgemm(nullptr);
+}
