@@ -7,7 +7,8 @@
 // head, one output-projection product that adds the residual and bias as
 // it stores each row where it goes (no scatter pass). Memory per thread
 // is one block's worth ((rows, 3D) and one score tile),
-// never a tensor of the whole input. Where it has fewer (one long sequence,
+// never a tensor of the whole input (few_sequences_pass's shared rows, one
+// sequence's, are kept by the calling thread for its next call up to 32 MB). Where it has fewer (one long sequence,
 // say), the threads share each sequence in turn: its row tiles, then its
 // (head, query tile) pairs, then its row tiles again. A score tile is (L, L)
 // up to 512 positions; longer sequences are attended 512 keys at a time with

@@ -24,7 +24,7 @@
 // The mask is drawn again from (seed, offset, element), the forward's: nothing of it is stored.
 // With p.dropout = 0 none of this code runs.
 // Where P is not kept (sequences of 128 positions or more), recomputing the scores costs one
-// (L, L, hd) product per head more than keeping P would, but keeps memory per thread at one
+// (L, L, hd) product per head more than keeping P would, but keeps the scratch per thread at one
 // block's worth and one (queries, L) tile of a head.
 //
 // Weight gradients are sums over every position. For determinism without atomics the
@@ -51,7 +51,8 @@
 // Memory beyond the gradients: x1 (B H W D floats, without row_out); dx1 (B H W D) only when grad_x is null
 // but row weight gradients are wanted (otherwise dx1 lives in grad_x, and the row pass
 // backward runs in place there); the chunk partials (at most kMaxChunks (4D^2 floats + 3D
-// doubles), reused by both passes); and per thread one block's scratch.
+// doubles), reused by both passes); and per thread one block's scratch, which the thread keeps for
+// the next call up to 32 MB (and a range's tiles up to 16: dynamic_tasks_kept).
 #include <algorithm>
 #include <cmath>
 #include <cstring>

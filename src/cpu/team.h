@@ -90,17 +90,25 @@ void dynamic_tasks(int64_t n, int team, const F& f) {
   });
 }
 
-// dynamic_tasks with each worker's State kept by its thread from one call to the next (thread_local,
-// one a State type and thread): scratch of megabytes a thread (a long sequence's (queries, L) score
-// tiles) that glibc returns to the system when it is freed, so that every call faulted it in and
-// zeroed it again page by page (perf notes v106). After the tasks, a State that keep(state) refuses
-// (too large to hold on to) is emptied.
+// The calling thread's State of this type, kept from one call to the next: one a type and thread,
+// whichever call site asks.
+template <class State>
+State& thread_state() {
+  thread_local State state;
+  return state;
+}
+
+// dynamic_tasks with each worker's State kept by its thread from one call to the next
+// (thread_state): scratch of megabytes a thread (a long sequence's (queries, L) score tiles) that
+// glibc returns to the system when it is freed, so that every call faulted it in and zeroed it
+// again page by page (perf notes v106). After the tasks, a State that keep(state) refuses (too
+// large to hold on to) is emptied. No two calls may use one State type on a thread at once.
 template <class State, class F, class Keep>
 void dynamic_tasks_kept(int64_t n, int team, const F& f, const Keep& keep) {
   TaskQueue queue(n);
   on_team(team, [&](int worker, int workers) {
     if (worker >= workers) return;
-    thread_local State state;
+    State& state = thread_state<State>();
     for (int64_t i; queue.next(&i);) f(i, state);
     if (!keep(state)) state = State();
   });
