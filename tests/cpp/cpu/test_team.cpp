@@ -50,6 +50,33 @@ TEST(Team, DynamicTasksRunEachTaskOnceWithTheWorkersState) {
   }
 }
 
+// dynamic_tasks_kept: each thread finds its State as its last call left it (the buffer, not a copy),
+// whichever call site asks; a State that keep() refuses is emptied after the call.
+TEST(Team, KeptStateOutlivesTheCallUnlessRefused) {
+  struct Kept {
+    std::vector<float> buffer;
+  };
+  std::mutex mutex;
+  std::set<const float*> first, second;  // each worker's buffer after each call
+  const auto fill = [&](std::set<const float*>* seen) {
+    return [&, seen](int64_t, Kept& k) {
+      k.buffer.resize(1 << 16);  // the same size each call: no reallocation where it was kept
+      const std::lock_guard<std::mutex> lock(mutex);
+      seen->insert(k.buffer.data());
+    };
+  };
+  const auto keep = [](const Kept&) { return true; };
+  // One task a worker at most: a team of one, on the calling thread (other teams could hand the one
+  // task to another thread each call).
+  dynamic_tasks_kept<Kept>(1, 1, fill(&first), keep);
+  dynamic_tasks_kept<Kept>(1, 1, fill(&second), keep);
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(thread_state<Kept>().buffer.size(), size_t{1} << 16);
+  dynamic_tasks_kept<Kept>(1, 1, fill(&second), [](const Kept&) { return false; });
+  EXPECT_TRUE(thread_state<Kept>().buffer.empty());
+  EXPECT_EQ(thread_state<Kept>().buffer.capacity(), size_t{0});
+}
+
 TEST(Team, StaticSharesCoverEveryTaskOnce) {
   for (int64_t n : {0, 1, 5, 16, 17, 1000}) {
     for (int workers : {1, 2, 3, 16}) {
