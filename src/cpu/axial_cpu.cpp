@@ -8,8 +8,8 @@
 // it stores each row where it goes (no scatter pass). Memory per thread
 // is one block's worth ((rows, 3D) and one score tile),
 // never a tensor of the whole input (few_sequences_pass's shared rows, one
-// sequence's, are kept by the calling thread for its next call up to 32 MB). Where it has fewer (one long sequence,
-// say), the threads share each sequence in turn: its row tiles, then its
+// sequence's, are kept by the calling thread for its next call up to 32 MB).
+// Where it has fewer (one long sequence, say), the threads share each sequence in turn: its row tiles, then its
 // (head, query tile) pairs, then its row tiles again. A score tile is (L, L)
 // up to 512 positions; longer sequences are attended 512 keys at a time with
 // each query's running max and sum (online softmax, attend), in tiles of at
@@ -97,8 +97,8 @@ constexpr int64_t kKeyBlock = 512;
 // Rows i0 .. i1 - 1 of head h of o = softmax(q k^T / sqrt(hd)) v for sequence n, whose (L, 3D)
 // qkv rows ([q | k | v], head h at columns h hd of each part) start at row `base` of qkv, and whose
 // k, transposed, starts at column `base` of kT (D, rows), into the same rows of o. Both products run
-// on the register tiles (attention_product). p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides in the exponent,
-// the division by the row sums on the (rows, hd) result. Over key blocks (kKeyBlock), a block
+// on the register tiles (attention_product). p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides
+// in the exponent, the division by the row sums on the (rows, hd) result. Over key blocks (kKeyBlock), a block
 // whose scores raise a query's max rescales that query's sum and output so far by
 // exp((old max - new max) / sqrt(hd)) first. With dropout the sums are of the undropped
 // probabilities: P = exp / sum, then P o M / (1 - p), M drawn from element (query, key) on
@@ -219,7 +219,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
   struct Shared {
     Mat x, qkv, kT, o;
   };
-  thread_local Shared kept;
+  Shared& kept = thread_state<Shared>();
   Mat &x = kept.x, &qkv = kept.qkv, &kT = kept.kT, &o = kept.o;
   x.resize(L, D), qkv.resize(L, 3 * D), kT.resize(D, L), o.resize(L, D);
   // Each sequence's (head, query tile) tasks: a queue of their own (the steps are apart by barriers).

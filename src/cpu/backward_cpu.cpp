@@ -389,9 +389,9 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
       if (want_dqkv) t.dO.resize(rows, D), t.dqkv.resize(rows, 3 * D);
       // The products' transposed operands: k for the scores (where P is not kept), v for dP.
       const bool products = attend && (L > 1 || drop != nullptr);  // (one key: single_key_backward)
-      const bool scores = products && p_in == nullptr, dp = products && want_dqkv;
-      if (scores) t.kT.resize(D, rows);
-      if (dp) t.vT.resize(D, rows);
+      const bool need_kT = products && p_in == nullptr, need_vT = products && want_dqkv;
+      if (need_kT) t.kT.resize(D, rows);
+      if (need_vT) t.vT.resize(D, rows);
       // Row by row, a tile of rows at a time: dOut's rows, their column sums, LayerNorm, q, k, v
       // (and k and v transposed) and dO.
       for_row_tiles(rows, tile, inner, [&](int64_t r0, int64_t n) {
@@ -405,8 +405,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
           norm_rows(v, n0, D, eps, w, src, t, r0, n);
           if (qkv_in != nullptr) gather_kept(v, D, n0, r0, n, qkv_in, t.qkv);
           else proj.qkv_product(t.qkv.middleRows(r0, n), t.y.middleRows(r0, n));
-          if (scores) transpose_part(t.qkv, 1, r0, n, t.kT);
-          if (dp) transpose_part(t.qkv, 2, r0, n, t.vT);
+          if (need_kT) transpose_part(t.qkv, 1, r0, n, t.kT);
+          if (need_vT) transpose_part(t.qkv, 2, r0, n, t.vT);
         }
         if (want_out && o_in != nullptr) gather_kept(v, D, n0, r0, n, o_in, t.o);
         if (want_dqkv) proj.by_out(t.dO.middleRows(r0, n), t.g.middleRows(r0, n));
