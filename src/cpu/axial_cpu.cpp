@@ -126,9 +126,9 @@ void attend(const PassArgs& a, const Mat& qkv, const Mat& kT, int64_t base, int6
       }
       t.sum(i) += exp_and_sum(t.s.row(i).data(), keys, m, a.scale);
       t.max(i) = m;
-      // P kept for the backward (one key block: L < 128), divided as the backward's softmax divides.
+      // P kept for the backward (one key block: L < 128), times 1 / sum as the backward's softmax_rows.
       if (a.p_out != nullptr)
-        VecMap(a.p_out + ((n * a.heads + h) * L + i0 + i) * L, L) = t.s.row(i) / t.sum(i);
+        VecMap(a.p_out + ((n * a.heads + h) * L + i0 + i) * L, L) = t.s.row(i) * (1.0f / t.sum(i));
     }
     if (a.drop) {
       if (keys == L) {

@@ -245,11 +245,13 @@ void gather_kept(const AxisView& v, int64_t D, int64_t n0, int64_t r0, int64_t n
 int64_t query_ranges(int64_t L) { return L < 128 ? 1 : std::min<int64_t>(16, L / 32); }
 
 // softmax(scale * t.s) row by row, in place, each row less its max (the forward subtracts its
-// running max over key blocks past 512 positions: the same probabilities, not the same bits).
+// running max over key blocks past 512 positions: the same probabilities, not the same bits), then
+// times 1 / sum: one division a row, not one a score (a packet division costs several products'
+// worth of a core's cycles).
 void softmax_rows(Mat& s, float scale) {
   for (int64_t i = 0; i < s.rows(); ++i) {
     auto row = s.row(i);
-    row.array() /= exp_and_sum(row.data(), row.size(), row.maxCoeff(), scale);
+    row.array() *= 1.0f / exp_and_sum(row.data(), row.size(), row.maxCoeff(), scale);
   }
 }
 
@@ -478,8 +480,11 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         // the reference, where dO_h.o_h, summed in another order, would leave a rounding residue
         // that dQ = dS K multiplies by |K| (scores of 1e4: 5000x the fp32 reference's error).
         hs.delta = (P.array() * hs.dp.array()).rowwise().sum();
-        // dS (of the scaled scores) times the scale: both dQ and dK carry it.
-        hs.dp = ((hs.dp.colwise() - hs.delta).array() * P.array() * scale).matrix();
+        // dS (of the scaled scores) times the scale: both dQ and dK carry it. Row by row: Eigen
+        // broadcasts a column over a row-major matrix column by column, strided, at 4x this loop's
+        // time (perf notes v107).
+        for (int64_t i = 0; i < n; ++i)
+          hs.dp.row(i).array() = (hs.dp.row(i).array() - hs.delta(i)) * P.row(i).array() * scale;
         attention_product(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
         attention_product(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
         place(dk, 1, hs.acc_k);
