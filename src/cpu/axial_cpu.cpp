@@ -16,10 +16,11 @@
 // most (256, 512) that stay in cache.
 //
 // The matrix products go through gemm.h (PyTorch's MKL where the torch
-// module set it, else Eigen's GEMM); the attention's products run on gemm.cpp's
-// register tiles (attention_product, k transposed once a block), and so do the
-// projections at dims up to kTileProjectionMaxDim, with the weights transposed
-// once a pass (Projections). Each sequence is read whole
+// module set it, else Eigen's GEMM); the attention's products, k transposed once
+// a block, on gemm.cpp's register tiles except on Intel's CPUs, where MKL's run
+// them faster (attention_product); the projections at dims up to
+// kTileProjectionMaxDim on the tiles, with the weights transposed once a pass
+// (Projections). Each sequence is read whole
 // before it is written and sequences are disjoint, so the column pass can run
 // in place on the row pass's output.
 //
@@ -96,8 +97,8 @@ constexpr int64_t kKeyBlock = 512;
 
 // Rows i0 .. i1 - 1 of head h of o = softmax(q k^T / sqrt(hd)) v for sequence n, whose (L, 3D)
 // qkv rows ([q | k | v], head h at columns h hd of each part) start at row `base` of qkv, and whose
-// k, transposed, starts at column `base` of kT (D, rows), into the same rows of o. Both products run
-// on the register tiles (attention_product). p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides
+// k, transposed, starts at column `base` of kT (D, rows), into the same rows of o. Both products are
+// attention_product's. p = exp((q k^T - rowmax) / sqrt(hd)): the scale rides
 // in the exponent, the division by the row sums on the (rows, hd) result. Over key blocks (kKeyBlock), a block
 // whose scores raise a query's max rescales that query's sum and output so far by
 // exp((old max - new max) / sqrt(hd)) first. With dropout the sums are of the undropped

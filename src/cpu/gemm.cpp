@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "fastaxial/fastaxial.h"
@@ -166,6 +169,23 @@ void tile_gemm_residual(const Operand& a, const Operand& b, const float* x, int6
     return;
   }
   small_product(a, b, 1.0f, c, ldc, x, ldx, bias);
+}
+
+bool attention_on_blas() {
+  static const int rule = [] {  // 1 blas, 0 tiles, -1 by the CPU
+    const char* want = std::getenv("FASTAXIAL_CPU_ATTENTION");
+    if (want != nullptr && std::strcmp(want, "blas") == 0) return 1;
+    if (want != nullptr && std::strcmp(want, "tiles") == 0) return 0;
+    if (want != nullptr && *want != '\0')
+      std::fprintf(stderr, "fastaxial: FASTAXIAL_CPU_ATTENTION=%s is neither blas nor tiles: ignored\n", want);
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? -1 : 0;
+#else
+    return 0;
+#endif
+  }();
+  return rule != 0 && cpu_sgemm() != nullptr;
 }
 
 void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc) {

@@ -1,8 +1,9 @@
 // The CPU kernels' matrix products: c = op(a) op(b) (+ beta c) on row-major blocks.
 //
 // Every product of the CPU forward and backward goes through gemm() below. A small one (at most
-// kSmallProduct multiply-adds), the attention's at every size (attention_product) and the projections
-// of narrow dims (Projections) run on gemm.cpp's own register tiles; a larger one on the BLAS set with
+// kSmallProduct multiply-adds), the attention's at every size where the CPU is not Intel's
+// (attention_product) and the projections of narrow dims (Projections) run on gemm.cpp's own register
+// tiles; a larger one on the BLAS set with
 // fastaxial::set_cpu_sgemm (the torch module sets the one PyTorch runs on: MKL's AVX2 and AVX-512
 // kernels, picked at run time), else on Eigen's own GEMM, whose speed depends on the instruction
 // set this file was compiled for (docs/cpu-blas.md). Operands are Eigen row-major matrices, maps
@@ -75,14 +76,20 @@ void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f, bool til
   else gemm(a, b, beta, c.data(), c.outerStride());
 }
 
-// The attention's products (the scores q k^T, P v, and the backward's dP, dQ, dK and dV): on the
-// register tiles whatever their size, k and v read transposed from a copy made once a block
-// (transpose_part) where they are the right operand. There they ran faster than MKL's, one thread a
-// call, at every head dim from 16 to 256 (perf notes v106): these products are thin (k or n is the
-// head dim), and a BLAS call packs both operands for each.
+// Whether the attention's products take gemm's rule (the BLAS past kSmallProduct) rather than the
+// register tiles at every size: where a BLAS is set and the CPU is Intel's. One thread a call, MKL's
+// products beat the tiles on a 16-core Xeon (hd 16 scores 104 against 93 GFLOP/s) and lose to them on
+// an AMD EPYC, where MKL runs generic kernels (52.9 against 67.5; perf notes v106, v107).
+// FASTAXIAL_CPU_ATTENTION=blas or tiles, read once, picks either way (tests, measurements).
+bool attention_on_blas();
+
+// The attention's products (the scores q k^T, P v, and the backward's dP, dQ, dK and dV): k and v
+// read transposed from a copy made once a block (transpose_part) where they are the right operand,
+// on the BLAS or the register tiles (attention_on_blas). The products are thin (k or n is the head
+// dim), and a BLAS call packs both operands for each.
 template <class C>
 void attention_product(C&& c, const Operand& a, const Operand& b, float beta = 0.0f) {
-  gemm(std::forward<C>(c), a, b, beta, true);
+  gemm(std::forward<C>(c), a, b, beta, !attention_on_blas());
 }
 
 // Columns r0 .. r0 + rows - 1 of dst (D, all rows) = part `part` (1: k, 2: v) of qkv's rows r0 ..,

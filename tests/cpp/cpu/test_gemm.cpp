@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -194,6 +195,46 @@ TEST(CpuGemm, TileProductsOfAnySizeOnTheTilesWhateverTheRows) {
   EXPECT_EQ(blas_calls.load(), 0);
 }
 
+// attention_product takes the BLAS past kSmallProduct where attention_on_blas() says so (a BLAS set;
+// FASTAXIAL_CPU_ATTENTION=blas, or an Intel CPU where the variable is unset) and the register tiles
+// otherwise, within the rule against double either way. CTest runs this with the variable unset, blas
+// and tiles.
+TEST(CpuGemm, AttentionProductsFollowTheRule) {
+  const char* env = std::getenv("FASTAXIAL_CPU_ATTENTION");
+  const std::string want = env != nullptr ? env : "";
+  bool on_blas = want == "blas";
+  if (want.empty()) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    on_blas = __builtin_cpu_is("intel");
+#endif
+  }
+  EXPECT_FALSE(cpu::attention_on_blas()) << "no BLAS set";
+  const WithBlas blas(&column_major_sgemm);
+  EXPECT_EQ(cpu::attention_on_blas(), on_blas) << "FASTAXIAL_CPU_ATTENTION=" << want;
+  const int64_t m = 256, n = 512, k = 16;  // the scores of 256 queries, 512 keys, head dim 16
+  ASSERT_GT(m * n * k, cpu::kSmallProduct);
+  std::mt19937 rng(5u);
+  std::normal_distribution<float> dist;
+  cpu::Mat a(m, k), b(k, n), c(m, n);
+  for (int64_t i = 0; i < a.size(); ++i) a.data()[i] = dist(rng);
+  for (int64_t i = 0; i < b.size(); ++i) b.data()[i] = dist(rng);
+  c.setConstant(std::numeric_limits<float>::quiet_NaN());
+  blas_calls = 0;
+  cpu::attention_product(c, cpu::in(a), cpu::in(b));
+  EXPECT_EQ(blas_calls.load(), on_blas ? 1 : 0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double want_ij = 0.0, mag = 0.0;
+      for (int64_t l = 0; l < k; ++l) {
+        const double t = static_cast<double>(a(i, l)) * b(l, j);
+        want_ij += t;
+        mag += std::fabs(t);
+      }
+      ASSERT_NEAR(c(i, j), want_ij, 4.0 * (k + 1) * std::numeric_limits<float>::epsilon() * mag) << i << " " << j;
+    }
+}
+
 // tile_gemm_residual (the output projection with its residual and bias): bitwise tile_gemm with beta 1
 // onto a copy of x and the bias added after, over k of one and of several blocks of 64, partial
 // column tiles, x apart from c (strided) and x in c.
@@ -233,8 +274,9 @@ TEST(CpuGemm, BlasGetsTheRowMajorProduct) {
 }
 
 // The forward and backward on the BLAS within the accuracy rule: all of their products go through gemm()
-// (the attention's on the register tiles at every size, attention_product; the last shape's projections,
-// past kTileProjectionMaxDim, and weight gradients on the BLAS).
+// (the attention's on the BLAS or the tiles as attention_on_blas() says; the last shape's projections,
+// past kTileProjectionMaxDim, and weight gradients on the BLAS). CTest runs it again with the attention
+// on the BLAS (FASTAXIAL_CPU_ATTENTION=blas).
 void expect_accurate_on_blas() {
   for (const Shape s : {Shape{2, 5, 9, 64, 8}, Shape{1, 1, 300, 32, 2}, Shape{1, 200, 1, 16, 2}, Shape{1, 2, 260, 160, 2}}) {
     const Problem p = random_problem(s, 77u + static_cast<uint32_t>(s.W));
