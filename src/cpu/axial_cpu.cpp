@@ -17,8 +17,8 @@
 //
 // The matrix products go through gemm.h (PyTorch's MKL where the torch
 // module set it, else Eigen's GEMM); the attention's products, k transposed once
-// a block, on gemm.cpp's register tiles except on Intel's CPUs, where MKL's run
-// them faster (attention_product); the projections at dims up to
+// a block, on gemm.cpp's register tiles except where a BLAS is set on an Intel
+// CPU, where MKL's run them faster (attention_product); the projections at dims up to
 // kTileProjectionMaxDim on the tiles, with the weights transposed once a pass
 // (Projections). Each sequence is read whole
 // before it is written and sequences are disjoint, so the column pass can run
@@ -143,7 +143,7 @@ void attend(const PassArgs& a, const Mat& qkv, const Mat& kT, int64_t base, int6
     }
     attention_product(ob, in(t.s), in(val), j0 == 0 ? 0.0f : 1.0f);
   }
-  ob.array().colwise() /= t.sum.array();
+  for (int64_t i = 0; i < rows; ++i) ob.row(i) /= t.sum(i);  // (row by row: see backward_cpu.cpp's dS)
 }
 
 // Queries a score tile of block_pass holds where the keys come in blocks: each product packs its

@@ -483,8 +483,8 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
         // dS (of the scaled scores) times the scale: both dQ and dK carry it. Row by row: Eigen
         // broadcasts a column over a row-major matrix column by column, strided, at 4x this loop's
         // time (perf notes v107).
-        for (int64_t i = 0; i < n; ++i)
-          hs.dp.row(i).array() = (hs.dp.row(i).array() - hs.delta(i)) * P.row(i).array() * scale;
+        for (int64_t qi = 0; qi < n; ++qi)
+          hs.dp.row(qi).array() = (hs.dp.row(qi).array() - hs.delta(qi)) * P.row(qi).array() * scale;
         attention_product(t.dqkv.block(s * L + r0, h * hd, n, hd), in(hs.dp), in(k));  // dQ
         attention_product(hs.part_t, tr(q), in(hs.dp));  // dK = dS^T Q as dK^T = Q^T dS (hd, L), as dV
         place(dk, 1, hs.acc_k);

@@ -1,9 +1,9 @@
 // The CPU kernels' matrix products: c = op(a) op(b) (+ beta c) on row-major blocks.
 //
 // Every product of the CPU forward and backward goes through gemm() below. A small one (at most
-// kSmallProduct multiply-adds), the attention's at every size where the CPU is not Intel's
-// (attention_product) and the projections of narrow dims (Projections) run on gemm.cpp's own register
-// tiles; a larger one on the BLAS set with
+// kSmallProduct multiply-adds), the attention's at every size unless a BLAS is set and the CPU is
+// Intel's (attention_product) and the projections of narrow dims (Projections) run on gemm.cpp's own
+// register tiles; a larger one on the BLAS set with
 // fastaxial::set_cpu_sgemm (the torch module sets the one PyTorch runs on: MKL's AVX2 and AVX-512
 // kernels, picked at run time), else on Eigen's own GEMM, whose speed depends on the instruction
 // set this file was compiled for (docs/cpu-blas.md). Operands are Eigen row-major matrices, maps
@@ -51,8 +51,8 @@ void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc)
 
 // c = op(a) op(b) + beta c on gemm.cpp's register tiles whatever its size: each element summed over k
 // in blocks of 64 terms, as every small product is, so its bits depend on k and the inputs alone (not
-// on m, n or how the rows are split among calls). For the attention's products and the projections of
-// narrow dims (below).
+// on m, n or how the rows are split among calls). For the attention's products (where
+// attention_on_blas() is false) and the projections of narrow dims (below).
 void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
 
 // c = op(a) op(b) + x + bias on the register tiles, as tile_gemm with beta 1 onto c = x and then the

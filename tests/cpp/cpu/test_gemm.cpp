@@ -203,7 +203,7 @@ TEST(CpuGemm, AttentionProductsFollowTheRule) {
   const char* env = std::getenv("FASTAXIAL_CPU_ATTENTION");
   const std::string want = env != nullptr ? env : "";
   bool on_blas = want == "blas";
-  if (want.empty()) {
+  if (want != "blas" && want != "tiles") {  // unset (or not a rule): by the CPU
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     on_blas = __builtin_cpu_is("intel");
@@ -285,6 +285,15 @@ void expect_accurate_on_blas() {
     ASSERT_TRUE(forward_cpu(params(p, out.data())).ok());
     expect_forward_within_rule(p, out, shape_name(s));
     if (s.D > cpu::kTileProjectionMaxDim) EXPECT_GT(blas_calls.load(), 0);
+#ifdef _OPENMP
+    const bool one_thread = omp_get_max_threads() == 1;
+#else
+    const bool one_thread = true;
+#endif
+    // One row of 300 on one thread: its scores and P v, a tile of 256 queries (or all 300) by 300
+    // keys, pass kSmallProduct, and its projections (D 32) take the tiles: the forward calls the
+    // BLAS exactly where the attention's products go there.
+    if (s.H == 1 && s.W == 300 && one_thread) EXPECT_EQ(blas_calls.load() > 0, cpu::attention_on_blas());
     expect_cpu_backward_matches_reference(p, random_grad(static_cast<int64_t>(p.x.size()), 5u));
     expect_cpu_backward_matches_reference(p, random_grad(static_cast<int64_t>(p.x.size()), 6u), true, true);
   }
