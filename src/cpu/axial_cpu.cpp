@@ -254,7 +254,7 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
       // and o only after that step's barrier.
     }
   });
-  if (6 * L * D > (int64_t{8} << 20)) kept = Shared();
+  if (6 * L * D > kKeptStateFloats) kept = Shared();
 }
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout

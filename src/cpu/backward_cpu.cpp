@@ -103,7 +103,7 @@ struct HeadScratch {
   // Whether a thread keeps it for the next call (dynamic_tasks_kept): up to 16 MB (a sequence of
   // 4096 positions' two (256, 4096) tiles take 8 MB).
   int64_t floats() const { return s.size() + dp.size() + part_t.size() + acc_v.size() + acc_k.size() + m.size() + pd.size(); }
-  bool small_enough() const { return floats() <= (int64_t{4} << 20); }
+  bool small_enough() const { return floats() <= kKeptStateFloats / 2; }
 };
 
 // How a block's (item, query range) pairs run: one after another on the calling thread; the
@@ -158,7 +158,7 @@ struct Scratch {
     int64_t floats = x.size() + xhat.size() + y.size() + qkv.size() + o.size() + g.size() + dO.size() + dqkv.size() +
                      dy.size() + kT.size() + vT.size() + head.floats() + 2 * (int64_t)tile_cols.size();
     for (const Mat& part : parts) floats += part.size();
-    return floats <= (int64_t{8} << 20);
+    return floats <= kKeptStateFloats;
   }
 };
 
