@@ -2,7 +2,8 @@
 bfloat16 and float16 modules, forward and backward, with and without attention dropout, at the
 default problem and a long row; the same modules' forward without grad (fp32 products below 2^21
 elements); the forward without grad at 2^21 elements or more (the 16-bit products,
-AxialParams::products), in each dtype and under each autocast with float32 weights; a float32
+AxialParams::products), in each dtype and under each autocast with float32 weights, and a training
+step there in each dtype (the training forward and backward on the 16-bit products); a float32
 module under bfloat16 autocast with a bfloat16 x. Run with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that each tensor is an allocation of its own and an access past
 one is seen. Checks dtypes and finiteness; the accuracy checks are pytest's (test_low_precision.py)."""
@@ -44,6 +45,10 @@ def main():
             with torch.autocast("cuda", dtype):
                 out = big.float()(x)
             assert out.dtype is torch.float32 and torch.isfinite(out).all()
+        # The training forward and the backward on the 16-bit products (the same size rule).
+        out, grads = step(big.to(dtype).train(), x.to(dtype))
+        assert out.dtype is dtype and all(g.dtype is dtype for g in grads)
+        big.eval().zero_grad(set_to_none=True)
     m = fastaxial.AxialAttention(64, 4, 32, 32).cuda()
     with torch.autocast("cuda", torch.bfloat16):
         out, grads = step(m, torch.randn(4, 32, 32, 64, device="cuda").bfloat16())
