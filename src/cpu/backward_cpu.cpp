@@ -51,8 +51,9 @@
 // Memory beyond the gradients: x1 (B H W D floats, without row_out); dx1 (B H W D) only when grad_x is null
 // but row weight gradients are wanted (otherwise dx1 lives in grad_x, and the row pass
 // backward runs in place there); the chunk partials (at most kMaxChunks (4D^2 floats + 3D
-// doubles), reused by both passes); and per thread one block's scratch, which the thread keeps for
-// the next call up to 32 MB (and a range's tiles up to 16: dynamic_tasks_kept).
+// doubles), reused by both passes), dx1 and the partials kept by the calling thread for its next
+// call up to 32 MB (kKeptStateFloats); and per thread one block's scratch, which the thread keeps
+// for the next call up to 32 MB (and a range's tiles up to 16: dynamic_tasks_kept).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -355,7 +356,7 @@ void backward_pass(const AxisView& v, int64_t D, int64_t heads, float eps, const
   if (whole && want_qkv) all_y.resize(N * L, D), all_dqkv.resize(N * L, 3 * D);
   if (whole && want_out) all_g.resize(N * L, D), all_o.resize(N * L, D);
   if (any_weight) {
-    if (!whole) partials.resize(bk.num_chunks * lay.size);  // unset: each chunk zeroes its own (below)
+    if (!whole) partials.clear(), partials.resize(bk.num_chunks * lay.size);  // unset: each chunk zeroes its own (below)
     col_partials.assign(bk.num_chunks * lay.col_size, 0.0);
   }
 
@@ -636,7 +637,9 @@ Status backward(const AxialParams& p, const AxialGrads& g) {
     UnsetFloats dx1;          // dx1 where grad_x is not asked for
     UnsetFloats partials;     // products' partials: 64-byte aligned, as Eigen's scratch (gemm.h)
     std::vector<double> col_partials;
-    int64_t floats() const { return (int64_t)(dx1.size() + partials.size() + 2 * col_partials.size()); }
+    int64_t floats() const {  // what is held: a smaller pass's resize keeps the larger allocation
+      return (int64_t)(dx1.capacity() + partials.capacity() + 2 * col_partials.capacity());
+    }
   };
   Kept& kept = thread_state<Kept>();
   // dx1: in grad_x when there is one (the row pass backward then runs in place there).
@@ -644,6 +647,7 @@ Status backward(const AxialParams& p, const AxialGrads& g) {
   if (want_row) {
     dx1 = g.grad_x;
     if (dx1 == nullptr) {
+      kept.dx1.clear();  // (growing copies nothing then)
       kept.dx1.resize(T * D);
       dx1 = kept.dx1.data();
     }

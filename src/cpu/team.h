@@ -91,8 +91,8 @@ void dynamic_tasks(int64_t n, int team, const F& f) {
 }
 
 // The most floats a kept State may hold after a call (32 MB): larger ones are freed, as before the
-// states were kept (a thread keeps at most one backward Scratch, its HeadScratch at half this, and
-// the caller few_sequences_pass's rows).
+// states were kept (a thread keeps at most one backward Scratch, its HeadScratch at half this; the
+// caller few_sequences_pass's rows and the backward's dx1 and partials: about 112 MB at most).
 constexpr int64_t kKeptStateFloats = int64_t{8} << 20;
 
 // The calling thread's State of this type, kept from one call to the next: one a type and thread,
