@@ -630,9 +630,9 @@ Status backward(const AxialParams& p, const AxialGrads& g) {
     x1 = x1_scratch.get();
   }
 
-  // The call's scratch, kept by the calling thread for its next call up to kKeptStateFloats: fresh,
-  // megabytes of it were faulted in and zeroed page by page at every call (11% of a training step
-  // at (16, 32, 32, 64, 4) on 2 threads went to page faults; perf notes v108).
+  // The call's scratch, kept by the calling thread for its next call up to kKeptStateFloats: freed,
+  // glibc hands megabytes back to the system, and the next call faults them in and zeroes them
+  // again page by page (perf notes v108).
   struct Kept {
     UnsetFloats dx1;          // dx1 where grad_x is not asked for
     UnsetFloats partials;     // products' partials: 64-byte aligned, as Eigen's scratch (gemm.h)

@@ -78,8 +78,8 @@ void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f, bool til
 
 // Whether the attention's products take gemm's rule (the BLAS past kSmallProduct) rather than the
 // register tiles at every size: where a BLAS is set and the CPU is Intel's. One thread a call, MKL's
-// products beat the tiles on a 16-core Xeon (hd 16 scores 104 against 93 GFLOP/s) and lose to them on
-// an AMD EPYC, where MKL runs generic kernels (52.9 against 67.5; perf notes v106, v107).
+// products beat the tiles on a Xeon and lose to them on an AMD EPYC, where MKL runs generic kernels
+// (perf notes v106, v107).
 // FASTAXIAL_CPU_ATTENTION=blas or tiles, read once, picks either way (tests, measurements).
 bool attention_on_blas();
 
