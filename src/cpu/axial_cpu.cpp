@@ -32,6 +32,7 @@
 // by the mask's multipliers (0 or 1 / (1 - p), common/dropout.h) after their row sums are
 // taken, before the product with v. With p.dropout = 0 none of this code runs.
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -207,54 +208,79 @@ constexpr int64_t kRowTile = 64;
 // keeps_probabilities.)
 int64_t few_tile(int64_t L) { return L >= 128 && L <= kKeyBlock ? kRowTile / 2 : kRowTile; }
 
-// Fewer blocks than threads (one long sequence, say): the sequences one after another, the
-// team spread over each one's row tiles (LayerNorm, QKV product), then its (head, query tile)
-// pairs (attention), then its row tiles again (the output product with the residual and bias, into
-// dst). A sequence is gathered whole before any of it is written, so the column pass may run in place.
+// Floats few_sequences_pass keeps for a group of sequences (x, qkv, kT, o: 6 L D a sequence): the
+// group is as many sequences as fit (at least one), and the calling thread keeps them for its next
+// call up to this size (fresh, they are faulted in page by page at every call: perf notes v106).
+// kKeptStateFloats by default; FASTAXIAL_CPU_GROUP_FLOATS, read once, sets another (tests: groups of a few
+// sequences and a last one short, at shapes small enough to test).
+int64_t few_sequences_floats() {
+  static const int64_t floats = [] {
+    const char* env = std::getenv("FASTAXIAL_CPU_GROUP_FLOATS");
+    const long long v = env != nullptr ? std::atoll(env) : 0;
+    return v > 0 ? static_cast<int64_t>(v) : kKeptStateFloats;
+  }();
+  return floats;
+}
+
+// Fewer blocks than threads (a few long sequences, say): the sequences a group at a time (as many as
+// few_sequences_floats() holds), the team spread over the group's row tiles (LayerNorm, QKV product),
+// then its (sequence, head, query tile) tasks (attention), then its row tiles again (the output
+// product with the residual and bias, into dst). Two barriers a group, not a sequence: 8 sequences
+// of 1024 had 16 barriers and 8 tails of 64 tasks a forward at 16 threads (perf notes v107). A group
+// is gathered whole before any of it is written, so the column pass may run in place. Each sequence's
+// tiles and products are the same whatever the group: the bits do not depend on it.
 void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int team) {
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
   const int64_t tile_rows = few_tile(L), tiles = (L + tile_rows - 1) / tile_rows;
-  // One sequence's rows, shared by the team: kept by the calling thread for its next call where they
-  // take up to 32 MB (fresh, they are faulted in page by page at every call: perf notes v106).
+  const int64_t G = std::clamp<int64_t>(few_sequences_floats() / (6 * L * D), 1, N), groups = (N + G - 1) / G;
+  // The group's rows, shared by the team (row g L + r: sequence g's row r), kept by the calling
+  // thread as the backward's scratch is.
   struct Shared {
     Mat x, qkv, kT, o;
   };
   Shared& kept = thread_state<Shared>();
   Mat &x = kept.x, &qkv = kept.qkv, &kT = kept.kT, &o = kept.o;
-  x.resize(L, D), qkv.resize(L, 3 * D), kT.resize(D, L), o.resize(L, D);
-  // Each sequence's (head, query tile) tasks: a queue of their own (the steps are apart by barriers).
-  std::vector<std::unique_ptr<TaskQueue>> attention(N);
-  for (auto& q : attention) q = std::make_unique<TaskQueue>(a.heads * tiles);
+  x.resize(G * L, D), qkv.resize(G * L, 3 * D), kT.resize(D, G * L), o.resize(G * L, D);
+  // Each group's (sequence, head, query tile) tasks: a queue of their own (the steps are apart by barriers).
+  std::vector<std::unique_ptr<TaskQueue>> attention(groups);
+  for (int64_t gi = 0; gi < groups; ++gi)
+    attention[gi] = std::make_unique<TaskQueue>(std::min(G, N - gi * G) * a.heads * tiles);
   on_team(team, [&](int worker, int workers) {
     Scratch t;
-    const StaticShare mine(tiles, worker, workers);
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t tile = mine.begin; tile < mine.end; ++tile) {
-        const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
+    // The same share of G tiles' rows in every group, the last one's missing sequences skipped.
+    const StaticShare mine(G * tiles, worker, workers);
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t n0 = gi * G, ng = std::min(G, N - n0);
+      for (int64_t u = mine.begin; u < mine.end; ++u) {
+        const int64_t g = u / tiles, r0 = u % tiles * tile_rows, rows = std::min(tile_rows, L - r0), gr = g * L + r0;
+        if (g >= ng) break;
         t.y.resize(rows, D);
-        for (int64_t r = 0; r < rows; ++r) layer_norm_row(a, src + v.offset(n, r0 + r), x.row(r0 + r), t.y.row(r));
-        a.proj.qkv_product(qkv.middleRows(r0, rows), t.y);
-        transpose_part(qkv, 1, r0, rows, kT);
-        keep_rows(a, a.qkv_out, qkv, r0, n, r0, rows);
+        for (int64_t r = 0; r < rows; ++r)
+          layer_norm_row(a, src + v.offset(n0 + g, r0 + r), x.row(gr + r), t.y.row(r));
+        a.proj.qkv_product(qkv.middleRows(gr, rows), t.y);
+        transpose_part(qkv, 1, gr, rows, kT);
+        keep_rows(a, a.qkv_out, qkv, gr, n0 + g, r0, rows);
       }
       if (workers > 1) barrier();  // (all threads alike: workers is the region's)
-      for (int64_t task; worker < workers && attention[n]->next(&task);) {
-        const int64_t h = task / tiles, i0 = task % tiles * tile_rows;
-        attend(a, qkv, kT, 0, L, n, h, i0, std::min(i0 + tile_rows, L), t, o);
+      for (int64_t task; worker < workers && attention[gi]->next(&task);) {
+        const int64_t g = task / (a.heads * tiles), h = task / tiles % a.heads, i0 = task % tiles * tile_rows;
+        attend(a, qkv, kT, g * L, L, n0 + g, h, i0, std::min(i0 + tile_rows, L), t, o);
       }
       if (workers > 1) barrier();
-      for (int64_t tile = mine.begin; tile < mine.end; ++tile) {
-        const int64_t r0 = tile * tile_rows, rows = std::min(tile_rows, L - r0);
-        keep_rows(a, a.o_out, o, r0, n, r0, rows);
-        a.proj.out_residual(dst + v.offset(n, r0), v.pos_stride, o.middleRows(r0, rows), &x(r0, 0), D, a.bout.data());
+      for (int64_t u = mine.begin; u < mine.end; ++u) {
+        const int64_t g = u / tiles, r0 = u % tiles * tile_rows, rows = std::min(tile_rows, L - r0), gr = g * L + r0;
+        if (g >= ng) break;
+        keep_rows(a, a.o_out, o, gr, n0 + g, r0, rows);
+        a.proj.out_residual(dst + v.offset(n0 + g, r0), v.pos_stride, o.middleRows(gr, rows), &x(gr, 0), D,
+                            a.bout.data());
       }
       // No barrier here: a thread's output tiles are the rows its LayerNorm tiles wrote (the same
-      // share), so the next sequence's first step overwrites only rows this thread is done with,
-      // and o only after that step's barrier.
+      // share in every group), so the next group's first step overwrites only rows this thread is
+      // done with, and o only after that step's barrier.
     }
   });
-  if (6 * L * D > kKeptStateFloats) kept = Shared();
+  if (6 * L * D * G > few_sequences_floats()) kept = Shared();
 }
 
 // One axis: src -> dst (dst may equal src). view says where sequences lie. drop: the dropout

@@ -140,6 +140,9 @@ const PathCase kCases[] = {
     // blocks of five row tiles, nine query ranges a head), and eight columns of 600 (16 ranges).
     {{1, 4, 300, 32, 2}, 16, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
     {{1, 600, 8, 16, 2}, 16, F::kBlocks, F::kFewSequences, B::kChunks, B::kRanges},
+    // Three rows of 300 at 16 threads: one group of three, or (CTest's "groups:" run, 130,000 floats
+    // a group) a group of two and one of one.
+    {{1, 3, 300, 32, 2}, 16, F::kFewSequences, F::kBlocks, B::kRanges, B::kChunks},
 };
 
 class ThreadCount {
