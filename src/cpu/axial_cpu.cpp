@@ -7,10 +7,10 @@
 // head, one output-projection product that adds the residual and bias as
 // it stores each row where it goes (no scatter pass). Memory per thread
 // is one block's worth ((rows, 3D) and one score tile),
-// never a tensor of the whole input (few_sequences_pass's shared rows, one
-// sequence's, are kept by the calling thread for its next call up to 32 MB).
-// Where it has fewer (one long sequence, say), the threads share each sequence in turn: its row tiles, then its
-// (head, query tile) pairs, then its row tiles again. A score tile is (L, L)
+// never a tensor of the whole input (few_sequences_pass's shared rows, a
+// group of sequences', are kept by the calling thread for its next call up to 32 MB).
+// Where it has fewer (one long sequence, say), the threads share a group of sequences at a time:
+// its row tiles, then its (sequence, head, query tile) tasks, then its row tiles again. A score tile is (L, L)
 // up to 512 positions; longer sequences are attended 512 keys at a time with
 // each query's running max and sum (online softmax, attend), in tiles of at
 // most (256, 512) that stay in cache.
@@ -228,12 +228,15 @@ int64_t few_sequences_floats() {
 // product with the residual and bias, into dst). Two barriers a group, not a sequence: 8 sequences
 // of 1024 had 16 barriers and 8 tails of 64 tasks a forward at 16 threads (perf notes v107). A group
 // is gathered whole before any of it is written, so the column pass may run in place. Each sequence's
-// tiles and products are the same whatever the group: the bits do not depend on it.
+// tiles and products are the same whatever the group: on the register tiles the bits do not depend
+// on it (on a BLAS, attention_on_blas, a sequence's operands lie elsewhere in a group's rows).
 void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int team) {
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;
   const int64_t tile_rows = few_tile(L), tiles = (L + tile_rows - 1) / tile_rows;
-  const int64_t G = std::clamp<int64_t>(few_sequences_floats() / (6 * L * D), 1, N), groups = (N + G - 1) / G;
+  // Groups as even as the cap allows (9 sequences where 8 fit: 5 and 4, not 8 and 1).
+  const int64_t fit = std::clamp<int64_t>(few_sequences_floats() / (6 * L * D), 1, N);
+  const int64_t groups = (N + fit - 1) / fit, G = (N + groups - 1) / groups;
   // The group's rows, shared by the team (row g L + r: sequence g's row r), kept by the calling
   // thread as the backward's scratch is.
   struct Shared {
