@@ -251,33 +251,38 @@ void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int tea
     attention[gi] = std::make_unique<TaskQueue>(std::min(G, N - gi * G) * a.heads * tiles);
   on_team(team, [&](int worker, int workers) {
     Scratch t;
-    // The same share of G tiles' rows in every group, the last one's missing sequences skipped.
+    // The same share of G tiles' rows in every group, the last one's missing sequences skipped:
+    // f(g, r0, rows, gr) for each of this thread's tiles of a group of ng sequences (sequence g's
+    // rows r0 .., row gr of the group's matrices).
     const StaticShare mine(G * tiles, worker, workers);
+    const auto my_tiles = [&](int64_t ng, const auto& f) {
+      for (int64_t u = mine.begin; u < mine.end; ++u) {
+        const int64_t g = u / tiles, r0 = u % tiles * tile_rows;
+        if (g >= ng) break;
+        f(g, r0, std::min(tile_rows, L - r0), g * L + r0);
+      }
+    };
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int64_t n0 = gi * G, ng = std::min(G, N - n0);
-      for (int64_t u = mine.begin; u < mine.end; ++u) {
-        const int64_t g = u / tiles, r0 = u % tiles * tile_rows, rows = std::min(tile_rows, L - r0), gr = g * L + r0;
-        if (g >= ng) break;
+      my_tiles(ng, [&](int64_t g, int64_t r0, int64_t rows, int64_t gr) {
         t.y.resize(rows, D);
         for (int64_t r = 0; r < rows; ++r)
           layer_norm_row(a, src + v.offset(n0 + g, r0 + r), x.row(gr + r), t.y.row(r));
         a.proj.qkv_product(qkv.middleRows(gr, rows), t.y);
         transpose_part(qkv, 1, gr, rows, kT);
         keep_rows(a, a.qkv_out, qkv, gr, n0 + g, r0, rows);
-      }
+      });
       if (workers > 1) barrier();  // (all threads alike: workers is the region's)
       for (int64_t task; worker < workers && attention[gi]->next(&task);) {
         const int64_t g = task / (a.heads * tiles), h = task / tiles % a.heads, i0 = task % tiles * tile_rows;
         attend(a, qkv, kT, g * L, L, n0 + g, h, i0, std::min(i0 + tile_rows, L), t, o);
       }
       if (workers > 1) barrier();
-      for (int64_t u = mine.begin; u < mine.end; ++u) {
-        const int64_t g = u / tiles, r0 = u % tiles * tile_rows, rows = std::min(tile_rows, L - r0), gr = g * L + r0;
-        if (g >= ng) break;
+      my_tiles(ng, [&](int64_t g, int64_t r0, int64_t rows, int64_t gr) {
         keep_rows(a, a.o_out, o, gr, n0 + g, r0, rows);
         a.proj.out_residual(dst + v.offset(n0 + g, r0), v.pos_stride, o.middleRows(gr, rows), &x(gr, 0), D,
                             a.bout.data());
-      }
+      });
       // No barrier here: a thread's output tiles are the rows its LayerNorm tiles wrote (the same
       // share in every group), so the next group's first step overwrites only rows this thread is
       // done with, and o only after that step's barrier.
