@@ -225,8 +225,8 @@ int64_t few_sequences_floats() {
 // Fewer blocks than threads (a few long sequences, say): the sequences a group at a time (as many as
 // few_sequences_floats() holds), the team spread over the group's row tiles (LayerNorm, QKV product),
 // then its (sequence, head, query tile) tasks (attention), then its row tiles again (the output
-// product with the residual and bias, into dst). Two barriers a group, not a sequence: 8 sequences
-// of 1024 had 16 barriers and 8 tails of 64 tasks a forward at 16 threads (perf notes v107). A group
+// product with the residual and bias, into dst). Two barriers a group, not a sequence: at each
+// barrier the threads that ran out of a sequence's tasks wait (perf notes v107, v109). A group
 // is gathered whole before any of it is written, so the column pass may run in place. Each sequence's
 // tiles and products are the same whatever the group: on the register tiles the bits do not depend
 // on it (on a BLAS, attention_on_blas, a sequence's operands lie elsewhere in a group's rows).
