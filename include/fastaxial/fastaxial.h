@@ -222,9 +222,11 @@ const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
 //   kShort:     sequences of up to 4 positions: a warp per (sequence, head), plain fp32;
 //   kMmaSync:   blocks of 64 queries, keys streamed through shared memory, 3xTF32 mma.sync;
 //   kWgmma:     the same on Hopper's wgmma, head dims 17 to 32, sequences longer than 64;
-//   kWgmmaWide: the same for head dims 49 to 128.
+//   kWgmmaWide: the same for head dims 49 to 128;
+//   kWgmma16:   16-bit products (AxialParams::products) on Hopper's wgmma, head dims 17 to 128,
+//               sequences longer than 64 (elsewhere 16-bit products run on kMmaSync).
 // kNone: the pass does not run flash attention.
-enum class FlashKernel { kNone, kShort, kMmaSync, kWgmma, kWgmmaWide };
+enum class FlashKernel { kNone, kShort, kMmaSync, kWgmma, kWgmmaWide, kWgmma16 };
 
 // The attention backward of a pass (CudaBackwardPlan::PassKernels):
 //   kSingleKey:   sequences of one position: one kernel writes dv = d_o (dq = dk = 0);
@@ -238,7 +240,7 @@ const char* to_string(AttentionGradKernel kernel);  // "none", "single-key", "te
 // scores on mma.sync, on Hopper's wgmma (head dims 17 to 32, long sequences), or in FFMA.
 enum class QueryGradKernel { kNone, kFromScores, kMmaSync, kWgmma, kFfma };
 const char* to_string(QueryGradKernel kernel);  // "none", "from-scores", "mma.sync", "wgmma", "ffma"
-const char* to_string(FlashKernel kernel);  // "none", "short", "mma.sync", "wgmma", "wgmma-wide"
+const char* to_string(FlashKernel kernel);  // "none", "short", "mma.sync", "wgmma", "wgmma-wide", "wgmma-16bit"
 
 struct PassPlan {
   KernelFamily family = KernelFamily::kGeneric;

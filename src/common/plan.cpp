@@ -83,7 +83,7 @@ const char* name_of(E e, const char* const (&names)[N]) {
 const char* to_string(KernelFamily family) { return name_of(family, {"fused", "staged", "generic"}); }
 
 const char* to_string(FlashKernel kernel) {
-  return name_of(kernel, {"none", "short", "mma.sync", "wgmma", "wgmma-wide"});
+  return name_of(kernel, {"none", "short", "mma.sync", "wgmma", "wgmma-wide", "wgmma-16bit"});
 }
 
 const char* to_string(AttentionGradKernel kernel) {
@@ -251,7 +251,12 @@ bool flash_wgmma_can_run(int hdp, int64_t len, const DeviceCaps& dev) {
 }  // namespace
 
 FlashVariant flash_variant(const FlashProblem& f, const DeviceCaps& dev) {
-  if (f.products != Products::kFp32) return {FlashKernel::kMmaSync, 1};  // its only kernel, unsplit
+  if (f.products != Products::kFp32) {  // unsplit: wgmma where its kernel serves the head dim, else mma.sync
+    const size_t bytes = flash_wgmma16_smem_bytes(flash_padded_head_dim(f.head_dim));
+    const bool wgmma = !f.mma_sync && dev.sm90a && f.len > kFlashWgmmaMinLen && bytes != 0 &&
+                       bytes <= (size_t)dev.smem_optin;
+    return {wgmma ? FlashKernel::kWgmma16 : FlashKernel::kMmaSync, 1};
+  }
   if (f.len <= kFlashShortMaxLen && !f.mma_sync) return {FlashKernel::kShort, 1};
   int splits = 1;
   const size_t need = flash_partials_bytes(f.num_seq, f.len, f.head_dim, f.heads, dev.sms);
@@ -346,9 +351,9 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
   if (Status s = plan_pass(col_view(p), p.dim, p.heads, pass_aligned(p.col, x1, p.out), dev, options, &c.col);
       !s.ok())
     return s;
-  // 16-bit products: every pass the staged path serves takes it, with the flash kernel's
-  // mma.sync instance (the only attention kernel on 16-bit products: flash_variant), unsplit;
-  // not where FASTAXIAL_CUDA_PATH forces the fused or generic family (fp32 products there).
+  // 16-bit products: every pass the staged path serves takes it, with flash_variant's kernel for
+  // them (wgmma or mma.sync), unsplit; not where FASTAXIAL_CUDA_PATH forces the fused or generic
+  // family (fp32 products there).
   if (p.products != Products::kFp32 && options.forced != ForcedFamily::kFused &&
       options.forced != ForcedFamily::kGeneric) {
     PlanOptions staged = options;
@@ -356,7 +361,11 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
     const auto on_16bit = [&](const AxisView& view, bool aligned, PassPlan* pass) {
       PassPlan s;
       if (!plan_pass(view, p.dim, p.heads, aligned, dev, staged, &s).ok() || s.family != KernelFamily::kStaged) return;
-      s.flash = true, s.flash_kernel = FlashKernel::kMmaSync, s.flash_splits = 1, s.products = p.products;
+      FlashProblem f;
+      f.num_seq = view.num_seq, f.len = view.len, f.head_dim = p.dim / p.heads, f.heads = p.heads;
+      f.products = p.products;
+      const FlashVariant v = flash_variant(f, dev);
+      s.flash = true, s.flash_kernel = v.kernel, s.flash_splits = v.splits, s.products = p.products;
       *pass = s;
     };
     on_16bit(row, pass_aligned(p.row, p.x, x1), &c.row);

@@ -251,8 +251,11 @@ size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
 //               share k and v planes split once a tile (the same results as mma.sync).
 //   kWgmmaWide: padded head dims 64 to 128, L > kFlashWgmmaMinLen, sm_90a code; splits as many
 //               as fill one round of a block an SM, at most the mma.sync rule's.
-//   kMmaSync:   everything else (any sm_80+ GPU), split by flash_kv_splits where partials are
-//               given and dropout is off (the split kernels have no dropout).
+//   kWgmma16:   16-bit products, padded head dims 32 to 128, L > kFlashWgmmaMinLen,
+//               sm_90a code, no split (unless mma_sync).
+//   kMmaSync:   everything else (any sm_80+ GPU; 16-bit products unsplit), split by
+//               flash_kv_splits where partials are given and dropout is off (the split kernels
+//               have no dropout).
 // A wgmma kernel needs two key tiles or more: a single one leaves no copy to overlap.
 constexpr int kFlashShortMaxLen = 4;
 constexpr int64_t kFlashWgmmaMinLen = 64;
@@ -260,7 +263,6 @@ constexpr int64_t kFlashWgmmaMinLen = 64;
 // What the choice reads of a flash_attention call (FlashArgs).
 // The element type of the attention kernels' products: fp32 on 3xTF32 (fp32 accuracy), or a 16-bit
 // type with fp32 accumulation (detail/mma16.cuh), as autocast computes the reference's products.
-// The 16-bit products run on the mma.sync kernel only, for now.
 // Products (the products' precision): fastaxial.h, AxialParams::products.
 
 struct FlashProblem {

@@ -93,6 +93,22 @@ FASTAXIAL_HOST_DEVICE constexpr size_t flash_wgmma_smem_bytes(int hdp) {
                                                   : 0;
 }
 
+// The 16-bit wgmma flash kernel (flash_attention_wgmma16.cu; its tile static_asserts this): blocks
+// of kFlashWgmmaQueryTile queries, 64 keys a step, tiles of head dims 32, 64 and 128 (padded head
+// dims 48 run on the 64 tile, 96 on the 128 one).
+// k and v^T as 16-bit operands, two buffers each (2 x 2 x 128 hdp bytes), one raw fp32 stage of k
+// and v rows (128 (hdp + 4) floats), q raw (128 hdp floats), + 1024 to align the base; 0 where
+// it does not serve hdp.
+FASTAXIAL_HOST_DEVICE constexpr int flash_wgmma16_tile_head_dim(int hdp) {
+  return hdp == 32 ? 32 : hdp == 48 || hdp == 64 ? 64 : hdp == 96 || hdp == 128 ? 128 : 0;
+}
+FASTAXIAL_HOST_DEVICE constexpr size_t flash_wgmma16_smem_bytes(int hdp) {
+  return flash_wgmma16_tile_head_dim(hdp) == 0
+             ? 0
+             : (size_t)512 * flash_wgmma16_tile_head_dim(hdp) + (size_t)512 * (flash_wgmma16_tile_head_dim(hdp) + 4) +
+                   (size_t)512 * flash_wgmma16_tile_head_dim(hdp) + 1024;
+}
+
 // Split-KV ("flash-decoding") in the forwards without dropout: where a pass's
 // (sequence, head, query tile) blocks are too few to fill the device (a
 // long sequence with few sequences and heads: (1, 1, 4096, 32, 1)'s row

@@ -602,6 +602,8 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
       return launch_short(a, scale_log2, dev, stream);
     case FlashKernel::kWgmma:
       return flash_attention_wgmma(a, vec, scale_log2, dev, stream);
+    case FlashKernel::kWgmma16:
+      return flash_attention_wgmma16(a, vec, scale_log2, dev, stream);
     case FlashKernel::kWgmmaWide:
       if (cudaError_t e = flash_attention_wgmma_wide(a, vec, scale_log2, sp.partials, sp.splits, dev, stream);
           e != cudaSuccess || sp.splits == 1)

@@ -61,7 +61,8 @@ struct FlashArgs {
   // Run the mma.sync kernel even where a wgmma one or the short-sequence one would: for tests
   // and benchmarks that compare them.
   bool mma_sync = false;
-  // The products' element type (plan.h): 16-bit products run on the mma.sync kernel, unsplit.
+  // The products' element type (plan.h): 16-bit products run unsplit, on the 16-bit wgmma kernel
+  // or the mma.sync kernel (flash_variant).
   Products products = Products::kFp32;
 };
 
@@ -121,5 +122,13 @@ cudaError_t flash_attention_wgmma(const FlashArgs& a, bool vec, float scale_log2
 // written; cudaErrorInvalidValue for splits > 1 with dropout (the split kernels have none).
 cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale_log2, float* partials, int splits,
                                        const DeviceCaps& dev, cudaStream_t stream);
+
+// ---- The 16-bit wgmma kernel (flash_attention_wgmma16.cu) -------------------------------------
+// FlashKernel::kWgmma16: 16-bit products (a.products bf16 or fp16), padded head dims 32 to 128
+// (on tiles of 32, 64 and 128): k and v rounded once a step into wgmma's 16-bit operands, q once a unit
+// into registers, keys 64 a step, blocks of 128 queries taking units in turn; dropout, o and/or
+// o16, the lse; no split. The launch flash_attention makes for it (sizes already checked there).
+cudaError_t flash_attention_wgmma16(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
+                                    cudaStream_t stream);
 
 }  // namespace fastaxial::cuda

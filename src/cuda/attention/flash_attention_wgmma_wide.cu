@@ -65,6 +65,7 @@
 #include "../detail/wgmma.cuh"
 #include "flash_attention.h"
 #include "flash_parts.cuh"
+#include "pipeline_wide.cuh"
 
 namespace fastaxial::cuda {
 namespace {
@@ -73,6 +74,7 @@ namespace {
 template <int HDP>
 struct WideTile {
   static_assert(HDP == 64 || HDP == 96 || HDP == 128, "padded head dims 64, 96, 128");
+  static constexpr int kHdp = HDP;
   static constexpr int BM = 128, BN = 32, kThreads = 256;  // two warpgroups of 64 queries; keys a step
   using Elem = Tf32x3;  // fp32 on the 3xTF32 products (detail/tf32x3.cuh): B operands in Elem::kPlanes planes
   static constexpr int ld = HDP + 4;                       // raw rows: conflict-free transposing reads
@@ -94,14 +96,6 @@ struct WideTile {
   static_assert(BN * (HDP / 4) == (runs / 2) * kThreads && BN * HDP == 2 * runs * kThreads,
                 "a step's split in `runs` parts: a piece of k on every other part, two elements of v on each");
 };
-
-// Word of q's element (r, c): rows of HDP words, the 16-byte piece c / 4
-// XORed with r % 8 (inside its 128 bytes), so that a fragment read (rows g, g + 8,
-// columns 8 kk + t (+ 4)) hits 32 banks.
-template <int HDP>
-__device__ __forceinline__ int q_word(int r, int c) {
-  return r * HDP + (c ^ ((r & 7) << 2));
-}
 
 #if FASTAXIAL_SM90A_DEVICE
 // The mainloop's products (wgmma) for a warpgroup's 64 queries and a step of
@@ -171,54 +165,14 @@ __device__ __forceinline__ void wide_pv(float (&o)[HDP / 2], float (&s)[WideTile
     }
 }
 
-// The block's shared memory (WideTile's layout) at its 1024-byte aligned
-// base: base as a shared address (cp.async, wgmma's descriptors), sm as a
-// generic one; q's buffer qs (BM, HDP) with q_word's swizzled rows and the
-// raw stage raws (k's rows, then v's, (BN, HDP) each at stride ld).
+// The A fragment of q's step kk for a warp's 16 rows at qw (q's buffer + 16
+// warp HDP), read and made (Elem::a): (g, t), (g + 8, t), (g, t + 4),
+// (g + 8, t + 4); the swizzle's row % 8 is g.
 template <int HDP>
-struct WideSmem {
-  using Tile = WideTile<HDP>;
-  uint32_t base;
-  char* sm;
-  float* qs;
-  float* raws;
-
-  __device__ __forceinline__ WideSmem() {
-    sm = aligned_smem(base);
-    qs = reinterpret_cast<float*>(sm + Tile::q_off);
-    raws = reinterpret_cast<float*>(sm + Tile::raw_off);
-  }
-
-  // Columns hd..HDP-1 of q and of the raw stage: zero for the whole block
-  // (never copied, so the splits carry zeros into the planes).
-  __device__ __forceinline__ void zero_padding(int hd, int tid) const {
-    constexpr int BM = Tile::BM, BN = Tile::BN;
-    if (hd < HDP) {
-      const int pad = HDP - hd;
-      for (int e = tid; e < (BM + 2 * BN) * pad; e += Tile::kThreads) {
-        const int r = e / pad, c = hd + e % pad;
-        if (r < BM)
-          qs[q_word<HDP>(r, c)] = 0.0f;
-        else
-          raws[(r - BM) * Tile::ld + c] = 0.0f;
-      }
-    }
-  }
-
-  // The planes of k and of v^T in buffer b.
-  __device__ __forceinline__ uint32_t k_planes(int b) const { return base + Tile::k_off + (uint32_t)(b * Tile::k_buf); }
-  __device__ __forceinline__ uint32_t vt_planes(int b) const {
-    return base + Tile::vt_off + (uint32_t)(b * Tile::vt_buf);
-  }
-
-  // The A fragment of q's step kk for a warp's 16 rows at qw (qs + 16 warp
-  // HDP), read and made (Elem::a): (g, t), (g + 8, t), (g, t + 4),
-  // (g + 8, t + 4); the swizzle's row % 8 is g.
-  static __device__ __forceinline__ typename Tile::Elem::FragA q_frag(const float* qw, int kk, int g, int t) {
-    const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
-    return Tile::Elem::a(qw[g * HDP + c0], qw[(g + 8) * HDP + c0], qw[g * HDP + c1], qw[(g + 8) * HDP + c1]);
-  }
-};
+__device__ __forceinline__ typename WideTile<HDP>::Elem::FragA wide_q_frag(const float* qw, int kk, int g, int t) {
+  const int c0 = (8 * kk + t) ^ (g << 2), c1 = (8 * kk + t + 4) ^ (g << 2);
+  return WideTile<HDP>::Elem::a(qw[g * HDP + c0], qw[(g + 8) * HDP + c0], qw[g * HDP + c1], qw[(g + 8) * HDP + c1]);
+}
 
 // A step's split, raw stage -> plane buffer b, in Tile::runs parts so that
 // they go between the score product's runs: k's rows into straight planes,
@@ -265,96 +219,6 @@ struct WideSplit {
   }
 };
 
-// The block's copy pipeline: one raw stage, one q buffer (for shared memory
-// at head dim 128), two plane buffers. A step's raw rows come two steps
-// ahead of the products and are split one step ahead; a unit's q comes
-// during its predecessor's last step. One stage and one q buffer mean two
-// barriers a step: refill()'s, after the scores (the stage and q read), and
-// landed()'s, after the products (the copies in, the planes free). The copy
-// cursor `copy` walks the block's units (unit_at) ahead of the products'.
-// The kernel's arguments come with each call, not as a member: held by
-// reference, their loads (a.D, a.qkv) are no longer shared between steps.
-template <int HDP, bool kVec>
-struct WidePipeline {
-  using Tile = WideTile<HDP>;
-  static constexpr int BM = Tile::BM, BN = Tile::BN, kThreads = Tile::kThreads, LD = Tile::ld;
-  using IsQ = std::integral_constant<bool, true>;
-  using IsRaw = std::integral_constant<bool, false>;
-  uint32_t base;  // WideSmem::base
-  int L, hd, tid;
-  int64_t row_words, ps;  // floats a row of qkv (3D); rows a position
-  uint32_t raw_k, raw_v;  // the stage's k rows, v rows
-
-  template <class Units>
-  __device__ __forceinline__ WidePipeline(const AttentionKernelArgs& a, const Units& unit_at, uint32_t base_, int L_,
-                                          int hd_, int tid_)
-      : base(base_),
-        L(L_),
-        hd(hd_),
-        tid(tid_),
-        row_words(unit_at.row_words),
-        ps(a.pos.pos_stride),
-        raw_k(base_ + Tile::raw_off),
-        raw_v(raw_k + BN * LD * 4) {}
-
-  // Rows p0 .. p0 + rows - 1 of a head slice (src: row 0's) into raw rows at
-  // dst (stride LD), or with kQ into q's swizzled rows; positions >= L as zeros.
-  template <bool kQ>
-  __device__ __forceinline__ void copy_rows(std::integral_constant<bool, kQ>, int rows, uint32_t dst, const float* src,
-                                            int p0, const float* qkv) const {
-    const auto word = [](int r, int c) { return kQ ? q_word<HDP>(r, c) : r * LD + c; };
-    const auto at = [&](int l, int c) { return src + l * ps * row_words + c; };
-    copy_head_rows<HDP, kVec, 4>(dst, word, at, p0, rows, L, hd, qkv, tid, kThreads);
-  }
-  // Step `copy`'s raw rows into the stage; `copy` moves on.
-  template <class Units>
-  __device__ __forceinline__ void copy_step(const AttentionKernelArgs& a, StepCursor& copy,
-                                            const Units& unit_at) const {
-    copy_rows(IsRaw(), BN, raw_k, copy.cur.qg + a.D, copy.j * BN, a.qkv);
-    copy_rows(IsRaw(), BN, raw_v, copy.cur.qg + 2 * a.D, copy.j * BN, a.qkv);
-    copy.advance(unit_at, unit_at.count);
-  }
-  // Unit x's q into the q buffer.
-  __device__ __forceinline__ void copy_q(const AttentionKernelArgs& a, const FlashUnit& x) const {
-    copy_rows(IsQ(), BM, base + Tile::q_off, x.qg, x.q0, a.qkv);
-  }
-
-  // Unit 0's q and step 0's rows in and split (plane buffer 0), step 1's rows in.
-  template <class Units>
-  __device__ __forceinline__ void prologue(const AttentionKernelArgs& a, StepCursor& copy, const Units& unit_at,
-                                           const WideSplit<HDP>& split) const {
-    copy_q(a, copy.cur);
-    copy_step(a, copy, unit_at);
-    copy_async_commit();
-    copy_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < Tile::runs; ++i) split.part(i, 0);
-    __syncthreads();  // the stage read; its next rows may come
-    if (copy.ui < unit_at.count) copy_step(a, copy, unit_at);  // step 1, where there is one
-    copy_async_commit();
-    copy_async_wait<0>();
-    fence_async_smem();
-    __syncthreads();
-  }
-
-  // After step st's scores (its split of step st + 1 written, q read): every
-  // thread there, so the stage and the q buffer are free; step st + 2's rows
-  // into the stage, where there is one. The caller adds the next unit's q
-  // (copy_q) with a unit's last step and commits.
-  template <class Units>
-  __device__ __forceinline__ void refill(const AttentionKernelArgs& a, StepCursor& copy, const Units& unit_at) const {
-    fence_async_smem();  // the planes were written by ordinary stores; wgmma reads them
-    __syncthreads();
-    if (copy.ui < unit_at.count) copy_step(a, copy, unit_at);
-  }
-  // Step st + 2's rows (and the next unit's q) in; every warpgroup done with step st's planes.
-  __device__ __forceinline__ void landed() const {
-    copy_async_wait<0>();
-    __syncthreads();
-  }
-};
-
 // A unit's end, the warp's rows r0 = q0 + 16 warp + g and r0 + 8: o / l
 // (times num) and the lse out, or with kSplit the split's partials.
 template <bool kSplit, class Rows>
@@ -382,7 +246,7 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int BM = Tile::BM, BN = Tile::BN, NT = BN / 8;  // key n-tiles
   static_assert(!(kSplit && kDropout), "splits only without dropout");
   const int hd = a.D / a.heads, L = (int)a.pos.len;
-  const WideSmem<HDP> smem;
+  const WideSmem<Tile> smem;
   const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
   smem.zero_padding(hd, tid);
 
@@ -392,17 +256,20 @@ __global__ void __launch_bounds__(256, 1)
   // Unit i of this block: unit_at(i) (flash_parts.cuh); its split's key tiles are j0 .. j1 - 1.
   const BlockUnits<BM, AttentionKernelArgs> unit_at(a, q_tiles, kSplit ? sp.splits : 1, BN);
   const int64_t my_units = unit_at.count;
-  const WidePipeline<HDP, kVec> pipe(a, unit_at, smem.base, L, hd, tid);
+  const WidePipeline<Tile, kVec> pipe(a, unit_at, smem.base, L, hd, tid);
   StepCursor copy(unit_at);  // the next step to copy
   const WideSplit<HDP> split(smem.sm, smem.raws, tid);
-  pipe.prologue(a, copy, unit_at, split);
+  pipe.prologue(a, copy, unit_at, [&](int b) {
+#pragma unroll
+    for (int i = 0; i < Tile::runs; ++i) split.part(i, b);
+  });
 
   StepCursor step(unit_at);  // the step in the products
   int64_t st = 0;
   UnitDropout<kDropout> dropout(dpass);
   FlashRows<HDP / 8> rows;  // the warp's 16 rows of o
   const float* qw = smem.qs + 16 * warp * HDP;
-  const auto q_frag = [&](int kk) { return smem.q_frag(qw, kk, g, t); };
+  const auto q_frag = [&](int kk) { return wide_q_frag<HDP>(qw, kk, g, t); };
 
   // Step st = tile step.j of unit step.ui: its planes (buffer st % 2) split
   // and visible; the raw stage holds step st + 1's rows, landed.

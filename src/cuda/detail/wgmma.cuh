@@ -38,6 +38,14 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
          ((uint64_t)1 << 62);
 }
 
+// K-major operand in the 64-byte swizzled layout: rows of 64 bytes (32 16-bit values), 16-byte
+// piece c of row r stored at piece c ^ (r / 2 % 4), 8-row groups 512 bytes apart; the tile starts
+// on a 512-byte boundary.
+__device__ __forceinline__ uint64_t desc_sw64(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(512 >> 4) << 32) |
+         ((uint64_t)2 << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -122,6 +130,43 @@ FASTAXIAL_WGMMA_TF32_RS(8, "{%0, %1, %2, %3}",
                         "{%4, %5, %6, %7}, %8", 9, FASTAXIAL_WGMMA_ACC4(0))
 
 #undef FASTAXIAL_WGMMA_TF32_RS
+
+// wgmma_m64k16_rs<kBf16, N>: d (64 x N) = or += A (64 x 16) @ B (16 x N) on 16-bit operands (bf16,
+// else fp16) with fp32 accumulation; A from registers, the mma.m16n8k16 A fragment of the warp's
+// 16 rows (a[0]: row g, k 2t and 2t + 1; a[1]: row g + 8; a[2], a[3]: the same at k + 8, the lower
+// k in the lower half), B K-major in shared memory (desc_sw128: a 128-byte row is 64 values of k).
+// Widths 32, 64 and 128: the 16-bit flash kernel's scores (64 keys) and its o (head dims 32, 64, 128).
+template <bool kBf16, int N>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
+                                                int accumulate) {
+  static_assert(N != N, "wgmma_m64k16_rs: N is 32, 64 or 128");
+}
+#define FASTAXIAL_WGMMA_16_RS(BF, TYPE, N, acc, ab, pred, ...)                                                   \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void wgmma_m64k16_rs<BF, N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t b,     \
+                                                         int accumulate) {                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #pred ", 0;\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " acc ", " ab ", p, 1, 1, 0;\n}\n" \
+                 : __VA_ARGS__                                                                                   \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                     \
+  }
+#define FASTAXIAL_WGMMA_16_RS_TYPES(N, acc, ab, pred, ...)              \
+  FASTAXIAL_WGMMA_16_RS(true, "bf16", N, acc, ab, pred, __VA_ARGS__) \
+  FASTAXIAL_WGMMA_16_RS(false, "f16", N, acc, ab, pred, __VA_ARGS__)
+
+FASTAXIAL_WGMMA_16_RS_TYPES(128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
+                            "{%64, %65, %66, %67}, %68", 69,
+                            FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
+                            FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40), FASTAXIAL_WGMMA_ACC8(48), FASTAXIAL_WGMMA_ACC8(56))
+FASTAXIAL_WGMMA_16_RS_TYPES(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
+                            "{%32, %33, %34, %35}, %36", 37,
+                            FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8),
+                            FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24))
+FASTAXIAL_WGMMA_16_RS_TYPES(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
+                            "{%16, %17, %18, %19}, %20", 21, FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8))
+
+#undef FASTAXIAL_WGMMA_16_RS_TYPES
+#undef FASTAXIAL_WGMMA_16_RS
 #undef FASTAXIAL_WGMMA_ACC8
 #undef FASTAXIAL_WGMMA_ACC4
 

@@ -344,7 +344,8 @@ TEST(Plan, FlashKernelVariant) {
 }
 
 // 16-bit products (AxialParams::products): every pass the staged path serves takes it, on the
-// flash kernel's mma.sync instance, unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
+// 16-bit flash kernel flash_variant picks (wgmma for head dims 17 to 128 past 64 positions, else
+// mma.sync), unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
 // weights a pass, cuBLAS's workspace) and without the TF32 planes or split partials; where the
 // staged path cannot run (no sm_90a code), the passes keep their fp32 plan and no region is added.
 // The training plan takes them too. An out-of-range value is an invalid argument.
@@ -359,7 +360,10 @@ TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
       for (const PassPlan* pass : {&c.row, &c.col}) {
         EXPECT_EQ(pass->family, KernelFamily::kStaged) << c.describe();
         EXPECT_TRUE(pass->flash) << c.describe();
-        EXPECT_EQ(pass->flash_kernel, FlashKernel::kMmaSync) << c.describe();
+        const int64_t len = pass == &c.row ? shape[2] : shape[1];
+        const int hdp = flash_padded_head_dim(shape[3] / shape[4]);
+        const bool wgmma16 = len > kFlashWgmmaMinLen && hdp >= 32 && hdp <= 128;
+        EXPECT_EQ(pass->flash_kernel, wgmma16 ? FlashKernel::kWgmma16 : FlashKernel::kMmaSync) << c.describe();
         EXPECT_EQ(pass->flash_splits, 1) << c.describe();
         EXPECT_EQ(pass->products, type) << c.describe();
       }

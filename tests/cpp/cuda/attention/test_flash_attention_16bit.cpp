@@ -11,10 +11,13 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/common/plan.h"
+#include "src/common/smem_layout.h"  // flash_padded_head_dim, flash_wgmma16_smem_bytes
 #include "src/cuda/attention/flash_attention.h"
+#include "src/cuda/gemm/gemm.h"  // gemm_tf32x3_can_run: a build and device with sm_90a code
 #include "util/cuda_test_util.h"
 #include "util/round16.h"  // round16
 
@@ -24,18 +27,31 @@ namespace {
 struct Case16 {
   Case shape;
   Products type;
+  bool mma_sync = false;  // FlashArgs::mma_sync: the mma.sync kernel where the 16-bit wgmma one would run
+  DropoutSpec drop{};     // p = 0: no dropout
 };
 
 std::string case16_name(const Case16& c) {
-  return case_name(c.shape) + (c.type == Products::kBf16 ? "_bf16" : "_fp16");
+  return case_name(c.shape) + (c.type == Products::kBf16 ? "_bf16" : "_fp16") + (c.mma_sync ? "_mma_sync" : "") +
+         (c.drop.p > 0.0f ? "_" + dropout_name(c.drop) : "");
 }
 
-// 16-bit products (FlashArgs::products, detail/mma16.cuh: q, k, v and p rounded to the type, fp32
-// accumulation) against float64 on the exact fp32 inputs, by issue 37's accuracy rule: at most twice
-// the error of PyTorch's attention math run in the same type on the host: q, k and v rounded, the
-// scores rounded (a 16-bit matmul's output), the softmax in float64 and its output rounded, p v
-// summed in float64 and rounded. Max errors over every valid element of the case. Rows outside the
-// view stay poison; no NaN (it counts as an infinite error).
+// Whether the 16-bit wgmma kernel serves the case on dev, by the rule's terms (plan.h:
+// kWgmma16): a build and device with sm_90a code, padded head dims 32 to 128, L > 64.
+bool wgmma16_serves(const Case16& c, const DeviceCaps& dev) {
+  const int hdp = flash_padded_head_dim(c.shape.hd);
+  return !c.mma_sync && cuda::gemm_tf32x3_can_run(dev) && c.shape.L > kFlashWgmmaMinLen && hdp >= 32 && hdp <= 128;
+}
+
+// 16-bit products (FlashArgs::products: q, k, v and p rounded to the type, fp32 accumulation) against
+// float64 on the exact fp32 inputs, by issue 37's accuracy rule: at most twice the error of
+// PyTorch's attention math run in the same type on the host: q, k and v rounded, the scores rounded
+// (a 16-bit matmul's output), the softmax in float64 and its output rounded, with dropout the kept
+// probabilities scaled and rounded again (dropout on the 16-bit tensor), p v summed in float64 and
+// rounded. Dropout's mask is dropout_keep's (the kernels get it from seed and offset in device
+// memory). Max errors over every valid element of the case. Rows outside the view stay poison; no
+// NaN (it counts as an infinite error). Each case runs on the kernel the rule picks, and with
+// mma_sync on the mma.sync kernel, so both 16-bit kernels meet the rule on the same inputs.
 class FlashAttention16 : public ::testing::TestWithParam<Case16> {};
 
 TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
@@ -46,13 +62,25 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
   const Problem pr = make_problem(c.shape);
   {
     cuda::FlashArgs a;
-    a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads, a.products = c.type;
-    ASSERT_EQ(cuda::flash_attention_variant(a, dev).kernel, FlashKernel::kMmaSync);
-    ASSERT_EQ(cuda::flash_attention_variant(a, dev).splits, 1);
+    a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads, a.products = c.type, a.mma_sync = c.mma_sync;
+    const FlashVariant v = cuda::flash_attention_variant(a, dev);
+    ASSERT_EQ(v.kernel, wgmma16_serves(c, dev) ? FlashKernel::kWgmma16 : FlashKernel::kMmaSync);
+    ASSERT_EQ(v.splits, 1);
   }
+  const bool drop = c.drop.p > 0.0f;
+  DropoutParams d{};
+  if (drop) {
+#if defined(FASTAXIAL_NO_RANDOM123)
+    GTEST_SKIP() << "a build without Random123 has no dropout";
+#else
+    d = dropout_params(pr.p, c.drop, pr.pass);
+#endif
+  }
+  const DropoutParams given = drop ? kernel_dropout(d) : d;
+  const uint64_t pair[2] = {d.seed, d.offset};
   Result r, r32;
-  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, false, c.type);
-  run_gpu(pr, c.shape.misalign, dev, &r32, nullptr, nullptr, false, true);  // 3xTF32, same kernel
+  run_gpu(pr, c.shape.misalign, dev, &r, drop ? &given : nullptr, drop ? pair : nullptr, false, c.mma_sync, c.type);
+  run_gpu(pr, c.shape.misalign, dev, &r32, drop ? &given : nullptr, drop ? pair : nullptr, false, true);  // 3xTF32
   if (HasFatalFailure()) return;
   // The 16-bit products ran: every case's v is rounded, so some row differs from 3xTF32's.
   EXPECT_GT(rows_differing(pr, r, r32), 0) << "the 16-bit products gave the fp32 kernel's bits";
@@ -61,14 +89,17 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
   const double scale = 1.0 / std::sqrt((double)hd);
   double worst = 0.0, worst_ref = 0.0;
   std::vector<char> touched((size_t)(pr.T + kGuardRows), 0);
-  std::vector<double> s((size_t)L), o((size_t)hd), o16((size_t)hd);
+  std::vector<double> s((size_t)L), s16((size_t)L), o((size_t)hd), o16((size_t)hd);
+  std::vector<float> mult;  // dropout's multipliers of (n, h), (L, L)
   for (int64_t n = 0; n < pr.N; ++n)
-    for (int64_t h = 0; h < pr.heads; ++h)
+    for (int64_t h = 0; h < pr.heads; ++h) {
+#if !defined(FASTAXIAL_NO_RANDOM123)
+      if (drop) mult = dropout_multipliers(d, pr.pass, n, h, L);
+#endif
       for (int64_t l = 0; l < L; ++l) {
         const int64_t orow = pr.view.offset(n, l);
         touched[(size_t)orow] = 1;
         const float* q = pr.qkv.data() + orow * 3 * D + h * hd;
-        std::vector<double> s16((size_t)L);
         double m = -INFINITY, m16 = -INFINITY;
         for (int64_t k = 0; k < L; ++k) {
           const float* kr = pr.qkv.data() + pr.view.offset(n, k) * 3 * D + D + h * hd;
@@ -82,7 +113,8 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
         std::fill(o.begin(), o.end(), 0.0), std::fill(o16.begin(), o16.end(), 0.0);
         for (int64_t k = 0; k < L; ++k) {
           const float* vr = pr.qkv.data() + pr.view.offset(n, k) * 3 * D + 2 * D + h * hd;
-          const double p = std::exp(s[k] - m) / sum, p16 = r16(std::exp(s16[k] - m16) / sum16);
+          const double keep = drop ? (double)mult[(size_t)(l * L + k)] : 1.0;
+          const double p = std::exp(s[k] - m) / sum * keep, p16 = r16(r16(std::exp(s16[k] - m16) / sum16) * keep);
           for (int64_t i = 0; i < hd; ++i) o[i] += p * vr[i], o16[i] += p16 * r16(vr[i]);
         }
         const float* got = r.o.data() + orow * D + h * hd;
@@ -91,6 +123,7 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
           worst_ref = worst_abs(worst_ref, (float)r16(o16[i]), o[i]);
         }
       }
+    }
   EXPECT_GT(worst_ref, 0.0);  // the same-type reference does round
   EXPECT_LE(worst, 2.0 * worst_ref) << "16-bit products' max error " << worst << ", the same-type reference's "
                                     << worst_ref;
@@ -158,19 +191,43 @@ TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
 
 // Both types across the padded head dims (8 with one key and with many: the single-step scores),
 // the 2-warp blocks of short sequences (L <= 32), one and several key tiles, the 4-byte copies
-// (odd head dims, misaligned qkv), views that leave rows out. Dropout with 16-bit products is
-// built but not tested yet.
+// (odd head dims, misaligned qkv), views that leave rows out. The 16-bit wgmma kernel's (head dims
+// 17 to 128, L > 64): its three tiles (32: head dims 24, 32; 64: 40, 50, 64; 128: 96, 100, 128), a
+// last key tile part full and full (L 65, 130, 192), blocks that take several units in turn (8 x 8
+// sequences of 4 heads: 512 units on one block an SM; 2 x 32 sequences of 4 heads of 32: 512 units
+// on two), a long sequence (L 1000); each also on the mma.sync kernel.
 const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 6, 0, 2},
                          {7, 16, 4, false, 3, 5, 0, 0},   {65, 40, 4, true, 2, 3, 0, 0},
                          {65, 16, 3, false, 1, 10, 7, 0}, {200, 24, 2, true, 1, 4, 3, 0},
                          {64, 64, 2, false, 2, 4, 0, 1},  {200, 96, 1, true, 1, 3, 0, 0},
                          {130, 128, 2, true, 1, 2, 0, 0}, {65, 160, 2, false, 1, 3, 0, 2},
                          {100, 256, 1, false, 1, 2, 0, 0}, {33, 32, 2, true, 2, 5, 0, 0},
-                         {16, 24, 4, true, 2, 6, 0, 0},   {30, 32, 2, false, 2, 4, 0, 0}};
+                         {16, 24, 4, true, 2, 6, 0, 0},   {30, 32, 2, false, 2, 4, 0, 0},
+                         {130, 64, 4, false, 8, 8, 0, 0}, {192, 64, 2, true, 1, 3, 0, 1},
+                         {129, 50, 3, false, 1, 2, 0, 0}, {257, 100, 2, false, 2, 2, 3, 0},
+                         {1000, 128, 1, false, 1, 1, 0, 0}, {256, 32, 4, true, 2, 32, 0, 0}};
+// Dropout on the 16-bit kernels (the 16-bit training forward's): both passes, p 0.1 and 0.5, the
+// wgmma kernel's tiles and the mma.sync kernel's.
+const std::pair<Case, DropoutSpec> kDropoutCases16[] = {
+    {{130, 64, 2, false, 1, 3, 0, 1}, {0.5f, 42, 3, 0}},
+    {{300, 128, 1, true, 1, 3, 0, 0}, {0.1f, 7, 1000, 0}},
+    {{200, 96, 1, true, 2, 2, 0, 0}, {0.5f, 0x8000000000000001ull, 9, (uint64_t{1} << 33) + 2}},
+    {{97, 16, 4, true, 1, 5, 0, 0}, {0.5f, 0xfedcba9876543210ull, 0x0123456789abcdefull, 0}}};
 std::vector<Case16> cases16() {
   std::vector<Case16> out;
   for (const Case& c : kCases16)
-    for (Products t : {Products::kBf16, Products::kFp16}) out.push_back({c, t});
+    for (Products t : {Products::kBf16, Products::kFp16}) {
+      out.push_back({c, t});
+      const int hdp = flash_padded_head_dim(c.hd);
+      if (c.L > kFlashWgmmaMinLen && hdp >= 32 && hdp <= 128) out.push_back({c, t, true});  // the other kernel
+    }
+#if !defined(FASTAXIAL_NO_RANDOM123)
+  for (const auto& [c, s] : kDropoutCases16)
+    for (Products t : {Products::kBf16, Products::kFp16}) {
+      out.push_back({c, t, false, s});
+      out.push_back({c, t, true, s});
+    }
+#endif
   return out;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttention16, ::testing::ValuesIn(cases16()),
@@ -179,23 +236,45 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttention16, ::testing::ValuesIn(cases16()
 // The kernel flash_attention picks (common/plan.h's flash_variant): wgmma for padded head dim 32
 // and the wide wgmma kernel for 64, 96 and 128, past kFlashWgmmaMinLen on sm_90a code (in a build
 // with it), unless the mma.sync kernel is asked for; the short kernel up to kFlashShortMaxLen.
-// 16-bit products: the mma.sync kernel, unsplit and without split partials, where fp32 would take
-// the short kernel, a wgmma one or a split.
-TEST(FlashAttentionRules, SixteenBitProductsStayOnMmaSyncUnsplit) {
+// 16-bit products: unsplit and without split partials, where fp32 would take the short kernel, a
+// wgmma one or a split; the 16-bit wgmma kernel for padded head dims 32 to 128 past
+// kFlashWgmmaMinLen on sm_90a where its shared memory fits, else the mma.sync kernel.
+TEST(FlashAttentionRules, SixteenBitProductsUnsplitOnWgmma16OrMmaSync) {
   DeviceCaps dev;
   dev.sm90a = true, dev.sms = 132, dev.cc_major = 9, dev.smem_optin = 232448;
-  const FlashProblem shapes[] = {{1, 4096, 32, 1}, {8, 3, 64, 2}, {4, 300, 64, 4}};  // split, short, wgmma in fp32
-  for (const FlashProblem& base : shapes) {
-    FlashProblem f = base;
+  struct Expect {
+    FlashProblem f;
+    FlashKernel kernel;
+  };
+  const Expect shapes[] = {{{1, 4096, 32, 1}, FlashKernel::kWgmma16},  // split in fp32; head dim 32
+                           {{8, 3, 64, 2}, FlashKernel::kMmaSync},     // short in fp32
+                           {{4, 300, 64, 4}, FlashKernel::kWgmma16},   // wide wgmma in fp32
+                           {{1, 4096, 128, 1}, FlashKernel::kWgmma16},  // split wide in fp32
+                           {{2, 65, 33, 2}, FlashKernel::kWgmma16},    {{2, 65, 96, 2}, FlashKernel::kWgmma16},
+                           {{2, 64, 64, 2}, FlashKernel::kMmaSync},    // one key tile: L = kFlashWgmmaMinLen
+                           {{2, 300, 17, 2}, FlashKernel::kWgmma16},   {{2, 300, 16, 2}, FlashKernel::kMmaSync},
+                           {{2, 300, 129, 2}, FlashKernel::kMmaSync},
+                           {{2, 300, 256, 2}, FlashKernel::kMmaSync}};
+  for (const Expect& e : shapes) {
+    FlashProblem f = e.f;
     f.partials_bytes = workspace_bytes(f, dev) + 1;
-    const FlashVariant v32 = flash_variant(f, dev);
-    EXPECT_TRUE(v32.kernel != FlashKernel::kMmaSync || v32.splits > 1) << "a shape fp32 sends elsewhere";
     for (Products t : {Products::kBf16, Products::kFp16}) {
       f.products = t;
       const FlashVariant v = flash_variant(f, dev);
-      EXPECT_EQ(v.kernel, FlashKernel::kMmaSync);
+      EXPECT_EQ(v.kernel, e.kernel) << f.len << " " << f.head_dim;
       EXPECT_EQ(v.splits, 1);
       EXPECT_EQ(workspace_bytes(f, dev), 0u);
+      FlashProblem g = f;
+      g.mma_sync = true;  // asked for
+      EXPECT_EQ(flash_variant(g, dev).kernel, FlashKernel::kMmaSync);
+      g = f, g.dropout = true;  // dropout: the same kernel
+      EXPECT_EQ(flash_variant(g, dev).kernel, e.kernel);
+      DeviceCaps other = dev;
+      other.sm90a = false;  // no sm_90a code
+      EXPECT_EQ(flash_variant(f, other).kernel, FlashKernel::kMmaSync);
+      other = dev;
+      other.smem_optin = (int)flash_wgmma16_smem_bytes(flash_padded_head_dim(f.head_dim)) - 1;  // too little
+      if (e.kernel == FlashKernel::kWgmma16) EXPECT_EQ(flash_variant(f, other).kernel, FlashKernel::kMmaSync);
     }
   }
 }
