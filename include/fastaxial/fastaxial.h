@@ -223,7 +223,7 @@ const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
 //   kMmaSync:   blocks of 64 queries, keys streamed through shared memory, 3xTF32 mma.sync;
 //   kWgmma:     the same on Hopper's wgmma, head dims 17 to 32, sequences longer than 64;
 //   kWgmmaWide: the same for head dims 49 to 128;
-//   kWgmma16:   16-bit products (AxialParams::products) on Hopper's wgmma, head dims 17 to 128,
+//   kWgmma16:   16-bit products (AxialParams::products) on Hopper's wgmma, head dims 17 to 32 and 65 to 128,
 //               sequences longer than 64 (elsewhere 16-bit products run on kMmaSync).
 // kNone: the pass does not run flash attention.
 enum class FlashKernel { kNone, kShort, kMmaSync, kWgmma, kWgmmaWide, kWgmma16 };

@@ -251,7 +251,7 @@ size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
 //               share k and v planes split once a tile (the same results as mma.sync).
 //   kWgmmaWide: padded head dims 64 to 128, L > kFlashWgmmaMinLen, sm_90a code; splits as many
 //               as fill one round of a block an SM, at most the mma.sync rule's.
-//   kWgmma16:   16-bit products, padded head dims 32 to 128, L > kFlashWgmmaMinLen,
+//   kWgmma16:   16-bit products, padded head dims 32, 96 and 128, L > kFlashWgmmaMinLen,
 //               sm_90a code, no split (unless mma_sync).
 //   kMmaSync:   everything else (any sm_80+ GPU; 16-bit products unsplit), split by
 //               flash_kv_splits where partials are given and dropout is off (the split kernels

@@ -94,13 +94,14 @@ FASTAXIAL_HOST_DEVICE constexpr size_t flash_wgmma_smem_bytes(int hdp) {
 }
 
 // The 16-bit wgmma flash kernel (flash_attention_wgmma16.cu; its tile static_asserts this): blocks
-// of kFlashWgmmaQueryTile queries, 64 keys a step, tiles of head dims 32, 64 and 128 (padded head
-// dims 48 run on the 64 tile, 96 on the 128 one).
+// of kFlashWgmmaQueryTile queries, 64 keys a step, tiles of head dims 32 and 128 (padded head dim
+// 96 runs on the 128 one). Padded head dims 48 and 64 are not served: a tile of 64 gave wrong
+// outputs on the H100 (perf notes v110), so they stay on the mma.sync kernel.
 // k and v^T as 16-bit operands, two buffers each (2 x 2 x 128 hdp bytes), one raw fp32 stage of k
 // and v rows (128 (hdp + 4) floats), q raw (128 hdp floats), + 1024 to align the base; 0 where
 // it does not serve hdp.
 FASTAXIAL_HOST_DEVICE constexpr int flash_wgmma16_tile_head_dim(int hdp) {
-  return hdp == 32 ? 32 : hdp == 48 || hdp == 64 ? 64 : hdp == 96 || hdp == 128 ? 128 : 0;
+  return hdp == 32 ? 32 : hdp == 96 || hdp == 128 ? 128 : 0;
 }
 FASTAXIAL_HOST_DEVICE constexpr size_t flash_wgmma16_smem_bytes(int hdp) {
   return flash_wgmma16_tile_head_dim(hdp) == 0

@@ -124,8 +124,8 @@ cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale
                                        const DeviceCaps& dev, cudaStream_t stream);
 
 // ---- The 16-bit wgmma kernel (flash_attention_wgmma16.cu) -------------------------------------
-// FlashKernel::kWgmma16: 16-bit products (a.products bf16 or fp16), padded head dims 32 to 128
-// (on tiles of 32, 64 and 128): k and v rounded once a step into wgmma's 16-bit operands, q once a unit
+// FlashKernel::kWgmma16: 16-bit products (a.products bf16 or fp16), padded head dims 32, 96 and
+// 128 (on tiles of 32 and 128): k and v rounded once a step into wgmma's 16-bit operands, q once a unit
 // into registers, keys 64 a step, blocks of 128 queries taking units in turn; dropout, o and/or
 // o16, the lse; no split. The launch flash_attention makes for it (sizes already checked there).
 cudaError_t flash_attention_wgmma16(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,

@@ -1,6 +1,6 @@
 // The flash attention step (flash_attention.h) on 16-bit products (bf16 or
 // fp16 operands, fp32 accumulation) on Hopper's warpgroup products (wgmma,
-// sm_90a), on tiles of head dim 32, 64 and 128 (padded head dims 32 to 128): for each
+// sm_90a), on tiles of head dim 32 and 128 (padded head dims 32, 96 and 128): for each
 // sequence n and head h,
 //   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
 // with the per-row log-sum-exp and attention dropout as the other flash
@@ -67,7 +67,7 @@ namespace {
 // Sizes and byte offsets of a block's shared memory (see the header comment).
 template <int HDP>
 struct Wg16Tile {
-  static_assert(HDP == 32 || HDP == 64 || HDP == 128, "head dims 32 (64-byte k rows), 64 and 128 (128-byte chunks)");
+  static_assert(HDP == 32 || HDP == 128, "head dims 32 (64-byte k rows) and 128 (128-byte chunks)");
   static constexpr int kHdp = HDP;
   static constexpr int BM = 128, BN = 64, kThreads = 256;  // two warpgroups of 64 queries; keys a step
   // Blocks an SM: two at head dim 32 (52 KB of shared memory and at most 128 registers a thread
@@ -200,6 +200,11 @@ __global__ void __launch_bounds__(256, Wg16Tile<HDP>::kBlocksPerSm)
 
     // s (64, BN) = q k^T; step st + 1's rounding while it runs.
     const uint32_t kb = smem.k_planes(b);
+    // The operands' registers settled before the fence (wgmma reads them asynchronously: no write
+    // the compiler moved past the fence may reach them), and again after the wait.
+    fence_regs(s);
+#pragma unroll
+    for (int kk = 0; kk < HDP / 16; ++kk) fence_regs(qf[kk]);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HDP / 16; ++kk) {
@@ -231,6 +236,9 @@ __global__ void __launch_bounds__(256, Wg16Tile<HDP>::kBlocksPerSm)
 #pragma unroll
       for (int i = 0; i < 4; ++i) pf[kk][i] = pack16<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
     const uint32_t vb = smem.vt_planes(b);
+    fence_regs(rows.o);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) fence_regs(pf[kk]);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) wgmma_m64k16_rs<kBf16, HDP>(rows.o, pf[kk], desc_sw128(vb + kk * 32), 1);
@@ -304,9 +312,6 @@ cudaError_t flash_attention_wgmma16(const FlashArgs& a, bool vec, float scale_lo
   if (tile_hd == 32)
     return bf16 ? launch<__nv_bfloat16, 32>(a, vec, scale_log2, dev, stream)
                 : launch<__half, 32>(a, vec, scale_log2, dev, stream);
-  if (tile_hd == 64)
-    return bf16 ? launch<__nv_bfloat16, 64>(a, vec, scale_log2, dev, stream)
-                : launch<__half, 64>(a, vec, scale_log2, dev, stream);
   if (tile_hd == 128)
     return bf16 ? launch<__nv_bfloat16, 128>(a, vec, scale_log2, dev, stream)
                 : launch<__half, 128>(a, vec, scale_log2, dev, stream);

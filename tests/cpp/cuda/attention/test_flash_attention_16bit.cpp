@@ -37,10 +37,11 @@ std::string case16_name(const Case16& c) {
 }
 
 // Whether the 16-bit wgmma kernel serves the case on dev, by the rule's terms (plan.h:
-// kWgmma16): a build and device with sm_90a code, padded head dims 32 to 128, L > 64.
+// kWgmma16): a build and device with sm_90a code, padded head dims 32, 96 and 128, L > 64.
 bool wgmma16_serves(const Case16& c, const DeviceCaps& dev) {
   const int hdp = flash_padded_head_dim(c.shape.hd);
-  return !c.mma_sync && cuda::gemm_tf32x3_can_run(dev) && c.shape.L > kFlashWgmmaMinLen && hdp >= 32 && hdp <= 128;
+  return !c.mma_sync && cuda::gemm_tf32x3_can_run(dev) && c.shape.L > kFlashWgmmaMinLen &&
+         (hdp == 32 || hdp == 96 || hdp == 128);
 }
 
 // 16-bit products (FlashArgs::products: q, k, v and p rounded to the type, fp32 accumulation) against
@@ -192,10 +193,10 @@ TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
 // Both types across the padded head dims (8 with one key and with many: the single-step scores),
 // the 2-warp blocks of short sequences (L <= 32), one and several key tiles, the 4-byte copies
 // (odd head dims, misaligned qkv), views that leave rows out. The 16-bit wgmma kernel's (head dims
-// 17 to 128, L > 64): its three tiles (32: head dims 24, 32; 64: 40, 50, 64; 128: 96, 100, 128), a
-// last key tile part full and full (L 65, 130, 192), blocks that take several units in turn (8 x 8
-// sequences of 4 heads: 512 units on one block an SM; 2 x 32 sequences of 4 heads of 32: 512 units
-// on two), a long sequence (L 1000); each also on the mma.sync kernel.
+// 17 to 32 and 65 to 128, L > 64): its two tiles (32: head dims 24, 32; 128: 96, 100, 128), a last
+// key tile part full and full (L 130, 192, 200, 256), blocks that take several units in turn (2 x
+// 32 sequences of 4 heads of 32: 512 units on two blocks an SM; 8 x 20 sequences of 2 heads of 128:
+// 640 units on one), misaligned qkv, a long sequence (L 1000); each also on the mma.sync kernel.
 const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 6, 0, 2},
                          {7, 16, 4, false, 3, 5, 0, 0},   {65, 40, 4, true, 2, 3, 0, 0},
                          {65, 16, 3, false, 1, 10, 7, 0}, {200, 24, 2, true, 1, 4, 3, 0},
@@ -205,7 +206,8 @@ const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 
                          {16, 24, 4, true, 2, 6, 0, 0},   {30, 32, 2, false, 2, 4, 0, 0},
                          {130, 64, 4, false, 8, 8, 0, 0}, {192, 64, 2, true, 1, 3, 0, 1},
                          {129, 50, 3, false, 1, 2, 0, 0}, {257, 100, 2, false, 2, 2, 3, 0},
-                         {1000, 128, 1, false, 1, 1, 0, 0}, {256, 32, 4, true, 2, 32, 0, 0}};
+                         {1000, 128, 1, false, 1, 1, 0, 0}, {256, 32, 4, true, 2, 32, 0, 0},
+                         {192, 128, 2, false, 8, 20, 0, 0}, {130, 100, 2, false, 1, 3, 0, 1}};
 // Dropout on the 16-bit kernels (the 16-bit training forward's): both passes, p 0.1 and 0.5, the
 // wgmma kernel's tiles and the mma.sync kernel's.
 const std::pair<Case, DropoutSpec> kDropoutCases16[] = {
@@ -219,7 +221,8 @@ std::vector<Case16> cases16() {
     for (Products t : {Products::kBf16, Products::kFp16}) {
       out.push_back({c, t});
       const int hdp = flash_padded_head_dim(c.hd);
-      if (c.L > kFlashWgmmaMinLen && hdp >= 32 && hdp <= 128) out.push_back({c, t, true});  // the other kernel
+      if (c.L > kFlashWgmmaMinLen && (hdp == 32 || hdp == 96 || hdp == 128))
+        out.push_back({c, t, true});  // the other kernel
     }
 #if !defined(FASTAXIAL_NO_RANDOM123)
   for (const auto& [c, s] : kDropoutCases16)
@@ -237,7 +240,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FlashAttention16, ::testing::ValuesIn(cases16()
 // and the wide wgmma kernel for 64, 96 and 128, past kFlashWgmmaMinLen on sm_90a code (in a build
 // with it), unless the mma.sync kernel is asked for; the short kernel up to kFlashShortMaxLen.
 // 16-bit products: unsplit and without split partials, where fp32 would take the short kernel, a
-// wgmma one or a split; the 16-bit wgmma kernel for padded head dims 32 to 128 past
+// wgmma one or a split; the 16-bit wgmma kernel for padded head dims 32, 96 and 128 past
 // kFlashWgmmaMinLen on sm_90a where its shared memory fits, else the mma.sync kernel.
 TEST(FlashAttentionRules, SixteenBitProductsUnsplitOnWgmma16OrMmaSync) {
   DeviceCaps dev;
@@ -248,9 +251,10 @@ TEST(FlashAttentionRules, SixteenBitProductsUnsplitOnWgmma16OrMmaSync) {
   };
   const Expect shapes[] = {{{1, 4096, 32, 1}, FlashKernel::kWgmma16},  // split in fp32; head dim 32
                            {{8, 3, 64, 2}, FlashKernel::kMmaSync},     // short in fp32
-                           {{4, 300, 64, 4}, FlashKernel::kWgmma16},   // wide wgmma in fp32
+                           {{4, 300, 64, 4}, FlashKernel::kMmaSync},   // wide wgmma in fp32; no 64 tile
                            {{1, 4096, 128, 1}, FlashKernel::kWgmma16},  // split wide in fp32
-                           {{2, 65, 33, 2}, FlashKernel::kWgmma16},    {{2, 65, 96, 2}, FlashKernel::kWgmma16},
+                           {{2, 65, 33, 2}, FlashKernel::kMmaSync},    {{2, 65, 96, 2}, FlashKernel::kWgmma16},
+                           {{2, 65, 65, 2}, FlashKernel::kWgmma16},
                            {{2, 64, 64, 2}, FlashKernel::kMmaSync},    // one key tile: L = kFlashWgmmaMinLen
                            {{2, 300, 17, 2}, FlashKernel::kWgmma16},   {{2, 300, 16, 2}, FlashKernel::kMmaSync},
                            {{2, 300, 129, 2}, FlashKernel::kMmaSync},
