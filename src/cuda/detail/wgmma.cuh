@@ -1,7 +1,9 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only): the
-// shared-memory matrix descriptor, the products with a TF32 A operand from
-// registers and B from shared memory (64 x N x 8, by N), the fences around
-// them, and wgmma_add_runs4 (two runs in flight). An element type's run of
+// shared-memory matrix descriptors (128- and 64-byte swizzles), the products
+// with a TF32 A operand from registers and B from shared memory (64 x N x 8,
+// by N), the same on 16-bit operands (64 x N x 16: the 16-bit flash kernel,
+// attention/flash_attention_wgmma16.cu), the fences around them, and
+// wgmma_add_runs4 (two runs in flight). An element type's run of
 // products over a K slice is its traits' (detail/tf32x3.cuh: Tf32x3's
 // wgmma_run, the 3xTF32 products on these TF32 instructions); the parts
 // built on them: attention/mainloop_wgmma.cuh, the wide flash kernel
