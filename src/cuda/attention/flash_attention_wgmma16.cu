@@ -219,17 +219,12 @@ __global__ void __launch_bounds__(256, Wg16Tile<HDP>::kBlocksPerSm)
 #pragma unroll
     for (int kk = 0; kk < HDP / 16; ++kk) fence_regs(qf[kk]);
     // Step st + 2's rows and, with a unit's last step, the next unit's q into the free buffers.
-    pipe.refill(a, copy, unit_at);
-    if (last && step.ui + 1 < my_units) pipe.copy_q(a, unit_at(step.ui + 1));
-    copy_async_commit();
+    pipe.refill_step(a, copy, unit_at, step);
 
     // Scores in base 2, keys >= L at -inf, the online softmax; dropped p
     // zeroed after the row sums. Then o (64, HDP) += p v.
-    uint32_t keep[NT / 2];
-    dropout.template keep_bits<NT>(keep, step.j * BN, L, g, t);
-    const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
-    rows.template step<NT>(sx, scale_log2, step.j * BN, L, t);
-    dropout.template apply<NT>(sx, keep, t);
+    softmax_tile<NT>(rows, dropout, [&](int jn, int e) -> float& { return s[4 * jn + e]; }, scale_log2, step.j * BN, L,
+                     g, t);
     uint32_t pf[BN / 16][4];  // p's A operand of keys 16 kk .. 16 kk + 15: key groups 2 kk, 2 kk + 1
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)

@@ -288,17 +288,12 @@ __global__ void __launch_bounds__(256, 1)
     wide_scores<Elem, HDP>(s, smem.k_planes(b), q_frag, [&](int r) {
       if (has_next) split.part(r, b ^ 1);
     });
-    pipe.refill(a, copy, unit_at);
-    if (last && step.ui + 1 < my_units) pipe.copy_q(a, unit_at(step.ui + 1));
-    copy_async_commit();
+    pipe.refill_step(a, copy, unit_at, step);
 
     // Scores in base 2, keys >= L at -inf, the online softmax; dropped p
     // zeroed after the row sums. Then o (64, HDP) += p v.
-    uint32_t keep[NT / 2];
-    dropout.template keep_bits<NT>(keep, step.j * BN, L, g, t);
-    const auto sx = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
-    rows.template step<NT>(sx, scale_log2, step.j * BN, L, t);
-    dropout.template apply<NT>(sx, keep, t);
+    softmax_tile<NT>(rows, dropout, [&](int jn, int e) -> float& { return s[4 * jn + e]; }, scale_log2, step.j * BN, L,
+                     g, t);
     wide_pv<Elem, HDP>(rows.o, s, smem.vt_planes(b));
 
     if (last) wide_unit_end<kSplit>(rows, a, kDropout ? dpass.scale : 1.0f, sp, step.cur, warp, g, L, hd, t);

@@ -222,4 +222,17 @@ struct UnitDropout {
   }
 };
 
+// A key tile's scores through the online softmax (FlashRows::step), then dropout: NT column
+// groups from key0, s(jn, e) the scores in mma.sync's C layout. The keep bits are drawn before
+// the scores are live (fewer registers at once); dropped p are zeroed after the row sums took
+// them (the kept ones' scale comes with 1 / l).
+template <int NT, int NF, bool kDropout, class S>
+__device__ __forceinline__ void softmax_tile(FlashRows<NF>& rows, const UnitDropout<kDropout>& dropout, S&& s,
+                                             float scale_log2, int key0, int L, int g, int t) {
+  uint32_t keep[NT / 2];
+  dropout.template keep_bits<NT>(keep, key0, L, g, t);
+  rows.template step<NT>(s, scale_log2, key0, L, t);
+  dropout.template apply<NT>(s, keep, t);
+}
+
 }  // namespace fastaxial::cuda

@@ -150,6 +150,15 @@ struct WidePipeline {
     __syncthreads();
     if (copy.ui < unit_at.count) copy_step(a, copy, unit_at);
   }
+  // refill, then with a unit's last step (`step`) the next unit's q where the block has one, and
+  // the copies committed.
+  template <class Units>
+  __device__ __forceinline__ void refill_step(const AttentionKernelArgs& a, StepCursor& copy, const Units& unit_at,
+                                              const StepCursor& step) const {
+    refill(a, copy, unit_at);
+    if (step.last() && step.ui + 1 < unit_at.count) copy_q(a, unit_at(step.ui + 1));
+    copy_async_commit();
+  }
   // Step st + 2's rows (and the next unit's q) in; every warpgroup done with step st's planes.
   __device__ __forceinline__ void landed() const {
     copy_async_wait<0>();

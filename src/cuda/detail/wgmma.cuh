@@ -136,8 +136,9 @@ FASTAXIAL_WGMMA_TF32_RS(8, "{%0, %1, %2, %3}",
 // wgmma_m64k16_rs<kBf16, N>: d (64 x N) = or += A (64 x 16) @ B (16 x N) on 16-bit operands (bf16,
 // else fp16) with fp32 accumulation; A from registers, the mma.m16n8k16 A fragment of the warp's
 // 16 rows (a[0]: row g, k 2t and 2t + 1; a[1]: row g + 8; a[2], a[3]: the same at k + 8, the lower
-// k in the lower half), B K-major in shared memory (desc_sw128: a 128-byte row is 64 values of k).
-// Widths 32, 64 and 128: the 16-bit flash kernel's scores (64 keys) and its o (head dims 32, 64, 128).
+// k in the lower half), B K-major in shared memory (desc_sw128: a 128-byte row is 64 values of k;
+// desc_sw64: 32). Widths 32, 64 and 128: the 16-bit flash kernel's scores (64 keys) and its o
+// (head dims 32 and 128).
 template <bool kBf16, int N>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
                                                 int accumulate) {

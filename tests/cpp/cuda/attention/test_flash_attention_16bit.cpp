@@ -138,6 +138,43 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
   EXPECT_EQ(lse_written, 0) << "lse written past (2, num_seq, heads, L)";
 }
 
+// Equal scores (q = 0) give every row the mean of its sequence's v, which the 16-bit products
+// compute exactly: each p is 1, v's values are integers below 256 (exact in both types), their
+// sums exact in fp32; only o / l rounds (at most two fp32 roundings: 2^-23 relative). v varies with
+// the key (l % 61) and the feature (64 (i % 3)), so a key read twice or missed, or a feature from
+// the wrong column, shows as an error many orders above that bound.
+TEST_P(FlashAttention16, EqualScoresGiveTheExactMeanOfV) {
+  const Case16 c = GetParam();
+  if (c.drop.p > 0.0f) GTEST_SKIP() << "the mean needs every p kept";
+  DeviceCaps dev;
+  std::string why;
+  if (!device_for(c.shape.hd, &dev, &why)) GTEST_SKIP() << why;
+  Problem pr = make_problem(c.shape);
+  const int64_t D = pr.D, L = pr.L, hd = pr.hd;
+  const auto value = [](int64_t l, int64_t i) { return (float)(l % 61 + 64 * (i % 3)); };
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t l = 0; l < L; ++l) {
+      float* row = pr.qkv.data() + pr.view.offset(n, l) * 3 * D;
+      for (int64_t j = 0; j < D; ++j) row[j] = 0.0f, row[2 * D + j] = value(l, j % hd);
+    }
+  Result r;
+  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, c.mma_sync, c.type);
+  if (HasFatalFailure()) return;
+  double key_sum = 0.0;
+  for (int64_t l = 0; l < L; ++l) key_sum += (double)(l % 61);
+  int64_t wrong = 0;
+  double worst = 0.0;
+  for (int64_t n = 0; n < pr.N; ++n)
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t j = 0; j < D; ++j) {
+        const double want = (key_sum + (double)L * 64.0 * (double)((j % hd) % 3)) / (double)L;
+        const double err = std::fabs((double)r.o[(size_t)(pr.view.offset(n, l) * D + j)] - want);
+        worst = std::max(worst, std::isnan(err) ? INFINITY : err);
+        wrong += !(err <= std::ldexp(want, -23));
+      }
+  EXPECT_EQ(wrong, 0) << "elements off the exact mean by more than two fp32 roundings; worst " << worst;
+}
+
 // The output written rounded (FlashArgs::o16, the staged 16-bit pass's operand of its output
 // product): on every row the view addresses, the bits of the fp32 output rounded to the type
 // (nearest, ties to even: round16); the fp32 o too where it is given (the 16-bit training forward),
@@ -209,9 +246,11 @@ const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 
                          {1000, 128, 1, false, 1, 1, 0, 0}, {256, 32, 4, true, 2, 32, 0, 0},
                          {130, 128, 1, false, 2, 70, 0, 0}, {130, 100, 2, false, 1, 3, 0, 1}};
 // Dropout on the 16-bit kernels (the 16-bit training forward's): both passes, p 0.1 and 0.5, the
-// wgmma kernel's tiles and the mma.sync kernel's.
+// wgmma kernel's two tiles (32: misaligned qkv; 128, 96 on it) and the mma.sync kernel's (each
+// case also on mma.sync; head dims 64 and 16 there alone).
 const std::pair<Case, DropoutSpec> kDropoutCases16[] = {
     {{130, 64, 2, false, 1, 3, 0, 1}, {0.5f, 42, 3, 0}},
+    {{130, 32, 2, false, 1, 3, 0, 1}, {0.5f, 43, 4, 0}},
     {{300, 128, 1, true, 1, 3, 0, 0}, {0.1f, 7, 1000, 0}},
     {{200, 96, 1, true, 2, 2, 0, 0}, {0.5f, 0x8000000000000001ull, 9, (uint64_t{1} << 33) + 2}},
     {{97, 16, 4, true, 1, 5, 0, 0}, {0.5f, 0xfedcba9876543210ull, 0x0123456789abcdefull, 0}}};
