@@ -320,7 +320,7 @@ bool whole_pass_products(int64_t T, int64_t D, int64_t chunks) { return T <= 4 *
 // dst (M, D) = a^T b for a (T, M) and b (T, D), row-major, in tiles of kRowTile rows of dst across the
 // threads: each element from one product of fixed shape, whichever thread takes its tile.
 void product_over_positions(float* dst, const Mat& a, const Mat& b, int64_t M, int64_t D) {
-  for_row_tiles(M, kRowTile, team_for(M, 2.0 * (double)M * D * a.rows()), [&](int64_t r0, int64_t n) {
+  for_row_tiles(M, kRowTile, team_for(M, 2.0 * (double)M * D * a.rows(), kProductFlopsPerThread), [&](int64_t r0, int64_t n) {
     gemm(MatMap(dst, M, D).middleRows(r0, n), tr(a.middleCols(r0, n)), in(b));
   });
 }
