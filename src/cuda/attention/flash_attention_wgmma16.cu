@@ -1,7 +1,7 @@
 // The flash attention step (flash_attention.h) on 16-bit products (bf16 or
 // fp16 operands, fp32 accumulation) on Hopper's warpgroup products (wgmma,
-// sm_90a), on tiles of head dim 32 and 128 (padded head dims 32, 96 and 128): for each
-// sequence n and head h,
+// sm_90a), on tiles of head dim 32 and 128 (padded head dims 32, 96 and
+// 128): for each sequence n and head h,
 //   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
 // with the per-row log-sum-exp and attention dropout as the other flash
 // kernels compute them (flash_parts.cuh's FlashRows and UnitDropout: the same
@@ -17,9 +17,10 @@
 //
 // Shape of the work: the wide 3xTF32 kernel's (flash_attention_wgmma_wide.cu),
 // whose copy pipeline it shares (pipeline_wide.cuh): a block of two
-// warpgroups (128 queries, a unit) takes units in turn, one block an SM,
-// and streams a unit's keys 64 at a time (a step). Step s, its operands
-// rounded and visible, the raw stage holding step s + 1's fp32 rows:
+// warpgroups (128 queries, a unit) takes units in turn, one block an SM (two
+// at head dim 32), and streams a unit's keys 64 at a time (a step). Step s,
+// its operands rounded and visible, the raw stage holding step s + 1's fp32
+// rows:
 //   1. s (64, 64) = q k^T per warpgroup: HDP / 16 products of 16 features
 //      into one accumulator, issued at once;
 //   2. while they run, step s + 1's rows rounded into the other buffers
@@ -38,10 +39,10 @@
 // detail/wgmma.cuh); v^T, two buffers of 16 KB (128 rows of the step's 64
 // keys); the raw stage, (64, 128) fp32 rows of k then of v at stride 132; q,
 // (128, 128) fp32 with q_word's swizzled rows. At head dim 32 a key's k row
-// is 64 bytes (the 64-byte swizzle), and two blocks share an SM. Positions >= L are zero-filled
-// by the copies and their scores set to -inf; columns hd..HDP-1 of q and of
-// the raw stage are zeroed once and never copied, so the operands carry zeros
-// there.
+// is 64 bytes (the 64-byte swizzle), and two blocks share an SM (52 KB each).
+// Positions >= L are zero-filled by the copies and their scores set to -inf;
+// columns hd..HDP-1 of q and of the raw stage are zeroed once and never
+// copied, so the operands carry zeros there.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
