@@ -94,44 +94,49 @@ __device__ __forceinline__ void wgmma_m64k8_rs(float (&d)[N / 2], const uint32_t
 }
 #define FASTAXIAL_WGMMA_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define FASTAXIAL_WGMMA_ACC8(i) FASTAXIAL_WGMMA_ACC4(i), FASTAXIAL_WGMMA_ACC4(i + 4)
-// N, the accumulator list "{%0, ..}", then "{a's operands}, b's operand", the predicate's operand
-// number, and the accumulator operands.
-#define FASTAXIAL_WGMMA_TF32_RS(N, acc, ab, pred, ...)                                                              \
+// A width's asm operands, for both families: the accumulator list "{%0, ..}", then "{a's
+// operands}, b's operand", the predicate's operand number, and the accumulator operands.
+#define FASTAXIAL_WGMMA_OPS_128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", "{%64, %65, %66, %67}, %68", 69, \
+    FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24), FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40), FASTAXIAL_WGMMA_ACC8(48), FASTAXIAL_WGMMA_ACC8(56)
+#define FASTAXIAL_WGMMA_OPS_96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}", "{%48, %49, %50, %51}, %52", 53, \
+    FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24), FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40)
+#define FASTAXIAL_WGMMA_OPS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}", "{%32, %33, %34, %35}, %36", 37, \
+    FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24)
+#define FASTAXIAL_WGMMA_OPS_48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}", "{%24, %25, %26, %27}, %28", 29, \
+    FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16)
+#define FASTAXIAL_WGMMA_OPS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}", "{%16, %17, %18, %19}, %20", 21, \
+    FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8)
+#define FASTAXIAL_WGMMA_OPS_24 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}", "{%12, %13, %14, %15}, %16", 17, \
+    FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC4(8)
+#define FASTAXIAL_WGMMA_OPS_16 "{%0, %1, %2, %3, %4, %5, %6, %7}", "{%8, %9, %10, %11}, %12", 13, \
+    FASTAXIAL_WGMMA_ACC8(0)
+#define FASTAXIAL_WGMMA_OPS_8 "{%0, %1, %2, %3}", "{%4, %5, %6, %7}, %8", 9, \
+    FASTAXIAL_WGMMA_ACC4(0)
+#define FASTAXIAL_WGMMA_UNPAREN(...) __VA_ARGS__
+// One specialization: FUNC<ARGS> (ARGS in parentheses), N, the instruction up to its operands and
+// the immediates after the predicate; then a width's operands (FASTAXIAL_WGMMA_OPS_N, expanded
+// into separate arguments by the outer macro).
+#define FASTAXIAL_WGMMA_RS_BODY(FUNC, ARGS, N, INSTR, IMM, acc, ab, pred, ...)                                  \
   template <>                                                                                                     \
-  __device__ __forceinline__ void wgmma_m64k8_rs<N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t b,           \
-                                                    int accumulate) {                                              \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #pred ", 0;\n"                                              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32 " acc ", " ab ", p, 1, 1;\n}\n"            \
+  __device__ __forceinline__ void FUNC<FASTAXIAL_WGMMA_UNPAREN ARGS>(float(&d)[N / 2], const uint32_t(&a)[4],     \
+                                                                    uint64_t b, int accumulate) {                 \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #pred ", 0;\n" INSTR " " acc ", " ab ", p, " IMM ";\n}\n"    \
                  : __VA_ARGS__                                                                                   \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                     \
   }
+#define FASTAXIAL_WGMMA_RS(...) FASTAXIAL_WGMMA_RS_BODY(__VA_ARGS__)
+#define FASTAXIAL_WGMMA_TF32_RS(N) \
+  FASTAXIAL_WGMMA_RS(wgmma_m64k8_rs, (N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k8.f32.tf32.tf32", "1, 1", \
+                     FASTAXIAL_WGMMA_OPS_##N)
 
-FASTAXIAL_WGMMA_TF32_RS(128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
-                        "{%64, %65, %66, %67}, %68", 69,
-                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
-                        FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40), FASTAXIAL_WGMMA_ACC8(48), FASTAXIAL_WGMMA_ACC8(56))
-FASTAXIAL_WGMMA_TF32_RS(96, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}",
-                        "{%48, %49, %50, %51}, %52", 53,
-                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16),
-                        FASTAXIAL_WGMMA_ACC8(24), FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40))
-FASTAXIAL_WGMMA_TF32_RS(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-                        "{%32, %33, %34, %35}, %36", 37,
-                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8),
-                        FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24))
-FASTAXIAL_WGMMA_TF32_RS(48, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}",
-                        "{%24, %25, %26, %27}, %28", 29,
-                        FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8),
-                        FASTAXIAL_WGMMA_ACC8(16))
-FASTAXIAL_WGMMA_TF32_RS(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
-                        "{%16, %17, %18, %19}, %20", 21, FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8))
-FASTAXIAL_WGMMA_TF32_RS(24, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}",
-                        "{%12, %13, %14, %15}, %16", 17, FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC4(8))
-FASTAXIAL_WGMMA_TF32_RS(16, "{%0, %1, %2, %3, %4, %5, %6, %7}",
-                        "{%8, %9, %10, %11}, %12", 13, FASTAXIAL_WGMMA_ACC8(0))
-FASTAXIAL_WGMMA_TF32_RS(8, "{%0, %1, %2, %3}",
-                        "{%4, %5, %6, %7}, %8", 9, FASTAXIAL_WGMMA_ACC4(0))
-
-#undef FASTAXIAL_WGMMA_TF32_RS
+FASTAXIAL_WGMMA_TF32_RS(128)
+FASTAXIAL_WGMMA_TF32_RS(96)
+FASTAXIAL_WGMMA_TF32_RS(64)
+FASTAXIAL_WGMMA_TF32_RS(48)
+FASTAXIAL_WGMMA_TF32_RS(32)
+FASTAXIAL_WGMMA_TF32_RS(24)
+FASTAXIAL_WGMMA_TF32_RS(16)
+FASTAXIAL_WGMMA_TF32_RS(8)
 
 // wgmma_m64k16_rs<kBf16, N>: d (64 x N) = or += A (64 x 16) @ B (16 x N) on 16-bit operands (bf16,
 // else fp16) with fp32 accumulation; A from registers, the mma.m16n8k16 A fragment of the warp's
@@ -144,32 +149,29 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_
                                                 int accumulate) {
   static_assert(N != N, "wgmma_m64k16_rs: N is 32, 64 or 128");
 }
-#define FASTAXIAL_WGMMA_16_RS(BF, TYPE, N, acc, ab, pred, ...)                                                   \
-  template <>                                                                                                     \
-  __device__ __forceinline__ void wgmma_m64k16_rs<BF, N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t b,     \
-                                                         int accumulate) {                                        \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #pred ", 0;\n"                                              \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " acc ", " ab ", p, 1, 1, 0;\n}\n" \
-                 : __VA_ARGS__                                                                                   \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                     \
-  }
-#define FASTAXIAL_WGMMA_16_RS_TYPES(N, acc, ab, pred, ...)              \
-  FASTAXIAL_WGMMA_16_RS(true, "bf16", N, acc, ab, pred, __VA_ARGS__) \
-  FASTAXIAL_WGMMA_16_RS(false, "f16", N, acc, ab, pred, __VA_ARGS__)
+#define FASTAXIAL_WGMMA_16_RS(N)                                                                                  \
+  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs, (true, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16",     \
+                     "1, 1, 0", FASTAXIAL_WGMMA_OPS_##N)                                                           \
+  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs, (false, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16",      \
+                     "1, 1, 0", FASTAXIAL_WGMMA_OPS_##N)
 
-FASTAXIAL_WGMMA_16_RS_TYPES(128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}",
-                            "{%64, %65, %66, %67}, %68", 69,
-                            FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24),
-                            FASTAXIAL_WGMMA_ACC8(32), FASTAXIAL_WGMMA_ACC8(40), FASTAXIAL_WGMMA_ACC8(48), FASTAXIAL_WGMMA_ACC8(56))
-FASTAXIAL_WGMMA_16_RS_TYPES(64, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}",
-                            "{%32, %33, %34, %35}, %36", 37,
-                            FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8),
-                            FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24))
-FASTAXIAL_WGMMA_16_RS_TYPES(32, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}",
-                            "{%16, %17, %18, %19}, %20", 21, FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8))
+FASTAXIAL_WGMMA_16_RS(128)
+FASTAXIAL_WGMMA_16_RS(64)
+FASTAXIAL_WGMMA_16_RS(32)
 
-#undef FASTAXIAL_WGMMA_16_RS_TYPES
 #undef FASTAXIAL_WGMMA_16_RS
+#undef FASTAXIAL_WGMMA_TF32_RS
+#undef FASTAXIAL_WGMMA_RS
+#undef FASTAXIAL_WGMMA_RS_BODY
+#undef FASTAXIAL_WGMMA_UNPAREN
+#undef FASTAXIAL_WGMMA_OPS_128
+#undef FASTAXIAL_WGMMA_OPS_96
+#undef FASTAXIAL_WGMMA_OPS_64
+#undef FASTAXIAL_WGMMA_OPS_48
+#undef FASTAXIAL_WGMMA_OPS_32
+#undef FASTAXIAL_WGMMA_OPS_24
+#undef FASTAXIAL_WGMMA_OPS_16
+#undef FASTAXIAL_WGMMA_OPS_8
 #undef FASTAXIAL_WGMMA_ACC8
 #undef FASTAXIAL_WGMMA_ACC4
 
