@@ -286,16 +286,10 @@ __device__ __forceinline__ void store_unit(FlashRows<NF>& rows, const AttentionK
   if constexpr (kSplit) {
     rows.store_partials(sp, u.split, u.item, r0, L, hd, t);
   } else {
-    if constexpr (!std::is_same_v<Out16, float>) {
-      if (a.o16 != nullptr) {
-        if (a.o != nullptr)
-          rows.template store_both<Out16>(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
-        else
-          rows.template store<Out16>(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
-        return;
-      }
-    }
-    rows.store(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
+    if constexpr (!std::is_same_v<Out16, float>)
+      rows.template store_16bit<Out16>(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
+    else
+      rows.store(a, num, seq, u.h * hd, u.item, r0, L, hd, t);
   }
 }
 

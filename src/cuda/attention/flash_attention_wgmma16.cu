@@ -247,13 +247,7 @@ __global__ void __launch_bounds__(256, Wg16Tile<HDP>::kBlocksPerSm)
     if (last) {  // o / l (times dropout's scale) into o and/or o16 rounded, the lse
       const FlashUnit& u = step.cur;
       const float num = kDropout ? dpass.scale : 1.0f;
-      const int r0 = u.q0 + 16 * warp + g;
-      if (a.o16 == nullptr)
-        rows.store(a, num, u.seq, u.col, u.item, r0, L, hd, t);
-      else if (a.o != nullptr)
-        rows.template store_both<T>(a, num, u.seq, u.col, u.item, r0, L, hd, t);
-      else
-        rows.template store<T>(a, num, u.seq, u.col, u.item, r0, L, hd, t);
+      rows.template store_16bit<T>(a, num, u.seq, u.col, u.item, u.q0 + 16 * warp + g, L, hd, t);
     }
     if (!has_next) break;
     pipe.landed();

@@ -186,6 +186,19 @@ struct FlashRows {
                            item * L);
   }
 
+  // The end on 16-bit products (Out16): into a.o16 rounded where it is given, a.o too where that is
+  // given as well (store_both); without a.o16, into a.o (store).
+  template <class Out16>
+  __device__ __forceinline__ void store_16bit(const AttentionKernelArgs& a, float num, int64_t seq, int col,
+                                              int64_t item, int r0, int L, int hd, int t) {
+    if (a.o16 == nullptr)
+      store(a, num, seq, col, item, r0, L, hd, t);
+    else if (a.o != nullptr)
+      store_both<Out16>(a, num, seq, col, item, r0, L, hd, t);
+    else
+      store<Out16>(a, num, seq, col, item, r0, L, hd, t);
+  }
+
   // A split's end: its unnormalised o, m and l of the rows into sp.partials.
   __device__ __forceinline__ void store_partials(const FlashPartials& sp, int split, int64_t item, int r0, int L, int hd,
                                                  int t) {
