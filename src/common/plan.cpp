@@ -83,7 +83,7 @@ const char* name_of(E e, const char* const (&names)[N]) {
 const char* to_string(KernelFamily family) { return name_of(family, {"fused", "staged", "generic"}); }
 
 const char* to_string(FlashKernel kernel) {
-  return name_of(kernel, {"none", "short", "mma.sync", "wgmma", "wgmma-wide", "wgmma-16bit"});
+  return name_of(kernel, {"none", "short", "mma.sync", "wgmma", "wgmma-wide", "wgmma-16bit", "wgmma-qkv16"});
 }
 
 const char* to_string(AttentionGradKernel kernel) {
@@ -250,7 +250,14 @@ bool flash_wgmma_can_run(int hdp, int64_t len, const DeviceCaps& dev) {
 
 }  // namespace
 
+bool flash_qkv16_can_run(const FlashProblem& f, const DeviceCaps& dev) {
+  const size_t bytes = flash_qkv16_smem_bytes(flash_qkv16_tile_head_dim(f.head_dim));
+  return f.products != Products::kFp32 && !f.dropout && !f.mma_sync && dev.sm90a && f.len > kFlashWgmmaMinLen &&
+         bytes != 0 && bytes <= (size_t)dev.smem_optin;
+}
+
 FlashVariant flash_variant(const FlashProblem& f, const DeviceCaps& dev) {
+  if (f.qkv16) return {FlashKernel::kQkv16, 1};  // the one kernel that reads them (flash_qkv16_can_run)
   if (f.products != Products::kFp32) {  // unsplit: wgmma where its kernel serves the head dim, else mma.sync
     const size_t bytes = flash_wgmma16_smem_bytes(flash_padded_head_dim(f.head_dim));
     const bool wgmma = !f.mma_sync && dev.sm90a && f.len > kFlashWgmmaMinLen && bytes != 0 &&
@@ -364,6 +371,7 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
       FlashProblem f;
       f.num_seq = view.num_seq, f.len = view.len, f.head_dim = p.dim / p.heads, f.heads = p.heads;
       f.products = p.products;
+      f.qkv16 = flash_qkv16_can_run(f, dev);  // the QKV product stores them so (staged/pass.cu)
       const FlashVariant v = flash_variant(f, dev);
       s.flash = true, s.flash_kernel = v.kernel, s.flash_splits = v.splits, s.products = p.products;
       *pass = s;

@@ -253,6 +253,8 @@ size_t staged_attention_smem_bytes(int64_t len, int64_t head_dim);
 //               as fill one round of a block an SM, at most the mma.sync rule's.
 //   kWgmma16:   16-bit products, padded head dims 32, 96 and 128, L > kFlashWgmmaMinLen,
 //               sm_90a code, no split (unless mma_sync).
+//   kQkv16:     16-bit products on q, k, v stored in 16 bits (FlashProblem::qkv16: the caller
+//               stored them so where flash_qkv16_can_run said it may), no split.
 //   kMmaSync:   everything else (any sm_80+ GPU; 16-bit products unsplit), split by
 //               flash_kv_splits where partials are given and dropout is off (the split kernels
 //               have no dropout).
@@ -272,6 +274,7 @@ struct FlashProblem {
   bool mma_sync = false;      // FlashArgs::mma_sync: the mma.sync kernel wherever it can run
   size_t partials_bytes = 0;  // room given for split-KV partials (0: none)
   Products products = Products::kFp32;
+  bool qkv16 = false;  // q, k and v stored in the products' 16-bit type (FlashArgs::qkv16)
 };
 
 struct FlashVariant {
@@ -282,6 +285,11 @@ struct FlashVariant {
 // The variant for f on dev, f's sizes valid (head_dim 1..256, len >= 1). dev.sm90a is taken to
 // mean that this build's sm_90a code runs (the launcher clears it in a build without).
 FlashVariant flash_variant(const FlashProblem& f, const DeviceCaps& dev);
+
+// Whether the kQkv16 kernel serves f (f.qkv16 aside) on dev: 16-bit products, no dropout, not
+// mma_sync, sm_90a code, L > kFlashWgmmaMinLen, a tile for the head dim (flash_qkv16_tile_head_dim)
+// and its shared memory. A pass's QKV product stores q, k and v in 16 bits where this holds.
+bool flash_qkv16_can_run(const FlashProblem& f, const DeviceCaps& dev);
 
 // The splits the wide kernel takes for a pass the mma.sync kernel would split `rule_splits` ways
 // (flash_kv_splits; the partials are sized for that many): as many as fill one round of a block

@@ -566,7 +566,21 @@ FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev) 
   f.num_seq = a.pos.num_seq, f.len = a.pos.len, f.head_dim = a.heads > 0 ? a.D / a.heads : 0, f.heads = a.heads;
   f.dropout = a.dropout.threshold != 0, f.mma_sync = a.mma_sync, f.products = a.products;
   f.partials_bytes = a.partials != nullptr ? a.partials_bytes : 0;
+  f.qkv16 = a.qkv16 != nullptr;
   return flash_variant(f, d);
+}
+
+bool flash_qkv16_chosen(const FlashArgs& a, const DeviceCaps& dev) {
+  FlashArgs b = a;
+  b.qkv16 = nullptr;
+  DeviceCaps d = dev;
+#if !defined(FASTAXIAL_WGMMA)
+  d.sm90a = false;
+#endif
+  FlashProblem f;
+  f.num_seq = b.pos.num_seq, f.len = b.pos.len, f.head_dim = b.heads > 0 ? b.D / b.heads : 0, f.heads = b.heads;
+  f.dropout = b.dropout.threshold != 0, f.mma_sync = b.mma_sync, f.products = b.products;
+  return flash_qkv16_can_run(f, d);
 }
 
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream) {
@@ -577,6 +591,7 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
   const int hdp = flash_padded_head_dim(hd);
   if (hdp == 0 || !dropout_pass_args_ok(a.dropout, a.pass, a.philox, a.pos.len, a.heads)) return cudaErrorInvalidValue;
   if (a.o16 != nullptr && a.products == Products::kFp32) return cudaErrorInvalidValue;  // o16: 16-bit products only
+  if (a.qkv16 != nullptr && !flash_qkv16_chosen(a, dev)) return cudaErrorInvalidValue;  // its kernel must serve it
   if (a.pos.num_seq == 0 || a.pos.len == 0) return cudaSuccess;
   if (a.o == nullptr && a.o16 == nullptr) return cudaErrorInvalidValue;  // an output to write
   // Blocks of kBM queries, or fewer where the sequence is short (flash_warps): at most 2^31 - 1,
@@ -598,6 +613,8 @@ cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStrea
       return flash_attention_wgmma(a, vec, scale_log2, dev, stream);
     case FlashKernel::kWgmma16:
       return flash_attention_wgmma16(a, vec, scale_log2, dev, stream);
+    case FlashKernel::kQkv16:
+      return flash_attention_qkv16(a, scale_log2, dev, stream);
     case FlashKernel::kWgmmaWide:
       if (cudaError_t e = flash_attention_wgmma_wide(a, vec, scale_log2, sp.partials, sp.splits, dev, stream);
           e != cudaSuccess || sp.splits == 1)

@@ -33,6 +33,10 @@ struct FlashArgs {
   // (an axis view's strides divided by D, as the staged path's row_indices gives).
   AxisView pos;
   const float* qkv = nullptr;  // (T, 3D): row r is [q | k | v], head h at columns h*hd .. h*hd + hd - 1 of each part
+  // On 16-bit products only: q, k and v stored in the products' type, laid out as qkv (which is then
+  // not read), 16-byte aligned; the pass runs on the kQkv16 kernel, which must serve it
+  // (flash_qkv16_chosen), else cudaErrorInvalidValue.
+  const void* qkv16 = nullptr;
   float* o = nullptr;          // (T, D): head h written at columns h*hd .. h*hd + hd - 1 of each valid row
   // On 16-bit products only (else cudaErrorInvalidValue): where not null, o is written here too,
   // rounded to the products' type (nearest, ties to even: round_to_16bit's bits), (T, D) 16-bit
@@ -75,6 +79,9 @@ inline AttentionKernelArgs flash_kernel_args(const FlashArgs& a) {
 // flash_variant, dev.sm90a cleared in a build without sm_90a code); a's sizes valid.
 FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev);
 
+// Whether a pass of a's sizes, products and dropout may store q, k and v in 16 bits for the kQkv16
+// kernel (plan.h's flash_qkv16_can_run as flash_attention_variant sees the device); a.qkv16 aside.
+bool flash_qkv16_chosen(const FlashArgs& a, const DeviceCaps& dev);
 // Whether flash_attention runs a's pass on the head-dim-32 wgmma kernel (for benchmarks).
 inline bool flash_wgmma_chosen(const FlashArgs& a, const DeviceCaps& dev) {
   return flash_attention_variant(a, dev).kernel == FlashKernel::kWgmma;
@@ -130,5 +137,11 @@ cudaError_t flash_attention_wgmma_wide(const FlashArgs& a, bool vec, float scale
 // o16, the lse; no split. The launch flash_attention makes for it (sizes already checked there).
 cudaError_t flash_attention_wgmma16(const FlashArgs& a, bool vec, float scale_log2, const DeviceCaps& dev,
                                     cudaStream_t stream);
+// ---- The 16-bit kernel on q, k, v stored in 16 bits (flash_attention_qkv16.cu) ------------------
+// FlashKernel::kQkv16: a.qkv16's rows copied straight into wgmma's 16-bit operands (no rounding
+// pass), tiles of head dims 64 and 128, keys 64 a step four buffers deep, the next step's scores
+// under this step's p v; o and/or o16, the lse; no dropout, no split. The launch flash_attention
+// makes for it (sizes already checked there).
+cudaError_t flash_attention_qkv16(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, cudaStream_t stream);
 
 }  // namespace fastaxial::cuda

@@ -48,6 +48,15 @@ __device__ __forceinline__ uint64_t desc_sw64(uint32_t addr) {
          ((uint64_t)2 << 62);
 }
 
+// MN-major operand in the 128-byte swizzled layout (a 16-bit B read transposed: wgmma's tnsp-b):
+// rows of 128 bytes, each 64 values of N for one k, 16-byte pieces swizzled as desc_sw128's; 8-k
+// groups 1024 bytes apart; the next 64 values of N `n_stride` bytes on. The tile starts on a
+// 1024-byte boundary.
+__device__ __forceinline__ uint64_t desc_sw128_mn(uint32_t addr, uint32_t n_stride) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)((n_stride >> 4) & 0x3FFF) << 16) |
+         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -158,6 +167,44 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_
 FASTAXIAL_WGMMA_16_RS(128)
 FASTAXIAL_WGMMA_16_RS(64)
 FASTAXIAL_WGMMA_16_RS(32)
+
+// wgmma_m64k16_rs_tb<kBf16, N>: as wgmma_m64k16_rs with B MN-major (desc_sw128_mn: B's rows are
+// its k, the values of n contiguous), the 16-bit product's transposed B: d += A B, always
+// accumulating. Widths 64 and 128: the o of flash_attention_qkv16.cu (v's rows as they are stored).
+template <bool kBf16, int N>
+__device__ __forceinline__ void wgmma_m64k16_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
+                                                   int accumulate) {
+  static_assert(N != N, "wgmma_m64k16_rs_tb: N is 64 or 128");
+}
+#define FASTAXIAL_WGMMA_16_RS_TB(N)                                                                               \
+  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs_tb, (true, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16",  \
+                     "1, 1, 1", FASTAXIAL_WGMMA_OPS_##N)                                                           \
+  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs_tb, (false, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16",   \
+                     "1, 1, 1", FASTAXIAL_WGMMA_OPS_##N)
+FASTAXIAL_WGMMA_16_RS_TB(128)
+FASTAXIAL_WGMMA_16_RS_TB(64)
+#undef FASTAXIAL_WGMMA_16_RS_TB
+
+// wgmma_m64n64k16_ss<kBf16>: d (64 x 64) = or += A (64 x 16) @ B (16 x 64), both K-major in shared
+// memory (desc_sw128), 16-bit operands, fp32 accumulation: the scores of flash_attention_qkv16.cu
+// (q's rows and k's rows as they are stored).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (kBf16)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24)
+        : "l"(a), "l"(b), "r"(accumulate));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+        "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
 
 #undef FASTAXIAL_WGMMA_16_RS
 #undef FASTAXIAL_WGMMA_TF32_RS

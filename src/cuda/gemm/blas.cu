@@ -120,9 +120,12 @@ Status gemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64_t N, 
 
 namespace fastaxial::cuda {
 
-Status gemm_16bit(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
-                  const void* A, int64_t lda, const void* B, int64_t ldb, float beta, float* C, int64_t ldc,
-                  const char* what) {
+namespace {
+
+// gemm_16bit with C in fp32, or with c16 in the operands' 16-bit type.
+Status gemm_16bit_to(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                     const void* A, int64_t lda, const void* B, int64_t ldb, float beta, void* C, bool c16,
+                     int64_t ldc, const char* what) {
   if (type != Products::kBf16 && type != Products::kFp16)
     return {StatusCode::kInvalidArgument, std::string(what) + ": gemm_16bit takes bf16 or fp16 operands"};
   if (M == 0 || N == 0) return Status::Ok();
@@ -131,11 +134,26 @@ Status gemm_16bit(cublasHandle_t h, Products type, bool trans_a, bool trans_b, i
   // Column-major C^T (N, M) = op(B)^T (N, K) op(A)^T (K, M), as gemm.
   const cublasStatus_t s =
       cublasGemmEx_64(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, N, M, K, &one, B,
-                      ab, ldb, A, ab, lda, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                      ab, ldb, A, ab, lda, &beta, C, c16 ? ab : CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                      CUBLAS_GEMM_DEFAULT);
   if (s != CUBLAS_STATUS_SUCCESS) return blas_error(s, what);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess)
     return {StatusCode::kCudaError, std::string(what) + ": CUDA error after cuBLAS: " + cudaGetErrorString(e)};
   return Status::Ok();
+}
+
+}  // namespace
+
+Status gemm_16bit(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
+                  const void* A, int64_t lda, const void* B, int64_t ldb, float beta, float* C, int64_t ldc,
+                  const char* what) {
+  return gemm_16bit_to(h, type, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, false, ldc, what);
+}
+
+Status gemm_16bit_rounded(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N,
+                          int64_t K, const void* A, int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc,
+                          const char* what) {
+  return gemm_16bit_to(h, type, trans_a, trans_b, M, N, K, A, lda, B, ldb, 0.0f, C, true, ldc, what);
 }
 
 cudaError_t round_to_16bit(const float* x, void* y, int64_t n, Products type, const DeviceCaps& dev,

@@ -51,6 +51,11 @@ Status gemm(cublasHandle_t h, bool trans_a, bool trans_b, int64_t M, int64_t N, 
 Status gemm_16bit(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K,
                   const void* A, int64_t lda, const void* B, int64_t ldb, float beta, float* C, int64_t ldc,
                   const char* what);
+// The same with C = op(A) op(B) rounded to `type` (C: 16-bit values, no beta): the QKV product of
+// a pass whose attention reads q, k and v in 16 bits (FlashArgs::qkv16).
+Status gemm_16bit_rounded(cublasHandle_t h, Products type, bool trans_a, bool trans_b, int64_t M, int64_t N,
+                          int64_t K, const void* A, int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc,
+                          const char* what);
 
 // y (n) = x (n) rounded to `type` (bf16 or fp16: nearest, ties to even, as PyTorch's conversions;
 // fp16 overflows to infinity), on stream: the fp32 operands of gemm_16bit.

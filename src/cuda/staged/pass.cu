@@ -115,16 +115,25 @@ Status launch_staged_16bit(const AxisView& view, const AxialParams& p, const Axi
     if (e == cudaErrorInvalidConfiguration) return {StatusCode::kUnsupported, "too many positions for one pass"};
     return cuda_error(e, "layer_norm_forward_16bit launch");
   }
-  if (Status s = gemm_16bit(h, type, false, true, T, 3 * D, D, operand16, D, wqkv16, D, 0.0f, qkv, 3 * D,
-                            "QKV product (16-bit)");
-      !s.ok())
-    return s;
   FlashArgs f;
   f.pos = row_indices(view, D);
-  f.qkv = qkv, f.o = nullptr;
+  f.o = nullptr;
   f.o16 = operand16;  // the attention output rounded, for the output product (the LayerNorm output is read by now)
   f.D = D, f.heads = (int)p.heads;
   f.products = type;
+  // q, k and v in 16 bits where the kQkv16 kernel serves the pass (in qkv's region: half its bytes),
+  // else in fp32 for the kernels that round them.
+  const bool qkv16 = flash_qkv16_chosen(f, dev);
+  if (qkv16)
+    f.qkv16 = qkv;
+  else
+    f.qkv = qkv;
+  if (Status s = qkv16 ? gemm_16bit_rounded(h, type, false, true, T, 3 * D, D, operand16, D, wqkv16, D, qkv, 3 * D,
+                                            "QKV product (16-bit, rounded)")
+                       : gemm_16bit(h, type, false, true, T, 3 * D, D, operand16, D, wqkv16, D, 0.0f, qkv, 3 * D,
+                                    "QKV product (16-bit)");
+      !s.ok())
+    return s;
   if (Status s = check(flash_attention(f, dev, stream), "flash_attention launch (16-bit products)"); !s.ok()) return s;
   return gemm_16bit(h, type, false, true, T, D, D, operand16, D, wout16, D, 1.0f, dst, D, "output product (16-bit)");
 }

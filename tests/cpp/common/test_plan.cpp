@@ -344,9 +344,9 @@ TEST(Plan, FlashKernelVariant) {
 }
 
 // 16-bit products (AxialParams::products): every pass the staged path serves takes it, on the
-// 16-bit flash kernel flash_variant picks (wgmma for head dims 17 to 32 and 65 to 128 past 64
-// positions, else
-// mma.sync), unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
+// 16-bit flash kernel flash_variant picks (past 64 positions: kQkv16 on q, k, v the QKV product
+// stores in 16 bits for head dims 33 to 128 a multiple of 8, else wgmma for head dims 17 to 32 and
+// 65 to 128; else mma.sync), unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
 // weights a pass, cuBLAS's workspace) and without the TF32 planes or split partials; where the
 // staged path cannot run (no sm_90a code), the passes keep their fp32 plan and no region is added.
 // The training plan takes them too. An out-of-range value is an invalid argument.
@@ -364,7 +364,11 @@ TEST(Plan, SixteenBitProductsTakeTheStagedPathOnTheFlashKernel) {
         const int64_t len = pass == &c.row ? shape[2] : shape[1];
         const int hdp = flash_padded_head_dim(shape[3] / shape[4]);
         const bool wgmma16 = len > kFlashWgmmaMinLen && (hdp == 32 || hdp == 96 || hdp == 128);
-        EXPECT_EQ(pass->flash_kernel, wgmma16 ? FlashKernel::kWgmma16 : FlashKernel::kMmaSync) << c.describe();
+        // q, k, v stored in 16 bits where that kernel serves the pass (head dim 128 past 64 positions).
+        const bool qkv16 = len > kFlashWgmmaMinLen && flash_qkv16_tile_head_dim(shape[3] / shape[4]) != 0;
+        EXPECT_EQ(pass->flash_kernel,
+                  qkv16 ? FlashKernel::kQkv16 : wgmma16 ? FlashKernel::kWgmma16 : FlashKernel::kMmaSync)
+            << c.describe();
         EXPECT_EQ(pass->flash_splits, 1) << c.describe();
         EXPECT_EQ(pass->products, type) << c.describe();
       }

@@ -21,6 +21,7 @@
 #include "src/cuda/attention/flash_attention.h"
 #include "util/attention_case.h"  // Case, case_name, kPoison, is_poison
 #include "util/cuda_test_util.h"
+#include "util/round16.h"  // to16: qkv16's values
 
 namespace fastaxial::test {
 
@@ -76,10 +77,12 @@ struct Result {
 // mma_sync: the mma.sync kernel even where a wgmma one or the short-sequence one applies.
 // With o16 (16-bit products): the output rounded (FlashArgs::o16), (T + kGuardRows) D 16-bit
 // values poisoned (0xffff: NaN in both types) before the call; r->o is then the poisoned o.
+// With qkv16 (16-bit products, misalign 0): qkv rounded to the type on the host and given as
+// FlashArgs::qkv16 (qkv null), the kQkv16 kernel's input.
 inline void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Result* r,
                     const DropoutParams* drop = nullptr, const uint64_t* philox_seed_offset = nullptr,
                     bool partials = false, bool mma_sync = false, Products products = Products::kFp32,
-                    std::vector<uint16_t>* o16 = nullptr, bool o_too = true) {
+                    std::vector<uint16_t>* o16 = nullptr, bool o_too = true, bool qkv16 = false) {
   const int64_t D = pr.D, T = pr.T, lse_n = 2 * pr.N * pr.heads * pr.L;  // hi, then lo
   const DevicePtr dqkv = device_alloc(pr.qkv.size() + misalign), dout = device_alloc((size_t)((T + kGuardRows) * D)),
                   dlse = device_alloc((size_t)(lse_n + kGuardLse));
@@ -107,6 +110,16 @@ inline void run_gpu(const Problem& pr, int misalign, const DeviceCaps& dev, Resu
     if (!o_too) a.o = nullptr;  // o16 alone: o stays poison
   }
   if (drop) a.dropout = *drop, a.pass = pr.pass, a.philox = as_philox(philox);
+  DevicePtr dqkv16;
+  if (qkv16) {
+    ASSERT_EQ(misalign, 0) << "q, k and v in 16 bits are 16-byte aligned";
+    std::vector<uint16_t> h16(pr.qkv.size());
+    for (size_t i = 0; i < h16.size(); ++i) h16[i] = to16(pr.qkv[i], products);
+    dqkv16 = device_alloc(h16.size() / 2 + 1);
+    ASSERT_TRUE(dqkv16);
+    CUDA_OK(cudaMemcpy(dqkv16.get(), h16.data(), h16.size() * sizeof(uint16_t), cudaMemcpyHostToDevice));
+    a.qkv16 = dqkv16.get(), a.qkv = nullptr;
+  }
   DevicePtr dpart;
   if (partials) {
     const size_t bytes = workspace_bytes(FlashProblem{pr.N, pr.L, pr.hd, pr.heads}, dev);

@@ -29,11 +29,12 @@ struct Case16 {
   Products type;
   bool mma_sync = false;  // FlashArgs::mma_sync: the mma.sync kernel where the 16-bit wgmma one would run
   DropoutSpec drop{};     // p = 0: no dropout
+  bool qkv16 = false;     // q, k, v given in 16 bits (FlashArgs::qkv16): the kQkv16 kernel
 };
 
 std::string case16_name(const Case16& c) {
   return case_name(c.shape) + (c.type == Products::kBf16 ? "_bf16" : "_fp16") + (c.mma_sync ? "_mma_sync" : "") +
-         (c.drop.p > 0.0f ? "_" + dropout_name(c.drop) : "");
+         (c.drop.p > 0.0f ? "_" + dropout_name(c.drop) : "") + (c.qkv16 ? "_qkv16" : "");
 }
 
 // Whether the 16-bit wgmma kernel serves the case on dev, by the rule's terms (plan.h:
@@ -42,6 +43,26 @@ bool wgmma16_serves(const Case16& c, const DeviceCaps& dev) {
   const int hdp = flash_padded_head_dim(c.shape.hd);
   return !c.mma_sync && cuda::gemm_tf32x3_can_run(dev) && c.shape.L > kFlashWgmmaMinLen &&
          (hdp == 32 || hdp == 96 || hdp == 128);
+}
+
+// Whether the kQkv16 kernel serves the case's sizes (plan.h's flash_qkv16_can_run terms): head dims
+// 33 to 128 a multiple of 8, L > 64, no dropout; the test also gives it aligned rows alone.
+bool qkv16_sizes(const Case& c) {
+  return flash_qkv16_tile_head_dim(c.hd) != 0 && c.L > kFlashWgmmaMinLen && c.misalign == 0;
+}
+
+// The kernel the case runs on: kQkv16 for q, k, v in 16 bits (a build and device with sm_90a code),
+// else wgmma16_serves' rule.
+FlashKernel expected_kernel(const Case16& c, const DeviceCaps& dev) {
+  if (c.qkv16) return FlashKernel::kQkv16;
+  return wgmma16_serves(c, dev) ? FlashKernel::kWgmma16 : FlashKernel::kMmaSync;
+}
+
+// A qkv16 case needs the kernel's sm_90a code; false (with the reason) where it cannot run.
+bool qkv16_runs(const Case16& c, const DeviceCaps& dev, std::string* why) {
+  if (!c.qkv16 || cuda::gemm_tf32x3_can_run(dev)) return true;
+  *why = "q, k, v in 16 bits run on sm_90a code alone";
+  return false;
 }
 
 // 16-bit products (FlashArgs::products: q, k, v and p rounded to the type, fp32 accumulation) against
@@ -59,13 +80,17 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
   const Case16 c = GetParam();
   DeviceCaps dev;
   std::string why;
-  if (!device_for(c.shape.hd, &dev, &why)) GTEST_SKIP() << why;
+  if (!device_for(c.shape.hd, &dev, &why) || !qkv16_runs(c, dev, &why)) GTEST_SKIP() << why;
   const Problem pr = make_problem(c.shape);
   {
     cuda::FlashArgs a;
     a.pos = pr.view, a.D = (int)pr.D, a.heads = pr.heads, a.products = c.type, a.mma_sync = c.mma_sync;
+    if (c.qkv16) {
+      ASSERT_TRUE(cuda::flash_qkv16_chosen(a, dev));
+      a.qkv16 = &why;  // (only its presence is read)
+    }
     const FlashVariant v = cuda::flash_attention_variant(a, dev);
-    ASSERT_EQ(v.kernel, wgmma16_serves(c, dev) ? FlashKernel::kWgmma16 : FlashKernel::kMmaSync);
+    ASSERT_EQ(v.kernel, expected_kernel(c, dev));
     ASSERT_EQ(v.splits, 1);
   }
   const bool drop = c.drop.p > 0.0f;
@@ -80,7 +105,8 @@ TEST_P(FlashAttention16, WithinTwiceTheSameTypeReference) {
   const DropoutParams given = drop ? kernel_dropout(d) : d;
   const uint64_t pair[2] = {d.seed, d.offset};
   Result r, r32;
-  run_gpu(pr, c.shape.misalign, dev, &r, drop ? &given : nullptr, drop ? pair : nullptr, false, c.mma_sync, c.type);
+  run_gpu(pr, c.shape.misalign, dev, &r, drop ? &given : nullptr, drop ? pair : nullptr, false, c.mma_sync, c.type,
+          nullptr, true, c.qkv16);
   run_gpu(pr, c.shape.misalign, dev, &r32, drop ? &given : nullptr, drop ? pair : nullptr, false, true);  // 3xTF32
   if (HasFatalFailure()) return;
   // The 16-bit products ran: every case's v is rounded, so some row differs from 3xTF32's.
@@ -148,7 +174,7 @@ TEST_P(FlashAttention16, EqualScoresGiveTheExactMeanOfV) {
   if (c.drop.p > 0.0f) GTEST_SKIP() << "the mean needs every p kept";
   DeviceCaps dev;
   std::string why;
-  if (!device_for(c.shape.hd, &dev, &why)) GTEST_SKIP() << why;
+  if (!device_for(c.shape.hd, &dev, &why) || !qkv16_runs(c, dev, &why)) GTEST_SKIP() << why;
   Problem pr = make_problem(c.shape);
   const int64_t D = pr.D, L = pr.L, hd = pr.hd;
   const auto value = [](int64_t l, int64_t i) { return (float)(l % 61 + 64 * (i % 3)); };
@@ -158,7 +184,7 @@ TEST_P(FlashAttention16, EqualScoresGiveTheExactMeanOfV) {
       for (int64_t j = 0; j < D; ++j) row[j] = 0.0f, row[2 * D + j] = value(l, j % hd);
     }
   Result r;
-  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, c.mma_sync, c.type);
+  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, c.mma_sync, c.type, nullptr, true, c.qkv16);
   if (HasFatalFailure()) return;
   double key_sum = 0.0;
   for (int64_t l = 0; l < L; ++l) key_sum += (double)(l % 61);
@@ -185,13 +211,14 @@ TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
   const Case16 c = GetParam();
   DeviceCaps dev;
   std::string why;
-  if (!device_for(c.shape.hd, &dev, &why)) GTEST_SKIP() << why;
+  if (!device_for(c.shape.hd, &dev, &why) || !qkv16_runs(c, dev, &why)) GTEST_SKIP() << why;
   const Problem pr = make_problem(c.shape);
   Result r, r_with16, r_both;
   std::vector<uint16_t> o16, o16_both;
-  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, false, c.type);
-  run_gpu(pr, c.shape.misalign, dev, &r_with16, nullptr, nullptr, false, false, c.type, &o16, /*o_too=*/false);
-  run_gpu(pr, c.shape.misalign, dev, &r_both, nullptr, nullptr, false, false, c.type, &o16_both);
+  run_gpu(pr, c.shape.misalign, dev, &r, nullptr, nullptr, false, false, c.type, nullptr, true, c.qkv16);
+  run_gpu(pr, c.shape.misalign, dev, &r_with16, nullptr, nullptr, false, false, c.type, &o16, /*o_too=*/false,
+          c.qkv16);
+  run_gpu(pr, c.shape.misalign, dev, &r_both, nullptr, nullptr, false, false, c.type, &o16_both, true, c.qkv16);
   if (HasFatalFailure()) return;
   EXPECT_TRUE(o16_both == o16) << "o16 written with o differs from o16 alone";
   const auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
@@ -234,6 +261,10 @@ TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
 // key tile part full and full (L 130, 192, 200, 256), blocks that take several units in turn (2 x
 // 32 sequences of 4 heads of 32: 512 units on two blocks an SM; 2 x 70 sequences of one head of
 // 128: 280 units on one), misaligned qkv, a long sequence (L 1000); each also on the mma.sync kernel.
+// The kQkv16 kernel's (head dims 33 to 128 a multiple of 8, L > 64, aligned), on q, k, v in 16
+// bits: its two tiles (64: head dims 40, 64; 128: 72, 96, 128), a query tile part full (L 65, 130,
+// 150), several heads, 140 blocks of one head, a view that leaves rows out (7 of 10 sequences),
+// the column view, L 1000.
 const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 6, 0, 2},
                          {7, 16, 4, false, 3, 5, 0, 0},   {65, 40, 4, true, 2, 3, 0, 0},
                          {65, 16, 3, false, 1, 10, 7, 0}, {200, 24, 2, true, 1, 4, 3, 0},
@@ -244,7 +275,8 @@ const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 
                          {130, 64, 4, false, 8, 8, 0, 0}, {192, 64, 2, true, 1, 3, 0, 1},
                          {129, 50, 3, false, 1, 2, 0, 0}, {257, 100, 2, false, 2, 2, 3, 0},
                          {1000, 128, 1, false, 1, 1, 0, 0}, {256, 32, 4, true, 2, 32, 0, 0},
-                         {130, 128, 1, false, 2, 70, 0, 0}, {130, 100, 2, false, 1, 3, 0, 1}};
+                         {130, 128, 1, false, 2, 70, 0, 0}, {130, 100, 2, false, 1, 3, 0, 1},
+                         {150, 64, 2, false, 1, 10, 7, 0}, {300, 72, 1, true, 1, 2, 0, 0}};
 // Dropout on the 16-bit kernels (the 16-bit training forward's): both passes, p 0.1 and 0.5, the
 // wgmma kernel's two tiles (32: misaligned qkv; 128, 96 on it) and the mma.sync kernel's (each
 // case also on mma.sync; head dims 64 and 16 there alone).
@@ -262,6 +294,7 @@ std::vector<Case16> cases16() {
       const int hdp = flash_padded_head_dim(c.hd);
       if (c.L > kFlashWgmmaMinLen && (hdp == 32 || hdp == 96 || hdp == 128))
         out.push_back({c, t, true});  // the other kernel
+      if (qkv16_sizes(c)) out.push_back({c, t, false, {}, true});  // q, k, v stored in 16 bits
     }
 #if !defined(FASTAXIAL_NO_RANDOM123)
   for (const auto& [c, s] : kDropoutCases16)
@@ -320,6 +353,47 @@ TEST(FlashAttentionRules, SixteenBitProductsUnsplitOnWgmma16OrMmaSync) {
       if (e.kernel == FlashKernel::kWgmma16) EXPECT_EQ(flash_variant(f, other).kernel, FlashKernel::kMmaSync);
     }
   }
+}
+
+// q, k and v stored in 16 bits (FlashProblem::qkv16) run on the kQkv16 kernel, unsplit; a pass may
+// store them so (flash_qkv16_can_run) with 16-bit products, head dims 33 to 128 a multiple of 8,
+// L > kFlashWgmmaMinLen, no dropout, not mma_sync, sm_90a code and the tile's shared memory.
+TEST(FlashAttentionRules, SixteenBitQkvOnItsKernelWhereItServes) {
+  DeviceCaps dev;
+  dev.sm90a = true, dev.sms = 132, dev.cc_major = 9, dev.smem_optin = 232448;
+  struct Expect {
+    FlashProblem f;
+    bool serves;
+  };
+  const Expect shapes[] = {{{1, 4096, 128, 1}, true}, {{4, 300, 64, 4}, true},   {{2, 65, 40, 2}, true},
+                           {{2, 65, 96, 2}, true},    {{2, 300, 72, 2}, true},   {{2, 300, 120, 2}, true},
+                           {{2, 64, 64, 2}, false},   {{2, 300, 32, 2}, false},  {{2, 300, 65, 2}, false},
+                           {{2, 300, 100, 2}, false}, {{2, 300, 136, 2}, false}, {{1, 4096, 256, 1}, false}};
+  for (const Expect& e : shapes)
+    for (Products t : {Products::kBf16, Products::kFp16}) {
+      FlashProblem f = e.f;
+      f.products = t;
+      EXPECT_EQ(flash_qkv16_can_run(f, dev), e.serves) << f.len << " " << f.head_dim;
+      FlashProblem g = f;
+      g.dropout = true;
+      EXPECT_FALSE(flash_qkv16_can_run(g, dev));
+      g = f, g.mma_sync = true;
+      EXPECT_FALSE(flash_qkv16_can_run(g, dev));
+      g = f, g.products = Products::kFp32;
+      EXPECT_FALSE(flash_qkv16_can_run(g, dev));
+      DeviceCaps other = dev;
+      other.sm90a = false;
+      EXPECT_FALSE(flash_qkv16_can_run(f, other));
+      if (e.serves) {
+        other = dev;
+        other.smem_optin = (int)flash_qkv16_smem_bytes(flash_qkv16_tile_head_dim(f.head_dim)) - 1;
+        EXPECT_FALSE(flash_qkv16_can_run(f, other));
+        g = f, g.qkv16 = true;
+        const FlashVariant v = flash_variant(g, dev);
+        EXPECT_EQ(v.kernel, FlashKernel::kQkv16);
+        EXPECT_EQ(v.splits, 1);
+      }
+    }
 }
 
 }  // namespace
