@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "src/common/plan.h"
+#include "src/common/smem_layout.h"  // flash_qkv16_tile_head_dim
 #include "src/cuda/gemm/gemm.h"
 #include "util/cuda_test_util.h"
 #include "util/reference.h"
@@ -450,6 +451,10 @@ TEST_P(CudaForward16, WithinTwiceTheSameTypeEvaluation) {
     if (HasFatalFailure()) return;
     EXPECT_EQ(plan.row.products, c.type) << plan.describe();
     EXPECT_EQ(plan.col.products, c.type) << plan.describe();
+    // q, k, v stored in 16 bits where the kQkv16 kernel serves a pass (plan.h's flash_qkv16_can_run).
+    const bool qkv16_tile = flash_qkv16_tile_head_dim(c.s.D / c.s.heads) != 0;
+    for (const auto& [pass, len] : {std::pair{&plan.row, c.s.W}, std::pair{&plan.col, c.s.H}})
+      if (qkv16_tile && len > kFlashWgmmaMinLen) EXPECT_EQ(pass->flash_kernel, FlashKernel::kQkv16) << plan.describe();
     for (size_t i = 0; i < exact.size(); ++i) {
       // out rounded to the type, as a 16-bit module returns it and as the evaluation rounds its
       // last sum: the rule then weighs the products' error, not fp32's exact last step.
@@ -466,9 +471,11 @@ TEST_P(CudaForward16, WithinTwiceTheSameTypeEvaluation) {
 }
 
 // The model protocol's shape (head dim 24, L = 16), the default problem, a long row (L = 300, the
-// flash kernel's key tiles), a column pass of 130, head dims 32 and 64; both types.
+// flash kernel's key tiles), a column pass of 130, head dims 32 and 64; rows of 300 and 130 whose
+// q, k and v the QKV product stores in 16 bits (head dims 64 and 96: the kQkv16 kernel's two
+// tiles); both types.
 const Shape kShapes16[] = {{2, 16, 16, 96, 4}, {4, 32, 32, 64, 4}, {1, 2, 300, 64, 2}, {1, 130, 3, 32, 2},
-                           {1, 33, 17, 96, 3}};
+                           {1, 33, 17, 96, 3}, {1, 2, 300, 128, 2}, {2, 3, 130, 96, 1}};
 std::vector<Case16> cases16() {
   std::vector<Case16> out;
   for (const Shape& s : kShapes16)
