@@ -4,7 +4,9 @@
 // and on the mma.sync kernel (FlashArgs::mma_sync), then on bf16 and fp16 products (FlashArgs::products,
 // on the kernel picked for them: the 16-bit wgmma one where it applies; their difference from the first
 // relative to max |o|), and bf16 on the mma.sync kernel, with the log-sum-exp written (as the
-// training forward does) and without a split-KV buffer (so no pass splits its keys here).
+// training forward does) and without a split-KV buffer (so no pass splits its keys here); then,
+// where the kQkv16 kernel serves the pass, bf16 on q, k, v given in 16 bits (FlashArgs::qkv16: the
+// inference pass's input; its difference from the bf16 run on fp32 rows).
 // Each time is the mean of `reps` calls,
 // each after the L2 is flushed (a 256 MB memset), between CUDA events around the call alone.
 // Also prints the two outputs' largest difference relative to max |o| (a sanity check;
@@ -37,6 +39,7 @@
 #include "src/cuda/attention/flash_attention.h"
 #include "bench_util.h"
 #include "util/cuda_test_util.h"
+#include "util/round16.h"  // to16: the 16-bit qkv
 
 namespace {
 
@@ -75,9 +78,9 @@ int main(int argc, char** argv) {
   const DeviceCaps dev = fastaxial::test::bench_device(reps);
   fastaxial::test::ColdTimer timer;
 
-  std::printf("%6s %5s %4s %5s | %-22s | %-18s | %s | %-33s | %-33s | %-18s\n", "N", "L", "hd", "heads",
+  std::printf("%6s %5s %4s %5s | %-22s | %-18s | %s | %-33s | %-33s | %-18s | %s\n", "N", "L", "hd", "heads",
               "flash_attention (kernel)", "mma.sync forced", "max diff / max |o|", "bf16 products (kernel, diff)",
-              "fp16 products (kernel, diff)", "bf16 on mma.sync");
+              "fp16 products (kernel, diff)", "bf16 on mma.sync", "bf16 on 16-bit qkv (diff)");
   for (const Shape& s : shapes) {
     const int64_t D = (int64_t)s.hd * s.heads, T = s.N * s.L;
     fastaxial::AxialParams p;
@@ -89,41 +92,54 @@ int main(int argc, char** argv) {
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> hqkv((size_t)(T * 3 * D));
     for (float& x : hqkv) x = normal(rng);
-    float *qkv, *o[5], *lse, *lse16[3];
+    float *qkv, *o[6], *lse, *lse16[3];
     BENCH_CHECK(cudaMalloc(&qkv, hqkv.size() * 4));
     for (float*& oi : o) BENCH_CHECK(cudaMalloc(&oi, (size_t)(T * D) * 4));
     BENCH_CHECK(cudaMalloc(&lse, (size_t)(2 * s.N * s.heads * s.L) * 4));  // hi, lo
     for (float*& l : lse16)  // the 16-bit runs' own, bf16, fp16, bf16 on mma.sync (the backward reads the first two)
       BENCH_CHECK(cudaMalloc(&l, (size_t)(2 * s.N * s.heads * s.L) * 4));
     BENCH_CHECK(cudaMemcpy(qkv, hqkv.data(), hqkv.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<uint16_t> h16(hqkv.size());
+    for (size_t e = 0; e < h16.size(); ++e) h16[e] = fastaxial::test::to16(hqkv[e], fastaxial::Products::kBf16);
+    void* qkv16;
+    BENCH_CHECK(cudaMalloc(&qkv16, h16.size() * 2));
+    BENCH_CHECK(cudaMemcpy(qkv16, h16.data(), h16.size() * 2, cudaMemcpyHostToDevice));
 
     cuda::FlashArgs a;
     a.pos = view, a.qkv = qkv, a.lse = lse, a.D = (int)D, a.heads = s.heads;
     // variant 0: as picked; 1: mma.sync; 2 and 3: bf16 and fp16 products as picked; 4: bf16 on
-    // mma.sync. Returns the mean time in ms.
+    // mma.sync; 5: bf16 on the 16-bit qkv. Returns the mean time in ms.
     const auto args = [&](int variant) {
       cuda::FlashArgs av = a;
       av.o = o[variant], av.mma_sync = variant == 1 || variant == 4;
       if (variant >= 2)
-        av.products = variant == 3 ? fastaxial::Products::kFp16 : fastaxial::Products::kBf16, av.lse = lse16[variant - 2];
+        av.products = variant == 3 ? fastaxial::Products::kFp16 : fastaxial::Products::kBf16,
+        av.lse = lse16[std::min(variant - 2, 2)];
+      if (variant == 5) av.qkv16 = qkv16, av.qkv = nullptr;
       return av;
     };
     const auto time = [&](int variant) {
       const cuda::FlashArgs av = args(variant);
       return timer.mean_ms(reps, [&] { BENCH_CHECK(cuda::flash_attention(av, dev, nullptr)); });
     };
-    double ms[5];
-    for (int v = 0; v < 5; ++v) ms[v] = time(v);
+    double ms[6];
+    const bool qkv16_served = cuda::flash_qkv16_chosen(args(2), dev);
+    for (int v = 0; v < 6; ++v) ms[v] = v < 5 || qkv16_served ? time(v) : 0.0;
     const auto kernel16 = [&](int variant) { return fastaxial::to_string(cuda::flash_attention_variant(args(variant), dev).kernel); };
     const double flop = 4.0 * (double)s.N * s.heads * (double)s.L * (double)s.L * s.hd;
     const bool wgmma = cuda::flash_wgmma_chosen(a, dev);
     std::printf("%6lld %5lld %4d %5d | %8.1f us %5.1f TF %-5s | %8.1f us %5.1f TF | %.1e | %8.1f us %5.1f TF %-11s %.1e | "
-                "%8.1f us %5.1f TF %-11s %.1e | %8.1f us %5.1f TF\n",
+                "%8.1f us %5.1f TF %-11s %.1e | %8.1f us %5.1f TF | ",
                 (long long)s.N, (long long)s.L, s.hd, s.heads, 1e3 * ms[0], flop / ms[0] * 1e-9, wgmma ? "wgmma" : "mma",
                 1e3 * ms[1], flop / ms[1] * 1e-9, relative_difference(o[0], o[1], (size_t)(T * D)), 1e3 * ms[2],
                 flop / ms[2] * 1e-9, kernel16(2), relative_difference(o[0], o[2], (size_t)(T * D)), 1e3 * ms[3],
                 flop / ms[3] * 1e-9, kernel16(3), relative_difference(o[0], o[3], (size_t)(T * D)), 1e3 * ms[4],
                 flop / ms[4] * 1e-9);
+    if (qkv16_served)
+      std::printf("%8.1f us %5.1f TF %.1e\n", 1e3 * ms[5], flop / ms[5] * 1e-9,
+                  relative_difference(o[5], o[2], (size_t)(T * D)));
+    else
+      std::printf("-\n");
     // The backward from variant 0's o and lse.
     std::vector<float> hdo((size_t)(T * D));
     for (float& x : hdo) x = normal(rng);
@@ -168,6 +184,7 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaFree(delta));
     for (float* di : dqkv) BENCH_CHECK(cudaFree(di));
     BENCH_CHECK(cudaFree(qkv));
+    BENCH_CHECK(cudaFree(qkv16));
     for (float* oi : o) BENCH_CHECK(cudaFree(oi));
     BENCH_CHECK(cudaFree(lse));
     for (float* l : lse16) BENCH_CHECK(cudaFree(l));
