@@ -226,7 +226,7 @@ const char* to_string(KernelFamily family);  // "fused", "staged", "generic"
 //   kWgmma16:   16-bit products (AxialParams::products) on Hopper's wgmma, head dims 17 to 32 and 65 to 128,
 //               sequences longer than 64 (elsewhere 16-bit products run on kMmaSync);
 //   kQkv16:     16-bit products on q, k and v the QKV product stored in 16 bits (the pass without
-//               gradients), Hopper's wgmma, head dims 33 to 128 a multiple of 8, sequences longer
+//               gradients), Hopper's wgmma, head dims 24 to 128 a multiple of 8, sequences longer
 //               than 64, no dropout.
 // kNone: the pass does not run flash attention.
 enum class FlashKernel { kNone, kShort, kMmaSync, kWgmma, kWgmmaWide, kWgmma16, kQkv16 };

@@ -111,14 +111,20 @@ FASTAXIAL_HOST_DEVICE constexpr size_t flash_wgmma16_smem_bytes(int hdp) {
 }
 
 // The 16-bit flash kernel on q, k and v stored in 16 bits (flash_attention_qkv16.cu; its tile
-// static_asserts this): tiles of head dims 64 (head dims 33 to 64) and 128 (65 to 128), head dims a
-// multiple of 8 (the copies' 16-byte pieces); 0 where it does not serve head_dim. Its shared memory:
-// q (128 rows) and four buffers of k and v rows (64 each), 2 bytes a value, + 1024 to align the base.
+// static_asserts this): tiles of head dims 32 (head dims 24 and 32), 64 (40 to 64) and 128 (72 to
+// 128), head dims a multiple of 8 (the copies' 16-byte pieces); 0 where it does not serve head_dim.
+// Its shared memory: q (128 rows) and four buffers of k and v rows (64 each), 2 bytes a value, +
+// 1024 to align the base.
 FASTAXIAL_HOST_DEVICE constexpr int flash_qkv16_tile_head_dim(int64_t head_dim) {
-  return head_dim % 8 != 0 || head_dim <= 32 || head_dim > 128 ? 0 : head_dim <= 64 ? 64 : 128;
+  return head_dim % 8 != 0 || head_dim <= 16 || head_dim > 128 ? 0
+         : head_dim <= 32                                      ? 32
+         : head_dim <= 64                                      ? 64
+                                                               : 128;
 }
 FASTAXIAL_HOST_DEVICE constexpr size_t flash_qkv16_smem_bytes(int tile_head_dim) {
-  return tile_head_dim == 64 || tile_head_dim == 128 ? (size_t)2 * tile_head_dim * (128 + 4 * 2 * 64) + 1024 : 0;
+  return tile_head_dim == 32 || tile_head_dim == 64 || tile_head_dim == 128
+             ? (size_t)2 * tile_head_dim * (128 + 4 * 2 * 64) + 1024
+             : 0;
 }
 
 // Split-KV ("flash-decoding") in the forwards without dropout: where a pass's

@@ -274,11 +274,11 @@ def test_16bit_forward_without_grad_on_16bit_products(shape, dtype):
         pytest.skip("16-bit products take the staged path: compute capability 9.0 (sm_90a code)")
     name = "bf16" if dtype is torch.bfloat16 else "fp16"
     plan = fastaxial.ops.describe_cuda_plan(torch.empty(B, H, W, D, device=device, dtype=dtype), heads)
-    # Past 64 positions: the kernel on q, k, v stored in 16 bits (head dims 33 to 128 a multiple of 8),
+    # Past 64 positions: the kernel on q, k, v stored in 16 bits (head dims 24 to 128 a multiple of 8),
     # else the 16-bit wgmma flash kernel where it serves the pass (padded head dims 32, 96, 128).
     hd = D // heads
     hdp = 32 if 16 < hd <= 32 else 96 if 64 < hd <= 96 else 128 if 96 < hd <= 128 else 0
-    qkv16 = hd % 8 == 0 and 32 < hd <= 128
+    qkv16 = hd % 8 == 0 and 16 < hd <= 128
     for axis, length in (("row", W), ("col", H)):
         kernel = "wgmma-qkv16" if qkv16 and length > 64 else "wgmma-16bit" if hdp and length > 64 else "mma.sync"
         assert f"{axis}: staged (flash {kernel}) on {name} products" in plan, plan

@@ -1,7 +1,7 @@
 // The flash attention step (flash_attention.h) on q, k and v stored in 16
 // bits (bf16 or fp16: the QKV product wrote them so, FlashArgs::qkv16), on
-// Hopper's warpgroup products (wgmma, sm_90a), fp32 accumulation, padded head
-// dims 64 and 128: for each sequence n and head h,
+// Hopper's warpgroup products (wgmma, sm_90a), fp32 accumulation, on tiles of
+// head dims 32, 64 and 128: for each sequence n and head h,
 //   o_h = softmax(q_h k_h^T / sqrt(hd)) v_h
 // with the online softmax of the other flash kernels (flash_parts.cuh's
 // FlashRows: the same fp32 arithmetic). No dropout (the inference pass).
@@ -28,12 +28,14 @@
 // the scores of a stale buffer are issued and left unread: no branch between
 // the products, which would serialize them).
 //
-// Shared memory (kStages = 4, head dim 128: 161 KB; 64: 81 KB, two blocks an
-// SM): q, (128, HDP) 16-bit; a buffer, k's (64, HDP) then v's. Each is stored
-// as chunks of 64 values of a row (128 bytes), the 128-byte swizzle of
-// detail/wgmma.cuh (16-byte piece c of row r at piece c ^ r % 8), a chunk's
-// rows consecutive: k and q K-major for the scores (desc_sw128), v MN-major
-// for p v (desc_sw128_mn: a chunk is v's 64 features for the step's keys).
+// Shared memory (kStages = 4; head dim 128: 161 KB; 64: 81 KB and 32: 41 KB,
+// two blocks an SM): q, (128, HDP) 16-bit; a buffer, k's (64, HDP) then v's.
+// Each is stored as chunks of 64 values of a row (128 bytes; at head dim 32 one
+// chunk of 32 values, 64 bytes), in detail/wgmma.cuh's 128-byte swizzle (16-byte
+// piece c of row r at piece c ^ r % 8; 64-byte rows: c ^ (r / 2) % 4), a
+// chunk's rows consecutive: k and q K-major for the scores (desc_sw128,
+// desc_sw64), v MN-major for p v (desc_sw128_mn, desc_sw64_mn: a chunk is v's
+// features for the step's keys).
 // Positions >= L and features >= hd are zero-filled by the copies; scores of
 // keys >= L are set to -inf.
 #include <cuda_bf16.h>
@@ -59,13 +61,16 @@ namespace {
 // Sizes and byte offsets of a block's shared memory (see the header comment).
 template <int HDP>
 struct Qkv16Tile {
-  static_assert(HDP == 64 || HDP == 128, "head dims 64 and 128: rows of one or two 128-byte chunks");
+  static constexpr int kHdp = HDP;
+  static_assert(HDP == 32 || HDP == 64 || HDP == 128, "head dims 32 (a 64-byte chunk), 64 and 128 (128-byte ones)");
   static constexpr int BM = 128, BN = 64, kThreads = 256;
   static constexpr int kStages = 4;
-  static constexpr int kBlocksPerSm = HDP == 64 ? 2 : 1;
-  static constexpr int chunks = HDP / 64;         // 128-byte chunks a row
-  static constexpr int q_chunk = BM * 128;        // q's 128 rows of a chunk
-  static constexpr int kv_chunk = BN * 128;       // a step's 64 rows of a chunk
+  static constexpr int kBlocksPerSm = HDP == 128 ? 1 : 2;
+  static constexpr int row = HDP == 32 ? 64 : 128;  // bytes of a chunk's row: its swizzle
+  static constexpr int chunks = 2 * HDP / row;      // chunks a row
+  static constexpr int q_chunk = BM * row;          // q's 128 rows of a chunk
+  static constexpr int kv_chunk = BN * row;         // a step's 64 rows of a chunk
+  static_assert(chunks * row == 2 * kHdp, "whole chunks a row");
   static constexpr int k_bytes = chunks * kv_chunk;
   static constexpr int stage_bytes = 2 * k_bytes;  // k's rows, then v's
   static constexpr int stages_off = chunks * q_chunk;
@@ -76,18 +81,19 @@ struct Qkv16Tile {
 
 #if FASTAXIAL_SM90A_DEVICE
 // Rows p0 .. p0 + rows - 1 of one head's slice (src: position 0's, row l at src + l * row_stride
-// values) into chunked swizzled rows at dst; positions >= L and features >= hd as zeros. Thread
-// tid of 256 takes every 256th 16-byte piece.
-template <int HDP, class T>
+// values) into chunked swizzled rows at dst (Tile's chunk rows); positions >= L and features >= hd
+// as zeros. Thread tid of 256 takes every 256th 16-byte piece.
+template <class Tile, class T>
 __device__ __forceinline__ void copy_rows16(uint32_t dst, int chunk_bytes, const T* src, int64_t row_stride, int p0,
                                             int rows, int L, int hd, int tid) {
-  constexpr int P = HDP / 8;  // pieces a row
+  constexpr int P = Tile::kHdp / 8, per_chunk = Tile::row / 16;  // pieces a row, a chunk's row
 #pragma unroll 4
   for (int e = tid; e < rows * P; e += 256) {
     const int r = e / P, c = e % P, l = p0 + r;
     const bool in = l < L && 8 * c < hd;
     const T* from = in ? src + l * row_stride + 8 * c : src;
-    copy_async16(dst + (c / 8) * chunk_bytes + r * 128 + (((c % 8) ^ (r % 8)) << 4), from, in ? 16 : 0);
+    const int piece = Tile::row == 128 ? (c % 8) ^ (r % 8) : (c % 4) ^ ((r / 2) % 4);
+    copy_async16(dst + (c / per_chunk) * chunk_bytes + r * Tile::row + (piece << 4), from, in ? 16 : 0);
   }
 }
 #endif  // FASTAXIAL_SM90A_DEVICE
@@ -117,12 +123,12 @@ __global__ void __launch_bounds__(256, Qkv16Tile<HDP>::kBlocksPerSm)
   const auto stage = [&](int j) { return stages + (uint32_t)((j % S) * Tile::stage_bytes); };
   const auto copy_step = [&](int j) {  // step j's rows where there is one, a group either way
     if (j < steps) {
-      copy_rows16<HDP>(stage(j), Tile::kv_chunk, q_g + a.D, row_stride, j * BN, BN, L, hd, tid);
-      copy_rows16<HDP>(stage(j) + Tile::k_bytes, Tile::kv_chunk, q_g + 2 * a.D, row_stride, j * BN, BN, L, hd, tid);
+      copy_rows16<Tile>(stage(j), Tile::kv_chunk, q_g + a.D, row_stride, j * BN, BN, L, hd, tid);
+      copy_rows16<Tile>(stage(j) + Tile::k_bytes, Tile::kv_chunk, q_g + 2 * a.D, row_stride, j * BN, BN, L, hd, tid);
     }
     copy_async_commit();
   };
-  copy_rows16<HDP>(q_s, Tile::q_chunk, q_g, row_stride, u.q0, BM, L, hd, tid);
+  copy_rows16<Tile>(q_s, Tile::q_chunk, q_g, row_stride, u.q0, BM, L, hd, tid);
 #pragma unroll
   for (int j = 0; j < S - 1; ++j) copy_step(j);  // q in step 0's group
 
@@ -133,13 +139,18 @@ __global__ void __launch_bounds__(256, Qkv16Tile<HDP>::kBlocksPerSm)
   uint32_t pf[BN / 16][4];  // p's A operand of keys 16 kk .. 16 kk + 15
   const auto sc = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
   const auto scores = [&](int j) {  // s = q k_j^T, issued
-    const uint32_t kb = stage(j), qb = q_s + wg * 64 * 128;
+    const uint32_t kb = stage(j), qb = q_s + wg * 64 * Tile::row;
     fence_regs(s);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < HDP / 16; ++kk)
-      wgmma_m64n64k16_ss<kBf16>(s, desc_sw128(qb + (kk / 4) * Tile::q_chunk + (kk % 4) * 32),
-                                desc_sw128(kb + (kk / 4) * Tile::kv_chunk + (kk % 4) * 32), kk > 0);
+    for (int kk = 0; kk < HDP / 16; ++kk) {  // 16 features: 32 bytes of a chunk's row
+      const uint32_t qa = qb + (kk * 32 / Tile::row) * Tile::q_chunk + kk * 32 % Tile::row;
+      const uint32_t ka = kb + (kk * 32 / Tile::row) * Tile::kv_chunk + kk * 32 % Tile::row;
+      if constexpr (Tile::row == 128)
+        wgmma_m64n64k16_ss<kBf16>(s, desc_sw128(qa), desc_sw128(ka), kk > 0);
+      else
+        wgmma_m64n64k16_ss<kBf16>(s, desc_sw64(qa), desc_sw64(ka), kk > 0);
+    }
     wgmma_commit();
   };
   const auto round_p = [&] {
@@ -173,8 +184,13 @@ __global__ void __launch_bounds__(256, Qkv16Tile<HDP>::kBlocksPerSm)
       for (int kk = 0; kk < BN / 16; ++kk) fence_regs(pf[kk]);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_m64k16_rs_tb<kBf16, HDP>(rows.o, pf[kk], desc_sw128_mn(vb + kk * 16 * 128, Tile::kv_chunk), 1);
+      for (int kk = 0; kk < BN / 16; ++kk) {  // 16 keys: 16 rows
+        const uint32_t va = vb + kk * 16 * Tile::row;
+        if constexpr (Tile::row == 128)
+          wgmma_m64k16_rs_tb<kBf16, HDP>(rows.o, pf[kk], desc_sw128_mn(va, Tile::kv_chunk), 1);
+        else
+          wgmma_m64k16_rs_tb<kBf16, HDP>(rows.o, pf[kk], desc_sw64_mn(va), 1);
+      }
       wgmma_commit();
     }
     wgmma_wait<1>();  // the scores
@@ -225,6 +241,8 @@ cudaError_t flash_attention_qkv16(const FlashArgs& a, float scale_log2, const De
   if (hd % 8 != 0 || (reinterpret_cast<uintptr_t>(a.qkv16) & 15) != 0) return cudaErrorInvalidValue;
   const int tile_hd = flash_qkv16_tile_head_dim(hd);
   const bool bf16 = a.products == Products::kBf16;
+  if (tile_hd == 32)
+    return bf16 ? launch<__nv_bfloat16, 32>(a, scale_log2, dev, stream) : launch<__half, 32>(a, scale_log2, dev, stream);
   if (tile_hd == 64)
     return bf16 ? launch<__nv_bfloat16, 64>(a, scale_log2, dev, stream) : launch<__half, 64>(a, scale_log2, dev, stream);
   if (tile_hd == 128)

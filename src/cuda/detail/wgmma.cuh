@@ -57,6 +57,12 @@ __device__ __forceinline__ uint64_t desc_sw128_mn(uint32_t addr, uint32_t n_stri
          ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
+// The same in the 64-byte swizzle (desc_sw64's pieces): rows of 64 bytes, each 32 values of N for
+// one k; 8-k groups 512 bytes apart; one 32-value chunk of N (N = 32: the leading offset unused).
+__device__ __forceinline__ uint64_t desc_sw64_mn(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(512 >> 4) << 32) | ((uint64_t)2 << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -170,11 +176,11 @@ FASTAXIAL_WGMMA_16_RS(32)
 
 // wgmma_m64k16_rs_tb<kBf16, N>: as wgmma_m64k16_rs with B MN-major (desc_sw128_mn: B's rows are
 // its k, the values of n contiguous), the 16-bit product's transposed B: d += A B, always
-// accumulating. Widths 64 and 128: the o of flash_attention_qkv16.cu (v's rows as they are stored).
+// accumulating. Widths 32, 64 and 128: the o of flash_attention_qkv16.cu (v's rows as they are stored).
 template <bool kBf16, int N>
 __device__ __forceinline__ void wgmma_m64k16_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
                                                    int accumulate) {
-  static_assert(N != N, "wgmma_m64k16_rs_tb: N is 64 or 128");
+  static_assert(N != N, "wgmma_m64k16_rs_tb: N is 32, 64 or 128");
 }
 #define FASTAXIAL_WGMMA_16_RS_TB(N)                                                                               \
   FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs_tb, (true, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16",  \
@@ -183,6 +189,7 @@ __device__ __forceinline__ void wgmma_m64k16_rs_tb(float (&d)[N / 2], const uint
                      "1, 1, 1", FASTAXIAL_WGMMA_OPS_##N)
 FASTAXIAL_WGMMA_16_RS_TB(128)
 FASTAXIAL_WGMMA_16_RS_TB(64)
+FASTAXIAL_WGMMA_16_RS_TB(32)
 #undef FASTAXIAL_WGMMA_16_RS_TB
 
 // wgmma_m64n64k16_ss<kBf16>: d (64 x 64) = or += A (64 x 16) @ B (16 x 64), both K-major in shared

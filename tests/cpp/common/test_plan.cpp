@@ -345,7 +345,7 @@ TEST(Plan, FlashKernelVariant) {
 
 // 16-bit products (AxialParams::products): every pass the staged path serves takes it, on the
 // 16-bit flash kernel flash_variant picks (past 64 positions: kQkv16 on q, k, v the QKV product
-// stores in 16 bits for head dims 33 to 128 a multiple of 8, else wgmma for head dims 17 to 32 and
+// stores in 16 bits for head dims 24 to 128 a multiple of 8, else wgmma for head dims 17 to 32 and
 // 65 to 128; else mma.sync), unsplit, with the 16-bit regions (an operand of T D values, 4 D^2
 // weights a pass, cuBLAS's workspace) and without the TF32 planes or split partials; where the
 // staged path cannot run (no sm_90a code), the passes keep their fp32 plan and no region is added.

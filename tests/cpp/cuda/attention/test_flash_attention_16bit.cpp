@@ -46,7 +46,7 @@ bool wgmma16_serves(const Case16& c, const DeviceCaps& dev) {
 }
 
 // Whether the kQkv16 kernel serves the case's sizes (plan.h's flash_qkv16_can_run terms): head dims
-// 33 to 128 a multiple of 8, L > 64, no dropout; the test also gives it aligned rows alone.
+// 24 to 128 a multiple of 8, L > 64, no dropout; the test also gives it aligned rows alone.
 bool qkv16_sizes(const Case& c) {
   return flash_qkv16_tile_head_dim(c.hd) != 0 && c.L > kFlashWgmmaMinLen && c.misalign == 0;
 }
@@ -261,10 +261,10 @@ TEST_P(FlashAttention16, RoundedOutputIsTheOutputRounded) {
 // key tile part full and full (L 130, 192, 200, 256), blocks that take several units in turn (2 x
 // 32 sequences of 4 heads of 32: 512 units on two blocks an SM; 2 x 70 sequences of one head of
 // 128: 280 units on one), misaligned qkv, a long sequence (L 1000); each also on the mma.sync kernel.
-// The kQkv16 kernel's (head dims 33 to 128 a multiple of 8, L > 64, aligned), on q, k, v in 16
-// bits: its two tiles (64: head dims 40, 64; 128: 72, 96, 128), a query tile part full (L 65, 130,
-// 150), several heads, 140 blocks of one head, a view that leaves rows out (7 of 10 sequences),
-// the column view, L 1000.
+// The kQkv16 kernel's (head dims 24 to 128 a multiple of 8, L > 64, aligned), on q, k, v in 16
+// bits: its three tiles (32: head dims 24, 32; 64: 40, 64; 128: 72, 96, 128), a query tile part
+// full (L 65, 130, 150, 200), several heads, 140 blocks of one head and 2 x 32 x 4 heads, views
+// that leave rows out (3 of 4 and 7 of 10 sequences), the column view, L 1000.
 const Case kCases16[] = {{1, 3, 2, true, 2, 15, 0, 0},    {200, 8, 2, false, 1, 6, 0, 2},
                          {7, 16, 4, false, 3, 5, 0, 0},   {65, 40, 4, true, 2, 3, 0, 0},
                          {65, 16, 3, false, 1, 10, 7, 0}, {200, 24, 2, true, 1, 4, 3, 0},
@@ -356,7 +356,7 @@ TEST(FlashAttentionRules, SixteenBitProductsUnsplitOnWgmma16OrMmaSync) {
 }
 
 // q, k and v stored in 16 bits (FlashProblem::qkv16) run on the kQkv16 kernel, unsplit; a pass may
-// store them so (flash_qkv16_can_run) with 16-bit products, head dims 33 to 128 a multiple of 8,
+// store them so (flash_qkv16_can_run) with 16-bit products, head dims 24 to 128 a multiple of 8,
 // L > kFlashWgmmaMinLen, no dropout, not mma_sync, sm_90a code and the tile's shared memory.
 TEST(FlashAttentionRules, SixteenBitQkvOnItsKernelWhereItServes) {
   DeviceCaps dev;
@@ -367,7 +367,8 @@ TEST(FlashAttentionRules, SixteenBitQkvOnItsKernelWhereItServes) {
   };
   const Expect shapes[] = {{{1, 4096, 128, 1}, true}, {{4, 300, 64, 4}, true},   {{2, 65, 40, 2}, true},
                            {{2, 65, 96, 2}, true},    {{2, 300, 72, 2}, true},   {{2, 300, 120, 2}, true},
-                           {{2, 64, 64, 2}, false},   {{2, 300, 32, 2}, false},  {{2, 300, 65, 2}, false},
+                           {{2, 64, 64, 2}, false},   {{2, 300, 32, 2}, true},   {{2, 300, 65, 2}, false},
+                           {{2, 300, 24, 2}, true},   {{2, 300, 16, 2}, false},  {{2, 300, 20, 2}, false},
                            {{2, 300, 100, 2}, false}, {{2, 300, 136, 2}, false}, {{1, 4096, 256, 1}, false}};
   for (const Expect& e : shapes)
     for (Products t : {Products::kBf16, Products::kFp16}) {
