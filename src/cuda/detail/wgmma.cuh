@@ -1,8 +1,10 @@
 // Hopper's warpgroup matrix instructions (wgmma, sm_90a only): the
 // shared-memory matrix descriptors (128- and 64-byte swizzles), the products
 // with a TF32 A operand from registers and B from shared memory (64 x N x 8,
-// by N), the same on 16-bit operands (64 x N x 16: the 16-bit flash kernel,
-// attention/flash_attention_wgmma16.cu), the fences around them, and
+// by N), the same on 16-bit operands (64 x N x 16: the 16-bit flash kernels,
+// attention/flash_attention_wgmma16.cu and _qkv16.cu), with B read transposed
+// (MN-major descriptors) and with A from shared memory too (_qkv16.cu), the
+// fences around them, and
 // wgmma_add_runs4 (two runs in flight). An element type's run of
 // products over a K slice is its traits' (detail/tf32x3.cuh: Tf32x3's
 // wgmma_run, the 3xTF32 products on these TF32 instructions); the parts
@@ -164,54 +166,45 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_
                                                 int accumulate) {
   static_assert(N != N, "wgmma_m64k16_rs: N is 32, 64 or 128");
 }
-#define FASTAXIAL_WGMMA_16_RS(N)                                                                                  \
-  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs, (true, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16",     \
-                     "1, 1, 0", FASTAXIAL_WGMMA_OPS_##N)                                                           \
-  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs, (false, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16",      \
-                     "1, 1, 0", FASTAXIAL_WGMMA_OPS_##N)
-
-FASTAXIAL_WGMMA_16_RS(128)
-FASTAXIAL_WGMMA_16_RS(64)
-FASTAXIAL_WGMMA_16_RS(32)
-
-// wgmma_m64k16_rs_tb<kBf16, N>: as wgmma_m64k16_rs with B MN-major (desc_sw128_mn: B's rows are
-// its k, the values of n contiguous), the 16-bit product's transposed B: d += A B, always
-// accumulating. Widths 32, 64 and 128: the o of flash_attention_qkv16.cu (v's rows as they are stored).
+// wgmma_m64k16_rs_tb<kBf16, N>: as wgmma_m64k16_rs with B MN-major (desc_sw128_mn, desc_sw64_mn: B's
+// rows are its k, the values of n contiguous), the 16-bit product's transposed B (tnsp-b). Widths
+// 32, 64 and 128: the o of flash_attention_qkv16.cu (v's rows as they are stored).
 template <bool kBf16, int N>
 __device__ __forceinline__ void wgmma_m64k16_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
                                                    int accumulate) {
   static_assert(N != N, "wgmma_m64k16_rs_tb: N is 32, 64 or 128");
 }
-#define FASTAXIAL_WGMMA_16_RS_TB(N)                                                                               \
-  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs_tb, (true, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16",  \
-                     "1, 1, 1", FASTAXIAL_WGMMA_OPS_##N)                                                           \
-  FASTAXIAL_WGMMA_RS(wgmma_m64k16_rs_tb, (false, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16",   \
-                     "1, 1, 1", FASTAXIAL_WGMMA_OPS_##N)
-FASTAXIAL_WGMMA_16_RS_TB(128)
-FASTAXIAL_WGMMA_16_RS_TB(64)
-FASTAXIAL_WGMMA_16_RS_TB(32)
-#undef FASTAXIAL_WGMMA_16_RS_TB
+// FUNC<true, N> (bf16) and FUNC<false, N> (fp16); IMM: scale-a, scale-b, tnsp-b.
+#define FASTAXIAL_WGMMA_16_RS(FUNC, N, IMM)                                                                      \
+  FASTAXIAL_WGMMA_RS(FUNC, (true, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16", IMM,          \
+                     FASTAXIAL_WGMMA_OPS_##N)                                                                    \
+  FASTAXIAL_WGMMA_RS(FUNC, (false, N), N, "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16", IMM,           \
+                     FASTAXIAL_WGMMA_OPS_##N)
+
+FASTAXIAL_WGMMA_16_RS(wgmma_m64k16_rs, 128, "1, 1, 0")
+FASTAXIAL_WGMMA_16_RS(wgmma_m64k16_rs, 64, "1, 1, 0")
+FASTAXIAL_WGMMA_16_RS(wgmma_m64k16_rs, 32, "1, 1, 0")
+FASTAXIAL_WGMMA_16_RS(wgmma_m64k16_rs_tb, 128, "1, 1, 1")
+FASTAXIAL_WGMMA_16_RS(wgmma_m64k16_rs_tb, 64, "1, 1, 1")
+FASTAXIAL_WGMMA_16_RS(wgmma_m64k16_rs_tb, 32, "1, 1, 1")
 
 // wgmma_m64n64k16_ss<kBf16>: d (64 x 64) = or += A (64 x 16) @ B (16 x 64), both K-major in shared
-// memory (desc_sw128), 16-bit operands, fp32 accumulation: the scores of flash_attention_qkv16.cu
-// (q's rows and k's rows as they are stored).
+// memory (desc_sw128 or desc_sw64), 16-bit operands, fp32 accumulation: the scores of
+// flash_attention_qkv16.cu (q's rows and k's rows as they are stored).
+#define FASTAXIAL_WGMMA_SS64(TYPE)                                                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE  \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"              \
+               : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24) \
+               : "l"(a), "l"(b), "r"(accumulate))
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
   if constexpr (kBf16)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-        "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24)
-        : "l"(a), "l"(b), "r"(accumulate));
+    FASTAXIAL_WGMMA_SS64("bf16");
   else
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-        "%23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : FASTAXIAL_WGMMA_ACC8(0), FASTAXIAL_WGMMA_ACC8(8), FASTAXIAL_WGMMA_ACC8(16), FASTAXIAL_WGMMA_ACC8(24)
-        : "l"(a), "l"(b), "r"(accumulate));
+    FASTAXIAL_WGMMA_SS64("f16");
 }
+#undef FASTAXIAL_WGMMA_SS64
 
 #undef FASTAXIAL_WGMMA_16_RS
 #undef FASTAXIAL_WGMMA_TF32_RS
