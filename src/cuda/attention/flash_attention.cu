@@ -557,30 +557,33 @@ size_t flash_attention_smem_bytes(int64_t head_dim) {
       flash_padded_head_dim(head_dim), [](auto h) { return (size_t)FlashTile<decltype(h)::value>::bytes; }, size_t{0});
 }
 
-FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev) {
-  DeviceCaps d = dev;
-#if !defined(FASTAXIAL_WGMMA)
-  d.sm90a = false;  // no sm_90a code in this build: the wgmma kernels' bodies are traps
-#endif
+namespace {
+
+// What the kernel choice reads of a call: its problem, and the device as this build runs on it.
+FlashProblem flash_problem(const FlashArgs& a) {
   FlashProblem f;
   f.num_seq = a.pos.num_seq, f.len = a.pos.len, f.head_dim = a.heads > 0 ? a.D / a.heads : 0, f.heads = a.heads;
   f.dropout = a.dropout.threshold != 0, f.mma_sync = a.mma_sync, f.products = a.products;
   f.partials_bytes = a.partials != nullptr ? a.partials_bytes : 0;
   f.qkv16 = a.qkv16 != nullptr;
-  return flash_variant(f, d);
+  return f;
+}
+DeviceCaps built_caps(const DeviceCaps& dev) {
+  DeviceCaps d = dev;
+#if !defined(FASTAXIAL_WGMMA)
+  d.sm90a = false;  // no sm_90a code in this build: the wgmma kernels' bodies are traps
+#endif
+  return d;
+}
+
+}  // namespace
+
+FlashVariant flash_attention_variant(const FlashArgs& a, const DeviceCaps& dev) {
+  return flash_variant(flash_problem(a), built_caps(dev));
 }
 
 bool flash_qkv16_chosen(const FlashArgs& a, const DeviceCaps& dev) {
-  FlashArgs b = a;
-  b.qkv16 = nullptr;
-  DeviceCaps d = dev;
-#if !defined(FASTAXIAL_WGMMA)
-  d.sm90a = false;
-#endif
-  FlashProblem f;
-  f.num_seq = b.pos.num_seq, f.len = b.pos.len, f.head_dim = b.heads > 0 ? b.D / b.heads : 0, f.heads = b.heads;
-  f.dropout = b.dropout.threshold != 0, f.mma_sync = b.mma_sync, f.products = b.products;
-  return flash_qkv16_can_run(f, d);
+  return flash_qkv16_can_run(flash_problem(a), built_caps(dev));  // (it reads no f.qkv16)
 }
 
 cudaError_t flash_attention(const FlashArgs& a, const DeviceCaps& dev, cudaStream_t stream) {

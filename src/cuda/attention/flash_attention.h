@@ -139,7 +139,7 @@ cudaError_t flash_attention_wgmma16(const FlashArgs& a, bool vec, float scale_lo
                                     cudaStream_t stream);
 // ---- The 16-bit kernel on q, k, v stored in 16 bits (flash_attention_qkv16.cu) ------------------
 // FlashKernel::kQkv16: a.qkv16's rows copied straight into wgmma's 16-bit operands (no rounding
-// pass), tiles of head dims 64 and 128, keys 64 a step four buffers deep, the next step's scores
+// pass), tiles of head dims 32, 64 and 128, keys 64 a step four buffers deep, the next step's scores
 // under this step's p v; o and/or o16, the lse; no dropout, no split. The launch flash_attention
 // makes for it (sizes already checked there).
 cudaError_t flash_attention_qkv16(const FlashArgs& a, float scale_log2, const DeviceCaps& dev, cudaStream_t stream);
