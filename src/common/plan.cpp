@@ -422,15 +422,17 @@ Status make_plan(const AxialParams& p, const DeviceCaps& dev, const PlanOptions&
 
 size_t backward_blas_bytes(const DeviceCaps& dev) { return static_cast<size_t>(dev.cc_major >= 9 ? 32 : 4) << 20; }
 
-size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim) {
+size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim, Products products) {
   if (num_seq <= 0 || len <= 0 || heads <= 0 || dim <= 0) return 0;
   // Lp / hd activations: at least kAttentionScoresMinActivations (heads Lp >= 4 dim).
   if ((long double)heads * attention_scores_stride(len) < (long double)kAttentionScoresMinActivations * dim) return 0;
   // In long double: num_seq len is T (validate_sizes bounds T dim), but T heads stride need not fit.
-  const long double bytes = (long double)num_seq * len * heads * attention_scores_stride(len) * sizeof(float);
+  const long double fp32_bytes = (long double)num_seq * len * heads * attention_scores_stride(len) * sizeof(float);
   const long double activation = (long double)num_seq * len * dim * sizeof(float);
   const long double cap = std::max<long double>(kAttentionScoresMaxActivations * activation, kAttentionScoresMinBytes);
-  return bytes <= cap && bytes <= (long double)(int64_t{1} << 62) ? (size_t)bytes : 0;
+  if (!(fp32_bytes <= cap && fp32_bytes <= (long double)(int64_t{1} << 62))) return 0;
+  const int value = attention_scores_value_bytes(products);
+  return (size_t)((long double)num_seq * len * heads * attention_scores_stride(len, value) * value);
 }
 
 bool weight_gradient_wgmma_can_run(const DeviceCaps& dev) {
@@ -567,8 +569,8 @@ Status make_backward_plan(const AxialParams& p, const DeviceCaps& dev, CudaBackw
          append(&end, kColumnPartialsPerDim * D * sizeof(double), &c.column_partials);
   // dS^T of a pass where it takes the scratch (attention_scores_bytes): one region, sized for the
   // larger pass, used by each in turn.
-  const size_t row_scores = attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim);
-  const size_t col_scores = attention_scores_bytes(p.batch * p.width, p.height, p.heads, p.dim);
+  const size_t row_scores = attention_scores_bytes(p.batch * p.height, p.width, p.heads, p.dim, p.products);
+  const size_t col_scores = attention_scores_bytes(p.batch * p.width, p.height, p.heads, p.dim, p.products);
   c.row_scores = row_scores > 0, c.col_scores = col_scores > 0;
   c.attention_scores_bytes = std::max(row_scores, col_scores);
   if (c.attention_scores_bytes > 0) fits = fits && append(&end, c.attention_scores_bytes, &c.attention_scores);

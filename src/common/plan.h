@@ -146,9 +146,11 @@ size_t weight_gradient_pass_partials_floats(int64_t T, int64_t D, const DeviceCa
 // ---- the attention backward's score gradients (attention/attention_backward.cu) -------------
 // The tensor-core attention backward stores dS^T, the gradient of a pass's scores, from its dk, dv
 // kernel and computes dq as a product from it: 5 products of L^2 hd a (sequence, head) instead of
-// 7 (a dq kernel of its own recomputing S and dP), for 8 bytes of memory traffic an element of dS.
-// The scratch is one attention matrix a pass, num_seq heads L rows of attention_scores_stride(L)
-// floats (key rows, query columns), L / hd times a (T, D) activation. A pass takes it where that
+// 7 (a dq kernel of its own recomputing S and dP), for 8 bytes of memory traffic an element of dS
+// (4 on 16-bit products: there dS^T is stored in the products' type, which dq's product rounds it to
+// anyway, so the bits are the same). The scratch is one attention matrix a pass, num_seq heads L rows
+// of attention_scores_stride(L, bytes) values (key rows, query columns), L / hd times a (T, D)
+// activation in fp32. A pass takes it where that
 // is at least kAttentionScoresMinActivations activations, so that attention matrices are what
 // dominates an eager step's memory (it keeps one a pass and makes two more in its backward) and
 // one more stays below it (perf notes v41: the peak memory of (2, 48, 80, 96, 3)'s step), and at most
@@ -158,12 +160,20 @@ constexpr int64_t kAttentionScoresMinActivations = 4;
 constexpr int64_t kAttentionScoresMaxActivations = 8;
 constexpr size_t kAttentionScoresMinBytes = size_t{256} << 20;
 
-// Floats between rows of the scratch: L rounded up to a multiple of 4 (16-byte rows).
-FASTAXIAL_HOST_DEVICE constexpr int64_t attention_scores_stride(int64_t len) { return (len + 3) / 4 * 4; }
+// Values between rows of the scratch, each value_bytes (4: fp32; 2: a 16-bit type) wide: L rounded
+// up to whole 16-byte rows (a multiple of 4 floats, or of 8 16-bit values).
+FASTAXIAL_HOST_DEVICE constexpr int64_t attention_scores_stride(int64_t len, int value_bytes = 4) {
+  return value_bytes == 2 ? (len + 7) / 8 * 8 : (len + 3) / 4 * 4;
+}
+
+// Bytes of one value of the scratch on these products: 4, or 2 on 16-bit products.
+constexpr int attention_scores_value_bytes(Products products) { return products == Products::kFp32 ? 4 : 2; }
 
 // Bytes of one pass's scratch (num_seq sequences of len positions, `heads` heads, dim D) where the
-// pass takes it, else 0.
-size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim);
+// pass takes it, else 0. Whether it takes it does not depend on the products (the rule counts fp32
+// values); its size does.
+size_t attention_scores_bytes(int64_t num_seq, int64_t len, int64_t heads, int64_t dim,
+                              Products products = Products::kFp32);
 
 // ---- the attention backward's kernels (attention/attention_backward.cu) ---------------------
 // Which kernels a pass's attention backward runs: one rule, which the launcher follows and the

@@ -298,19 +298,22 @@ struct QTc : QTiling<HDP, attention_grad_tiles(HDP).qw, attention_grad_tiles(HDP
 // stages. No score tiles in registers, only dq (HDP / 2 a thread), so the
 // key tiles are longer than QTc's; min_blocks: 4 blocks (16 warps) an SM up
 // to HDP 32 (128 registers a thread), enough warps to cover the loads' latency.
-// Shared memory a stage, in floats:
-//   dS^T  (BN, ls): ls = 68 = 64 + 4, 4 mod 8, so that load_a_cols's
-//         loads (2t ls + g) hit 32 distinct banks
-//   k     (BN, ld)
-// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32).
-template <int HDP_>
+// Shared memory a stage (dS^T's values kValueBytes wide: 4, floats, or 2 on 16-bit products):
+//   dS^T  (BN, ls) values: ls = 68 = 64 + 4 floats, 4 mod 8, or 72 = 64 + 8 16-bit values, 8 mod
+//         16, so that load_a_cols's loads (words (2t ls + g) / (4 / kValueBytes)) hit distinct banks
+//   k     (BN, ld) floats, from ds_floats
+// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32) with fp32 dS^T; 35, 52 and 75 KB with 16-bit.
+template <int HDP_, int kValueBytes = 4>
 struct DsTc {
+  static_assert(kValueBytes == 4 || kValueBytes == 2, "dS^T as floats or 16-bit values");
   static constexpr int HDP = HDP_, QW = 4, BN = HDP <= 64 ? 64 : 32, ST = 2;
   static constexpr int min_blocks = HDP <= 32 ? 4 : HDP <= 64 ? 3 : 2;
-  static constexpr int threads = 32 * QW, ld = attention_grad_row_ld(HDP), ls = 16 * QW + 4;
-  static constexpr int stage = BN * (ls + ld);
+  static constexpr int threads = 32 * QW, ld = attention_grad_row_ld(HDP);
+  static constexpr int ls = 16 * QW + 16 / kValueBytes;          // dS^T's row stride, in values
+  static constexpr int ds_floats = BN * ls * kValueBytes / 4;    // dS^T's part of a stage
+  static constexpr int stage = ds_floats + BN * ld;              // floats
   static constexpr size_t bytes = (size_t)ST * stage * sizeof(float);
-  static_assert(BN % 16 == 0 && ls % 8 == 4 && stage % 4 == 0, "runs of two k-groups, 16-byte rows");
+  static_assert(BN % 16 == 0 && (ls * kValueBytes) % 32 == 16 && stage % 4 == 0, "runs of two k-groups, 16-byte rows");
 };
 
 // Split of the attention backward (cuda/attention/attention_backward.cu) for

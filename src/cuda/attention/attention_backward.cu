@@ -195,7 +195,10 @@ __global__ void __launch_bounds__(kSingleKeyThreads)
     dq[a.D + c] = 0.0f;
     dq[2 * a.D + c] = d_o[c] * f;
   }
-  if (a.ds && lane == 0) a.ds[item * attention_scores_stride(1)] = 0.0f;
+  // dS^T's one value (zero): a row of 16 bytes whether the values are floats or 16-bit, and zero
+  // bits are 0 in every type.
+  static_assert(attention_scores_stride(1, 4) * 4 == 16 && attention_scores_stride(1, 2) * 2 == 16, "16-byte rows");
+  if (a.ds && lane == 0) static_cast<uint32_t*>(a.ds)[item * 4] = 0u;
 }
 
 // A template so that a build without Random123 never instantiates the dropout kernel.

@@ -44,10 +44,12 @@ struct AttentionBackwardArgs {
   int D = 0, heads = 0;  // hd = D / heads
   // Scratch for dS^T, the scores' gradient (plan.h: attention_scores_bytes), or null: where given
   // and the tensor-core path runs, the dk, dv kernel also stores dS^T, (num_seq, heads, L,
-  // attention_scores_stride(L)) floats (a row per key, a column per query), and dq becomes one
-  // product from it (5 products of L^2 hd a (sequence, head) instead of 7). Null: the dq kernel
-  // recomputes S and dP. Either way every output element is summed in a fixed order.
-  float* ds = nullptr;
+  // attention_scores_stride(L, bytes)) values (a row per key, a column per query), and dq becomes
+  // one product from it (5 products of L^2 hd a (sequence, head) instead of 7). The values are
+  // floats, or on 16-bit products that type (bytes = 2): dq's product rounds dS to it anyway, so
+  // the stored values are the ones it would round to. Null: the dq kernel recomputes S and dP.
+  // Either way every output element is summed in a fixed order.
+  void* ds = nullptr;
   // Room for the partial sums of a split pass, or null. Where a pass has few (sequence, head)
   // items (smem_layout.h: attention_grad_splits > 1) and partials_bytes holds the split's
   // attention_grad_partials_floats, the tensor-core kernels cut each block's streamed tiles over

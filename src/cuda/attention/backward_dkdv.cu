@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(T::threads, T::min_blocks)
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const int kw = warp / T::FW, f0 = (warp % T::FW) * T::FP;
   const Head hp = block_head(a, key_tiles, sp.splits);
-  const int Lp = (int)attention_scores_stride(hp.L);         // dS^T's row stride, where stored
+  using S = typename StoredScores<Elem>::type;               // dS^T's stored type, where stored
+  const int Lp = (int)attention_scores_stride(hp.L, sizeof(S));  // its row stride
   const int k0 = hp.tile * BN, key0 = k0 + 16 * kw;          // the tile's first key, the warp's
   float* const k_sm = sm;                                    // (BN, HDP), then v (BN, HDP)
   float* const q_sm = sm + T::q(BN);                         // stage s at + s stage: q (BM, HDP), then d_o (BM, HDP)
@@ -104,7 +105,7 @@ __global__ void __launch_bounds__(T::threads, T::min_blocks)
                                          scale_log2, key0, q0, hp.L, g, t, keep, dpass.scale);
     // dS^T for kernel 3 where it reads it (one warp of the FW that share these keys).
     if (a.ds != nullptr && f0 == 0)
-      store_scores_t<NQ>(a.ds + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
+      store_scores_t<NQ>(static_cast<S*>(a.ds) + hp.item * (int64_t)hp.L * Lp, dp, hp.L, Lp, key0, q0, g, t);
     grad_tiles<Elem, NQ, NF, LD>(dv, s, d_o + f0, g, t);  // dv += P^T d_o
     grad_tiles<Elem, NQ, NF, LD>(dk, dp, q + f0, g, t);   // dk += dS^T q
   });

@@ -85,11 +85,10 @@ __global__ void __launch_bounds__(T::threads, T::min_blocks)
 
 // acc[f] (16 x 8) += dS . rows 0 .. 8 NK - 1, columns 8f .. 8f + 7 of k (rows of LD floats):
 // grad_tiles's product and order with dS's A fragments read from dS^T in shared memory (rows
-// of LS floats a key, load_a_cols) instead of a score tile in registers. Rolled beyond HDP 32,
+// of LS values of S a key, load_a_cols) instead of a score tile in registers. Rolled beyond HDP 32,
 // as in score_tiles: unrolled, the hoisted fragment loads spill next to acc.
-template <class Elem, int HDP, int NK, int NF, int LS, int LD>
-__device__ __forceinline__ void stored_grad_tiles(float (&acc)[NF][4], const float* dst, const float* k, int g,
-                                                  int t) {
+template <class Elem, int HDP, int NK, int NF, int LS, int LD, class S>
+__device__ __forceinline__ void stored_grad_tiles(float (&acc)[NF][4], const S* dst, const float* k, int g, int t) {
   constexpr int kUnroll = HDP > 32 ? 1 : NK / 2;
 #pragma unroll kUnroll
   for (int j = 0; j < NK; j += 2) {
@@ -103,20 +102,22 @@ __device__ __forceinline__ void stored_grad_tiles(float (&acc)[NF][4], const flo
   }
 }
 
-// Keys k0 .. k0 + rows - 1 of dS^T (ds: the (sequence, head)'s first row, rows of Lp floats, a
-// column a query), its queries q0 .. q0 + BM - 1, into stage `stage` of sm (STAGE floats apart)
-// as (rows, LS): 16-byte copies (q0 a multiple of 16), keys and queries >= L as zeros. A row's
-// BM / 4 copies are a power of two (BM = 16 warps, warps 1, 2 or 4), c_shift its log2: shifts,
-// not divisions by a runtime value.
-template <int LS, int STAGE>
-__device__ __forceinline__ void copy_scores_t(float* sm, int stage, const float* ds, int Lp, int L, int k0, int q0,
+// Keys k0 .. k0 + rows - 1 of dS^T (ds: the (sequence, head)'s first row, rows of Lp values of S,
+// a column a query), its queries q0 .. q0 + BM - 1, into stage `stage` of sm (STAGE floats apart)
+// as (rows, LS) values: 16-byte copies of V values (q0 a multiple of 16), keys and queries >= L as
+// zeros. A row's BM / V copies are a power of two (BM = 16 warps, warps 1, 2 or 4), c_shift its
+// log2: shifts, not divisions by a runtime value.
+template <int LS, int STAGE, class S>
+__device__ __forceinline__ void copy_scores_t(float* sm, int stage, const S* ds, int Lp, int L, int k0, int q0,
                                               int rows, int BM, int c_shift, int threads) {
-  float* dst = sm + stage * STAGE;
+  constexpr int V = 16 / sizeof(S);
+  S* dst = reinterpret_cast<S*>(sm + stage * STAGE);
 #pragma unroll 1
-  for (int e = threadIdx.x; e < rows * (BM / 4); e += threads) {
-    const int r = e >> c_shift, c = 4 * (e & (BM / 4 - 1)), key = k0 + r, q = q0 + c;
+  for (int e = threadIdx.x; e < rows * (BM / V); e += threads) {
+    const int r = e >> c_shift, c = V * (e & (BM / V - 1)), key = k0 + r, q = q0 + c;
     const bool valid = key < L && q < L;
-    copy_async16(smem_addr(dst + r * LS + c), valid ? ds + (int64_t)key * Lp + q : ds, valid ? 4 * min(4, L - q) : 0);
+    copy_async16(smem_addr(dst + r * LS + c), valid ? ds + (int64_t)key * Lp + q : ds,
+                 valid ? (int)sizeof(S) * min(V, L - q) : 0);
   }
 }
 
@@ -125,34 +126,37 @@ __device__ __forceinline__ void copy_scores_t(float* sm, int stage, const float*
 // query_grads_kernel's last one. 16 queries for each of the block's
 // blockDim.x / 32 <= DsTc::QW warps; key tiles of BN streamed through ST
 // stages, each dS^T's (BN keys, the block's queries) piece and k's (BN,
-// HDP) rows. No scores, exponentials or mask: dS holds them. Elem: the products' element traits.
+// HDP) rows. No scores, exponentials or mask: dS holds them. Elem: the products' element traits,
+// which also give dS^T's stored type (StoredScores).
 template <class Elem, int HDP, bool kVec>
 __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
     query_grads_ds_kernel(const AttentionBackwardKernelArgs a, float scale, int query_tiles, const Split sp) {
-  using T = DsTc<HDP>;
+  using S = typename StoredScores<Elem>::type;
+  using T = DsTc<HDP, sizeof(S)>;
+  static_assert(T::threads == DsTc<HDP>::threads && T::min_blocks == DsTc<HDP>::min_blocks, "the launch bounds");
   constexpr int BN = T::BN, LD = T::ld, LS = T::ls;
   constexpr int NK = BN / 8, NF = HDP / 8;
   extern __shared__ float4 smem4[];
-  float* sm = reinterpret_cast<float*>(smem4);  // stage s at + s stage: dS^T (BN, LS), then k (BN, LD)
+  float* sm = reinterpret_cast<float*>(smem4);  // stage s at + s stage: dS^T (BN, LS) S, then k (BN, LD)
   const int threads = blockDim.x, BM = threads / 32 * 16;  // queries a tile
   const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
   const Head hp = block_head(a, query_tiles, sp.splits);
   const int q0 = hp.tile * BM, m0 = q0 + 16 * warp;  // the tile's first query, the warp's
 #pragma unroll
-  for (int st = 0; st < T::ST; ++st) zero_padding<LD, HDP>(sm + st * T::stage + BN * LS, BN, hp.hd, threads);
+  for (int st = 0; st < T::ST; ++st) zero_padding<LD, HDP>(sm + st * T::stage + T::ds_floats, BN, hp.hd, threads);
 
   grid_dependency_wait();
   allow_dependent_launch();
 
   const int64_t W = 3 * (int64_t)a.D;
-  const int Lp = (int)attention_scores_stride(hp.L);
-  const float* dsg = a.ds + hp.item * (int64_t)hp.L * Lp;  // (L, Lp): row key, column query
-  const float* kg = a.qkv + a.D + (int64_t)hp.h * hp.hd;   // head h's k columns
-  const int c_shift = 31 - __clz(BM / 4);           // log2 of a dS^T row's BM / 4 copies
-  const auto load_keys = [&](int stage, int k0) {  // keys k0 .. k0 + BN - 1: dS^T's and k's rows
+  const int Lp = (int)attention_scores_stride(hp.L, sizeof(S));
+  const S* dsg = static_cast<const S*>(a.ds) + hp.item * (int64_t)hp.L * Lp;  // (L, Lp): row key, column query
+  const float* kg = a.qkv + a.D + (int64_t)hp.h * hp.hd;                      // head h's k columns
+  const int c_shift = 31 - __clz(BM / (16 / (int)sizeof(S)));  // log2 of a dS^T row's 16-byte copies
+  const auto load_keys = [&](int stage, int k0) {               // keys k0 .. k0 + BN - 1: dS^T's and k's rows
     float* ss = sm + stage * T::stage;
     copy_scores_t<LS, T::stage>(sm, stage, dsg, Lp, hp.L, k0, q0, BN, BM, c_shift, threads);
-    copy_rows<LD, HDP, kVec>(ss + BN * LS, kg, W, hp, k0, BN, threads);
+    copy_rows<LD, HDP, kVec>(ss + T::ds_floats, kg, W, hp, k0, BN, threads);
   };
   // The key tiles this block streams: all of them, or its split's range.
   const int2 range = split_range((hp.L + BN - 1) / BN, hp.split, sp.splits);
@@ -170,8 +174,8 @@ __global__ void __launch_bounds__(DsTc<HDP>::threads, DsTc<HDP>::min_blocks)
       load_keys(st ^ 1, (j + 1) * BN);
       copy_async_commit();
     }
-    const float* dst = sm + st * T::stage + 16 * warp;  // the warp's queries of dS^T
-    const float* k = sm + st * T::stage + BN * LS;
+    const S* dst = reinterpret_cast<const S*>(sm + st * T::stage) + 16 * warp;  // the warp's queries of dS^T
+    const float* k = sm + st * T::stage + T::ds_floats;
     if (active) stored_grad_tiles<Elem, HDP, NK, NF, LS, LD>(dq, dst, k, g, t);  // dq += dS k
   }
   if (active) store_query_grads<NF, kVec>(a, sp, hp, dq, scale, m0, g, t);
@@ -204,8 +208,8 @@ cudaError_t launch_query_grads_tc(const BackwardLaunch& s, const TcBlocks& b, co
 cudaError_t launch_query_grads_ds(const BackwardLaunch& s, const AttentionBackwardKernelArgs& k, const TcBlocks& b,
                                   const DeviceCaps& dev, cudaStream_t stream) {
   return with_kernel_params(s, [&](auto hdp, auto vec, auto) {
-    using Ds = DsTc<decltype(hdp)::value>;
     return with_elem(s.products, [&](auto elem) {
+      using Ds = DsTc<decltype(hdp)::value, sizeof(typename StoredScores<decltype(elem)>::type)>;
       return launch_grid<query_grads_ds_kernel<decltype(elem), Ds::HDP, decltype(vec)::value>>(
           s.items * b.tiles * b.sp.splits, 32 * b.warps, Ds::bytes, dev, stream, k, s.scale, b.tiles, b.sp);
     });

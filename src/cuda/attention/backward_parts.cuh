@@ -39,6 +39,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../common/smem_layout.h"
 #include "../detail/async_copy.cuh"
@@ -471,35 +472,57 @@ __device__ __forceinline__ Head partial_rows(const Head& hp, int64_t items) {
   return p;
 }
 
+// The type kernel 2 stores dS^T in for kernel 3 (AttentionBackwardArgs::ds): float on the 3xTF32
+// products; on 16-bit ones their type, which kernel 3's product rounds dS to in any case (half the
+// bytes, the same fragments).
+template <class Elem>
+struct StoredScores {
+  using type = float;
+};
+template <class T>
+struct StoredScores<Mma16<T>> {
+  using type = T;
+};
+
 // A warp's dS^T (its 16 keys from key0 x 8 NQ queries from q0, C fragments)
 // into the scratch rows of keys < L (ds: the (sequence, head)'s first row,
-// rows of Lp floats): one float2 a pair of queries, pairs from query < L
-// (the second of a pair at L is a zero, as dS is past L; Lp is even).
-template <int NQ>
-__device__ __forceinline__ void store_scores_t(float* ds, const float (&c)[NQ][4], int L, int Lp, int key0, int q0,
-                                               int g, int t) {
+// rows of Lp values of S): one float2, or two 16-bit values rounded as Mma16
+// rounds fragments, a pair of queries; pairs from query < L (the second of a
+// pair at L is a zero, as dS is past L; Lp is even).
+template <int NQ, class S>
+__device__ __forceinline__ void store_scores_t(S* ds, const float (&c)[NQ][4], int L, int Lp, int key0, int q0, int g,
+                                               int t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + g + 8 * r;
     if (key >= L) continue;
-    float* row = ds + (int64_t)key * Lp;
+    S* row = ds + (int64_t)key * Lp;
 #pragma unroll
     for (int j = 0; j < NQ; ++j) {
       const int q = q0 + 8 * j + 2 * t;
-      if (q < L) *reinterpret_cast<float2*>(row + q) = make_float2(c[j][2 * r], c[j][2 * r + 1]);
+      if (q >= L) continue;
+      if constexpr (std::is_same_v<S, float>)
+        *reinterpret_cast<float2*>(row + q) = make_float2(c[j][2 * r], c[j][2 * r + 1]);
+      else
+        *reinterpret_cast<uint32_t*>(row + q) = pack16<S>(c[j][2 * r], c[j][2 * r + 1]);
     }
   }
 }
 
 // A (16 x 8) of dS = rows 0..15 (queries), elements 0..7 (keys) read from
-// dS^T stored a row per key at p (row stride LS), k permuted as c_as_a:
-// (g, t) is key 2t, (g, t + 4) key 2t + 1, so that load_b_cols's k rows
-// meet them. LS 4 mod 8 puts the four rows 2t at banks 0, 8, 16, 24 (or
-// their mirror), so a load's 32 words (2t LS + g) meet 32 distinct banks.
-template <class Elem, int LS>
-__device__ __forceinline__ typename Elem::FragA load_a_cols(const float* p, int g, int t) {
-  const float* r = p + 2 * t * LS + g;
-  return Elem::a(r[0], r[8], r[LS], r[LS + 8]);
+// dS^T stored a row per key at p (row stride LS values of S), k permuted as
+// c_as_a: (g, t) is key 2t, (g, t + 4) key 2t + 1, so that load_b_cols's k
+// rows meet them. Floats: LS 4 mod 8 puts the four rows 2t at banks 0, 8,
+// 16, 24 (or their mirror), so a load's 32 words (2t LS + g) meet 32
+// distinct banks; 16-bit values: LS 8 mod 16 does the same for the words
+// (2t LS + g) / 2, two lanes to a word.
+template <class Elem, int LS, class S>
+__device__ __forceinline__ typename Elem::FragA load_a_cols(const S* p, int g, int t) {
+  const S* r = p + 2 * t * LS + g;
+  if constexpr (std::is_same_v<S, float>)
+    return Elem::a(r[0], r[8], r[LS], r[LS + 8]);
+  else
+    return Elem::a_stored(r[0], r[8], r[LS], r[LS + 8]);
 }
 
 // acc = 0.

@@ -26,7 +26,7 @@ struct AttentionKernelArgs {
 // An attention backward kernel's tensors: the forward's qkv (T, 3D), o and
 // d_o (T, D) and lse; delta (num_seq, heads, L) = rowsum(d_o * o); dqkv
 // (T, 3D) out; ds, dS^T where the dk, dv kernel stores it for the dq
-// product, else null.
+// product (floats, or the 16-bit products' type: AttentionBackwardArgs::ds), else null.
 struct AttentionBackwardKernelArgs {
   AxisView pos;
   const float* qkv;
@@ -36,7 +36,7 @@ struct AttentionBackwardKernelArgs {
   float* delta;
   float* dqkv;
   int D, heads;
-  float* ds;
+  void* ds;
 };
 
 }  // namespace fastaxial::cuda

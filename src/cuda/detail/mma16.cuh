@@ -61,6 +61,13 @@ struct Mma16 {
     return {{pack16<T>(a0, a2), pack16<T>(a1, a3)}};
   }
   __device__ static __forceinline__ FragB b(float b0, float b1) { return {pack16<T>(b0, b1)}; }
+  // The A fragment of values stored in T already (rounded once, where they were made): their bits
+  // as they are, the same fragment as a() of the fp32 values they were rounded from.
+  __device__ static __forceinline__ FragA a_stored(T a0, T a1, T a2, T a3) { return {{bits(a0, a2), bits(a1, a3)}}; }
+  __device__ static __forceinline__ uint32_t bits(T lo, T hi) {
+    return uint32_t{*reinterpret_cast<const unsigned short*>(&lo)} |
+           uint32_t{*reinterpret_cast<const unsigned short*>(&hi)} << 16;
+  }
 
   // t = a b (kFresh) or t += a b, one 8-deep step.
   template <bool kFresh>

@@ -778,6 +778,27 @@ TEST(BackwardPlan, ScoreGradientsWhereTheyStaySmall) {
   EXPECT_EQ(wide.attention_scores_bytes, attention_scores_bytes(2048, 32, 8, 64));
   EXPECT_GT(wide.attention_scores_bytes, 0u);
   EXPECT_NE(wide.describe().find("score gradients (column pass)"), std::string::npos) << wide.describe();
+  // On 16-bit products dS^T is stored in their type: the same passes take it (the rule counts
+  // floats), with rows of L rounded up to 8 values of 2 bytes.
+  EXPECT_EQ(attention_scores_stride(1, 2), 8);
+  EXPECT_EQ(attention_scores_stride(8, 2), 8);
+  EXPECT_EQ(attention_scores_stride(257, 2), 264);
+  EXPECT_EQ(attention_scores_bytes(7, 5, 3, 9, Products::kBf16), 0u);
+  EXPECT_EQ(attention_scores_bytes(7, 13, 3, 9, Products::kFp16), size_t{7} * 13 * 3 * 16 * 2);
+  EXPECT_EQ(attention_scores_bytes(7, 17, 3, 9, Products::kBf16), size_t{7} * 17 * 3 * 24 * 2);
+  for (const Products type : {Products::kBf16, Products::kFp16}) {
+    AxialParams p = problem(1, 256, 256, 128, 4);
+    p.products = type;
+    const CudaBackwardPlan c = backward_plan_of(p, h200());
+    EXPECT_TRUE(c.row_scores && c.col_scores);
+    EXPECT_EQ(c.attention_scores_bytes, size_t{65536} * 4 * 256 * 2);
+    AxialParams w = problem(1, 32, 2048, 64, 8);
+    w.products = type;
+    const CudaBackwardPlan cw = backward_plan_of(w, h200());
+    EXPECT_FALSE(cw.row_scores);
+    EXPECT_TRUE(cw.col_scores);
+    EXPECT_EQ(cw.attention_scores_bytes, attention_scores_bytes(2048, 32, 8, 64, type));
+  }
   // Past 8 activations but within 256 MiB: kept (L 1024 at head dim 32, 4 sequences: 128 MiB, 32
   // activations); past both (9 sequences: 288 MiB, 32 activations of 9 MiB): none.
   EXPECT_EQ(attention_scores_bytes(4, 1024, 8, 256), size_t{128} << 20);

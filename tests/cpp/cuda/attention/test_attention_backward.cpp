@@ -405,6 +405,23 @@ void expect_scores_written(const Problem& pr, const std::vector<float>& scores) 
   EXPECT_EQ(past, 0) << "dS^T scratch written past its end";
 }
 
+// On 16-bit products dS^T is stored in their type (attention_scores_stride(L, 2) values a key row)
+// in the scratch, which run_gpu sizes and poisons for floats: every value of the (num_seq, heads,
+// L) key rows at queries < L written and finite (the poison, 0xffff, is a NaN in both types), and
+// nothing past those rows.
+void expect_scores16_written(const Problem& pr, const std::vector<float>& scores, Products type) {
+  const int64_t L = pr.L, Lp = attention_scores_stride(L, 2), rows = pr.N * pr.heads * L;
+  std::vector<uint16_t> v(scores.size() * 2);
+  std::memcpy(v.data(), scores.data(), v.size() * sizeof(uint16_t));
+  const uint16_t exponent = type == Products::kBf16 ? 0x7f80 : 0x7c00;  // all ones: inf or NaN
+  int64_t unwritten = 0, past = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t q = 0; q < L; ++q) unwritten += (v[(size_t)(r * Lp + q)] & exponent) == exponent;
+  for (size_t i = (size_t)(rows * Lp); i < v.size(); ++i) past += v[i] != 0xffff;
+  EXPECT_EQ(unwritten, 0) << "16-bit dS^T values not written or not finite (of " << rows * L << ")";
+  EXPECT_EQ(past, 0) << "16-bit dS^T scratch written past its rows";
+}
+
 // On the tensor-core path, where dq takes the wgmma kernel, the mma.sync
 // one too (Path::kMmaSync), each against the reference; on Path::kScores,
 // the scratch written where it should be.
@@ -750,18 +767,19 @@ class AttentionBackward16 : public ::testing::TestWithParam<Case16> {};
 // exact fp32 inputs by issue 37's rule: each of dq, dk, dv within twice the largest error of the
 // same math run in the type (head_grads_16bit). The bits differ from the fp32 backward's on the
 // same forward (the 16-bit products ran); rows outside the view stay poison. On the tensor cores,
-// with dq from the stored dS^T, and split.
+// with dq from the stored dS^T (stored in the 16-bit type: every value written, none past), and split.
 TEST_P(AttentionBackward16, WithinTwiceTheSameTypeReference) {
   const auto [c, path, type] = GetParam();
   DeviceCaps dev;
   std::string why;
   if (!device_for(c.hd, path, &dev, &why)) GTEST_SKIP() << why;
   const Problem pr = make_problem(c);
-  std::vector<float> got, got32, delta, scores;
+  std::vector<float> got, got32, delta, scores, scores32;
   run_gpu(pr, c.misalign, path, 0xff, dev, &got, &delta, false, false, &scores, kHookSplits, nullptr, type);
-  run_gpu(pr, c.misalign, path, 0xff, dev, &got32, &delta, false, false, &scores, kHookSplits, nullptr,
+  run_gpu(pr, c.misalign, path, 0xff, dev, &got32, &delta, false, false, &scores32, kHookSplits, nullptr,
           Products::kFp32);
   if (HasFatalFailure()) return;
+  if (path == Path::kScores || path == Path::kScoresSplit) expect_scores16_written(pr, scores, type);
   const int64_t D = pr.D, hd = pr.hd, L = pr.L;
   const char* names[3] = {"dq", "dk", "dv"};
   double worst[3] = {}, worst_ref[3] = {};
