@@ -302,7 +302,7 @@ struct QTc : QTiling<HDP, attention_grad_tiles(HDP).qw, attention_grad_tiles(HDP
 //   dS^T  (BN, ls) values: ls = 68 = 64 + 4 floats, 4 mod 8, or 72 = 64 + 8 16-bit values, 8 mod
 //         16, so that load_a_cols's loads (words (2t ls + g) / (4 / kValueBytes)) hit distinct banks
 //   k     (BN, ld) floats, from ds_floats
-// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32) with fp32 dS^T; 35, 52 and 75 KB with 16-bit.
+// e.g. 53 KB at HDP 32, 70 KB at 64, 84 KB at 256 (BN 32) with fp32 dS^T; 37, 53 and 76 KB with 16-bit.
 template <int HDP_, int kValueBytes = 4>
 struct DsTc {
   static_assert(kValueBytes == 4 || kValueBytes == 2, "dS^T as floats or 16-bit values");

@@ -767,7 +767,8 @@ class AttentionBackward16 : public ::testing::TestWithParam<Case16> {};
 // exact fp32 inputs by issue 37's rule: each of dq, dk, dv within twice the largest error of the
 // same math run in the type (head_grads_16bit). The bits differ from the fp32 backward's on the
 // same forward (the 16-bit products ran); rows outside the view stay poison. On the tensor cores,
-// with dq from the stored dS^T (stored in the 16-bit type: every value written, none past), and split.
+// with dq from the stored dS^T (stored in the 16-bit type: every value written, none past), split,
+// and both.
 TEST_P(AttentionBackward16, WithinTwiceTheSameTypeReference) {
   const auto [c, path, type] = GetParam();
   DeviceCaps dev;
@@ -779,7 +780,10 @@ TEST_P(AttentionBackward16, WithinTwiceTheSameTypeReference) {
   run_gpu(pr, c.misalign, path, 0xff, dev, &got32, &delta, false, false, &scores32, kHookSplits, nullptr,
           Products::kFp32);
   if (HasFatalFailure()) return;
-  if (path == Path::kScores || path == Path::kScoresSplit) expect_scores16_written(pr, scores, type);
+  if (path == Path::kScores || path == Path::kScoresSplit) {
+    expect_scores16_written(pr, scores, type);
+    expect_scores_written(pr, scores32);
+  }
   const int64_t D = pr.D, hd = pr.hd, L = pr.L;
   const char* names[3] = {"dq", "dk", "dv"};
   double worst[3] = {}, worst_ref[3] = {};
@@ -831,14 +835,17 @@ const Case kCases16[] = {{16, 24, 4, false, 2, 6, 0, 0},  {13, 32, 2, true, 2, 5
 std::vector<Case16> cases16() {
   std::vector<Case16> out;
   for (const Case& c : kCases16)
-    for (Path p : {Path::kTensorCores, Path::kScores, Path::kSplit})
+    for (Path p : {Path::kTensorCores, Path::kScores, Path::kSplit, Path::kScoresSplit})
       for (Products t : {Products::kBf16, Products::kFp16}) out.emplace_back(c, p, t);
   return out;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackward16, ::testing::ValuesIn(cases16()), [](const auto& info) {
   const Path p = std::get<1>(info.param);
   return case_name(std::get<0>(info.param)) +
-         (p == Path::kScores ? "_scores" : p == Path::kSplit ? "_split" : "") +
+         (p == Path::kScores        ? "_scores"
+          : p == Path::kSplit       ? "_split"
+          : p == Path::kScoresSplit ? "_scores_split"
+                                    : "") +
          (std::get<2>(info.param) == Products::kBf16 ? "_bf16" : "_fp16");
 });
 
