@@ -20,8 +20,9 @@
 // of the products. Step j (its buffer and step j + 1's landed):
 //   1. barrier; step j + kStages - 1's rows copied into the buffer step j - 1
 //      left;
-//   2. s' = q k_{j+1}^T issued (the scores of the next step: q and k both
-//      from shared memory), then o += p_j v_j (p_j in registers, rounded);
+//   2. s' = q k_{j+1}^T issued (the scores of the next step: q's operands in
+//      registers, loaded once a unit by ldmatrix, k from shared memory), then
+//      o += p_j v_j (p_j in registers, rounded);
 //   3. the online softmax of s' while p v runs, giving p_{j+1} and the
 //      factor 2^(m_old - m_new); then, p v done, o rescaled by it.
 // So each warpgroup's softmax runs under its own products (at the last step
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(256, Qkv16Tile<HDP>::kBlocksPerSm)
   uint32_t base;
   aligned_smem(base);
   const uint32_t q_s = base, stages = base + Tile::stages_off;
-  const int tid = threadIdx.x, warp = tid / 32, wg = warp / 4, g = tid % 32 / 4, t = tid % 4;
+  const int tid = threadIdx.x, warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
   const BlockUnit u = flash_block_unit<false>(q_tiles, 1, a.heads, BM);
   const int64_t seq = a.pos.offset(u.n, 0);
   const int col = u.h * hd;
@@ -138,18 +139,31 @@ __global__ void __launch_bounds__(256, Qkv16Tile<HDP>::kBlocksPerSm)
   float s[BN / 2];
   uint32_t pf[BN / 16][4];  // p's A operand of keys 16 kk .. 16 kk + 15
   const auto sc = [&](int jn, int e) -> float& { return s[4 * jn + e]; };
+  // q's A operands, the warp's 16 rows (mma.m16n8k16's A fragment), by ldmatrix from the swizzled
+  // rows once a unit: the scores then read only k from shared memory.
+  uint32_t qf[HDP / 16][4];
+  const auto load_q = [&] {
+    const int lane = tid % 32, m = lane / 8, r = 16 * warp + (m % 2) * 8 + lane % 8;
+#pragma unroll
+    for (int kk = 0; kk < HDP / 16; ++kk) {
+      const int c = (kk * 32 % Tile::row) / 16 + m / 2;  // the 16-byte piece of the chunk's row
+      const int piece = Tile::row == 128 ? c ^ (r % 8) : c ^ ((r / 2) % 4);
+      ldmatrix_x4(qf[kk], q_s + (kk * 32 / Tile::row) * Tile::q_chunk + r * Tile::row + (piece << 4));
+    }
+  };
   const auto scores = [&](int j) {  // s = q k_j^T, issued
-    const uint32_t kb = stage(j), qb = q_s + wg * 64 * Tile::row;
+    const uint32_t kb = stage(j);
     fence_regs(s);
+#pragma unroll
+    for (int kk = 0; kk < HDP / 16; ++kk) fence_regs(qf[kk]);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < HDP / 16; ++kk) {  // 16 features: 32 bytes of a chunk's row
-      const uint32_t qa = qb + (kk * 32 / Tile::row) * Tile::q_chunk + kk * 32 % Tile::row;
       const uint32_t ka = kb + (kk * 32 / Tile::row) * Tile::kv_chunk + kk * 32 % Tile::row;
       if constexpr (Tile::row == 128)
-        wgmma_m64n64k16_ss<kBf16>(s, desc_sw128(qa), desc_sw128(ka), kk > 0);
+        wgmma_m64k16_rs<kBf16, BN>(s, qf[kk], desc_sw128(ka), kk > 0);
       else
-        wgmma_m64n64k16_ss<kBf16>(s, desc_sw64(qa), desc_sw64(ka), kk > 0);
+        wgmma_m64k16_rs<kBf16, BN>(s, qf[kk], desc_sw64(ka), kk > 0);
     }
     wgmma_commit();
   };
@@ -164,6 +178,7 @@ __global__ void __launch_bounds__(256, Qkv16Tile<HDP>::kBlocksPerSm)
   copy_async_wait<S - 2>();
   fence_async_smem();
   __syncthreads();
+  load_q();
   scores(0);
   wgmma_wait<0>();
   fence_regs(s);

@@ -36,6 +36,16 @@ __device__ __forceinline__ uint32_t pack16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Four 8 x 8 matrices of 16-bit values from shared memory into each thread's four registers
+// (ldmatrix.x4): lanes 8m .. 8m + 7 give the row addresses (16 bytes each) of matrix m, and register m
+// of lane l gets matrix m's row l / 4, values 2 (l % 4) and 2 (l % 4) + 1: mma.m16n8k16's A fragment
+// where matrices 0 .. 3 are rows 0-7 and 8-15 at k 0-7, then the same at k 8-15.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // The PTX type name of each, spliced into the instructions below.
 #define FASTAXIAL_MMA16_K8(TYPE)                                                                              \
   "mma.sync.aligned.m16n8k8.row.col.f32." TYPE "." TYPE ".f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
