@@ -393,33 +393,26 @@ bool takes_wgmma(const Problem& pr, const DeviceCaps& dev) {
   return cuda::query_grads_wgmma_can_run(a, dev);
 }
 
-// Path::kScores's scratch: every element of (num_seq, heads, L keys, the
-// first L queries) written (finite), nothing past (num_seq, heads, L, Lp).
-void expect_scores_written(const Problem& pr, const std::vector<float>& scores) {
-  const int64_t L = pr.L, Lp = attention_scores_stride(L), rows = pr.N * pr.heads * L;
+// dS^T in the scratch, which run_gpu sizes for floats and poisons (0xff bytes): every value of the
+// (num_seq, heads, L) key rows at queries < L written and finite, and nothing past those rows. On
+// 16-bit products the values are that type, attention_scores_stride(L, 2) a row; the poison (all
+// ones) is a NaN in every type.
+void expect_scores_written(const Problem& pr, const std::vector<float>& scores, Products type = Products::kFp32) {
+  const int w = attention_scores_value_bytes(type);
+  const int64_t L = pr.L, Lp = attention_scores_stride(L, w), rows = pr.N * pr.heads * L;
+  const auto bits = [&](size_t i) {  // value i's bits (little-endian: a 16-bit value in the low half)
+    uint32_t b = 0;
+    std::memcpy(&b, reinterpret_cast<const char*>(scores.data()) + i * w, (size_t)w);
+    return b;
+  };
+  const uint32_t exponent = type == Products::kFp32 ? 0x7f800000u : type == Products::kBf16 ? 0x7f80u : 0x7c00u;
+  const uint32_t poison = w == 4 ? 0xffffffffu : 0xffffu;
   int64_t unwritten = 0, past = 0;
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t q = 0; q < L; ++q) unwritten += !std::isfinite(scores[(size_t)(r * Lp + q)]);
-  for (size_t i = (size_t)(rows * Lp); i < scores.size(); ++i) past += !is_poison(scores[i]);
-  EXPECT_EQ(unwritten, 0) << "dS^T elements not written (of " << rows * L << ")";
-  EXPECT_EQ(past, 0) << "dS^T scratch written past its end";
-}
-
-// On 16-bit products dS^T is stored in their type (attention_scores_stride(L, 2) values a key row)
-// in the scratch, which run_gpu sizes and poisons for floats: every value of the (num_seq, heads,
-// L) key rows at queries < L written and finite (the poison, 0xffff, is a NaN in both types), and
-// nothing past those rows.
-void expect_scores16_written(const Problem& pr, const std::vector<float>& scores, Products type) {
-  const int64_t L = pr.L, Lp = attention_scores_stride(L, 2), rows = pr.N * pr.heads * L;
-  std::vector<uint16_t> v(scores.size() * 2);
-  std::memcpy(v.data(), scores.data(), v.size() * sizeof(uint16_t));
-  const uint16_t exponent = type == Products::kBf16 ? 0x7f80 : 0x7c00;  // all ones: inf or NaN
-  int64_t unwritten = 0, past = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t q = 0; q < L; ++q) unwritten += (v[(size_t)(r * Lp + q)] & exponent) == exponent;
-  for (size_t i = (size_t)(rows * Lp); i < v.size(); ++i) past += v[i] != 0xffff;
-  EXPECT_EQ(unwritten, 0) << "16-bit dS^T values not written or not finite (of " << rows * L << ")";
-  EXPECT_EQ(past, 0) << "16-bit dS^T scratch written past its rows";
+    for (int64_t q = 0; q < L; ++q) unwritten += (bits((size_t)(r * Lp + q)) & exponent) == exponent;
+  for (size_t i = (size_t)(rows * Lp); i < scores.size() * sizeof(float) / w; ++i) past += bits(i) != poison;
+  EXPECT_EQ(unwritten, 0) << "dS^T values not written or not finite (of " << rows * L << ")";
+  EXPECT_EQ(past, 0) << "dS^T scratch written past its rows";
 }
 
 // On the tensor-core path, where dq takes the wgmma kernel, the mma.sync
@@ -781,7 +774,7 @@ TEST_P(AttentionBackward16, WithinTwiceTheSameTypeReference) {
           Products::kFp32);
   if (HasFatalFailure()) return;
   if (path == Path::kScores || path == Path::kScoresSplit) {
-    expect_scores16_written(pr, scores, type);
+    expect_scores_written(pr, scores, type);
     expect_scores_written(pr, scores32);
   }
   const int64_t D = pr.D, hd = pr.hd, L = pr.L;
