@@ -17,10 +17,10 @@
 //
 // The matrix products go through gemm.h (PyTorch's MKL where the torch
 // module set it, else Eigen's GEMM); the attention's products, k transposed once
-// a block, on gemm.cpp's register tiles except where a BLAS is set on an Intel
-// CPU, where MKL's run them faster (attention_product); the projections at dims up to
-// kTileProjectionMaxDim on the tiles, with the weights transposed once a pass
-// (Projections). Each sequence is read whole
+// a block, on gemm.cpp's register tiles where they are AVX-512's on a CPU that is
+// not Intel's or no BLAS is set, else on the BLAS (attention_product); the projections
+// at dims up to kTileProjectionMaxDim on the tiles where they are AVX-512's or no BLAS
+// is set, with the weights transposed once a pass (Projections). Each sequence is read whole
 // before it is written and sequences are disjoint, so the column pass can run
 // in place on the row pass's output.
 //

@@ -171,6 +171,12 @@ void tile_gemm_residual(const Operand& a, const Operand& b, const float* x, int6
   small_product(a, b, 1.0f, c, ldc, x, ldx, bias);
 }
 
+int64_t tile_packet_floats() { return kW; }
+
+bool projections_on_tiles(int64_t D) {
+  return D <= kTileProjectionMaxDim && (cpu_sgemm() == nullptr || tile_packet_floats() >= 16);
+}
+
 bool attention_on_blas() {
   static const int rule = [] {  // 1 blas, 0 tiles, -1 by the CPU
     const char* want = std::getenv("FASTAXIAL_CPU_ATTENTION");
@@ -179,8 +185,11 @@ bool attention_on_blas() {
     if (want != nullptr && *want != '\0')
       std::fprintf(stderr, "fastaxial: FASTAXIAL_CPU_ATTENTION=%s is neither blas nor tiles: ignored\n", want);
 #if defined(__x86_64__) || defined(__i386__)
+    // The tiles win only where they are AVX-512's (16 floats a packet, 32 registers) and MKL is not on
+    // its own AVX-512 code (perf notes v106); AVX2's tiles lost to MKL's AVX2 products on an AMD EPYC
+    // (v115), as does the wheel's avx2 copy on any CPU.
     __builtin_cpu_init();
-    return __builtin_cpu_is("intel") ? -1 : 0;
+    return __builtin_cpu_is("intel") || tile_packet_floats() < 16 ? -1 : 0;
 #else
     return 0;
 #endif

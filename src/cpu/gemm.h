@@ -76,10 +76,14 @@ void gemm(C&& c, const Operand& a, const Operand& b, float beta = 0.0f, bool til
   else gemm(a, b, beta, c.data(), c.outerStride());
 }
 
+// The floats in one packet of the register tiles: 16 in a copy built for AVX-512, 8 for AVX2, 4 for SSE2.
+int64_t tile_packet_floats();
+
 // Whether the attention's products take gemm's rule (the BLAS past kSmallProduct) rather than the
-// register tiles at every size: where a BLAS is set and the CPU is Intel's. One thread a call, MKL's
-// products beat the tiles on a Xeon and lose to them on an AMD EPYC, where MKL runs generic kernels
-// (perf notes v106, v107).
+// register tiles at every size: where a BLAS is set, unless the tiles are AVX-512's on a CPU that is
+// not Intel's. One thread a call, MKL's products beat the tiles on a Xeon, and on an AMD EPYC lose
+// to AVX-512 tiles (MKL runs its AVX2 or generic code there) but beat AVX2 ones (perf notes v106,
+// v107, v115).
 // FASTAXIAL_CPU_ATTENTION=blas or tiles, read once, picks either way (tests, measurements).
 bool attention_on_blas();
 
@@ -111,10 +115,15 @@ inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
   return copy.data();
 }
 
-// Dims up to this many run the forward's projections (y Wqkv^T, o Wout^T) on the register tiles
-// (tile_gemm), whatever the rows: there a BLAS call's packing and setup cost a good part of a
-// product of k = D terms.
+// Dims up to this many may run the projections (y Wqkv^T, o Wout^T and the backward's products by the
+// weights) on the register tiles (tile_gemm), whatever the rows: there a BLAS call's packing and setup
+// cost a good part of a product of k = D terms.
 constexpr int64_t kTileProjectionMaxDim = 128;
+
+// Whether a dim's projections run on the register tiles: dims up to kTileProjectionMaxDim where no
+// BLAS is set or the tiles are AVX-512's. AVX2's tiles lost to MKL there from dim 64 up and tied below
+// (perf notes v115).
+bool projections_on_tiles(int64_t D);
 
 // One axis's projection weights as the products read them, qkv (3D, D) and out (D, D), each the
 // caller's buffer or its aligned() copy; at dims up to kTileProjectionMaxDim also both transposed,
@@ -126,7 +135,7 @@ struct Projections {
   AlignedFloats qkv_t, out_t;
   Projections(const float* qkv_weight, const float* out_weight, int64_t D)
       : qkv(aligned(qkv_weight, 3 * D * D, qkv_copy), 3 * D, D), out(aligned(out_weight, D * D, out_copy), D, D),
-        on_tiles(D <= kTileProjectionMaxDim) {
+        on_tiles(projections_on_tiles(D)) {
     if (!on_tiles) return;
     qkv_t.resize(3 * D * D);
     out_t.resize(D * D);
