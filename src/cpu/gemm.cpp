@@ -37,9 +37,16 @@ bool fits_int(int64_t v) { return v <= INT_MAX; }
 namespace ei = Eigen::internal;
 using Packet = ei::packet_traits<float>::type;
 constexpr int64_t kW = ei::packet_traits<float>::size;
-// A tile of kRows rows by up to kPackets packets of c, its accumulators in registers.
-constexpr int kRows = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 6 : 4;
-constexpr int kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 3;
+// A tile of up to kRows rows by up to kPackets packets of c, its accumulators in registers: as many
+// rows as the registers hold beside one row of b's packets and a's broadcast value. With AVX2's 16
+// registers, 6 rows of 2 packets (as MKL's AVX2 kernel) rather than 4 (perf notes v115); a tile's
+// shape changes no bit, each element summed in its own register lane.
+constexpr int kRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
+constexpr int kRows = 6;
+constexpr int kPackets = kRegisters >= 32 ? 4 : 3;
+constexpr int rows_for(int64_t packets) {
+  return static_cast<int>(std::min<int64_t>(kRows, (kRegisters - packets - 1) / packets));
+}
 // The registers sum kDepth terms of k, then add that block into c, as a BLAS blocks k: one chain
 // over a long k (a weight gradient's positions, hundreds) would round at the whole sum's magnitude
 // every step, its error then past the BLAS's that the reference runs on.
@@ -122,8 +129,9 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
   for (int64_t t = 0, j0 = 0; t < tiles; ++t) {
     const int64_t np = (packets - j0 + (tiles - t) - 1) / (tiles - t);  // packets of this column tile
     const int64_t cols = std::min(np * kW, n - j0 * kW);
-    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const int64_t mr = std::min<int64_t>(kRows, m - i0);
+    const int rows = rows_for(np);
+    for (int64_t i0 = 0; i0 < m; i0 += rows) {
+      const int64_t mr = std::min<int64_t>(rows, m - i0);
       for (int64_t p0 = 0; p0 < k; p0 += kDepth)
         kSmallTiles[(mr - 1) * kPackets + np - 1](
             a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW, ldb, std::min(kDepth, k - p0),
