@@ -229,7 +229,8 @@ int64_t few_sequences_floats() {
 // barrier the threads that ran out of a sequence's tasks wait (perf notes v107, v109). A group
 // is gathered whole before any of it is written, so the column pass may run in place. Each sequence's
 // tiles and products are the same whatever the group: on the register tiles the bits do not depend
-// on it (on a BLAS, attention_on_blas, a sequence's operands lie elsewhere in a group's rows).
+// on it (on a BLAS, attention_on_blas or !projections_on_tiles, a sequence's operands lie elsewhere in
+// a group's rows).
 void few_sequences_pass(const PassArgs& a, const float* src, float* dst, int team) {
   const AxisView& v = a.v;
   const int64_t L = v.len, N = v.num_seq, D = a.D;

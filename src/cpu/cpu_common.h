@@ -114,7 +114,9 @@ inline KeptOutputs kept_outputs(const AxialParams& p) {
 // runs: single_key_forward, single_key_backward). There the backward takes a sequence's queries as
 // one range (query_ranges) and the forward as one tile, so the forward's (L, L) scores are the
 // products the backward would run and its P the backward's (bit for bit on the register tiles; on a
-// BLAS, attention_on_blas, up to its rounding at other operand addresses); the backward then runs neither
+// BLAS, attention_on_blas, up to its rounding at other operand addresses; and where the caller passes
+// saved_p without saved_qkv, up to the QKV product's rounding on a BLAS, !projections_on_tiles, whose
+// choice of tiles or BLAS for a small product depends on the rows a call gets); the backward then runs neither
 // the scores nor the softmax again (an eighth of its thread time at (4, 32, 32, 64, 4): perf notes v99).
 // heads L floats a position, what an eager backward keeps of its softmax too.
 inline bool keeps_probabilities(int64_t L) { return L > 1 && !keeps_attention_output(L); }

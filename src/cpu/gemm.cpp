@@ -106,7 +106,7 @@ constexpr auto kSmallTiles = small_tiles(std::make_integer_sequence<int, kRows *
 
 // c (m, n) = op(a) op(b) + beta x (+ bias) on small_tile (x: c where null): op(b) read as rows of
 // whole packets, from b where it lies so (not transposed, n a multiple of the packet), else from a
-// copy; c's columns in tiles of at most kPackets packets, as even as they go, and kRows rows; k in
+// copy; c's columns in tiles of at most kPackets packets, as even as they go, and rows_for rows; k in
 // blocks of kDepth, the first adding beta x, the last the bias.
 void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc, const float* x = nullptr,
                    int64_t ldx = 0, const float* bias = nullptr) {
@@ -182,7 +182,11 @@ void tile_gemm_residual(const Operand& a, const Operand& b, const float* x, int6
 int64_t tile_packet_floats() { return kW; }
 
 bool projections_on_tiles(int64_t D) {
+#if defined(__x86_64__) || defined(__i386__)
   return D <= kTileProjectionMaxDim && (cpu_sgemm() == nullptr || tile_packet_floats() >= 16);
+#else
+  return D <= kTileProjectionMaxDim;  // (measured on x86 alone; as attention_on_blas)
+#endif
 }
 
 bool attention_on_blas() {

@@ -1,9 +1,9 @@
 // The CPU kernels' matrix products: c = op(a) op(b) (+ beta c) on row-major blocks.
 //
 // Every product of the CPU forward and backward goes through gemm() below. A small one (at most
-// kSmallProduct multiply-adds), the attention's at every size unless a BLAS is set and the CPU is
-// Intel's (attention_product) and the projections of narrow dims (Projections) run on gemm.cpp's own
-// register tiles; a larger one on the BLAS set with
+// kSmallProduct multiply-adds), and where attention_on_blas() and projections_on_tiles() say so the
+// attention's (attention_product) and the projections of narrow dims (Projections) at every size,
+// run on gemm.cpp's own register tiles; a larger one on the BLAS set with
 // fastaxial::set_cpu_sgemm (the torch module sets the one PyTorch runs on: MKL's AVX2 and AVX-512
 // kernels, picked at run time), else on Eigen's own GEMM, whose speed depends on the instruction
 // set this file was compiled for (docs/cpu-blas.md). Operands are Eigen row-major matrices, maps
@@ -52,7 +52,7 @@ void gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc)
 // c = op(a) op(b) + beta c on gemm.cpp's register tiles whatever its size: each element summed over k
 // in blocks of 64 terms, as every small product is, so its bits depend on k and the inputs alone (not
 // on m, n or how the rows are split among calls). For the attention's products (where
-// attention_on_blas() is false) and the projections of narrow dims (below).
+// attention_on_blas() is false) and the projections of narrow dims (where projections_on_tiles()).
 void tile_gemm(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc);
 
 // c = op(a) op(b) + x + bias on the register tiles, as tile_gemm with beta 1 onto c = x and then the
@@ -121,13 +121,13 @@ inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
 constexpr int64_t kTileProjectionMaxDim = 128;
 
 // Whether a dim's projections run on the register tiles: dims up to kTileProjectionMaxDim where no
-// BLAS is set or the tiles are AVX-512's. AVX2's tiles lost to MKL there from dim 64 up and tied below
-// (perf notes v115).
+// BLAS is set or the tiles are AVX-512's (on x86; elsewhere at those dims always). AVX2's tiles lost
+// to MKL there from dim 64 up and tied below (perf notes v115).
 bool projections_on_tiles(int64_t D);
 
 // One axis's projection weights as the products read them, qkv (3D, D) and out (D, D), each the
-// caller's buffer or its aligned() copy; at dims up to kTileProjectionMaxDim also both transposed,
-// (D, 3D) and (D, D), which the register tiles read in place.
+// caller's buffer or its aligned() copy; where projections_on_tiles(D), also both transposed, (D, 3D)
+// and (D, D), which the register tiles read in place.
 struct Projections {
   AlignedFloats qkv_copy, out_copy;  // (before the maps: built first)
   ConstMap qkv, out;
