@@ -39,11 +39,12 @@ using Packet = ei::packet_traits<float>::type;
 constexpr int64_t kW = ei::packet_traits<float>::size;
 // A tile of up to kRows rows by up to kPackets packets of c, its accumulators in registers: as many
 // rows as the registers hold beside one row of b's packets and a's broadcast value. With AVX2's 16
-// registers, 6 rows of 2 packets (as MKL's AVX2 kernel) rather than 4 (perf notes v115); a tile's
-// shape changes no bit, each element summed in its own register lane.
+// registers, 6 rows of 2 packets (as MKL's AVX2 kernel), never 3: there the compiler took b from
+// memory in every FMA, 16 loads for 12 FMAs (perf notes v115, v116). A tile's shape changes no bit,
+// each element summed in its own register lane.
 constexpr int kRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
 constexpr int kRows = 6;
-constexpr int kPackets = kRegisters >= 32 ? 4 : 3;
+constexpr int kPackets = kRegisters >= 32 ? 4 : 2;
 constexpr int rows_for(int64_t packets) {
   return static_cast<int>(std::min<int64_t>(kRows, (kRegisters - packets - 1) / packets));
 }
