@@ -37,17 +37,13 @@ bool fits_int(int64_t v) { return v <= INT_MAX; }
 namespace ei = Eigen::internal;
 using Packet = ei::packet_traits<float>::type;
 constexpr int64_t kW = ei::packet_traits<float>::size;
-// A tile of up to kRows rows by up to kPackets packets of c, its accumulators in registers: as many
-// rows as the registers hold beside one row of b's packets and a's broadcast value. With AVX2's 16
-// registers, 6 rows of 2 packets (as MKL's AVX2 kernel), never 3: there the compiler took b from
-// memory in every FMA, 16 loads for 12 FMAs (perf notes v115, v116). A tile's shape changes no bit,
-// each element summed in its own register lane.
-constexpr int kRegisters = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS;
+// A tile of up to kRows rows by up to kPackets packets of c, its accumulators in registers beside one
+// row of b's packets and a's broadcast value: 6 x 4 + 5 of AVX-512's 32 registers, 6 x 2 + 3 of AVX2's
+// 16 (as MKL's AVX2 kernel). Never 3 packets on 16 registers: there the compiler took b from memory in
+// every FMA, 16 loads for 12 FMAs (perf notes v115, v116). A tile's shape changes no bit, each element
+// summed in its own register lane.
 constexpr int kRows = 6;
-constexpr int kPackets = kRegisters >= 32 ? 4 : 2;
-constexpr int rows_for(int64_t packets) {
-  return static_cast<int>(std::min<int64_t>(kRows, (kRegisters - packets - 1) / packets));
-}
+constexpr int kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
 // The registers sum kDepth terms of k, then add that block into c, as a BLAS blocks k: one chain
 // over a long k (a weight gradient's positions, hundreds) would round at the whole sum's magnitude
 // every step, its error then past the BLAS's that the reference runs on.
@@ -107,7 +103,7 @@ constexpr auto kSmallTiles = small_tiles(std::make_integer_sequence<int, kRows *
 
 // c (m, n) = op(a) op(b) + beta x (+ bias) on small_tile (x: c where null): op(b) read as rows of
 // whole packets, from b where it lies so (not transposed, n a multiple of the packet), else from a
-// copy; c's columns in tiles of at most kPackets packets, as even as they go, and rows_for rows; k in
+// copy; c's columns in tiles of at most kPackets packets, as even as they go, and kRows rows; k in
 // blocks of kDepth, the first adding beta x, the last the bias.
 void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc, const float* x = nullptr,
                    int64_t ldx = 0, const float* bias = nullptr) {
@@ -130,9 +126,8 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
   for (int64_t t = 0, j0 = 0; t < tiles; ++t) {
     const int64_t np = (packets - j0 + (tiles - t) - 1) / (tiles - t);  // packets of this column tile
     const int64_t cols = std::min(np * kW, n - j0 * kW);
-    const int rows = rows_for(np);
-    for (int64_t i0 = 0; i0 < m; i0 += rows) {
-      const int64_t mr = std::min<int64_t>(rows, m - i0);
+    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+      const int64_t mr = std::min<int64_t>(kRows, m - i0);
       for (int64_t p0 = 0; p0 < k; p0 += kDepth)
         kSmallTiles[(mr - 1) * kPackets + np - 1](
             a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW, ldb, std::min(kDepth, k - p0),
