@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "fastaxial/fastaxial.h"
@@ -49,62 +50,69 @@ constexpr int kPackets = EIGEN_ARCH_DEFAULT_NUMBER_OF_REGISTERS >= 32 ? 4 : 2;
 // every step, its error then past the BLAS's that the reference runs on.
 constexpr int64_t kDepth = 64;
 
-// c (MR rows, NP packets: `cols` of them written) = a b + beta x (+ bias): a(i, p) at a[i ars + p acs],
-// b's row p at b + p ldb (NP packets readable), x c itself where null (row stride ldx, else ldc), bias
-// `cols` floats or null. Each element is summed over p in order; the bias added after the rest.
-template <int MR, int NP>
+// c (MR rows, NP packets) = a b + beta x (+ bias): a(i, p) at a[i ars + p acs] (acs 1 where kUnitA: a
+// compile-time stride), b's row p at b + p ldb (NP packets readable), x c itself where null (row
+// stride ldx, else ldc), bias NP packets or null. Each element is summed over p in order; the bias
+// added after the rest. Whole packets only (small_product pads a partial tile): with a partial
+// tile's buffer in here, whose stores take the accumulators' address, GCC kept them on the stack
+// around the loop, some 30 cycles of a tile whose loop is 96 at k 16 (perf notes v117).
+template <int MR, int NP, bool kUnitA>
 void small_tile(const float* a, int64_t ars, int64_t acs, const float* b, int64_t ldb, int64_t k, float beta,
-                const float* x, int64_t ldx, const float* bias, float* c, int64_t ldc, int64_t cols) {
+                const float* x, int64_t ldx, const float* bias, float* c, int64_t ldc) {
+  if constexpr (kUnitA) acs = 1;
   Packet acc[MR][NP];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NP; ++j) acc[i][j] = ei::pset1<Packet>(0.0f);
-  for (int64_t p = 0; p < k; ++p) {
+    for (int j = 0; j < NP; ++j) acc[i][j] = ei::pzero(Packet());
+  int64_t p = 0;
+  do {  // (k >= 1: a loop that may run no step left the accumulators on the stack)
     Packet bp[NP];
     for (int j = 0; j < NP; ++j) bp[j] = ei::ploadu<Packet>(b + p * ldb + j * kW);
     for (int i = 0; i < MR; ++i) {
       const Packet ai = ei::pset1<Packet>(a[i * ars + p * acs]);
       for (int j = 0; j < NP; ++j) acc[i][j] = ei::pmadd(ai, bp[j], acc[i][j]);
     }
-  }
-  const Packet vbeta = ei::pset1<Packet>(beta);
+  } while (++p < k);
   if (x == nullptr) {
     x = c;
     ldx = ldc;
   }
-  if (cols == NP * kW) {
+  // One pass over the accumulators, the branches outside it: a pass a term kept them on the stack.
+  const auto store = [&](auto with_beta, auto with_bias) {
+    const Packet vbeta = ei::pset1<Packet>(beta);
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NP; ++j) {
-        Packet cij = beta == 0.0f ? acc[i][j] : ei::pmadd(vbeta, ei::ploadu<Packet>(x + i * ldx + j * kW), acc[i][j]);
-        if (bias != nullptr) cij = ei::padd(cij, ei::ploadu<Packet>(bias + j * kW));
-        ei::pstoreu(c + i * ldc + j * kW, cij);
+        Packet v = acc[i][j];
+        if constexpr (decltype(with_beta)::value) v = ei::pmadd(vbeta, ei::ploadu<Packet>(x + i * ldx + j * kW), v);
+        if constexpr (decltype(with_bias)::value) v = ei::padd(v, ei::ploadu<Packet>(bias + j * kW));
+        ei::pstoreu(c + i * ldc + j * kW, v);
       }
-    return;
-  }
-  alignas(64) float rest[NP * kW];  // a partial last tile: through a buffer, its columns
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NP; ++j) ei::pstore(rest + j * kW, acc[i][j]);
-    const float* xi = x + i * ldx;
-    float* ci = c + i * ldc;
-    for (int64_t j = 0; j < cols; ++j) {
-      const float cij = beta == 0.0f ? rest[j] : rest[j] + beta * xi[j];
-      ci[j] = bias != nullptr ? cij + bias[j] : cij;
-    }
+  };
+  using std::false_type, std::true_type;
+  if (beta == 0.0f) {
+    if (bias == nullptr) store(false_type(), false_type());
+    else store(false_type(), true_type());
+  } else {
+    if (bias == nullptr) store(true_type(), false_type());
+    else store(true_type(), true_type());
   }
 }
 
 using SmallTile = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, float, const float*,
-                           int64_t, const float*, float*, int64_t, int64_t);
-template <int... I>
+                           int64_t, const float*, float*, int64_t);
+template <bool kUnitA, int... I>
 constexpr std::array<SmallTile, sizeof...(I)> small_tiles(std::integer_sequence<int, I...>) {
-  return {&small_tile<I / kPackets + 1, I % kPackets + 1>...};
+  return {&small_tile<I / kPackets + 1, I % kPackets + 1, kUnitA>...};
 }
-// small_tile<rows, packets> at [(rows - 1) kPackets + packets - 1].
-constexpr auto kSmallTiles = small_tiles(std::make_integer_sequence<int, kRows * kPackets>());
+// small_tile<rows, packets, unit> at [unit][(rows - 1) kPackets + packets - 1].
+constexpr std::array<std::array<SmallTile, kRows * kPackets>, 2> kSmallTiles = {
+    small_tiles<false>(std::make_integer_sequence<int, kRows * kPackets>()),
+    small_tiles<true>(std::make_integer_sequence<int, kRows * kPackets>())};
 
 // c (m, n) = op(a) op(b) + beta x (+ bias) on small_tile (x: c where null): op(b) read as rows of
 // whole packets, from b where it lies so (not transposed, n a multiple of the packet), else from a
-// copy; c's columns in tiles of at most kPackets packets, as even as they go, and kRows rows; k in
-// blocks of kDepth, the first adding beta x, the last the bias.
+// copy; c in tiles of at most kPackets packets and kRows rows, both as even as they go (32 rows are
+// 6, 6, 5, 5, 5, 5, not five of 6 and one of 2, whose 4 FMAs a step cover no load); k in blocks of
+// kDepth, the first adding beta x, the last the bias.
 void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc, const float* x = nullptr,
                    int64_t ldx = 0, const float* bias = nullptr) {
   const int64_t m = a.op_rows(), n = b.op_cols(), k = a.op_cols(), packets = (n + kW - 1) / kW;
@@ -122,17 +130,44 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
     bp = copy.data();
   }
   const int64_t ars = a.trans ? 1 : a.ld, acs = a.trans ? a.ld : 1;
-  const int64_t tiles = (packets + kPackets - 1) / kPackets;
-  for (int64_t t = 0, j0 = 0; t < tiles; ++t) {
-    const int64_t np = (packets - j0 + (tiles - t) - 1) / (tiles - t);  // packets of this column tile
-    const int64_t cols = std::min(np * kW, n - j0 * kW);
-    for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-      const int64_t mr = std::min<int64_t>(kRows, m - i0);
+  const auto& tiles_of = kSmallTiles[acs == 1];
+  const int64_t col_tiles = (packets + kPackets - 1) / kPackets, row_tiles = (m + kRows - 1) / kRows;
+  // A partial last column tile (n not a multiple of the packet) works in `pad`: x's and the bias's
+  // columns copied in, zeros after them, the tile's rows copied out.
+  thread_local AlignedFloats pad, pad_bias;
+  for (int64_t t = 0, j0 = 0; t < col_tiles; ++t) {
+    const int64_t np = (packets - j0 + (col_tiles - t) - 1) / (col_tiles - t);  // packets of this column tile
+    const int64_t cols = std::min(np * kW, n - j0 * kW), ldp = np * kW;
+    const bool partial = cols < ldp;
+    const float* tile_bias = bias != nullptr ? bias + j0 * kW : nullptr;
+    if (partial && bias != nullptr) {
+      pad_bias.assign(ldp, 0.0f);
+      std::copy_n(tile_bias, cols, pad_bias.data());
+      tile_bias = pad_bias.data();
+    }
+    for (int64_t r = 0, i0 = 0; r < row_tiles; ++r) {
+      const int64_t mr = (m - i0 + (row_tiles - r) - 1) / (row_tiles - r);  // rows of this row tile
+      const SmallTile tile = tiles_of[(mr - 1) * kPackets + np - 1];
+      float* ct = c + i0 * ldc + j0 * kW;
+      const float* xt = x != nullptr ? x + i0 * ldx + j0 * kW : nullptr;
+      int64_t ldct = ldc, ldxt = ldx;
+      if (partial) {
+        pad.assign(mr * ldp, 0.0f);
+        if (beta != 0.0f) {
+          const float* from = xt != nullptr ? xt : ct;
+          const int64_t ld_from = xt != nullptr ? ldx : ldc;
+          for (int64_t i = 0; i < mr; ++i) std::copy_n(from + i * ld_from, cols, pad.data() + i * ldp);
+        }
+        ct = pad.data();
+        xt = nullptr;
+        ldct = ldp;
+      }
       for (int64_t p0 = 0; p0 < k; p0 += kDepth)
-        kSmallTiles[(mr - 1) * kPackets + np - 1](
-            a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW, ldb, std::min(kDepth, k - p0),
-            p0 == 0 ? beta : 1.0f, p0 == 0 && x != nullptr ? x + i0 * ldx + j0 * kW : nullptr, ldx,
-            p0 + kDepth >= k && bias != nullptr ? bias + j0 * kW : nullptr, c + i0 * ldc + j0 * kW, ldc, cols);
+        tile(a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW, ldb, std::min(kDepth, k - p0),
+             p0 == 0 ? beta : 1.0f, p0 == 0 ? xt : nullptr, ldxt, p0 + kDepth >= k ? tile_bias : nullptr, ct, ldct);
+      if (partial)
+        for (int64_t i = 0; i < mr; ++i) std::copy_n(pad.data() + i * ldp, cols, c + (i0 + i) * ldc + j0 * kW);
+      i0 += mr;
     }
     j0 += np;
   }

@@ -237,9 +237,11 @@ TEST(CpuGemm, AttentionProductsFollowTheRule) {
 
 // tile_gemm_residual (the output projection with its residual and bias): bitwise tile_gemm with beta 1
 // onto a copy of x and the bias added after, over k of one and of several blocks of 64, partial
-// column tiles, x apart from c (strided) and x in c.
+// column tiles (n of no whole packets: 44, 100), x apart from c (strided) and x in c; the columns of c's
+// rows past n untouched.
 TEST(CpuGemm, TileResidualIsTheProductOntoXThenTheBias) {
-  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{37, 64, 64}, {13, 96, 160}, {9, 40, 24}})
+  for (const auto& [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{37, 64, 64}, {13, 96, 160}, {9, 40, 24}, {9, 44, 24},
+                                {13, 100, 160}})
     for (const bool in_place : {false, true}) {
       std::mt19937 rng(static_cast<uint32_t>(m + n + k + in_place));
       std::normal_distribution<float> dist;
@@ -253,10 +255,16 @@ TEST(CpuGemm, TileResidualIsTheProductOntoXThenTheBias) {
       for (int64_t i = 0; i < m; ++i)
         for (int64_t j = 0; j < n; ++j) want[i * n + j] += bias[j];
       if (in_place) got = x;
+      else std::fill(got.begin(), got.end(), -7.0f);
+      const std::vector<float> before = got;
       cpu::tile_gemm_residual(ao, bo, in_place ? got.data() : x.data(), ldx, bias.data(), got.data(), ldx);
-      for (int64_t i = 0; i < m; ++i)
+      for (int64_t i = 0; i < m; ++i) {
         EXPECT_EQ(0, std::memcmp(want.data() + i * n, got.data() + i * ldx, n * sizeof(float)))
             << m << " " << n << " " << k << " " << i;
+        if (i + 1 < m)
+          EXPECT_EQ(0, std::memcmp(before.data() + i * ldx + n, got.data() + i * ldx + n, (ldx - n) * sizeof(float)))
+              << "past column " << n << " of row " << i;
+      }
     }
 }
 
