@@ -71,7 +71,9 @@ In bench.json, per shape: "results" (queued, with the correctness check),
 {iters, wall_s, grad_abs_max (the float64 gradients' largest magnitudes),
 contenders: {contender: {synchronized, queued, peak_bytes, peak_over_eager,
 grad_max_abs_err, grad_err_over_eager}}} (and {error} for a contender that
-failed, beside whatever it measured before failing); at the top: "host"
+failed, beside whatever it measured before failing; and flops (training_flops), floor_us,
+fastaxial_over_floor and fastest_other_over_floor: the step's products at the fp32 matrix
+rate, synchronized means over it); at the top: "host"
 (us_per_call and over_add per row), on CUDA "gpu_alone", and with training
 "training_dropout".
 
@@ -175,6 +177,13 @@ def flops(B, H, W, D, heads):
     position, scores and weighted sum (2 L D) per position; LayerNorm and softmax ignored."""
     M = B * H * W
     return 2 * (2 * M * (4 * D * D)) + 2 * 2 * M * D * (H + W)
+
+
+def training_flops(B, H, W, D, heads):
+    """Multiply-adds x 2 of a training step as the training protocol runs it (x takes no gradient): each
+    forward product again for each of its two operands' gradients, 3 x flops, less the row pass's
+    input-gradient product through Wqkv (2 M 3D^2), which only x's gradient would need."""
+    return 3 * flops(B, H, W, D, heads) - 2 * (B * H * W) * 3 * D * D
 
 
 def min_bytes(B, H, W, D, heads, itemsize=4):
@@ -607,6 +616,15 @@ def add_floors(report):
         s["fastaxial_over_floor"] = fa / s["floor_us"] if fa else None
         s["speedup_vs"] = {k: v["mean_us"] / fa for k, v in s["results"].items()
                            if fa and k != "fastaxial" and "mean_us" in v}
+        if "training" in s:  # the step's floor: its products at the matrix rate (its bytes are far below)
+            t = s["training"]
+            t["flops"] = training_flops(*(s["shape"][k] for k in ("B", "H", "W", "D", "heads")))
+            t["floor_us"] = t["flops"] / rate * 1e6
+            means = {k: r["synchronized"]["mean_us"] for k, r in t["contenders"].items() if "synchronized" in r}
+            fa_step, others = means.get("fastaxial"), [v for k, v in means.items() if k != "fastaxial"]
+            t["fastaxial_over_floor"] = fa_step / t["floor_us"] if fa_step else None
+            # The speedup fastaxial would have at the floor: where under 1.5, the CPU target is out of reach by count.
+            t["fastest_other_over_floor"] = min(others) / t["floor_us"] if others else None
 
 
 def run(shapes, device, iters, warmup, compile_=True, out=None, log=print, protocols=DEFAULT_PROTOCOLS,

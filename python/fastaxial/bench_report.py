@@ -104,18 +104,25 @@ def protocol_table(report, key):
     return timing_table(TITLES[key], report["shapes"], lambda s: s[key])
 
 
-def timing_table(title, shapes, rows_of):
-    """Mean / median µs per contender and shape, fastaxial's speedup vs the fastest other; errors below."""
+def timing_table(title, shapes, rows_of, floor_of=None):
+    """Mean / median µs per contender and shape, fastaxial's speedup vs the fastest other; errors below.
+    floor_of(s): a dict with floor_us, fastaxial_over_floor and fastest_other_over_floor, or None: three
+    columns more."""
     names = list(rows_of(shapes[0]))
-    lines = [title, "", "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | speedup vs fastest other |",
-             "|---" * (len(names) + 2) + "|"]
+    floor_head = " floor µs | fastaxial / floor | fastest other / floor |" if floor_of else ""
+    lines = [title, "", "| shape (B, H, W, D, heads) | " + " | ".join(names) + " | speedup vs fastest other |"
+             + floor_head, "|---" * (len(names) + 2 + (3 if floor_of else 0)) + "|"]
     errors = []
+    ratio = lambda v: "-" if v is None else f"{v:.2f}x"
     for s in shapes:
         rows = rows_of(s)
         others = [v for k, v in speedups(rows).items() if k != "fastaxial"]
         fastest = f"{min(others):.2f}x" if others else "-"
+        f = floor_of(s) if floor_of else None
+        floor_cells = (f" {f['floor_us']:.1f} | {ratio(f['fastaxial_over_floor'])} | "
+                       f"{ratio(f['fastest_other_over_floor'])} |") if f else (" - | - | - |" if floor_of else "")
         lines.append(f"| {shape_label(s['shape'])} | " + " | ".join(cell(rows.get(n, {})) for n in names)
-                     + f" | {fastest} |")
+                     + f" | {fastest} |" + floor_cells)
         errors += [f"- {shape_label(s['shape'])} {n}: {r['error'].splitlines()[0]}"
                    for n, r in rows.items() if "error" in r]
     return "\n".join(lines + ([""] + errors if errors else []))
@@ -136,8 +143,11 @@ def training_tables(report):
     and the dropout rows."""
     shapes = report["shapes"]
     names = list(shapes[0]["training"]["contenders"])
-    parts = [timing_table(TITLES["training"] + " Speedup = contender mean / fastaxial mean.", shapes,
-                          lambda s: _training_protocol(s, "synchronized")),
+    parts = [timing_table(TITLES["training"] + " Speedup = contender mean / fastaxial mean. Floor: the step's "
+                          "products (the forward's again for both operands' gradients, less x's) at the matrix "
+                          "rate; fastest other / floor is the speedup fastaxial would have at it.", shapes,
+                          lambda s: _training_protocol(s, "synchronized"), lambda s: s["training"].get("floor_us")
+                          and s["training"]),
              timing_table(TITLES["training_queued"], shapes, lambda s: _training_protocol(s, "queued"))]
     header = ["| shape (B, H, W, D, heads) | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     if report["device"] != "CPU":

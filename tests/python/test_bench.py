@@ -130,6 +130,17 @@ def test_training_table(tmp_path):
         assert got <= 2 * eager[g] + 2**-23 * scale, (g, got, eager[g], scale)
         assert rows["eager"]["grad_err_over_eager"][g] == 1.0
 
+    # The step's floor: its products counted one by one, at the run's fp32 matrix rate.
+    B, H, W, D, heads = TRAIN_SHAPE
+    M = B * H * W
+    forward_macs = {axis: M * (3 * D * D + D * D + 2 * D * L) for axis, L in (("row", W), ("col", H))}
+    step_macs = 3 * sum(forward_macs.values()) - M * 3 * D * D  # each product's two operand gradients, but x's
+    assert t["flops"] == bench.training_flops(*TRAIN_SHAPE) == 2 * step_macs
+    assert math.isclose(t["floor_us"], t["flops"] / report["ceilings"]["fp32_flops_per_s"] * 1e6)
+    assert math.isclose(t["fastaxial_over_floor"], rows["fastaxial"]["synchronized"]["mean_us"] / t["floor_us"])
+    fastest = min(rows[n]["synchronized"]["mean_us"] for n in ("eager", "sdpa"))
+    assert math.isclose(t["fastest_other_over_floor"], fastest / t["floor_us"])
+
     d = report["training_dropout"]
     assert d["shape"] == bench.shape_dict(bench.DEFAULT_SHAPE) and d["dropout"] == 0.1
     assert set(d["rows"]) == {"fastaxial", "eager"}
@@ -145,6 +156,10 @@ def test_training_table(tmp_path):
         assert title in md
     assert "**Training, memory**" not in md  # nothing to report on the CPU
     assert "| shape (B, H, W, D, heads) | fastaxial | eager | sdpa | speedup vs fastest other |" in md
+    step_table = md.split("**Training**")[1].split("**Training, queued**")[0]
+    assert ("| fastaxial | eager | sdpa | speedup vs fastest other | floor µs | fastaxial / floor | "
+            "fastest other / floor |") in step_table
+    assert f" {t['floor_us']:.1f} | {t['fastaxial_over_floor']:.2f}x | {t['fastest_other_over_floor']:.2f}x |" in step_table
     assert "| (2, 5, 6, 16, 2) | " in md.split("**Training**")[1]
     assert (tmp_path / "bench.png").stat().st_size > 0
 
