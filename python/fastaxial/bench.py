@@ -180,10 +180,10 @@ def flops(B, H, W, D, heads):
 
 
 def training_flops(B, H, W, D, heads):
-    """Multiply-adds x 2 of a training step as the training protocol runs it (x takes no gradient): each
-    forward product again for each of its two operands' gradients, 3 x flops, less the row pass's
-    input-gradient product through Wqkv (2 M 3D^2), which only x's gradient would need."""
-    return 3 * flops(B, H, W, D, heads) - 2 * (B * H * W) * 3 * D * D
+    """Multiply-adds x 2 of a training step: each forward product again for each of its two operands'
+    gradients, 3 x flops. (x takes no gradient in the training protocol, but the row pass still needs
+    the product through Wqkv back to LayerNorm's output, whose weight and bias take gradients.)"""
+    return 3 * flops(B, H, W, D, heads)
 
 
 def min_bytes(B, H, W, D, heads, itemsize=4):

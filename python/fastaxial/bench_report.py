@@ -144,7 +144,7 @@ def training_tables(report):
     shapes = report["shapes"]
     names = list(shapes[0]["training"]["contenders"])
     parts = [timing_table(TITLES["training"] + " Speedup = contender mean / fastaxial mean. Floor: the step's "
-                          "products (the forward's again for both operands' gradients, less x's) at the matrix "
+                          "products (the forward's again for each operand's gradient) at the matrix "
                           "rate; fastest other / floor is the speedup fastaxial would have at it.", shapes,
                           lambda s: _training_protocol(s, "synchronized"), lambda s: s["training"].get("floor_us")
                           and s["training"]),
