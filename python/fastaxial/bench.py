@@ -71,9 +71,10 @@ In bench.json, per shape: "results" (queued, with the correctness check),
 {iters, wall_s, grad_abs_max (the float64 gradients' largest magnitudes),
 contenders: {contender: {synchronized, queued, peak_bytes, peak_over_eager,
 grad_max_abs_err, grad_err_over_eager}}} (and {error} for a contender that
-failed, beside whatever it measured before failing; and flops (training_flops), floor_us,
-fastaxial_over_floor and fastest_other_over_floor: the step's products at the fp32 matrix
-rate, synchronized means over it); at the top: "host"
+failed, beside whatever it measured before failing), and beside contenders flops
+(training_flops), floor_us, fastaxial_over_floor and fastest_other_over_floor (the step's
+products at the run's matrix rate, that of its dtype as for the forward's floors;
+synchronized means over it); at the top: "host"
 (us_per_call and over_add per row), on CUDA "gpu_alone", and with training
 "training_dropout".
 
@@ -616,7 +617,7 @@ def add_floors(report):
         s["fastaxial_over_floor"] = fa / s["floor_us"] if fa else None
         s["speedup_vs"] = {k: v["mean_us"] / fa for k, v in s["results"].items()
                            if fa and k != "fastaxial" and "mean_us" in v}
-        if "training" in s:  # the step's floor: its products at the matrix rate (its bytes are far below)
+        if "training" in s:  # the step's floor: its products at the rate above (its bytes are far below)
             t = s["training"]
             t["flops"] = training_flops(*(s["shape"][k] for k in ("B", "H", "W", "D", "heads")))
             t["floor_us"] = t["flops"] / rate * 1e6

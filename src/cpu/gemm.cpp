@@ -62,7 +62,7 @@ void small_tile(const float* a, int64_t ars, int64_t acs, const float* b, int64_
   if constexpr (kUnitA) acs = 1;
   Packet acc[MR][NP];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NP; ++j) acc[i][j] = ei::pzero(Packet());
+    for (int j = 0; j < NP; ++j) acc[i][j] = ei::pset1<Packet>(0.0f);
   int64_t p = 0;
   do {  // (k >= 1: a loop that may run no step left the accumulators on the stack)
     Packet bp[NP];

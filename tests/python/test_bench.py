@@ -130,12 +130,18 @@ def test_training_table(tmp_path):
         assert got <= 2 * eager[g] + 2**-23 * scale, (g, got, eager[g], scale)
         assert rows["eager"]["grad_err_over_eager"][g] == 1.0
 
-    # The step's floor: its products counted one by one, at the run's fp32 matrix rate.
+    # The step's floor: its products listed one by one (multiply-adds of a pass over M positions of
+    # sequences of L), at the run's fp32 matrix rate.
     B, H, W, D, heads = TRAIN_SHAPE
     M = B * H * W
-    forward_macs = {axis: M * (3 * D * D + D * D + 2 * D * L) for axis, L in (("row", W), ("col", H))}
-    # Each product's two operand gradients; the row pass's through Wqkv too (LayerNorm's weight and bias).
-    step_macs = 3 * sum(forward_macs.values())
+    def pass_macs(L):
+        forward = {"qkv = y Wqkv^T": M * D * 3 * D, "o Wout^T": M * D * D, "q k^T": M * L * D, "P v": M * L * D}
+        backward = {"dWout = dOut^T o": D * M * D, "dO = dOut Wout": M * D * D,
+                    "dV = P^T dO": M * L * D, "dP = dO v^T": M * L * D, "dQ = dS k": M * L * D,
+                    "dK = dS^T q": M * L * D, "dWqkv = dqkv^T y": 3 * D * M * D,
+                    "dy = dqkv Wqkv (LayerNorm's weight and bias, x's)": M * 3 * D * D}
+        return sum(forward.values()) + sum(backward.values())
+    step_macs = pass_macs(W) + pass_macs(H)
     assert t["flops"] == bench.training_flops(*TRAIN_SHAPE) == 2 * step_macs
     assert math.isclose(t["floor_us"], t["flops"] / report["ceilings"]["fp32_flops_per_s"] * 1e6)
     assert math.isclose(t["fastaxial_over_floor"], rows["fastaxial"]["synchronized"]["mean_us"] / t["floor_us"])
