@@ -5,8 +5,10 @@
 // qkv block, D = 4 hd):
 //   scores  s = q k^T          (n, L), k = hd          dP  = dO v^T   (n, L), k = hd
 //   P v     o = s v            (n, hd), k = L          dV^T = dO^T P  (hd, L), k = n
-// GFLOP/s (2 n L hd over the best of 3 x 20 calls). Usage: TORCH_CPU_LIB=<torch>/lib/libtorch_cpu.so
-// attention_products. Build: see docs/cpu-blas.md, Commands.
+// GFLOP/s (2 n L hd over the best of 3 x 20 calls). The MKL column calls sgemm itself, also for the
+// short sequences' products (a (sequence, head)'s whole (L, L) scores), which gemm() would keep on the
+// tiles (kSmallProduct). Usage: TORCH_CPU_LIB=<torch>/lib/libtorch_cpu.so attention_products.
+// Build: see docs/cpu-blas.md, Commands.
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -36,8 +38,17 @@ int main() {
   struct Shape {
     int64_t hd, L, n;
   };
+  // c = op(a) op(b) on MKL whatever its size: row-major c is column-major c^T = op(b)^T op(a)^T (as gemm()).
+  const auto blas = [&](auto& c, const Operand& a, const Operand& b) {
+    const char ta = b.trans ? 'T' : 'N', tb = a.trans ? 'T' : 'N';
+    const int M = (int)b.op_cols(), N = (int)a.op_rows(), K = (int)a.op_cols(), lda = (int)b.ld, ldb = (int)a.ld,
+              ldc = (int)c.outerStride();
+    const float one = 1.0f, zero = 0.0f;
+    mkl(&ta, &tb, &M, &N, &K, &one, b.data, &lda, a.data, &ldb, &zero, c.data(), &ldc);
+  };
   for (const Shape c : {Shape{16, 1024, 64}, Shape{32, 1024, 64}, Shape{64, 1024, 64}, Shape{128, 1024, 64},
-                        Shape{16, 512, 256}, Shape{32, 512, 256}, Shape{64, 512, 256}, Shape{128, 512, 256}}) {
+                        Shape{16, 512, 256}, Shape{32, 512, 256}, Shape{64, 512, 256}, Shape{128, 512, 256},
+                        Shape{16, 32, 32}, Shape{24, 16, 16}, Shape{32, 48, 48}, Shape{32, 80, 80}}) {
     const int64_t hd = c.hd, L = c.L, n = c.n, D = 4 * hd;
     Mat qkv = Mat::Random(L, 3 * D), s = Mat::Random(n, L), o(n, hd), dv_t(hd, L), dO = Mat::Random(n, D);
     const auto q = qkv.block(0, 0, n, hd), k = qkv.block(0, D, L, hd), v = qkv.block(0, 2 * D, L, hd);
@@ -60,10 +71,10 @@ int main() {
       std::printf("hd %3ld L %5ld n %4ld %-14s GFLOP/s  MKL %6.1f  tiles %6.1f\n", (long)hd, (long)L, (long)n, name,
                   gflops[0], gflops[1]);
     };
-    rate("q k^T", [&](bool tiles) { tiles ? gemm(s, in(q), in(k_t), 0.0f, true) : gemm(s, in(q), tr(k)); });
-    rate("dO v^T", [&](bool tiles) { tiles ? gemm(s, in(g), in(v_t), 0.0f, true) : gemm(s, in(g), tr(v)); });
-    rate("P v", [&](bool tiles) { gemm(o, in(s), in(v), 0.0f, tiles); });
-    rate("dO^T P", [&](bool tiles) { gemm(dv_t, tr(g), in(s), 0.0f, tiles); });
+    rate("q k^T", [&](bool tiles) { tiles ? gemm(s, in(q), in(k_t), 0.0f, true) : blas(s, in(q), tr(k)); });
+    rate("dO v^T", [&](bool tiles) { tiles ? gemm(s, in(g), in(v_t), 0.0f, true) : blas(s, in(g), tr(v)); });
+    rate("P v", [&](bool tiles) { tiles ? gemm(o, in(s), in(v), 0.0f, true) : blas(o, in(s), in(v)); });
+    rate("dO^T P", [&](bool tiles) { tiles ? gemm(dv_t, tr(g), in(s), 0.0f, true) : blas(dv_t, tr(g), in(s)); });
   }
   set_cpu_sgemm(nullptr);
 }
