@@ -112,7 +112,8 @@ constexpr std::array<std::array<SmallTile, kRows * kPackets>, 2> kSmallTiles = {
 // whole packets, from b where it lies so (not transposed, n a multiple of the packet), else from a
 // copy; c in tiles of at most kPackets packets and kRows rows, both as even as they go (32 rows are
 // 6, 6, 5, 5, 5, 5, not five of 6 and one of 2, whose 4 FMAs a step cover no load); k in blocks of
-// kDepth, the first adding beta x, the last the bias.
+// kDepth, the first adding beta x, the last the bias, each block over every tile of c before the next
+// (an element's blocks still added in k's order: the same bits in any loop order).
 void small_product(const Operand& a, const Operand& b, float beta, float* c, int64_t ldc, const float* x = nullptr,
                    int64_t ldx = 0, const float* bias = nullptr) {
   const int64_t m = a.op_rows(), n = b.op_cols(), k = a.op_cols(), packets = (n + kW - 1) / kW;
@@ -132,45 +133,54 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
   const int64_t ars = a.trans ? 1 : a.ld, acs = a.trans ? a.ld : 1;
   const auto& tiles_of = kSmallTiles[acs == 1];
   const int64_t col_tiles = (packets + kPackets - 1) / kPackets, row_tiles = (m + kRows - 1) / kRows;
-  // A partial last column tile (n not a multiple of the packet) works in `pad`: x's and the bias's
-  // columns copied in, zeros after them, the tile's rows copied out.
+  // Column tiles of at most kPackets packets, as even as they go; only the last may be partial (n not
+  // a multiple of the packet): it works in `pad`, x's columns copied in where beta is not 0 (zeros
+  // after them, and after the bias's in pad_bias), its rows copied out at the end.
   thread_local AlignedFloats pad, pad_bias;
-  for (int64_t t = 0, j0 = 0; t < col_tiles; ++t) {
-    const int64_t np = (packets - j0 + (col_tiles - t) - 1) / (col_tiles - t);  // packets of this column tile
-    const int64_t cols = std::min(np * kW, n - j0 * kW), ldp = np * kW;
-    const bool partial = cols < ldp;
-    const float* tile_bias = bias != nullptr ? bias + j0 * kW : nullptr;
-    if (partial && bias != nullptr) {
+  const auto tile_packets = [&](int64_t t, int64_t j0) { return (packets - j0 + (col_tiles - t) - 1) / (col_tiles - t); };
+  int64_t last_j0 = 0;
+  for (int64_t t = 0; t + 1 < col_tiles; ++t) last_j0 += tile_packets(t, last_j0);
+  const int64_t last_np = packets - last_j0, last_cols = n - last_j0 * kW, ldp = last_np * kW;
+  const bool partial = last_cols < ldp;
+  const float* last_bias = bias != nullptr ? bias + last_j0 * kW : nullptr;
+  if (partial) {
+    pad.assign(m * ldp, 0.0f);
+    if (beta != 0.0f) {
+      const float* from = x != nullptr ? x + last_j0 * kW : c + last_j0 * kW;
+      const int64_t ld_from = x != nullptr ? ldx : ldc;
+      for (int64_t i = 0; i < m; ++i) std::copy_n(from + i * ld_from, last_cols, pad.data() + i * ldp);
+    }
+    if (bias != nullptr) {
       pad_bias.assign(ldp, 0.0f);
-      std::copy_n(tile_bias, cols, pad_bias.data());
-      tile_bias = pad_bias.data();
+      std::copy_n(last_bias, last_cols, pad_bias.data());
+      last_bias = pad_bias.data();
     }
-    for (int64_t r = 0, i0 = 0; r < row_tiles; ++r) {
-      const int64_t mr = (m - i0 + (row_tiles - r) - 1) / (row_tiles - r);  // rows of this row tile
-      const SmallTile tile = tiles_of[(mr - 1) * kPackets + np - 1];
-      float* ct = c + i0 * ldc + j0 * kW;
-      const float* xt = x != nullptr ? x + i0 * ldx + j0 * kW : nullptr;
-      int64_t ldct = ldc, ldxt = ldx;
-      if (partial) {
-        pad.assign(mr * ldp, 0.0f);
-        if (beta != 0.0f) {
-          const float* from = xt != nullptr ? xt : ct;
-          const int64_t ld_from = xt != nullptr ? ldx : ldc;
-          for (int64_t i = 0; i < mr; ++i) std::copy_n(from + i * ld_from, cols, pad.data() + i * ldp);
-        }
-        ct = pad.data();
-        xt = nullptr;
-        ldct = ldp;
-      }
-      for (int64_t p0 = 0; p0 < k; p0 += kDepth)
-        tile(a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW, ldb, std::min(kDepth, k - p0),
-             p0 == 0 ? beta : 1.0f, p0 == 0 ? xt : nullptr, ldxt, p0 + kDepth >= k ? tile_bias : nullptr, ct, ldct);
-      if (partial)
-        for (int64_t i = 0; i < mr; ++i) std::copy_n(pad.data() + i * ldp, cols, c + (i0 + i) * ldc + j0 * kW);
-      i0 += mr;
-    }
-    j0 += np;
   }
+  // k's blocks outermost: a's block (m rows of kDepth) and b's (kDepth rows of n) stay in cache while
+  // every tile of c reads them (with k's blocks innermost, a long k streamed both from L2 for each tile).
+  for (int64_t p0 = 0; p0 < k; p0 += kDepth) {
+    const int64_t depth = std::min(kDepth, k - p0);
+    const float tile_beta = p0 == 0 ? beta : 1.0f;
+    const bool last_block = p0 + kDepth >= k;
+    for (int64_t t = 0, j0 = 0; t < col_tiles; ++t) {
+      const int64_t np = tile_packets(t, j0);  // packets of this column tile
+      const bool in_pad = partial && t == col_tiles - 1;
+      float* cc = in_pad ? pad.data() : c + j0 * kW;
+      const int64_t ldcc = in_pad ? ldp : ldc;
+      const float* xc = p0 == 0 && x != nullptr && !in_pad ? x + j0 * kW : nullptr;
+      const float* tile_bias = !last_block || bias == nullptr ? nullptr : in_pad ? last_bias : bias + j0 * kW;
+      for (int64_t r = 0, i0 = 0; r < row_tiles; ++r) {
+        const int64_t mr = (m - i0 + (row_tiles - r) - 1) / (row_tiles - r);  // rows of this row tile
+        tiles_of[(mr - 1) * kPackets + np - 1](a.data + i0 * ars + p0 * acs, ars, acs, bp + p0 * ldb + j0 * kW, ldb,
+                                               depth, tile_beta, xc != nullptr ? xc + i0 * ldx : nullptr, ldx,
+                                               tile_bias, cc + i0 * ldcc, ldcc);
+        i0 += mr;
+      }
+      j0 += np;
+    }
+  }
+  if (partial)
+    for (int64_t i = 0; i < m; ++i) std::copy_n(pad.data() + i * ldp, last_cols, c + i * ldc + last_j0 * kW);
 }
 
 }  // namespace
