@@ -137,10 +137,11 @@ void small_product(const Operand& a, const Operand& b, float beta, float* c, int
   // a multiple of the packet): it works in `pad`, x's columns copied in where beta is not 0 (zeros
   // after them, and after the bias's in pad_bias), its rows copied out at the end.
   thread_local AlignedFloats pad, pad_bias;
+  // (Each tile takes the remaining packets over the remaining tiles, rounded up: the sizes differ by at
+  // most one, the larger first, so the last has packets / col_tiles.)
   const auto tile_packets = [&](int64_t t, int64_t j0) { return (packets - j0 + (col_tiles - t) - 1) / (col_tiles - t); };
-  int64_t last_j0 = 0;
-  for (int64_t t = 0; t + 1 < col_tiles; ++t) last_j0 += tile_packets(t, last_j0);
-  const int64_t last_np = packets - last_j0, last_cols = n - last_j0 * kW, ldp = last_np * kW;
+  const int64_t last_np = packets / col_tiles, last_j0 = packets - last_np;
+  const int64_t last_cols = n - last_j0 * kW, ldp = last_np * kW;
   const bool partial = last_cols < ldp;
   const float* last_bias = bias != nullptr ? bias + last_j0 * kW : nullptr;
   if (partial) {
