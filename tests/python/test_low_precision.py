@@ -258,6 +258,18 @@ def test_messages_in_16_bits():
             torch.ops.fastaxial.axial_attention(x, *fake, 4, 1e-5)
 
 
+def expect_16bit_flash_in_plan(plan, name, H, W, hd):
+    """The plan of a call without grad on 16-bit products names, for each pass, the flash kernel the
+    rule picks: past 64 positions the kernel on q, k, v stored in 16 bits (head dims 24 to 128 a
+    multiple of 8), else the 16-bit wgmma kernel where it serves (padded head dims 32, 96, 128),
+    else mma.sync."""
+    hdp = 32 if 16 < hd <= 32 else 96 if 64 < hd <= 96 else 128 if 96 < hd <= 128 else 0
+    qkv16 = hd % 8 == 0 and 16 < hd <= 128
+    for axis, length in (("row", W), ("col", H)):
+        kernel = "wgmma-qkv16" if qkv16 and length > 64 else "wgmma-16bit" if hdp and length > 64 else "mma.sync"
+        assert f"{axis}: staged (flash {kernel}) on {name} products" in plan, plan
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not fastaxial.ops.has_kernel("cuda"),
                     reason="no CUDA kernel or no GPU")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -274,14 +286,7 @@ def test_16bit_forward_without_grad_on_16bit_products(shape, dtype):
         pytest.skip("16-bit products take the staged path: compute capability 9.0 (sm_90a code)")
     name = "bf16" if dtype is torch.bfloat16 else "fp16"
     plan = fastaxial.ops.describe_cuda_plan(torch.empty(B, H, W, D, device=device, dtype=dtype), heads)
-    # Past 64 positions: the kernel on q, k, v stored in 16 bits (head dims 24 to 128 a multiple of 8),
-    # else the 16-bit wgmma flash kernel where it serves the pass (padded head dims 32, 96, 128).
-    hd = D // heads
-    hdp = 32 if 16 < hd <= 32 else 96 if 64 < hd <= 96 else 128 if 96 < hd <= 128 else 0
-    qkv16 = hd % 8 == 0 and 16 < hd <= 128
-    for axis, length in (("row", W), ("col", H)):
-        kernel = "wgmma-qkv16" if qkv16 and length > 64 else "wgmma-16bit" if hdp and length > 64 else "mma.sync"
-        assert f"{axis}: staged (flash {kernel}) on {name} products" in plan, plan
+    expect_16bit_flash_in_plan(plan, name, H, W, D // heads)
     worst_new = worst_ref = 0.0
     differs = False
     for seed in SEEDS:
@@ -391,7 +396,7 @@ def test_autocast_without_grad_on_the_autocast_products(autocast):
     device = torch.device("cuda")
     name = "bf16" if autocast is torch.bfloat16 else "fp16"
     plan = fastaxial.ops.describe_cuda_plan(torch.empty(B, H, W, D, device=device), heads, products=autocast)
-    assert f"row: staged (flash mma.sync) on {name} products" in plan, plan
+    expect_16bit_flash_in_plan(plan, name, H, W, D // heads)
     worst_new = worst_ref = 0.0
     for seed in SEEDS:
         torch.manual_seed(seed)
