@@ -225,7 +225,13 @@ int64_t tile_packet_floats() { return kW; }
 
 bool projections_on_tiles(int64_t D) {
 #if defined(__x86_64__) || defined(__i386__)
-  return D <= kTileProjectionMaxDim && (cpu_sgemm() == nullptr || tile_packet_floats() >= 16);
+  if (D > kTileProjectionMaxDim) return false;
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return cpu_sgemm() == nullptr || tile_packet_floats() >= 16 ||
+         (tile_packet_floats() == 8 && D <= kAvx2TileProjectionMaxDim && !intel);
 #else
   return D <= kTileProjectionMaxDim;  // (measured on x86 alone; as attention_on_blas)
 #endif

@@ -119,10 +119,16 @@ inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
 // weights) on the register tiles (tile_gemm), whatever the rows: there a BLAS call's packing and setup
 // cost a good part of a product of k = D terms.
 constexpr int64_t kTileProjectionMaxDim = 128;
+// Where the tiles are AVX2's (8 floats a packet, 16 registers) and a BLAS is set, dims up to this
+// many on a CPU that is not Intel's: since v117 these tiles match or beat MKL's products on an AMD
+// EPYC (Zen 3) at those dims for 16 to 256 rows, and at 128 MKL wins from 64 rows, the forward's
+// blocks (perf notes v119). On Intel's CPUs MKL runs its own AVX-512 or AVX2 code: not measured
+// against the tiles, so the BLAS keeps them there.
+constexpr int64_t kAvx2TileProjectionMaxDim = 96;
 
-// Whether a dim's projections run on the register tiles: dims up to kTileProjectionMaxDim where no
-// BLAS is set or the tiles are AVX-512's (on x86; elsewhere at those dims always). AVX2's tiles lost
-// to MKL there from dim 64 up and tied below (perf notes v115).
+// Whether a dim's projections run on the register tiles (on x86): dims up to kTileProjectionMaxDim
+// where no BLAS is set or the tiles are AVX-512's, up to kAvx2TileProjectionMaxDim where they are
+// AVX2's on a CPU that is not Intel's; elsewhere at dims up to kTileProjectionMaxDim always.
 bool projections_on_tiles(int64_t D);
 
 // One axis's projection weights as the products read them, qkv (3D, D) and out (D, D), each the

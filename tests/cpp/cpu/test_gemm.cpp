@@ -237,6 +237,52 @@ TEST(CpuGemm, AttentionProductsFollowTheRule) {
     }
 }
 
+// The projections take the register tiles where projections_on_tiles() says so: with no BLAS set at
+// dims up to kTileProjectionMaxDim; with one, on x86, at those dims where the tiles are AVX-512's and
+// up to kAvx2TileProjectionMaxDim where they are AVX2's on a CPU that is not Intel's. A QKV product of 512 rows (past kSmallProduct
+// at every dim here) calls the BLAS exactly where the rule says not the tiles, within the rule against
+// double either way.
+TEST(CpuGemm, ProjectionsFollowTheRule) {
+  for (const int64_t D : {24, 64, 96, 128, 160}) {
+    SCOPED_TRACE("D " + std::to_string(D));
+    EXPECT_EQ(cpu::projections_on_tiles(D), D <= cpu::kTileProjectionMaxDim) << "no BLAS set";
+    const WithBlas blas(&column_major_sgemm);
+    bool tiles = D <= cpu::kTileProjectionMaxDim;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    const int64_t packet = cpu::tile_packet_floats();
+    const bool avx2_not_intel = packet == 8 && !__builtin_cpu_is("intel");
+    tiles = tiles && (packet >= 16 || (avx2_not_intel && D <= cpu::kAvx2TileProjectionMaxDim));
+#endif
+    EXPECT_EQ(cpu::projections_on_tiles(D), tiles);
+    const int64_t rows = 512;
+    ASSERT_GT(rows * 3 * D * D, cpu::kSmallProduct);
+    std::mt19937 rng(static_cast<uint32_t>(D));
+    std::normal_distribution<float> dist;
+    std::vector<float> w(3 * D * D), wo(D * D);
+    for (float& v : w) v = dist(rng);
+    for (float& v : wo) v = dist(rng);
+    cpu::Mat y(rows, D), c(rows, 3 * D);
+    for (int64_t i = 0; i < y.size(); ++i) y.data()[i] = dist(rng);
+    c.setConstant(std::numeric_limits<float>::quiet_NaN());
+    const cpu::Projections proj(w.data(), wo.data(), D);
+    EXPECT_EQ(proj.on_tiles, tiles);
+    blas_calls = 0;
+    proj.qkv_product(c, y);
+    EXPECT_EQ(blas_calls.load() > 0, !tiles);
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < 3 * D; ++j) {
+        double want = 0.0, mag = 0.0;
+        for (int64_t l = 0; l < D; ++l) {
+          const double t = static_cast<double>(y(i, l)) * w[j * D + l];
+          want += t;
+          mag += std::fabs(t);
+        }
+        ASSERT_NEAR(c(i, j), want, 4.0 * (D + 1) * std::numeric_limits<float>::epsilon() * mag) << i << " " << j;
+      }
+  }
+}
+
 // tile_gemm_residual (the output projection with its residual and bias): bitwise tile_gemm with beta 1
 // onto a copy of x and the bias added after, over k of one and of several blocks of 64, partial
 // column tiles (n of no whole packets: 44, 100), x apart from c (strided) and x in c; the columns of c's
