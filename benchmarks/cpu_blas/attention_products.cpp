@@ -9,42 +9,16 @@
 // short sequences' products (a (sequence, head)'s whole (L, L) scores), which gemm() would keep on the
 // tiles (kSmallProduct). Usage: TORCH_CPU_LIB=<torch>/lib/libtorch_cpu.so attention_products.
 // Build: see docs/cpu-blas.md, Commands.
-#include <dlfcn.h>
-
-#include <algorithm>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
-
-#include "src/cpu/gemm.h"
+#include "benchmarks/cpu_blas/torch_mkl.h"
 
 using namespace fastaxial;
 using namespace fastaxial::cpu;
 
 int main() {
-  const char* lib = std::getenv("TORCH_CPU_LIB");
-  void* torch_cpu = lib != nullptr ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : nullptr;
-  if (torch_cpu == nullptr) {
-    std::printf("set TORCH_CPU_LIB to torch's libtorch_cpu.so (%s)\n", lib != nullptr ? dlerror() : "unset");
-    return 1;
-  }
-  const auto mkl = reinterpret_cast<CpuSgemm>(dlsym(torch_cpu, "sgemm_"));
-  const auto one_thread = reinterpret_cast<int (*)(int)>(dlsym(torch_cpu, "MKL_Set_Num_Threads_Local"));
-  if (mkl == nullptr || one_thread == nullptr) {
-    std::printf("libtorch_cpu.so exports no sgemm_ or MKL_Set_Num_Threads_Local\n");
-    return 1;
-  }
-  one_thread(1);
+  const CpuSgemm mkl = bench::load_torch_mkl();
+  if (mkl == nullptr) return 1;
   struct Shape {
     int64_t hd, L, n;
-  };
-  // c = op(a) op(b) on MKL whatever its size: row-major c is column-major c^T = op(b)^T op(a)^T (as gemm()).
-  const auto blas = [&](auto& c, const Operand& a, const Operand& b) {
-    const char ta = b.trans ? 'T' : 'N', tb = a.trans ? 'T' : 'N';
-    const int M = (int)b.op_cols(), N = (int)a.op_rows(), K = (int)a.op_cols(), lda = (int)b.ld, ldb = (int)a.ld,
-              ldc = (int)c.outerStride();
-    const float one = 1.0f, zero = 0.0f;
-    mkl(&ta, &tb, &M, &N, &K, &one, b.data, &lda, a.data, &ldb, &zero, c.data(), &ldc);
   };
   for (const Shape c : {Shape{16, 1024, 64}, Shape{32, 1024, 64}, Shape{64, 1024, 64}, Shape{128, 1024, 64},
                         Shape{16, 512, 256}, Shape{32, 512, 256}, Shape{64, 512, 256}, Shape{128, 512, 256},
@@ -54,20 +28,10 @@ int main() {
     const auto q = qkv.block(0, 0, n, hd), k = qkv.block(0, D, L, hd), v = qkv.block(0, 2 * D, L, hd);
     const auto g = dO.block(0, 0, n, hd);
     const Mat k_t = k.transpose(), v_t = v.transpose();
-    // f(on_tiles) for MKL (false: gemm's own choice with the BLAS set) and the tiles (true).
+    const auto blas = [&](auto& c, const Operand& a, const Operand& b) { bench::blas_product(mkl, c, a, b); };
     const auto rate = [&](const char* name, const auto& f) {
       double gflops[2];
-      for (const bool tiles : {false, true}) {
-        set_cpu_sgemm(tiles ? nullptr : mkl);
-        for (int i = 0; i < 10; ++i) f(tiles);
-        double best = 1e9;
-        for (int r = 0; r < 3; ++r) {
-          const auto t0 = std::chrono::steady_clock::now();
-          for (int i = 0; i < 20; ++i) f(tiles);
-          best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 20);
-        }
-        gflops[tiles] = 2.0 * n * L * hd / best * 1e-9;
-      }
+      bench::rates(mkl, 2.0 * n * L * hd, f, gflops);
       std::printf("hd %3ld L %5ld n %4ld %-14s GFLOP/s  MKL %6.1f  tiles %6.1f\n", (long)hd, (long)L, (long)n, name,
                   gflops[0], gflops[1]);
     };
@@ -76,5 +40,4 @@ int main() {
     rate("P v", [&](bool tiles) { tiles ? gemm(o, in(s), in(v), 0.0f, true) : blas(o, in(s), in(v)); });
     rate("dO^T P", [&](bool tiles) { tiles ? gemm(dv_t, tr(g), in(s), 0.0f, true) : blas(dv_t, tr(g), in(s)); });
   }
-  set_cpu_sgemm(nullptr);
 }
