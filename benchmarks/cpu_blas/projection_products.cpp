@@ -6,18 +6,27 @@
 //   a Wqkv    (m, D),  k = 3D    the backward's product by the weights (by_qkv)
 // for m rows of a block at dims D. GFLOP/s over the best of 5 x 20 calls. The MKL column calls sgemm
 // itself at every size; the tiles' column runs tile_gemm whatever the size, which projections_on_tiles()
-// decides per dim. Usage: TORCH_CPU_LIB=<torch>/lib/libtorch_cpu.so projection_products.
+// decides per dim. Usage: TORCH_CPU_LIB=<torch>/lib/libtorch_cpu.so projection_products [D m ...]
+// (pairs of a dim and rows; default: dims 48 to 192 by 16 to 256 rows).
 // Build: as attention_products.cpp (docs/cpu-blas.md, Commands).
+#include <utility>
+#include <vector>
+
 #include "benchmarks/cpu_blas/torch_mkl.h"
 
 using namespace fastaxial;
 using namespace fastaxial::cpu;
 
-int main() {
+int main(int argc, char** argv) {
   const CpuSgemm mkl = bench::load_torch_mkl();
   if (mkl == nullptr) return 1;
-  for (const int64_t D : {48, 64, 96, 128, 192}) {
-    for (const int64_t m : {16, 32, 64, 128, 256}) {
+  std::vector<std::pair<int64_t, int64_t>> sizes;  // (D, m)
+  for (int i = 1; i + 1 < argc; i += 2) sizes.emplace_back(std::atoll(argv[i]), std::atoll(argv[i + 1]));
+  if (sizes.empty())
+    for (const int64_t D : {48, 64, 96, 128, 192})
+      for (const int64_t m : {16, 32, 64, 128, 256}) sizes.emplace_back(D, m);
+  for (const auto& [D, m] : sizes) {
+    {
       // y and o are (m, D), a (m, 3D); the weights as the module keeps them, Wqkv (3D, D) and Wout (D, D).
       const Mat y = Mat::Random(m, D), a = Mat::Random(m, 3 * D), wq = Mat::Random(3 * D, D), wo = Mat::Random(D, D);
       const Mat wq_t = wq.transpose(), wo_t = wo.transpose();
