@@ -121,7 +121,7 @@ inline const float* aligned(const float* p, int64_t n, AlignedFloats& copy) {
 constexpr int64_t kTileProjectionMaxDim = 128;
 // Where the tiles are AVX2's (8 floats a packet, 16 registers) and a BLAS is set, dims up to this
 // many on a CPU that is not Intel's: since v117 these tiles match or beat MKL's products on an AMD
-// EPYC (Zen 3) at those dims for 16 to 256 rows, and at 128 MKL wins from 64 rows, the forward's
+// EPYC (Zen 3) at those dims for 16 to 256 rows, and at 128 MKL wins from 128 rows, the forward's
 // blocks (perf notes v119). On Intel's CPUs MKL runs its own AVX-512 or AVX2 code: not measured
 // against the tiles, so the BLAS keeps them there.
 constexpr int64_t kAvx2TileProjectionMaxDim = 96;

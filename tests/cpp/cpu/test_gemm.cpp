@@ -239,9 +239,9 @@ TEST(CpuGemm, AttentionProductsFollowTheRule) {
 
 // The projections take the register tiles where projections_on_tiles() says so: with no BLAS set at
 // dims up to kTileProjectionMaxDim; with one, on x86, at those dims where the tiles are AVX-512's and
-// up to kAvx2TileProjectionMaxDim where they are AVX2's on a CPU that is not Intel's. A QKV product of 512 rows (past kSmallProduct
-// at every dim here) calls the BLAS exactly where the rule says not the tiles, within the rule against
-// double either way.
+// up to kAvx2TileProjectionMaxDim where they are AVX2's on a CPU that is not Intel's. A QKV product
+// of 512 rows (past kSmallProduct at every dim here) calls the BLAS exactly where the rule says not
+// the tiles, within the rule against double either way.
 TEST(CpuGemm, ProjectionsFollowTheRule) {
   for (const int64_t D : {24, 64, 96, 128, 160}) {
     SCOPED_TRACE("D " + std::to_string(D));
